@@ -1,0 +1,165 @@
+"""Frozen engine configuration.
+
+`EngineConfig` is flat: the names in DESIGN.md section 5 work at the top level
+(`EngineConfig(block_size=64, max_num_seqs=128)`), and `LLM(...)` and the CLI
+accept the same names. The grouped views (`cache`, `scheduler`, `spec`) are
+derived, never stored twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from deepinfer import envs
+
+
+class EngineRole(enum.StrEnum):
+    """What part of serving this engine does (prefill/decode disaggregation)."""
+
+    NORMAL = "normal"  # prefill and decode
+    PREFILL = "prefill"  # a request finishes after its first token
+    DECODE = "decode"  # requests arrive with their prompt already in the cache
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_gpu_blocks: int | None
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int | None
+    enable_chunked_prefill: bool
+    prefill_watermark: float
+    role: EngineRole
+    async_scheduling: bool
+    policy: str
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    num_speculative_tokens: int
+    enable_varlen: bool
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine knob, validated at construction (errors name the field)."""
+
+    block_size: int = 64
+    num_gpu_blocks: int | None = None  # None: derived from device memory
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's limit, capped by the cache
+    enable_chunked_prefill: bool = True
+    prefill_watermark: float = field(default_factory=envs.prefill_watermark)
+    enable_prefix_caching: bool = True
+    role: EngineRole = EngineRole.NORMAL
+    num_speculative_tokens: int = 0
+    enable_mtp_varlen: bool = field(default_factory=envs.enable_mtp_varlen)
+    async_scheduling: bool = False
+    policy: str = "fcfs"  # "fcfs" or "priority"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.role, str) and not isinstance(self.role, EngineRole):
+            try:
+                object.__setattr__(self, "role", EngineRole(self.role.lower()))
+            except ValueError:
+                raise ValueError(
+                    f"role={self.role!r}: expected one of {[r.value for r in EngineRole]}"
+                ) from None
+        _positive("block_size", self.block_size)
+        if self.num_gpu_blocks is not None:
+            _positive("num_gpu_blocks", self.num_gpu_blocks)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]"
+            )
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if not 0.0 < self.prefill_watermark <= 1.0:
+            raise ValueError(f"prefill_watermark={self.prefill_watermark}: must be in (0, 1]")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_tokens}: must be >= 0"
+            )
+        if self.num_speculative_tokens >= self.max_num_batched_tokens:
+            raise ValueError(
+                "num_speculative_tokens must be smaller than max_num_batched_tokens "
+                "so a verification step fits in one batch"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy={self.policy!r}: expected 'fcfs' or 'priority'")
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_model_len > self.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds max_num_batched_tokens="
+                f"{self.max_num_batched_tokens} with enable_chunked_prefill=False: a prompt "
+                "that long could never be scheduled; enable chunked prefill or raise the budget"
+            )
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "engine options") -> EngineConfig:
+        """Build from user-supplied keys; an unknown key is an error naming it."""
+        known = set(cls.field_names())
+        unknown = sorted(k for k in values if k not in known)
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown engine option(s) {unknown}; known: {sorted(known)}"
+            )
+        return cls(**dict(values))
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    @cached_property
+    def cache(self) -> CacheConfig:
+        return CacheConfig(
+            self.block_size,
+            self.num_gpu_blocks,
+            self.gpu_memory_utilization,
+            self.enable_prefix_caching,
+        )
+
+    @cached_property
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.max_model_len,
+            self.enable_chunked_prefill,
+            self.prefill_watermark,
+            self.role,
+            self.async_scheduling,
+            self.policy,
+        )
+
+    @cached_property
+    def spec(self) -> SpecConfig:
+        return SpecConfig(self.num_speculative_tokens, self.enable_mtp_varlen)
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}={value!r}: must be a positive integer")

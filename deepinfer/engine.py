@@ -1,0 +1,174 @@
+"""EngineCore: add requests, step, abort; the clock is injected.
+
+The same object runs under the simulator (clock = simulated time) and the
+real executor (clock = wall time). It stamps every request's arrival,
+first schedule, each output step and finish, so metrics come out the same way
+from both. `step()` is the whole loop for a real executor; the simulator
+calls its two halves, `schedule()` and `process()`, around simulated time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from deepinfer.config import EngineConfig
+from deepinfer.executor import Executor
+from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
+from deepinfer.records import RequestRecord, StepRecord
+from deepinfer.request import FinishReason, Request
+from deepinfer.scheduler import Scheduler
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        model_max_len: int | None = None,
+        check_invariants: bool = False,
+        record_steps: bool = True,
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.clock = clock
+        self.scheduler = Scheduler(
+            config,
+            executor.num_kv_blocks(),
+            model_max_len=model_max_len,
+            emit_token_ids=executor.needs_token_ids,
+        )
+        self.check = check_invariants
+        self.record_steps = record_steps
+        self.records: list[RequestRecord] = []  # one per request that reached a terminal state
+        self.steps: list[StepRecord] = []
+        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput], float] | None = None
+        self._last_step_end: float | None = None
+
+    # ---- requests --------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> str | None:
+        """Queue `req`; returns the rejection reason if it can never be served."""
+        reason = self.scheduler.add_request(req)
+        if reason is not None:
+            self.records.append(_record(req))
+        return reason
+
+    def abort(self, req_id: str) -> Request | None:
+        return self.finish(req_id, FinishReason.ABORT)
+
+    def finish(self, req_id: str, reason: FinishReason) -> Request | None:
+        """End a live request from outside (abort, or a stop string found in its text)."""
+        req = self.scheduler.finish_request(req_id, reason)
+        if req is not None:
+            req.times.finish = self.clock()
+            self.records.append(_record(req))
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    # ---- the step --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        if self.check:
+            self.scheduler.check_output(out)
+            self.scheduler.check_invariants()
+        if out.scheduled:
+            now = self.clock()
+            requests = self.scheduler.requests
+            for sr in out.scheduled:
+                times = requests[sr.req_id].times
+                if times.first_scheduled is None:
+                    times.first_scheduled = now
+        return out
+
+    def process(self, out: SchedulerOutput, res: ModelRunnerOutput,
+                duration: float | None = None) -> list[Request]:
+        """Apply a step's results, stamp times, record ended requests and the step."""
+        changed = self.scheduler.update_from_output(out, res)
+        now = self.clock()
+        for req in changed:
+            times = req.times
+            if times.first_token is None:
+                times.first_token = now
+            times.token_times.append(now)
+            if req.is_finished:
+                times.finish = now
+                self.records.append(_record(req))
+        if self.record_steps:
+            if duration is None:
+                duration = now - (self._last_step_end if self._last_step_end is not None else now)
+            self.steps.append(self._step_record(out, now, duration))
+        self._last_step_end = now
+        if self.check:
+            self.scheduler.check_invariants()
+        return changed
+
+    def step(self) -> list[Request]:
+        """One scheduling round with the real executor; returns requests that changed."""
+        if self.config.async_scheduling:
+            return self._step_async()
+        out = self.schedule()
+        if out.is_empty:
+            if self.scheduler.has_unfinished():
+                self.scheduler.raise_stalled()
+            return []
+        start = self.clock()
+        res = self.executor.execute(out)
+        return self.process(out, res, self.clock() - start)
+
+    def _step_async(self) -> list[Request]:
+        """Schedule step N+1 while step N runs; N's results reconcile afterwards."""
+        if self._in_flight is None:
+            out = self.schedule()
+            if out.is_empty:
+                if self.scheduler.has_unfinished():
+                    self.scheduler.raise_stalled()
+                return []
+            self._in_flight = (out, self.executor.execute_async(out), self.clock())
+        next_out = self.schedule()
+        out, fut, start = self._in_flight
+        self._in_flight = None
+        changed = self.process(out, fut.result(), self.clock() - start)
+        if not next_out.is_empty:
+            self._in_flight = (next_out, self.executor.execute_async(next_out), self.clock())
+        return changed
+
+    def _step_record(self, out: SchedulerOutput, now: float, duration: float) -> StepRecord:
+        s = self.scheduler
+        return StepRecord(
+            step_id=out.step_id,
+            time=now,
+            duration=duration,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_batched_tokens=out.num_batched_tokens,
+            num_prompt_tokens=sum(r.num_tokens for r in out.scheduled if r.is_prompt),
+            num_scheduled_reqs=len(out.scheduled),
+            kv_usage=s.kv.usage,
+            num_preempted=len(out.preempted_req_ids),
+        )
+
+
+def _record(req: Request) -> RequestRecord:
+    t = req.times
+    return RequestRecord(
+        req_id=req.request_id,
+        status=req.status.value,
+        arrival=t.arrival,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_output_tokens=req.num_output_tokens,
+        first_scheduled=t.first_scheduled,
+        first_token=t.first_token,
+        finish=t.finish,
+        token_times=t.token_times,
+        num_cached_tokens=max(req.num_cached_tokens, 0),
+        num_preemptions=req.num_preemptions,
+        finish_reason=req.finish_reason.value if req.finish_reason else None,
+        reason=req.reject_reason,
+    )

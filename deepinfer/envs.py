@@ -1,0 +1,82 @@
+"""Every DEEPINFER_* (and reference-engine) environment variable, read in one place.
+
+Each reader is a function so the value is read when a config is built, not at
+import time; explicit arguments always override these defaults.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+def accelerator() -> str | None:
+    """DEEPINFER_ACCELERATOR: nvidia, ascend or cpu; None means detect."""
+    raw = os.environ.get("DEEPINFER_ACCELERATOR")
+    if not raw:
+        return None
+    if raw not in ("nvidia", "ascend", "cpu"):
+        raise ValueError(f"DEEPINFER_ACCELERATOR={raw!r}: expected nvidia, ascend or cpu")
+    return raw
+
+
+def hf_model_dir() -> str | None:
+    """DEEPINFER_HF_MODEL_DIR: a local checkpoint used instead of the hub."""
+    return os.environ.get("DEEPINFER_HF_MODEL_DIR") or None
+
+
+def prefill_watermark() -> float:
+    """GPU_CACHE_PREFILL_WATERMARK: KV usage above which no new prompt starts."""
+    return _float("GPU_CACHE_PREFILL_WATERMARK", 0.9)
+
+
+def enable_mtp_varlen() -> bool:
+    """DEEPINFER_ENABLE_MTP_VARLEN: confidence-scheduled variable-length drafts."""
+    return _flag("DEEPINFER_ENABLE_MTP_VARLEN", True)
+
+
+def max_draft_len() -> int:
+    """DEEPINFER_USE_NEXTN_DECODE: maximum draft length."""
+    return _int("DEEPINFER_USE_NEXTN_DECODE", 5)
+
+
+def batch_invariant() -> bool:
+    """DEEPINFER_BATCH_INVARIANT: batch-invariant kernels (NVIDIA)."""
+    return _flag("DEEPINFER_BATCH_INVARIANT", False)
+
+
+def yoco_truncation_mode() -> str | None:
+    """DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE: `compact` replays a bounded suffix."""
+    raw = os.environ.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
+    return raw or None
+
+
+def yoco_keep_tokens() -> int:
+    """DEEPINFER_YOCO_PREFILL_KEEP_TOKENS: retained suffix length."""
+    return _int("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", 140)

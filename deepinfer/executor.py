@@ -1,0 +1,65 @@
+"""The Executor protocol and a registry of executors by name.
+
+Executors live outside the core (`sim`, `executors`); the registry imports
+them lazily so importing `deepinfer` pulls in neither simpy nor torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol, runtime_checkable
+
+from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Runs one scheduled step.
+
+    `needs_token_ids`: whether `ScheduledRequest.token_ids` must be filled
+    (a real model needs them; the simulator does not).
+    """
+
+    needs_token_ids: bool
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute the step and return the sampled tokens (blocking)."""
+        ...
+
+    def execute_async(self, out: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Start the step and return a handle; `.result()` blocks for it."""
+        ...
+
+    def num_kv_blocks(self) -> int:
+        """KV blocks this executor's cache holds (the scheduler's pool size)."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+def completed(result: ModelRunnerOutput) -> Future[ModelRunnerOutput]:
+    """A handle already holding its result, for executors with no real overlap."""
+    fut: Future[ModelRunnerOutput] = Future()
+    fut.set_result(result)
+    return fut
+
+
+# name -> "module:attribute" of a factory taking (engine_config, **kwargs)
+_REGISTRY: dict[str, str] = {
+    "sim": "sim.sim_executor:SimExecutor",
+    "torch": "executors.torch_executor:TorchExecutor",
+}
+
+
+def register_executor(name: str, target: str) -> None:
+    """Register `target` ("module:attribute") under `name`."""
+    _REGISTRY[name] = target
+
+
+def get_executor_class(name: str) -> Callable[..., Any]:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown executor {name!r}; known: {sorted(_REGISTRY)}")
+    module, _, attr = _REGISTRY[name].partition(":")
+    return getattr(importlib.import_module(module), attr)

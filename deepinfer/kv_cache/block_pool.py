@@ -1,0 +1,135 @@
+"""BlockPool: KV blocks with reference counts, an LRU of free blocks, and the
+prefix-cache index of full blocks by chain hash.
+
+A free block may still hold cached content (its hash stays in the index): it
+is "evictable". Allocation takes the least recently freed block and evicts its
+hash at that moment, so a cached block stays findable until it is reused.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None  # set once the block is full and cached
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class BlockPool:
+    """Owns every block; the only place ref counts change."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks={num_blocks}: the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # block_id -> block, least recently freed first (the eviction order).
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[int, KVBlock] = {}  # chain hash -> block holding that content
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now (evictable cached blocks included)."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests; evictable cached blocks count as free."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def lookup(self, block_hash: int) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def is_free(self, block: KVBlock) -> bool:
+        return block.ref_cnt == 0
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take `n` free blocks (LRU first), evicting their cached content.
+
+        The caller checks `num_free_blocks` first; asking for more is a bug.
+        """
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} blocks with only {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on cached blocks found by a prefix lookup."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference on each block; blocks reaching zero become free.
+
+        Pass a request's blocks tail first: freed later means evicted later, so
+        the shared head of a prefix outlives its private tail.
+        """
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt < 0:
+                raise RuntimeError(f"block {block.block_id} freed more often than taken")
+            if block.ref_cnt == 0:
+                if block.block_hash is None or not self.enable_caching:
+                    # Uncached blocks are reused first: nothing of value in them.
+                    self._free[block.block_id] = block
+                    self._free.move_to_end(block.block_id, last=False)
+                else:
+                    self._free[block.block_id] = block
+
+    def cache(self, block: KVBlock, block_hash: int) -> None:
+        """Record that a held, full block holds the content named by `block_hash`."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return  # another block already holds this content; keep the first
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        assert block.block_hash is not None
+        if self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+        block.block_hash = None
+        self.num_evictions += 1
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request holds."""
+        for block in self._free.values():
+            if block.block_hash is not None:
+                self._evict(block)
+
+    def check_invariants(self, holders: dict[int, int]) -> None:
+        """`holders`: block_id -> number of block tables that hold it."""
+        for block in self.blocks:
+            held = holders.get(block.block_id, 0)
+            if block.ref_cnt != held:
+                raise AssertionError(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} != {held} tables holding it"
+                )
+            in_free = block.block_id in self._free
+            if in_free != (block.ref_cnt == 0):
+                raise AssertionError(f"block {block.block_id}: free-list membership is wrong")
+            if block.block_hash is not None and self._cached.get(block.block_hash) is not block:
+                raise AssertionError(f"block {block.block_id}: cached hash not in the index")
+        for h, block in self._cached.items():
+            if block.block_hash != h:
+                raise AssertionError(f"index entry {h} points at block {block.block_id}")

@@ -1,0 +1,150 @@
+"""KVCacheManager: which blocks each request holds, prefix lookups, allocation.
+
+`allocate` is the one call that either takes every block a step needs or
+takes nothing and returns None (then the scheduler preempts or waits); there
+is no separate check-then-act.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deepinfer.kv_cache.block_pool import BlockPool, KVBlock
+from deepinfer.kv_cache.hashing import update_block_hashes
+from deepinfer.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}  # req_id -> its block table
+        self._num_cached: dict[str, int] = {}  # req_id -> leading blocks registered in the cache
+        self.num_lookup_tokens = 0  # prompt tokens looked up
+        self.num_hit_tokens = 0  # of those, found in the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def holds_blocks(self, req_id: str) -> bool:
+        return req_id in self.req_blocks
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req_id, ())]
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """Longest run of cached blocks matching the request's leading tokens.
+
+        At most `num_tokens - 1` tokens are covered: the last token must be
+        computed so that the step produces logits to sample from.
+        """
+        if not self.enable_caching:
+            return []
+        hashes = update_block_hashes(request, self.block_size)
+        limit = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for h in hashes[:limit]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.num_lookup_tokens += request.num_tokens
+        self.num_hit_tokens += len(hits) * self.block_size
+        return hits
+
+    def allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached: Sequence[KVBlock] = (),
+        *,
+        reserve_tokens: int = 0,
+        num_draft_tokens: int = 0,
+    ) -> list[KVBlock] | None:
+        """Give `request` the blocks to compute `num_new_tokens` more tokens.
+
+        `cached`: prefix-cache hits to take first (the request then starts at
+        `len(cached) * block_size` computed tokens). `reserve_tokens`: hold
+        blocks for at least this many tokens (a chunked prefill reserves its
+        whole prompt with its first chunk). Returns the blocks appended to the
+        request's table (hits first), or None, having changed nothing, when
+        the free blocks do not suffice.
+        """
+        held = self.req_blocks.get(request.request_id)
+        num_held = len(held) if held else 0
+        num_computed = request.num_computed_tokens + len(cached) * self.block_size
+        need_tokens = max(num_computed + num_new_tokens, reserve_tokens)
+        num_needed = max(cdiv(need_tokens, self.block_size) - num_held - len(cached), 0)
+        # Hits that sit in the free list stop being allocatable once touched.
+        num_free_hits = sum(1 for b in cached if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_free_hits:
+            return None
+        if held is None:
+            held = self.req_blocks[request.request_id] = []
+            self._num_cached[request.request_id] = 0
+        self.pool.touch(cached)
+        new = list(cached)
+        new.extend(self.pool.allocate(num_needed))
+        held.extend(new)
+        if cached:
+            self._num_cached[request.request_id] = len(cached)
+        # Drafts may be rejected: never cache blocks whose content is a guess.
+        self._cache_full_blocks(request, num_computed + num_new_tokens - num_draft_tokens)
+        return new
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        req_id = request.request_id
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self._num_cached[req_id]
+        if num_full <= start:
+            return
+        hashes = update_block_hashes(request, self.block_size)
+        blocks = self.req_blocks[req_id]
+        for i in range(start, num_full):
+            self.pool.cache(blocks[i], hashes[i])
+        self._num_cached[req_id] = num_full
+
+    def cache_computed(self, request: Request) -> None:
+        """Register blocks that became full once sampled tokens were appended."""
+        if request.request_id in self.req_blocks:
+            self._cache_full_blocks(request, request.num_computed_tokens)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free blocks past what `num_tokens` tokens need (rejected draft slots)."""
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return
+        keep = max(cdiv(num_tokens, self.block_size), self._num_cached[request.request_id])
+        if len(blocks) > keep:
+            surplus = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(reversed(surplus))
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds (tail first)."""
+        blocks = self.req_blocks.pop(request.request_id, None)
+        self._num_cached.pop(request.request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def check_invariants(self) -> None:
+        holders: dict[int, int] = {}
+        for req_id, blocks in self.req_blocks.items():
+            ids = [b.block_id for b in blocks]
+            if len(set(ids)) != len(ids):
+                raise AssertionError(f"{req_id} holds a block twice: {ids}")
+            for b in ids:
+                holders[b] = holders.get(b, 0) + 1
+        self.pool.check_invariants(holders)

@@ -1,0 +1,92 @@
+"""The typed boundaries of a step: SchedulerOutput in, ModelRunnerOutput out.
+
+Plain dataclasses of ints and lists (no tensors), so a simulated or remote
+executor can consume them, plus the user-facing RequestOutput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's work in one step."""
+
+    req_id: str
+    num_tokens: int  # tokens to compute this step (prompt chunk, 1 decode token, or 1 + drafts)
+    num_computed_tokens: int  # tokens already in the KV cache before this step (context length)
+    is_prompt: bool  # the step computes prompt tokens (a prefill chunk)
+    samples: bool  # the step ends at the request's last known token, so a token is sampled
+    new_block_ids: list[int]  # blocks appended to the request's block table this step
+    # Whole block table, sent when the executor holds no state for the request
+    # (first schedule, or resumed after preemption); None otherwise.
+    block_table: list[int] | None = None
+    # Token ids of positions [num_computed_tokens, num_computed_tokens + num_tokens),
+    # filled only for executors that need them (the simulator does not). Under
+    # async scheduling the last output token may be unknown yet: it is then
+    # omitted and the executor uses the token it sampled itself.
+    token_ids: list[int] | None = None
+    draft_token_ids: list[int] = field(default_factory=list)  # drafts to verify (end of the step)
+    sampling_params: SamplingParams | None = None  # sent with block_table
+    num_prompt_tokens: int = 0
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int
+    scheduled: list[ScheduledRequest]
+    # Requests that finished, aborted or were preempted since the last step:
+    # the executor drops whatever it holds for them.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    # req_id -> token ids sampled this step: one, or 1 + accepted drafts; absent
+    # (or empty) for a prompt chunk that does not end the prompt.
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> next draft proposal and its per-token confidences (speculation).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_confidences: dict[str, list[float]] = field(default_factory=dict)
+    # req_id -> per sampled token: the chosen token's logprob plus the top ones.
+    logprobs: dict[str, list[list[Logprob]]] | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", "rejected" or None while running
+    logprobs: list[list[Logprob]] | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    error: str | None = None  # the rejection reason, when rejected

@@ -1,0 +1,167 @@
+"""Request: one generation tracked by token counts.
+
+A request has no prefill phase: each step the scheduler gives it some tokens,
+and `num_computed_tokens` catches up with `num_tokens`. The prompt may be a
+plain list of token ids or any `PromptTokens` (the simulator's synthetic
+prompts describe their content without materialising millions of ids).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from deepinfer.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class PromptTokens(Protocol):
+    """A prompt that can describe a span of its content without listing it.
+
+    `content_key(start, end)` must return equal keys exactly when the token ids
+    of the two spans are equal; prefix caching hashes these keys.
+    """
+
+    def __len__(self) -> int: ...
+
+    def content_key(self, start: int, end: int) -> Hashable: ...
+
+    def token_ids(self, start: int, end: int) -> list[int]: ...
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in waiting after losing its blocks
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    REJECTED = "rejected"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+    REJECTED = "rejected"
+
+
+@dataclass
+class RequestTimes:
+    """Timestamps on the engine's clock (seconds)."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    # One entry per step that produced output tokens (a speculative step may
+    # produce several tokens at once, as one streamed chunk would).
+    token_times: list[float] = field(default_factory=list)
+    finish: float | None = None
+
+
+_uid = itertools.count()
+
+
+class Request:
+    """One request and everything the scheduler knows about it."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | PromptTokens,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float = 0.0,
+        *,
+        priority: int = 0,
+        eos_token_id: int | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.uid = next(_uid)  # tie-breaker for priority ordering
+        self.prompt: Sequence[int] | PromptTokens = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params or SamplingParams()
+        self.priority = priority
+        self.eos_token_id = eos_token_id
+        self.cache_salt = cache_salt
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        # Tokens scheduled whose sampled value is not known yet (async scheduling).
+        self.num_output_placeholders = 0
+        self.spec_token_ids: list[int] = []  # drafts proposed for the next step
+        self.num_pending_drafts = 0  # drafts scheduled whose verification is not back yet
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.reject_reason: str | None = None
+        self.num_preemptions = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
+        self.max_computed_tokens = 0  # highest num_computed_tokens ever reached
+        self.block_hashes: list[int] = []  # chain hashes of its full blocks, grown lazily
+        self.times = RequestTimes(arrival=arrival_time)
+
+    @property
+    def arrival_time(self) -> float:
+        return self.times.arrival
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_terminal
+
+    def content_key(self, start: int, end: int) -> Hashable:
+        """A key equal for equal token spans (used by prefix-cache hashing)."""
+        n = self.num_prompt_tokens
+        if end <= n:
+            return _prompt_key(self.prompt, start, end)
+        if start >= n:
+            return tuple(self.output_token_ids[start - n : end - n])
+        return (_prompt_key(self.prompt, start, n), tuple(self.output_token_ids[: end - n]))
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids of positions [start, end) over prompt + output."""
+        n = self.num_prompt_tokens
+        out: list[int] = []
+        if start < n:
+            out.extend(_prompt_ids(self.prompt, start, min(end, n)))
+        if end > n:
+            out.extend(self.output_token_ids[max(start - n, 0) : end - n])
+        return out
+
+    def append_output_tokens(self, token_ids: Sequence[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )
+
+
+def _prompt_key(prompt: Sequence[int] | PromptTokens, start: int, end: int) -> Hashable:
+    # Plain sequences first: a Protocol isinstance check is slow on the hot path.
+    if isinstance(prompt, (list, tuple, range)):
+        return tuple(prompt[start:end])
+    return prompt.content_key(start, end)  # type: ignore[union-attr]
+
+
+def _prompt_ids(prompt: Sequence[int] | PromptTokens, start: int, end: int) -> list[int]:
+    if isinstance(prompt, (list, tuple, range)):
+        return list(prompt[start:end])
+    return prompt.token_ids(start, end)  # type: ignore[union-attr]

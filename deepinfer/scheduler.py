@@ -1,0 +1,377 @@
+"""The scheduler: who computes how many tokens each step.
+
+There is no prefill phase: each step gives every chosen request some tokens,
+and `num_computed_tokens` catches up with `num_tokens`. Running requests are
+served first (decodes, draft verification), then the waiting queue in order.
+DESIGN.md section 3 is the specification; rule names below follow it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from deepinfer.config import EngineConfig, EngineRole
+from deepinfer.errors import SchedulerStalled
+from deepinfer.kv_cache.manager import KVCacheManager, cdiv
+from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer.request import FinishReason, Request, RequestStatus
+from deepinfer.request_queue import WaitingQueue
+from deepinfer.stop_checker import check_stop
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_gpu_blocks: int,
+        *,
+        model_max_len: int | None = None,
+        emit_token_ids: bool = False,
+    ) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.kv = KVCacheManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_model_len = _effective_max_model_len(config, num_gpu_blocks, model_max_len)
+        self.emit_token_ids = emit_token_ids  # the executor needs token ids (a real model)
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # live (waiting or running) requests
+        self.step_id = 0
+        self.num_submitted = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.num_rejected = 0
+        self.num_preemptions = 0
+        self._finished_since_last: set[str] = set()
+        self._preempted_since_last: set[str] = set()
+
+    # ---- admission -------------------------------------------------------------------
+
+    def rejection_reason(self, req: Request) -> str | None:
+        """Why `req` can never be served, or None. Checked before it is queued."""
+        n = req.num_prompt_tokens
+        capacity = self.kv.num_blocks * self.block_size
+        if n == 0:
+            return "empty prompt: at least one prompt token is needed"
+        if n + 1 > capacity:
+            return (
+                f"prompt of {n} tokens plus one output token needs {cdiv(n + 1, self.block_size)} "
+                f"KV blocks of {self.block_size} tokens, but the whole cache holds "
+                f"{self.kv.num_blocks} blocks ({capacity} tokens)"
+            )
+        if n + 1 > self.max_model_len:
+            return (
+                f"prompt of {n} tokens plus one output token exceeds max_model_len="
+                f"{self.max_model_len}"
+            )
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            return (
+                f"prompt of {n} tokens exceeds max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens} and chunked prefill is disabled"
+            )
+        return None
+
+    def add_request(self, req: Request) -> str | None:
+        """Queue `req`, or reject it (returns the reason; it never enters the queues)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the engine")
+        self.num_submitted += 1
+        reason = self.rejection_reason(req)
+        if reason is not None:
+            req.status = RequestStatus.REJECTED
+            req.finish_reason = FinishReason.REJECTED
+            req.reject_reason = reason
+            self.num_rejected += 1
+            return reason
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+        return None
+
+    # ---- scheduling ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted_now = 0
+
+        # 1. Running requests, oldest first; the newest is preempted for room.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_known = req.num_tokens + req.num_output_placeholders
+            drafts = req.spec_token_ids if req.num_output_placeholders == 0 else []
+            num_new = min(num_known + len(drafts) - req.num_computed_tokens, budget,
+                          self.max_model_len - req.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            num_drafts = max(0, min(len(drafts), num_new - (num_known - req.num_computed_tokens)))
+            while (blocks := self.kv.allocate(req, num_new, num_draft_tokens=num_drafts)) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted_now += 1
+                if victim is req:
+                    break
+            if blocks is None:
+                break
+            scheduled.append(self._schedule_one(req, num_new, blocks, drafts[:num_drafts], False))
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, in queue order, unless this step already preempted.
+        while preempted_now == 0 and budget > 0 and (req := self.waiting.peek()) is not None:
+            in_progress = self.kv.holds_blocks(req.request_id)
+            cached = []
+            if not in_progress:
+                if len(self.running) + self.waiting.num_in_progress >= cfg.max_num_seqs:
+                    break
+                if cfg.role is EngineRole.NORMAL and self.kv.usage > cfg.prefill_watermark:
+                    break  # in-progress chunks are exempt: they need no new blocks
+                cached = self.kv.find_cached_prefix(req)
+            num_computed = req.num_computed_tokens if in_progress else len(cached) * self.block_size
+            if cfg.role is EngineRole.DECODE and not in_progress:
+                num_computed = req.num_tokens - 1  # its prompt's KV arrived with it
+            num_new = req.num_tokens - num_computed
+            if num_new > budget and not cfg.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            blocks = self.kv.allocate(req, num_new, cached, reserve_tokens=req.num_tokens)
+            if blocks is None:
+                break
+            self.waiting.pop()
+            if not in_progress:
+                req.num_computed_tokens = num_computed
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = len(cached) * self.block_size
+            is_prompt = cfg.role is not EngineRole.DECODE or in_progress
+            scheduled.append(self._schedule_one(req, num_new, blocks, [], is_prompt,
+                                                resumed=not in_progress))
+            budget -= num_new
+            if req.num_computed_tokens < req.num_tokens:
+                self.waiting.add_in_progress(req)
+                req.status = RequestStatus.WAITING
+            else:
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+
+        self.step_id += 1
+        out = SchedulerOutput(self.step_id, scheduled, self._finished_since_last,
+                              self._preempted_since_last)
+        self._finished_since_last = set()
+        self._preempted_since_last = set()
+        self.last_num_preempted = preempted_now
+        return out
+
+    def _schedule_one(self, req: Request, num_new: int, blocks: list, drafts: list[int],
+                      is_prompt: bool, resumed: bool = False) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        table = self.kv.block_ids(req.request_id) if resumed else None
+        token_ids = None
+        if self.emit_token_ids:
+            token_ids = req.token_ids(start, min(start + num_new, req.num_tokens)) + drafts
+        req.num_computed_tokens = start + num_new
+        req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
+        samples = req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders
+        if samples:
+            req.num_output_placeholders += 1
+        req.spec_token_ids = []
+        req.num_pending_drafts = len(drafts)
+        return ScheduledRequest(
+            req_id=req.request_id,
+            num_tokens=num_new,
+            num_computed_tokens=start,
+            is_prompt=is_prompt,
+            samples=samples,
+            new_block_ids=[b.block_id for b in blocks],
+            block_table=table,
+            token_ids=token_ids,
+            draft_token_ids=list(drafts),
+            sampling_params=req.sampling_params if resumed else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        """Preemption by recompute: free its blocks, back to the front of waiting."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_output_placeholders = 0
+        req.num_pending_drafts = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_preempted(req)
+        self._preempted_since_last.add(req.request_id)
+
+    # ---- results ---------------------------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput, res: ModelRunnerOutput) -> list[Request]:
+        """Apply a step's sampled tokens; returns the requests that gained tokens or ended."""
+        changed: list[Request] = []
+        for sr in out.scheduled:
+            req = self.requests.get(sr.req_id)
+            if req is None or not sr.samples:
+                continue  # ended while the step was in flight, or a partial prompt chunk
+            preempted_meanwhile = req.status is not RequestStatus.RUNNING
+            if not preempted_meanwhile:
+                req.num_output_placeholders -= 1
+            tokens = res.sampled_token_ids.get(sr.req_id) or []
+            if not tokens:
+                raise RuntimeError(f"executor returned no token for {sr.req_id!r} in step "
+                                   f"{out.step_id}, which was scheduled to sample")
+            num_rejected = len(sr.draft_token_ids) - (len(tokens) - 1)
+            if num_rejected < 0:
+                raise RuntimeError(f"executor returned {len(tokens)} tokens for {sr.req_id!r} "
+                                   f"with only {len(sr.draft_token_ids)} drafts to verify")
+            if not preempted_meanwhile:
+                req.num_computed_tokens -= num_rejected
+                req.num_pending_drafts = 0
+            reason = None
+            for t in tokens:
+                req.output_token_ids.append(t)
+                reason = check_stop(req, self.max_model_len)
+                if reason is None and self.config.role is EngineRole.PREFILL:
+                    reason = FinishReason.LENGTH  # a prefill engine hands over after one token
+                if reason is not None:
+                    break
+            changed.append(req)
+            if reason is not None:
+                self._end(req, RequestStatus.FINISHED, reason)
+                continue
+            if not preempted_meanwhile:
+                k = self.config.num_speculative_tokens
+                req.spec_token_ids = list(res.draft_token_ids.get(sr.req_id, ()))[:k]
+                self.kv.cache_computed(req)
+                if num_rejected:
+                    self.kv.trim(req, req.num_tokens + req.num_output_placeholders)
+        return changed
+
+    def finish_request(self, req_id: str, reason: FinishReason) -> Request | None:
+        """End a live request from outside (a stop string, a client abort)."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        status = RequestStatus.ABORTED if reason is FinishReason.ABORT else RequestStatus.FINISHED
+        self._end(req, status, reason)
+        return req
+
+    def abort(self, req_id: str) -> Request | None:
+        return self.finish_request(req_id, FinishReason.ABORT)
+
+    def _end(self, req: Request, status: RequestStatus, reason: FinishReason) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status
+        req.finish_reason = reason
+        req.num_output_placeholders = 0
+        del self.requests[req.request_id]
+        if status is RequestStatus.ABORTED:
+            self.num_aborted += 1
+        else:
+            self.num_finished += 1
+        self._finished_since_last.add(req.request_id)
+
+    # ---- introspection ---------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def diagnose(self) -> str:
+        """Why nothing can be scheduled: the head request, its blocks, usage, watermark."""
+        cfg = self.config
+        head = self.waiting.peek()
+        lines = [
+            f"step {self.step_id}: {len(self.running)} running, {len(self.waiting)} waiting, "
+            f"nothing schedulable",
+            f"KV cache: {self.kv.num_blocks} blocks of {self.block_size} tokens, usage "
+            f"{self.kv.usage:.3f}, {self.kv.pool.num_free_blocks} free (incl. evictable); "
+            f"prefill watermark {cfg.prefill_watermark} (role {cfg.role.value})",
+        ]
+        if head is not None:
+            held = len(self.kv.block_ids(head.request_id))
+            need = cdiv(head.num_tokens, self.block_size)
+            lines.append(
+                f"head of waiting: {head.request_id!r} status {head.status.value}, "
+                f"{head.num_tokens} tokens, {head.num_computed_tokens} computed, holds {held} "
+                f"blocks, needs {need}; chunked prefill in progress: "
+                f"{self.kv.holds_blocks(head.request_id)}"
+            )
+        holders = sorted(self.kv.req_blocks.items(), key=lambda kv: -len(kv[1]))[:5]
+        lines.append("largest block holders: " + ", ".join(
+            f"{rid}={len(blocks)}" for rid, blocks in holders) if holders else "no block holders")
+        return "\n".join(lines)
+
+    def raise_stalled(self) -> None:
+        raise SchedulerStalled(self.diagnose())
+
+    def check_output(self, out: SchedulerOutput) -> None:
+        """Budgets of one step (DESIGN.md section 3)."""
+        if out.num_batched_tokens > self.config.max_num_batched_tokens:
+            raise AssertionError(f"step {out.step_id}: {out.num_batched_tokens} tokens "
+                                 f"> max_num_batched_tokens")
+        if len(out.scheduled) > self.config.max_num_seqs:
+            raise AssertionError(f"step {out.step_id}: {len(out.scheduled)} requests "
+                                 f"> max_num_seqs")
+        if len({s.req_id for s in out.scheduled}) != len(out.scheduled):
+            raise AssertionError(f"step {out.step_id}: a request scheduled twice")
+
+    def check_invariants(self) -> None:
+        """Every block free or held, ref counts exact, each request in one place."""
+        self.kv.check_invariants()
+        waiting_ids = [r.request_id for r in self.waiting]
+        running_ids = [r.request_id for r in self.running]
+        both = set(waiting_ids) & set(running_ids)
+        if both:
+            raise AssertionError(f"requests both waiting and running: {sorted(both)}")
+        if len(set(waiting_ids)) != len(waiting_ids) or len(set(running_ids)) != len(running_ids):
+            raise AssertionError("a request is queued twice")
+        if set(waiting_ids) | set(running_ids) != set(self.requests):
+            raise AssertionError("live requests and queues disagree")
+        for req in self.running:
+            if req.status is not RequestStatus.RUNNING:
+                raise AssertionError(f"{req!r} in running with status {req.status}")
+            if not self.kv.holds_blocks(req.request_id):
+                raise AssertionError(f"running {req!r} holds no blocks")
+        for i, req in enumerate(self.waiting):
+            if req.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                raise AssertionError(f"{req!r} in waiting with status {req.status}")
+            if self.kv.holds_blocks(req.request_id) != (i < self.waiting.num_in_progress):
+                raise AssertionError(f"waiting {req!r}: holds blocks iff a prefill in progress")
+        for req in self.requests.values():
+            limit = req.num_tokens + req.num_output_placeholders + req.num_pending_drafts
+            if req.num_computed_tokens > limit:
+                raise AssertionError(f"{req!r} computed more tokens than it has")
+        accounted = (self.num_finished + self.num_aborted + self.num_rejected
+                     + len(self.waiting) + len(self.running))
+        if accounted != self.num_submitted:
+            raise AssertionError(f"{self.num_submitted} submitted but {accounted} accounted for")
+
+
+def _effective_max_model_len(config: EngineConfig, num_blocks: int, model_max: int | None) -> int:
+    """The user's (or model's) limit, capped by what the cache holds for one request."""
+    capacity = num_blocks * config.block_size
+    wanted = config.max_model_len or model_max
+    if wanted is None:
+        return capacity
+    if wanted > capacity:
+        if config.max_model_len is not None:
+            logger.warning("max_model_len=%d exceeds the KV cache (%d blocks x %d = %d tokens); "
+                           "capping it at %d", wanted, num_blocks, config.block_size, capacity,
+                           capacity)
+        return capacity
+    return wanted

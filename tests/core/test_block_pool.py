@@ -1,0 +1,94 @@
+"""BlockPool and KVCacheManager: ref counts, the free LRU, prefix hits."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer.kv_cache.block_pool import BlockPool
+from deepinfer.kv_cache.hashing import update_block_hashes
+from deepinfer.kv_cache.manager import KVCacheManager
+from tests.factories import make_request
+
+
+def test_allocate_and_free_track_ref_counts() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    assert [b.ref_cnt for b in blocks] == [1, 1, 1]
+    assert pool.num_free_blocks == 1
+    assert pool.usage == pytest.approx(0.75)
+    pool.free(blocks)
+    assert pool.num_free_blocks == 4
+    with pytest.raises(RuntimeError):
+        pool.free(blocks[:1])
+
+
+def test_allocating_more_than_free_is_a_bug() -> None:
+    pool = BlockPool(2)
+    with pytest.raises(RuntimeError):
+        pool.allocate(3)
+
+
+def test_free_cached_blocks_count_as_free_and_evict_lru() -> None:
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    pool.cache(a, 111)
+    pool.cache(b, 222)
+    pool.free([a])  # freed first: evicted first
+    pool.free([b])
+    assert pool.usage == pytest.approx(1 / 3)
+    assert pool.lookup(111) is a and pool.lookup(222) is b
+    (taken,) = pool.allocate(1)
+    assert taken is a and pool.lookup(111) is None and pool.lookup(222) is b
+    assert pool.num_evictions == 1
+
+
+def test_touch_revives_a_free_cached_block() -> None:
+    pool = BlockPool(2)
+    (a,) = pool.allocate(1)
+    pool.cache(a, 7)
+    pool.free([a])
+    pool.touch([a])
+    assert a.ref_cnt == 1 and pool.num_free_blocks == 1
+    pool.touch([a])
+    assert a.ref_cnt == 2
+    pool.check_invariants({a.block_id: 2})
+
+
+def test_chain_hash_depends_on_the_whole_prefix() -> None:
+    r1 = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    r2 = make_request("b", [9, 9, 9, 9, 5, 6, 7, 8])
+    h1 = update_block_hashes(r1, 4)
+    h2 = update_block_hashes(r2, 4)
+    assert len(h1) == 2 and h1[0] != h2[0] and h1[1] != h2[1]  # same 2nd block, other parent
+
+
+def test_prefix_hit_covers_at_most_num_tokens_minus_one() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    first = make_request("a", 8)
+    assert kv.allocate(first, 8) is not None
+    kv.free(first)
+    again = make_request("b", 8)  # identical 8-token prompt: 2 full blocks cached
+    hits = kv.find_cached_prefix(again)
+    assert len(hits) == 1  # the last token must be computed, so only 1 block is reused
+    longer = make_request("c", list(range(1, 10)))
+    assert len(kv.find_cached_prefix(longer)) == 2
+
+
+def test_allocate_is_all_or_nothing() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    r = make_request("a", 20)
+    assert kv.allocate(r, 20) is None
+    assert kv.pool.num_free_blocks == 3 and not kv.holds_blocks("a")
+
+
+def test_a_free_hit_is_not_counted_twice_as_free() -> None:
+    """A hit sitting in the free list cannot also be handed out as a new block."""
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    assert kv.allocate(a, 5) is not None
+    kv.free(a)
+    b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])  # needs 4 blocks
+    hits = kv.find_cached_prefix(b)
+    assert len(hits) == 1
+    assert kv.allocate(b, 13 - 4, hits) is None  # 1 hit + 3 new > 3 blocks
+    kv.check_invariants()
