@@ -1,0 +1,221 @@
+"""Roofline-style step time for a DeepSeek-architecture model on one GPU.
+
+A step is priced per op group as max(FLOPs / (peak * eff), bytes / (HBM bw * eff)),
+summed over groups, plus per-layer and per-step fixed overheads (Vidur /
+LLMCompass style, but analytic: no profiled tables). Groups:
+
+  dense      attention projections (q or q-LoRA, kv_a, kv_b, o), dense MLPs of the
+             first k layers, shared experts, router; weights read once per step
+  experts    routed experts: expected distinct experts touched by the batch
+  attn_pre   prefill chunks, MLA non-absorbed: per-head attention with qk 192 / v 128
+             over context + chunk, causal; cached context latents up-projected by kv_b
+  attn_dec   decode (and draft-verify) tokens, MLA absorbed: MQA over the 576-wide
+             latent cache; each request's latent KV read once per layer
+  lm_head    logits only for positions that sample, plus the embedding gather
+
+step_time is called for every simulated step, so the per-request loop only
+accumulates a few sums in plain Python floats; model constants are folded in
+__init__.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from sim.cost_coefficients import CostCoefficients
+from sim.hardware import HardwareSpec
+from sim.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from deepinfer.outputs import SchedulerOutput
+
+
+class GroupCost(NamedTuple):
+    flops: float
+    bytes: float
+    seconds: float  # max of the compute and memory times
+
+
+def expected_distinct_experts(num_tokens: int, num_experts: int, top_k: int) -> float:
+    """Expected number of experts hit when `num_tokens` tokens each pick `top_k` of `num_experts`.
+
+    Under uniform routing an expert escapes one token with probability
+    1 - k/E, so E * (1 - (1 - k/E)^T) for T tokens; it tends to E as T grows.
+    """
+    if num_tokens <= 0 or num_experts <= 0:
+        return 0.0
+    if top_k >= num_experts:
+        return float(num_experts)
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
+class AnalyticCostModel:
+    """Prices a SchedulerOutput from FLOPs and bytes; see the module docstring."""
+
+    def __init__(self, model: ModelSpec, hardware: HardwareSpec, coeffs: CostCoefficients):
+        self.model = model
+        self.hardware = hardware
+        self.coeffs = coeffs
+        m, c = model, coeffs
+        ab = c.activation_bytes
+        h, heads, layers = m.hidden_size, m.num_attention_heads, m.num_hidden_layers
+        dense_layers, moe_layers = m.num_dense_layers, m.num_moe_layers
+
+        # Rates (FLOP/s, bytes/s) with efficiencies folded in.
+        self._mm_rate = hardware.peak_flops(m.dtype_bytes) * c.matmul_efficiency
+        self._moe_rate = hardware.peak_flops(m.dtype_bytes) * c.moe_matmul_efficiency
+        # Attention and the lm head run in bf16 even when the other weights are fp8.
+        self._attn_rate = hardware.peak_bf16_flops * c.attention_efficiency
+        self._head_rate = hardware.peak_bf16_flops * c.matmul_efficiency
+        self._bw = hardware.hbm_bandwidth * c.bandwidth_efficiency
+        self._moe_bw = hardware.hbm_bandwidth * c.moe_bandwidth_efficiency
+        self._fixed = layers * c.layer_overhead_s + c.step_overhead_s
+
+        # dense: every token multiplies these (kv_b stands for the absorbed W_UK / W_UV
+        # in the decode form: same FLOPs per token).
+        attn_w = m.q_proj_params + m.kv_a_params + m.kv_b_params + m.o_proj_params
+        shared = m.n_shared_experts * m.expert_params + m.router_params
+        dense_params = layers * attn_w + dense_layers * m.dense_mlp_params + moe_layers * shared
+        self._dense_flops_per_tok = 2.0 * dense_params
+        self._dense_weight_bytes = float(dense_params * m.dtype_bytes)
+        # Activation traffic per token: each linear reads its input and writes its output.
+        q_io = h + heads * m.qk_head_dim
+        if m.q_lora_rank is not None:
+            q_io += 2 * m.q_lora_rank
+        kvb_io = m.kv_lora_rank + heads * (m.qk_nope_head_dim + m.v_head_dim)
+        attn_io = q_io + (h + m.kv_latent_dim) + kvb_io + (heads * m.v_head_dim + h) + 4 * h
+        mlp_io = 2 * h + 6 * m.intermediate_size  # gate_up in/out, act, down in/out
+        shared_inter = m.n_shared_experts * m.moe_intermediate_size
+        shared_io = (2 * h + 6 * shared_inter + m.n_routed_experts) if moe_layers else 0
+        self._dense_act_bytes_per_tok = ab * (
+            layers * attn_io + dense_layers * mlp_io + moe_layers * shared_io
+        )
+        # Cached context up-projected by kv_b in the prefill form: per context token.
+        self._ctx_upproj_flops = 2.0 * layers * m.kv_b_params
+        self._ctx_upproj_bytes = float(layers * (ab * kvb_io + m.kv_dtype_bytes * m.kv_latent_dim))
+
+        # experts (routed): per token FLOPs and activations; weights by distinct experts.
+        self._num_experts, self._top_k = m.n_routed_experts, m.num_experts_per_tok
+        self._has_moe = moe_layers > 0
+        self._expert_flops_per_tok = 2.0 * moe_layers * m.num_experts_per_tok * m.expert_params
+        self._expert_bytes_each = float(moe_layers * m.expert_params * m.dtype_bytes)
+        # per routed copy: dispatch gather + combine scatter of the hidden state (2h) and the
+        # expert's own linears (2h + 6 * moe_intermediate).
+        self._expert_act_bytes_per_tok = float(
+            ab * moe_layers * m.num_experts_per_tok * (4 * h + 6 * m.moe_intermediate_size)
+        )
+
+        # attention, prefill form: per (query, key) pair over all heads and layers.
+        self._pre_flops_per_pair = 2.0 * layers * heads * (m.qk_head_dim + m.v_head_dim)
+        # Q [heads, 192] and O [heads, 128] per new token; K [heads, 192] and V [heads, 128]
+        # per attended token (context + chunk): the same width both times.
+        self._pre_row_bytes = float(layers * ab * heads * (m.qk_head_dim + m.v_head_dim))
+        self._kv_write_bytes = float(layers * m.kv_latent_dim * m.kv_dtype_bytes)  # per new token
+
+        # attention, absorbed decode form: MQA over [ctx, 576] latents, values are the 512.
+        self._dec_flops_per_pair = 2.0 * layers * heads * (m.kv_latent_dim + m.kv_lora_rank)
+        self._dec_kv_bytes = float(layers * m.kv_latent_dim * m.kv_dtype_bytes)  # per cached token
+        self._dec_q_bytes = float(layers * ab * heads * (m.kv_latent_dim + m.kv_lora_rank))
+
+        # lm head on sampled positions; logits written in fp32.
+        self._head_flops_per_tok = 2.0 * m.vocab_size * h
+        self._head_weight_bytes = float(m.vocab_size * h * m.embed_dtype_bytes)
+        self._head_act_bytes_per_tok = float(m.vocab_size * 4 + h * ab)
+        self._embed_bytes_per_tok = float(h * m.embed_dtype_bytes)
+
+    # --- public -------------------------------------------------------------
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        """GPU seconds for one step; 0.0 for an empty step."""
+        return self._price(out, None)
+
+    def cpu_time(self, out: SchedulerOutput) -> float:
+        """Host seconds around the step (schedule, prepare, post-process)."""
+        n = len(out.scheduled)
+        if n == 0:
+            return 0.0
+        return self.coeffs.cpu_step_overhead_s + self.coeffs.cpu_per_request_s * n
+
+    def breakdown(self, out: SchedulerOutput) -> dict[str, GroupCost]:
+        """Per op group FLOPs, bytes and seconds, plus "overhead"; sums to step_time."""
+        detail: dict[str, GroupCost] = {}
+        self._price(out, detail)
+        return detail
+
+    # --- pricing ------------------------------------------------------------
+
+    def _price(self, out: SchedulerOutput, detail: dict[str, GroupCost] | None) -> float:
+        n_tok = 0  # tokens computed this step
+        n_logits = 0  # positions whose logits are computed (sampled + drafts to verify)
+        pre_q = pre_pairs = pre_keys = pre_ctx = 0  # prefill form
+        dec_q = dec_pairs = dec_keys = 0  # absorbed decode form
+        for r in out.scheduled:
+            q = r.num_tokens
+            ctx = r.num_computed_tokens
+            n_tok += q
+            # new token i (0-based) attends ctx + i + 1 keys: q*ctx + q(q+1)/2 pairs
+            pairs = q * ctx + (q * (q + 1) >> 1)
+            if r.is_prompt and q > 1:
+                pre_q += q
+                pre_pairs += pairs
+                pre_keys += ctx + q
+                pre_ctx += ctx
+            else:
+                dec_q += q
+                dec_pairs += pairs
+                dec_keys += ctx + q
+            n_logits += len(r.draft_token_ids) + (1 if r.samples else 0)
+        if n_tok == 0:
+            if detail is not None:
+                detail["overhead"] = GroupCost(0.0, 0.0, 0.0)
+            return 0.0
+
+        bw = self._bw
+        total = self._fixed
+
+        f = n_tok * self._dense_flops_per_tok + pre_ctx * self._ctx_upproj_flops
+        b = (
+            self._dense_weight_bytes
+            + n_tok * self._dense_act_bytes_per_tok
+            + pre_ctx * self._ctx_upproj_bytes
+        )
+        t = max(f / self._mm_rate, b / bw)
+        total += t
+        if detail is not None:
+            detail["dense"] = GroupCost(f, b, t)
+
+        if self._has_moe:
+            distinct = expected_distinct_experts(n_tok, self._num_experts, self._top_k)
+            f = n_tok * self._expert_flops_per_tok
+            b = distinct * self._expert_bytes_each + n_tok * self._expert_act_bytes_per_tok
+            t = max(f / self._moe_rate, b / self._moe_bw)
+            total += t
+            if detail is not None:
+                detail["experts"] = GroupCost(f, b, t)
+
+        if pre_q:
+            f = pre_pairs * self._pre_flops_per_pair
+            b = (pre_q + pre_keys) * self._pre_row_bytes + pre_q * self._kv_write_bytes
+            t = max(f / self._attn_rate, b / bw)
+            total += t
+            if detail is not None:
+                detail["attn_pre"] = GroupCost(f, b, t)
+
+        if dec_q:
+            f = dec_pairs * self._dec_flops_per_pair
+            b = dec_keys * self._dec_kv_bytes + dec_q * (self._dec_q_bytes + self._kv_write_bytes)
+            t = max(f / self._attn_rate, b / bw)
+            total += t
+            if detail is not None:
+                detail["attn_dec"] = GroupCost(f, b, t)
+
+        f = n_logits * self._head_flops_per_tok
+        b = n_tok * self._embed_bytes_per_tok
+        if n_logits:  # no logits at all: the head's weights are not read
+            b += self._head_weight_bytes + n_logits * self._head_act_bytes_per_tok
+        t = max(f / self._head_rate, b / bw)
+        total += t
+        if detail is not None:
+            detail["lm_head"] = GroupCost(f, b, t)
+            detail["overhead"] = GroupCost(0.0, 0.0, self._fixed)
+        return total

@@ -1,0 +1,78 @@
+"""How many KV-cache blocks fit on one GPU next to the weights.
+
+Mirrors how a vLLM-style engine sizes its cache: a `gpu_memory_utilization`
+share of device memory, minus the weights, minus the peak activation memory
+of a profiling forward pass, divided by the bytes of one block.
+"""
+
+from __future__ import annotations
+
+from sim.hardware import HardwareSpec
+from sim.model_spec import ModelSpec
+
+# CUDA context, cuBLAS/NCCL workspaces and captured CUDA graphs: memory the
+# engine holds outside weights and per-token activations.
+FIXED_RESERVE_BYTES = 2 * 1024**3
+
+
+def default_activation_reserve_bytes(
+    model: ModelSpec, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256
+) -> int:
+    """Peak non-weight, non-KV memory of a forward pass at the engine's default budgets.
+
+    Per batched token the largest live tensors are the hidden states, the
+    per-head q/k/v of prefill attention and the routed copies' expert
+    intermediates; per sequence the fp32 logits and their softmax.
+    """
+    m = model
+    per_token = (
+        4 * m.hidden_size
+        + 2 * m.num_attention_heads * (m.qk_head_dim + m.v_head_dim)
+        + 3 * max(m.num_experts_per_tok * m.moe_intermediate_size, m.intermediate_size)
+    ) * 2  # bf16
+    logits = max_num_seqs * m.vocab_size * 4 * 2  # fp32 logits + probabilities
+    return FIXED_RESERVE_BYTES + max_num_batched_tokens * per_token + logits
+
+
+def kv_capacity_blocks(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    block_size: int,
+    gpu_memory_utilization: float,
+    activation_reserve_bytes: int | None = None,
+) -> int:
+    """KV blocks of `block_size` tokens that fit on one `hardware` GPU.
+
+    (memory * utilization - weights - activation reserve) // (block_size * KV bytes per token).
+    Raises ValueError, naming both sizes, when the weights (or weights plus
+    reserve) leave no room for a single block.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size={block_size}: expected a positive number of tokens")
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}: expected (0, 1]")
+    if activation_reserve_bytes is None:
+        activation_reserve_bytes = default_activation_reserve_bytes(model)
+    budget = int(hardware.memory_bytes * gpu_memory_utilization)
+    weights = model.weight_bytes
+    dtype = {1: "fp8", 2: "bf16", 4: "fp32"}.get(model.dtype_bytes, f"{model.dtype_bytes}-byte")
+    gb = 1e9
+    if weights >= budget:
+        raise ValueError(
+            f"{model.name} weights need {weights / gb:.1f} GB in {dtype} but one {hardware.name} "
+            f"offers {budget / gb:.1f} GB ({hardware.memory_bytes / gb:.1f} GB x "
+            f"gpu_memory_utilization {gpu_memory_utilization}): the model does not fit on one "
+            f"{hardware.name}. Multi-GPU sharding is not modelled; pass --num-gpu-blocks to "
+            f"size the KV cache directly."
+        )
+    block_bytes = block_size * model.kv_bytes_per_token
+    free = budget - weights - activation_reserve_bytes
+    if free < block_bytes:
+        raise ValueError(
+            f"{model.name} on {hardware.name}: {budget / gb:.1f} GB usable minus weights "
+            f"{weights / gb:.1f} GB ({dtype}) and activation reserve "
+            f"{activation_reserve_bytes / gb:.1f} GB leaves {max(free, 0) / gb:.2f} GB, less "
+            f"than one KV block ({block_bytes / 1e6:.1f} MB); raise gpu_memory_utilization or "
+            f"pass --num-gpu-blocks."
+        )
+    return free // block_bytes

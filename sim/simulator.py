@@ -1,0 +1,142 @@
+"""simulate(): replay a trace through the real EngineCore in simulated time.
+
+The simpy process is deliberately thin: admit arrivals, schedule, advance the
+clock by the cost model's price of the step, apply the step's results. Every
+batching decision is the shared scheduler's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import simpy
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine import EngineCore
+from deepinfer.metrics import SLO, summarize
+from deepinfer.records import RequestRecord, StepRecord
+from deepinfer.request import Request
+from deepinfer.sampling_params import SamplingParams
+from sim.cost_model import CostModel, get_cost_model, kv_capacity_blocks
+from sim.hardware import HardwareSpec, get_hardware
+from sim.model_spec import ModelSpec, load_model_spec
+from sim.sim_executor import SimExecutor
+from sim.traces import SyntheticPrompt, Trace, TraceRequest
+
+
+@dataclass
+class SimResult:
+    requests: list[RequestRecord]  # one per trace request, in trace order
+    steps: list[StepRecord]
+    summary: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def build_requests(trace: Trace, vocab_size: int) -> list[Request]:
+    """Engine requests for a trace: synthetic prompts that share content where
+    the trace's prefix blocks say so; each stops after its trace output_len."""
+    out = []
+    for i, tr in enumerate(trace.requests):
+        params = SamplingParams(temperature=0.0, max_tokens=tr.output_len, ignore_eos=True)
+        prompt = SyntheticPrompt.for_request(tr, salt=i, vocab_size=vocab_size)
+        out.append(Request(tr.id, prompt, params, tr.arrival, priority=tr.priority))
+    return out
+
+
+def simulate(
+    trace: Trace | list[TraceRequest],
+    model: str | ModelSpec = "moonlight-16b-a3b",
+    hardware: str | HardwareSpec = "h200",
+    engine: EngineConfig | None = None,
+    cost_model: str | CostModel = "analytic",
+    *,
+    slo: SLO | None = None,
+    acceptance_rate: float = 0.7,
+    check_invariants: bool = False,
+    on_progress: Callable[[int], None] | None = None,
+) -> SimResult:
+    """Run `trace` to completion; raises deepinfer.SchedulerStalled if the engine stalls."""
+    if not isinstance(trace, Trace):
+        trace = Trace("requests", "python", list(trace))
+    engine = engine or EngineConfig()
+    spec = model if isinstance(model, ModelSpec) else load_model_spec(model)
+    hw = hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
+    cost = get_cost_model(cost_model, spec, hw)
+    num_blocks = engine.num_gpu_blocks
+    if num_blocks is None:
+        num_blocks = kv_capacity_blocks(spec, hw, engine.block_size, engine.gpu_memory_utilization)
+    executor = SimExecutor(engine, num_blocks, acceptance_rate=acceptance_rate)
+    env = simpy.Environment()
+    core = EngineCore(engine, executor, clock=lambda: env.now,
+                      model_max_len=spec.max_position_embeddings,
+                      check_invariants=check_invariants)
+    requests = build_requests(trace, spec.vocab_size)
+    env.process(_serve(env, core, deque(requests), cost, on_progress))
+    env.run()
+    by_id = {r.req_id: r for r in core.records}
+    records = [by_id[r.request_id] for r in requests]
+    meta = {
+        "trace": trace.name,
+        "num_requests": len(trace),
+        "model": spec.name,
+        "hardware": hw.name,
+        "num_gpu_blocks": num_blocks,
+        "max_model_len": core.scheduler.max_model_len,
+        "engine": _config_dict(engine),
+        "cost_model": cost_model if isinstance(cost_model, str) else type(cost_model).__name__,
+        "num_steps": core.scheduler.step_id,
+        "num_evictions": core.scheduler.kv.pool.num_evictions,
+    }
+    if engine.num_speculative_tokens:
+        drafts = executor.num_draft_tokens
+        meta["draft_acceptance_rate"] = executor.num_accepted_tokens / drafts if drafts else None
+    return SimResult(records, core.steps, summarize(records, core.steps, slo), meta)
+
+
+def _serve(env: simpy.Environment, core: EngineCore, pending: deque[Request], cost: CostModel,
+           on_progress: Callable[[int], None] | None) -> Iterator[simpy.events.Event]:
+    """The simulated engine loop (async scheduling overlaps CPU work with the GPU step)."""
+    executor = core.executor
+    overlap = core.config.async_scheduling
+    in_flight = None
+    cpu = 0.0
+    reported = 0
+    while pending or core.scheduler.has_unfinished() or in_flight is not None:
+        while pending and pending[0].arrival_time <= env.now:
+            core.add_request(pending.popleft())
+        if in_flight is None:
+            if not core.scheduler.has_unfinished():
+                if pending:
+                    yield env.timeout(pending[0].arrival_time - env.now)
+                continue
+            in_flight = core.schedule()
+            if in_flight.is_empty:
+                core.scheduler.raise_stalled()
+            cpu = cost.cpu_time(in_flight)
+        out = in_flight
+        gpu = cost.step_time(out)
+        if overlap:
+            # Step N+1 is scheduled while step N runs on the device.
+            in_flight = core.schedule()
+            duration = max(gpu, cost.cpu_time(in_flight))
+        else:
+            in_flight = None
+            duration = cpu + gpu
+        yield env.timeout(duration)
+        core.process(out, executor.execute(out), duration)
+        if in_flight is not None and in_flight.is_empty:
+            in_flight = None
+        if on_progress is not None and len(core.records) != reported:
+            on_progress(len(core.records) - reported)
+            reported = len(core.records)
+
+
+def _config_dict(cfg: EngineConfig) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    d = asdict(cfg)
+    d["role"] = cfg.role.value
+    return d

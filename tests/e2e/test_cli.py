@@ -1,0 +1,74 @@
+"""`deepinfer simulate` as a user runs it: exit codes, report, plots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepinfer import cli
+from deepinfer.errors import SchedulerStalled
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "deepinfer.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_simulate_default_trace_prints_summary_and_writes_report_and_plot(tmp_path) -> None:
+    out, png = tmp_path / "report.json", tmp_path / "report.png"
+    proc = run_cli("simulate", "--out", str(out), "--plot", str(png), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "Successful requests:" in proc.stdout and "Mean TTFT (ms):" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["meta"]["num_requests"] == len(report["requests"]) == 400
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", ["example.jsonl", "mooncake_conversation_small.jsonl"])
+def test_simulate_runs_on_every_bundled_trace(name: str) -> None:
+    proc = run_cli("simulate", f"traces/{name}", "--no-progress", "--max-num-seqs", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert "Successful requests:" in proc.stdout
+
+
+def test_malformed_trace_row_exits_2_naming_file_line_and_field(tmp_path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "arrival": 0, "prompt_len": 10, "output_len": 2}\n'
+                   '{"id": "b", "arrival": 1, "prompt_len": "ten", "output_len": 2}\n')
+    proc = run_cli("simulate", str(bad), "--no-progress")
+    assert proc.returncode == 2
+    assert f"{bad}:2" in proc.stderr and "prompt_len" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_model_and_bad_option_exit_2() -> None:
+    proc = run_cli("simulate", "--model", "no-such-model", "--no-progress")
+    assert proc.returncode == 2 and "no-such-model" in proc.stderr
+    proc = run_cli("simulate", "--prefill-watermark", "3", "--no-progress")
+    assert proc.returncode == 2 and "prefill_watermark" in proc.stderr
+
+
+def test_a_stall_exits_3_with_the_diagnosis(monkeypatch, capsys) -> None:
+    def stalled(self):  # what a scheduler bug would look like from the outside
+        self.raise_stalled()
+
+    monkeypatch.setattr("deepinfer.scheduler.Scheduler.schedule", stalled)
+    code = cli.main(["simulate", "traces/example.jsonl", "--no-progress"])
+    assert code == 3
+    err = capsys.readouterr().err
+    assert "stalled" in err and "head of waiting" in err and "watermark" in err
+
+
+def test_help_explains_every_engine_option() -> None:
+    proc = run_cli("simulate", "--help")
+    assert proc.returncode == 0
+    for flag in ("--prefill-watermark", "--num-gpu-blocks", "--enable-chunked-prefill",
+                 "--slo", "--format", "--time-scale", "--max-requests", "--plot"):
+        assert flag in proc.stdout
+    assert SchedulerStalled.__name__  # the error type the CLI maps to exit code 3

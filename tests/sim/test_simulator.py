@@ -1,0 +1,70 @@
+"""simulate(): the shared engine in simulated time, end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deepinfer.config import EngineConfig
+from sim import load_trace, simulate
+from sim.cost_model import UnitCostModel
+from sim.traces import TraceRequest
+
+TRACES = Path(__file__).resolve().parents[2] / "traces"
+
+
+def test_bundled_trace_runs_with_the_analytic_cost_model() -> None:
+    trace = load_trace(TRACES / "azure_code_small.json", max_requests=60)
+    result = simulate(trace, engine=EngineConfig(num_gpu_blocks=400), check_invariants=True)
+    assert len(result.requests) == 60
+    assert all(r.status == "finished" for r in result.requests)
+    for rec, tr in zip(result.requests, trace.requests):
+        assert rec.num_output_tokens == tr.output_len
+        assert rec.arrival == tr.arrival
+        assert rec.first_token is not None and rec.first_token > rec.arrival
+    assert result.summary["num_completed"] == 60
+    assert result.summary["ttft_ms_mean"] > 0
+
+
+def test_shared_prefix_blocks_produce_prefix_cache_hits() -> None:
+    trace = load_trace(TRACES / "mooncake_conversation_small.jsonl", max_requests=80)
+    cfg = EngineConfig(num_gpu_blocks=3000, max_model_len=32768)
+    on = simulate(trace, engine=cfg, cost_model="unit")
+    off = simulate(trace, engine=cfg.replace(enable_prefix_caching=False), cost_model="unit")
+    assert on.summary["prefix_cache_hit_rate"] > 0.02
+    assert off.summary["prefix_cache_hit_rate"] == 0.0
+    assert on.summary["total_input_tokens"] == off.summary["total_input_tokens"]
+
+
+def test_an_unfittable_request_is_rejected_and_counted() -> None:
+    reqs = [TraceRequest("ok", 0.0, 100, 5), TraceRequest("huge", 0.0, 10_000, 5)]
+    result = simulate(reqs, engine=EngineConfig(num_gpu_blocks=20, block_size=16),
+                      cost_model="unit")
+    by_id = {r.req_id: r for r in result.requests}
+    assert by_id["ok"].status == "finished"
+    assert by_id["huge"].status == "rejected" and "20 blocks" in by_id["huge"].reason
+    assert result.summary["num_rejected"] == 1
+
+
+def test_unit_cost_model_prices_every_step_the_same() -> None:
+    reqs = [TraceRequest(f"r{i}", 0.0, 10, 3) for i in range(3)]
+    result = simulate(reqs, engine=EngineConfig(num_gpu_blocks=50, block_size=4),
+                      cost_model=UnitCostModel(0.001))
+    assert result.summary["duration_s"] == pytest.approx(0.001 * len(result.steps))
+
+
+def test_same_trace_same_results_twice() -> None:
+    trace = load_trace(TRACES / "mooncake_conversation_small.jsonl", max_requests=40)
+    cfg = EngineConfig(num_gpu_blocks=600, max_model_len=32768, num_speculative_tokens=2)
+    a = simulate(trace, engine=cfg)
+    b = simulate(trace, engine=cfg)
+    assert [r.to_dict() for r in a.requests] == [r.to_dict() for r in b.requests]
+
+
+def test_async_scheduling_overlaps_cpu_time() -> None:
+    trace = load_trace(TRACES / "azure_code_small.json", max_requests=30)
+    sync = simulate(trace, engine=EngineConfig(num_gpu_blocks=400))
+    overlap = simulate(trace, engine=EngineConfig(num_gpu_blocks=400, async_scheduling=True))
+    assert overlap.summary["tpot_ms_mean"] < sync.summary["tpot_ms_mean"]
+    assert all(r.status == "finished" for r in overlap.requests)
