@@ -12,7 +12,7 @@ import enum
 import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from deepinfer.sampling_params import SamplingParams
 
@@ -103,6 +103,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
         self.max_computed_tokens = 0  # highest num_computed_tokens ever reached
         self.block_hashes: list[int] = []  # chain hashes of its full blocks, grown lazily
+        self.logprobs: list[Any] = []  # per output token, when sampling_params.logprobs is set
         self.times = RequestTimes(arrival=arrival_time)
 
     @property
