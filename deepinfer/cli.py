@@ -111,8 +111,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     from deepinfer.sampling_params import SamplingParams
 
     engine = engine_config_from_args(args)
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-              **{f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)})
+    try:
+        llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
+                  **{f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)})
+    except (RuntimeError, OSError) as e:  # unreachable hub, unreadable checkpoint
+        raise ValueError(f"cannot load model {args.model!r}: {e}") from e
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seq_seed=args.seq_seed)
     for out in llm.generate(list(args.prompt), params):

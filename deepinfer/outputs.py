@@ -31,6 +31,10 @@ class ScheduledRequest:
     token_ids: list[int] | None = None
     draft_token_ids: list[int] = field(default_factory=list)  # drafts to verify (end of the step)
     sampling_params: SamplingParams | None = None  # sent with block_table
+    # Token ids of positions [0, num_computed_tokens), sent with block_table to executors
+    # that need token ids: a resumed request's prefix-cache hit skips tokens whose ids the
+    # sampler still needs (penalties, seeded sampling).
+    prior_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
 
 

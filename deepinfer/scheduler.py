@@ -170,9 +170,11 @@ class Scheduler:
                       is_prompt: bool, resumed: bool = False) -> ScheduledRequest:
         start = req.num_computed_tokens
         table = self.kv.block_ids(req.request_id) if resumed else None
-        token_ids = None
+        token_ids = prior = None
         if self.emit_token_ids:
             token_ids = req.token_ids(start, min(start + num_new, req.num_tokens)) + drafts
+            if resumed:
+                prior = req.token_ids(0, start)
         req.num_computed_tokens = start + num_new
         req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
         samples = req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders
@@ -191,6 +193,7 @@ class Scheduler:
             token_ids=token_ids,
             draft_token_ids=list(drafts),
             sampling_params=req.sampling_params if resumed else None,
+            prior_token_ids=prior,
             num_prompt_tokens=req.num_prompt_tokens,
         )
 

@@ -1,0 +1,173 @@
+"""Paged MLA attention in pure torch: batch metadata, cache writes and the two attention forms.
+
+The batch is one flattened varlen sequence of T new tokens. Requests are ordered
+decode-first: the first `num_decode_reqs` requests (short queries over a long
+context) use the absorbed form over the latent cache; the rest (prefill chunks)
+decompress the gathered latent into full K/V. `mla_prefill_attention` and
+`mla_decode_attention` are the seams where kernels replace this reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs (all tensors on the model's device)."""
+
+    block_size: int
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int64: offsets of each request's tokens in the batch
+    context_lens: torch.Tensor  # [B] int64: tokens already cached before this step
+    seq_lens: torch.Tensor  # [B] int64: context + new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    num_decode_reqs: int  # requests [0, num_decode_reqs) take the absorbed path
+    num_decode_tokens: int  # their tokens come first in the batch
+    # Prefill part, relative to the prefill tokens (batch tokens [num_decode_tokens, T)).
+    prefill_cu_seqlens_q: torch.Tensor  # [Bp + 1] int64
+    prefill_cu_seqlens_k: torch.Tensor  # [Bp + 1] int64: every cached + new token per request
+    prefill_kv_slots: torch.Tensor  # [Sp] int64: cache slots of those keys, request by request
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        moved = {
+            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in vars(self).items()
+        }
+        return AttentionMetadata(**moved)
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    num_decode_reqs: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Build the metadata on the CPU, then move it. Requests must be ordered decode-first."""
+    max_blocks = max((len(b) for b in block_tables), default=1) or 1
+    table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int64)
+    for i, blocks in enumerate(block_tables):
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)
+    ctx = torch.tensor(context_lens, dtype=torch.int64)
+    seq = ctx + q_lens
+    slots, kv_slots = [], []
+    for i, (q, c) in enumerate(zip(query_lens, context_lens)):
+        slots.append(_slots(table[i], torch.arange(c, c + q), block_size))
+        if i >= num_decode_reqs:
+            kv_slots.append(_slots(table[i], torch.arange(c + q), block_size))
+    q_start = F.pad(torch.cumsum(q_lens, 0), (1, 0))
+    prefill = slice(num_decode_reqs, None)
+    empty = torch.zeros(0, dtype=torch.int64)
+    md = AttentionMetadata(
+        block_size=block_size,
+        slot_mapping=torch.cat(slots) if slots else empty,
+        query_start_loc=q_start,
+        context_lens=ctx,
+        seq_lens=seq,
+        block_tables=table,
+        num_decode_reqs=num_decode_reqs,
+        num_decode_tokens=int(q_lens[:num_decode_reqs].sum()),
+        prefill_cu_seqlens_q=F.pad(torch.cumsum(q_lens[prefill], 0), (1, 0)),
+        prefill_cu_seqlens_k=F.pad(torch.cumsum(seq[prefill], 0), (1, 0)),
+        prefill_kv_slots=torch.cat(kv_slots) if kv_slots else empty,
+    )
+    return md.to(device)
+
+
+def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """slot = block_table[pos // block_size] * block_size + pos % block_size."""
+    return block_table[positions // block_size] * block_size + positions % block_size
+
+
+def write_latent_cache(
+    kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """kv_cache: [num_blocks, block_size, D]; latent: [T, D] written at slot_mapping: [T]."""
+    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, latent.to(kv_cache.dtype))
+
+
+def gather_latent_cache(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """-> [len(slots), D]."""
+    return kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, slots)
+
+
+def mla_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Varlen causal attention, bottom-right aligned (a request's query i sees keys
+    [0, len_k - len_q + i]), as flash-attn's varlen function defines it.
+
+    q: [Tq, H, Dqk], k: [Tk, H, Dqk], v: [Tk, H, Dv] -> [Tq, H, Dv].
+    """
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    for qs, qe, ks, ke in zip(
+        cu_seqlens_q[:-1].tolist(),
+        cu_seqlens_q[1:].tolist(),
+        cu_seqlens_k[:-1].tolist(),
+        cu_seqlens_k[1:].tolist(),
+    ):
+        lq, lk = qe - qs, ke - ks
+        if lq == 0:
+            continue
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)  # [lq, lk]
+        o = F.scaled_dot_product_attention(
+            q[qs:qe].transpose(0, 1),
+            k[ks:ke].transpose(0, 1),
+            v[ks:ke].transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+        )  # [H, lq, Dv]
+        out[qs:qe] = o.transpose(0, 1)
+    return out
+
+
+def mla_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA over the paged latent cache (the FlashMLA interface).
+
+    q: [T, H, L + R] (W_UK folded into the nope part), kv_cache: [N, block_size, L + R],
+    block_tables: [B, max_blocks], seq_lens: [B], query_start_loc: [B + 1] -> [T, H, L]
+    (still latent: W_UV is applied by the caller). Keys are whole cache entries; values
+    their first L dims. Query i of a request with q_len queries sees keys up to
+    seq_len - q_len + i.
+    """
+    b = block_tables.shape[0]
+    t, h, d = q.shape
+    block_size = kv_cache.shape[1]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [B]
+    max_q = int(q_lens.max())
+    max_s = int(seq_lens.max())
+    n_blocks = -(-max_s // block_size)
+    # Gather each request's cache pages: [B, n_blocks * block_size, D] -> [B, S, D]
+    kv = kv_cache[block_tables[:, :n_blocks]].reshape(b, -1, d)[:, :max_s]
+    # Scatter the flat queries into [B, Qmax, H, D] (row j = query j of the request).
+    req_of = torch.repeat_interleave(torch.arange(b, device=q.device), q_lens, output_size=t)
+    row = torch.arange(t, device=q.device) - query_start_loc[req_of]
+    qp = q.new_zeros(b, max_q, h, d)
+    qp[req_of, row] = q
+    scores = torch.einsum("bqhd,bsd->bhqs", qp.float(), kv.float()) * scale  # [B, H, Qmax, S]
+    key_pos = torch.arange(max_s, device=q.device)
+    last_visible = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=q.device)  # [B, Qmax]
+    visible = key_pos[None, None, :] <= last_visible[:, :, None]  # [B, Qmax, S]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bhqs,bsl->bqhl", probs, kv[..., :kv_lora_rank].float())  # [B, Qmax, H, L]
+    return out[req_of, row].to(q.dtype)

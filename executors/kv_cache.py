@@ -1,0 +1,99 @@
+"""Paged latent KV cache tensors and how many blocks fit.
+
+One tensor per layer, [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim];
+block ids are the scheduler's. The cache holds no bookkeeping: block tables
+live in the scheduler and arrive with each step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from deepinfer.config import EngineConfig
+from executors.models.config import DeepseekConfig
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_BYTES_CAP = 4 << 30  # the CPU default never takes more than this
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        entry_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # per layer: [num_blocks, block_size, entry_dim]
+        self.layers = [
+            torch.zeros(num_blocks, block_size, entry_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+
+
+def bytes_per_block(
+    cfg: DeepseekConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None
+) -> int:
+    layers = cfg.num_hidden_layers if num_layers is None else num_layers
+    return layers * block_size * cfg.kv_entry_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def cpu_num_blocks(
+    engine: EngineConfig, cfg: DeepseekConfig, dtype: torch.dtype, max_model_len: int
+) -> int:
+    """engine.num_gpu_blocks, else enough for 8 sequences of max_model_len (capped)."""
+    if engine.num_gpu_blocks is not None:
+        return engine.num_gpu_blocks
+    wanted = -(-8 * max_model_len // engine.block_size)
+    cap = max(1, CPU_KV_BYTES_CAP // bytes_per_block(cfg, engine.block_size, dtype))
+    return min(wanted, cap)
+
+
+def cuda_num_blocks(
+    engine: EngineConfig,
+    cfg: DeepseekConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    profile: Callable[[], None],
+) -> int:
+    """Blocks that fit in gpu_memory_utilization of the device after weights and the
+    peak activations of `profile` (a forward of a full token budget), unless
+    engine.num_gpu_blocks says otherwise.
+    """
+    if engine.num_gpu_blocks is not None:
+        return engine.num_gpu_blocks
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    profile()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    # Memory others hold on this GPU (other processes, CUDA context) is not ours to take.
+    others = total - free - torch.cuda.memory_reserved(device)
+    budget = int(total * engine.gpu_memory_utilization) - peak - others
+    per_block = bytes_per_block(cfg, engine.block_size, dtype)
+    blocks = budget // per_block
+    logger.info(
+        "KV cache: %.2f GiB for %d blocks (peak %.2f GiB, total %.2f GiB)",
+        budget / 2**30,
+        blocks,
+        peak / 2**30,
+        total / 2**30,
+    )
+    if blocks < 1:
+        raise RuntimeError(
+            f"no room for the KV cache: gpu_memory_utilization={engine.gpu_memory_utilization} "
+            f"of {total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB after weights and "
+            f"activations (peak {peak / 2**30:.1f} GiB); one block needs {per_block} bytes"
+        )
+    return int(blocks)

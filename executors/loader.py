@@ -1,0 +1,279 @@
+"""Find a checkpoint, parse its config and load its safetensors into a DeepseekForCausalLM.
+
+Model resolution: an existing local directory; else DEEPINFER_HF_MODEL_DIR (the
+directory itself or `<dir>/<model id>`); else the Hugging Face hub through
+`snapshot_download`. Weights: `model.safetensors.index.json` (sharded) or every
+`*.safetensors` file; both the original DeepSeek per-expert names and
+transformers' fused expert tensors. `load_format="dummy"` makes random weights
+of the right shapes directly on the target device. Pickle files are never read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from deepinfer import envs
+from executors.models.config import DeepseekConfig
+from executors.models.deepseek import DeepseekForCausalLM
+from executors.models.mtp import DeepseekMTP
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_HUB_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt"]
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the main model's are used
+
+
+def resolve_model_dir(model: str, *, revision: str | None = None, weights: bool = True) -> Path:
+    """Local directory for `model` (a path or a hub id), downloading it if needed."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    env = envs.hf_model_dir()
+    if env:
+        root = Path(env).expanduser()
+        for cand in (root, root / model, root / model.split("/")[-1]):
+            if (cand / "config.json").is_file():
+                return cand
+        raise FileNotFoundError(
+            f"DEEPINFER_HF_MODEL_DIR={env}: no config.json in {root} nor in {root / model}"
+        )
+    if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"model directory {model} does not exist")
+    from huggingface_hub import snapshot_download
+
+    patterns = _HUB_PATTERNS + (["*.safetensors"] if weights else [])
+    try:
+        return Path(snapshot_download(model, revision=revision, allow_patterns=patterns))
+    except Exception as e:  # offline mode, no network, unknown repo, gated repo, ...
+        raise RuntimeError(
+            f"could not get model {model!r} (revision {revision or 'main'}) from the Hugging "
+            f"Face hub: {type(e).__name__}: {e}. The hub may be unreachable or offline mode "
+            "set; pass a local checkpoint directory or set DEEPINFER_HF_MODEL_DIR."
+        ) from e
+
+
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {model_dir} (expected {path})")
+    with open(path) as f:
+        return json.load(f)
+
+
+def resolve_dtype(
+    cfg: DeepseekConfig, dtype: str | torch.dtype | None, device: torch.device
+) -> torch.dtype:
+    """The argument, else the checkpoint's dtype, else bf16 on CUDA and fp32 elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype if dtype not in (None, "auto") else cfg.dtype
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if str(name).removeprefix("torch.") not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; expected one of {sorted(DTYPES)}")
+    return DTYPES[str(name).removeprefix("torch.")]
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file holding it."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {name: model_dir / file for name, file in weight_map.items()}
+        for missing in sorted({p for p in files.values() if not p.is_file()}):
+            raise FileNotFoundError(f"{index} lists {missing.name}, which is not in {model_dir}")
+        return files
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        pickles = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
+            p.name for p in model_dir.glob("*.pt")
+        )
+        hint = f" (found {pickles}: pickle checkpoints are not read)" if pickles else ""
+        raise FileNotFoundError(
+            f"no model.safetensors.index.json nor *.safetensors weights in {model_dir}{hint}"
+        )
+    files = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            files.update(dict.fromkeys(f.keys(), shard))
+    return files
+
+
+def build_model(
+    cfg: DeepseekConfig, dtype: torch.dtype, device: torch.device, with_mtp: bool
+) -> DeepseekForCausalLM:
+    """Uninitialised parameters allocated once, on `device`, in `dtype` (routers in fp32)."""
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(cfg)
+        if with_mtp:
+            model.mtp = DeepseekMTP(cfg)
+    model.to(dtype)
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.float()
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def load_model(
+    model_dir: Path,
+    cfg: DeepseekConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> DeepseekForCausalLM:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r}: expected one of {LOAD_FORMATS}")
+    if load_format == "dummy":
+        model = build_model(cfg, dtype, device, with_mtp=cfg.num_nextn_predict_layers > 0)
+        init_dummy_weights(model, seed)
+        return model
+    files = checkpoint_files(model_dir)
+    mtp_prefixes = tuple(
+        f"model.layers.{cfg.num_hidden_layers + k}." for k in range(cfg.num_nextn_predict_layers)
+    )
+    with_mtp = bool(mtp_prefixes) and any(n.startswith(mtp_prefixes) for n in files)
+    model = build_model(cfg, dtype, device, with_mtp)
+    _WeightFiller(model, cfg, with_mtp).fill(files, device)
+    return model
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights in place, generated on the parameters' device: norms 1, biases 0."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(("bias", "e_score_correction_bias")):
+            p.zero_()
+        else:
+            gen = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
+            p.normal_(0.0, std, generator=gen)
+
+
+class _WeightFiller:
+    """Copies checkpoint tensors into parameters and checks every piece got filled."""
+
+    def __init__(self, model: DeepseekForCausalLM, cfg: DeepseekConfig, with_mtp: bool) -> None:
+        self.cfg = cfg
+        self.params = dict(model.named_parameters())
+        self.with_mtp = with_mtp
+        self.filled: dict[str, set[tuple[str, int]]] = defaultdict(set)
+
+    def fill(self, files: dict[str, Path], device: torch.device) -> None:
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for name, file in files.items():
+            by_file[file].append(name)
+        unexpected = []
+        load_device = "cpu" if device.type == "meta" else str(device)
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt", device=load_device) as f:
+                for name in names:
+                    target = self._target(name)
+                    if target is None:
+                        continue
+                    if target[0] not in self.params:
+                        unexpected.append(name)
+                        continue
+                    self._copy(name, f.get_tensor(name), *target)
+        if unexpected:
+            raise ValueError(
+                f"checkpoint tensors this model has no place for: {unexpected[:8]}"
+                f"{' ...' if len(unexpected) > 8 else ''}"
+            )
+        self._check_complete()
+
+    def _target(self, name: str) -> tuple[str, str, int] | None:
+        """checkpoint name -> (parameter name, piece kind, expert) or None to skip."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            return None
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) >= self.cfg.num_hidden_layers:
+            k = int(m.group(1)) - self.cfg.num_hidden_layers
+            rest = m.group(2)
+            if not self.with_mtp or k >= self.cfg.num_nextn_predict_layers or rest in _MTP_SHARED:
+                return None
+            block = "" if rest.startswith(_MTP_OWN) else "block."
+            name = f"mtp.layers.{k}.{block}{rest}"
+        e = _EXPERT.match(name)
+        if e:
+            param = e.group(1) + (".down_proj" if e.group(3) == "down_proj" else ".gate_up_proj")
+            return param, e.group(3), int(e.group(2))
+        return name, "all", -1
+
+    def _copy(self, name: str, tensor: torch.Tensor, param: str, kind: str, expert: int) -> None:
+        p = self.params[param]
+        dst = p.data
+        if kind != "all":
+            dst = dst[expert]
+            half = dst.shape[0] // 2
+            if kind == "gate_proj":
+                dst = dst[:half]
+            elif kind == "up_proj":
+                dst = dst[half:]
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"checkpoint tensor {name}: shape {tuple(tensor.shape)}, the model "
+                f"expects {tuple(dst.shape)} (config.json disagrees with the weights?)"
+            )
+        dst.copy_(tensor)
+        self.filled[param] |= self._pieces(param) if kind == "all" else {(kind, expert)}
+
+    def _pieces(self, param: str) -> set[tuple[str, int]]:
+        if param.endswith("experts.gate_up_proj"):
+            n = self.params[param].shape[0]
+            return {(k, e) for e in range(n) for k in ("gate_proj", "up_proj")}
+        if param.endswith("experts.down_proj"):
+            return {("down_proj", e) for e in range(self.params[param].shape[0])}
+        return {("all", -1)}
+
+    def _check_complete(self) -> None:
+        missing = []
+        for param in self.params:
+            for kind, e in sorted(self._pieces(param) - self.filled[param]):
+                missing.append(
+                    param if kind == "all" else f"{param.rsplit('.', 1)[0]}.{e}.{kind}.weight"
+                )
+        if missing:
+            missing = [_checkpoint_name(n, self.cfg) for n in missing]
+            raise ValueError(
+                f"checkpoint is missing {len(missing)} tensor(s): {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}"
+            )
+
+
+def _checkpoint_name(param: str, cfg: DeepseekConfig) -> str:
+    """Our parameter name -> the checkpoint's (MTP layers live at model.layers.{N + k})."""
+    m = re.match(r"^mtp\.layers\.(\d+)\.(block\.)?(.*)$", param)
+    if not m:
+        return param
+    return f"model.layers.{cfg.num_hidden_layers + int(m.group(1))}.{m.group(3)}"

@@ -1,0 +1,127 @@
+"""Multi-head Latent Attention over a paged latent KV cache.
+
+Per token the cache holds `kv_lora_rank + qk_rope_head_dim` values: the
+normalised compressed KV `c_kv` and the rotated shared key `k_pe`. Decode
+requests attend in the absorbed form (W_UK folded into q, W_UV applied to the
+latent output); prefill chunks decompress the gathered latent with kv_b_proj
+and attend with full per-head K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from executors.attention import (
+    AttentionMetadata,
+    gather_latent_cache,
+    mla_decode_attention,
+    mla_prefill_attention,
+    write_latent_cache,
+)
+from executors.models.config import DeepseekConfig
+from executors.models.layers import RMSNorm
+from executors.models.rope import apply_rope, softmax_scale
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: DeepseekConfig) -> None:
+        super().__init__()
+        h, hidden = cfg.num_attention_heads, cfg.hidden_size
+        self.num_heads = h
+        self.q_lora_rank = cfg.q_lora_rank
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.nope_dim = cfg.qk_nope_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.interleave = cfg.rope_interleave
+        self.scale = softmax_scale(cfg)
+        bias = cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, h * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, cfg.kv_entry_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_dim, hidden, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        md: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """x: [T, hidden]; kv_cache: [num_blocks, block_size, L + R] (written) -> [T, hidden]."""
+        t = x.shape[0]
+        cos, sin = cos_sin
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, dn + R]
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin, self.interleave)  # [T, H, R]
+
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)  # [T, L]
+        k_pe = apply_rope(k_pe, cos, sin, self.interleave)  # [T, R]
+        write_latent_cache(kv_cache, torch.cat([c_kv, k_pe], dim=-1), md.slot_mapping)
+
+        td = md.num_decode_tokens
+        outs = []
+        if md.num_decode_reqs > 0:
+            outs.append(self._decode(q_nope[:td], q_pe[:td], md, kv_cache))
+        if td < t:
+            outs.append(self._prefill(q_nope[td:], q_pe[td:], md, kv_cache))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H, dv]
+        return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_UK [H, dn, L], W_UV [H, dv, L] (views)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def _decode(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        md: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Absorbed: q_nope [Td, H, dn], q_pe [Td, H, R] -> [Td, H, dv]."""
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [Td, H, L]
+        n = md.num_decode_reqs
+        o_lat = mla_decode_attention(
+            torch.cat([q_lat, q_pe], dim=-1),  # [Td, H, L + R]
+            kv_cache,
+            md.block_tables[:n],
+            md.seq_lens[:n],
+            md.query_start_loc[: n + 1],
+            self.kv_lora_rank,
+            self.scale,
+        )  # [Td, H, L]
+        return torch.einsum("thl,hvl->thv", o_lat, w_uv)  # [Td, H, dv]
+
+    def _prefill(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        md: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Full MLA: q_nope [Tp, H, dn], q_pe [Tp, H, R] -> [Tp, H, dv]."""
+        latent = gather_latent_cache(kv_cache, md.prefill_kv_slots)  # [S, L + R]
+        s = latent.shape[0]
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(s, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [S, H, dn], [S, H, dv]
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [Tp, H, dn + R]
+        return mla_prefill_attention(
+            q, k, v, md.prefill_cu_seqlens_q, md.prefill_cu_seqlens_k, self.scale
+        )

@@ -1,0 +1,127 @@
+"""DeepSeek MoE: top-k router (V2 softmax greedy / group-limited, V3 sigmoid noaux_tc),
+routed experts held as fused 3-D weights, and always-on shared experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executors.models.config import DeepseekConfig
+from executors.models.layers import GatedMLP
+
+
+class Router(nn.Module):
+    """Scores experts and picks top-k per token; kept in float32 like the reference."""
+
+    def __init__(self, cfg: DeepseekConfig) -> None:
+        super().__init__()
+        assert cfg.n_routed_experts is not None
+        self.num_experts = cfg.n_routed_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.scoring_func = cfg.scoring_func
+        self.topk_method = cfg.topk_method
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        # V2 (original DeepSeek code): a normalised top-k is not scaled afterwards.
+        self.scale_after_norm = cfg.model_type != "deepseek_v2"
+        self.weight = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size))
+        if self.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts))
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> weights [T, top_k] float32, expert ids [T, top_k] int64."""
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        if self.scoring_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+        choice = scores
+        if self.topk_method == "noaux_tc":
+            choice = scores + self.e_score_correction_bias.float()
+        if self.topk_method in ("noaux_tc", "group_limited_greedy"):
+            choice = self._mask_groups(choice)
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # [T, k]
+        weights = scores.gather(1, ids)
+        normalised = self.norm_topk_prob and (self.scale_after_norm or self.top_k > 1)
+        if normalised:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.scale_after_norm or not normalised:
+            weights = weights * self.routed_scaling_factor
+        return weights, ids
+
+    def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Keep only experts of the `topk_group` best groups (masked ones get -inf or 0)."""
+        t = choice.shape[0]
+        grouped = choice.view(t, self.n_group, -1)  # [T, G, E/G]
+        if self.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+            fill = float("-inf")
+        else:
+            group_scores = grouped.max(dim=-1).values
+            fill = 0.0
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        keep = keep.unsqueeze(-1).expand_as(grouped).reshape(t, -1)  # [T, E]
+        return choice.masked_fill(~keep, fill)
+
+
+class Experts(nn.Module):
+    """Routed experts as fused tensors (transformers' layout):
+    gate_up_proj [E, 2 * I, hidden] (gate rows first), down_proj [E, hidden, I].
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden], weights/ids: [T, k] -> [T, hidden]."""
+        t, k = ids.shape
+        flat_ids = ids.reshape(-1)  # [T*k]
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // k  # [T*k] source token of each sorted assignment
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x, dtype=torch.float32)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = token_of[start : start + n]
+            gate, up = F.linear(x[idx], self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, hidden]
+            w = weights.reshape(-1)[order[start : start + n]]  # [n]
+            out.index_add_(0, idx, y.float() * w[:, None])
+            start += n
+        return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: DeepseekConfig) -> None:
+        super().__init__()
+        assert cfg.n_routed_experts is not None
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (
+            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts > 0
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,152 @@
+"""TorchExecutor: the real executor (registered as "torch"): loads the checkpoint,
+sizes the paged KV cache and runs each scheduled step through the ModelRunner.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer import envs
+from deepinfer.config import EngineConfig
+from deepinfer.executor import completed
+from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from executors.kv_cache import PagedKVCache, cpu_num_blocks, cuda_num_blocks
+from executors.loader import load_model, read_hf_config, resolve_dtype, resolve_model_dir
+from executors.model_runner import ModelRunner
+from executors.models.config import DeepseekConfig
+
+logger = logging.getLogger(__name__)
+
+
+class TorchExecutor:
+    needs_token_ids = True
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        model: str,
+        *,
+        dtype: str | None = None,
+        device: str | None = None,
+        load_format: str = "auto",
+        revision: str | None = None,
+    ) -> None:
+        self.engine_config = engine_config
+        self.model_dir: Path = resolve_model_dir(
+            model, revision=revision, weights=load_format != "dummy"
+        )
+        self.hf_config: dict[str, Any] = read_hf_config(self.model_dir)
+        self.config = DeepseekConfig.from_dict(
+            self.hf_config, source=str(self.model_dir / "config.json")
+        )
+        self.device = torch.device(device) if device else _default_device()
+        self.dtype = resolve_dtype(self.config, dtype, self.device)
+        self.max_model_len = engine_config.max_model_len or self.config.max_position_embeddings
+        self.eos_token_id = self._eos_token_id()
+        self.model = load_model(
+            self.model_dir,
+            self.config,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=load_format,
+            seed=engine_config.seed,
+        )
+        num_blocks = self._num_blocks()
+        self.kv_cache = PagedKVCache(
+            self.config.num_hidden_layers,
+            num_blocks,
+            engine_config.block_size,
+            self.config.kv_entry_dim,
+            self.dtype,
+            self.device,
+        )
+        first_eos = (
+            self.eos_token_id[0] if isinstance(self.eos_token_id, list) else self.eos_token_id
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, engine_config, first_eos)
+        logger.info(
+            "TorchExecutor: %s on %s in %s, %d KV blocks of %d tokens",
+            self.model_dir,
+            self.device,
+            self.dtype,
+            num_blocks,
+            engine_config.block_size,
+        )
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(out)
+
+    def execute_async(self, out: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Runs synchronously; the handle is already complete."""
+        return completed(self.execute(out))
+
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    def shutdown(self) -> None:
+        self.runner.requests.clear()
+        self.kv_cache.layers.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _eos_token_id(self) -> int | list[int] | None:
+        """generation_config.json's eos_token_id when present, else config.json's."""
+        gen = self.model_dir / "generation_config.json"
+        if gen.is_file():
+            with open(gen) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                return eos
+        return self.config.eos_token_id
+
+    def _num_blocks(self) -> int:
+        if self.device.type != "cuda":
+            return cpu_num_blocks(self.engine_config, self.config, self.dtype, self.max_model_len)
+        return cuda_num_blocks(
+            self.engine_config, self.config, self.dtype, self.device, self._profile_run
+        )
+
+    def _profile_run(self) -> None:
+        """One prefill of a full token budget into a throwaway cache, to measure the peak."""
+        n = min(self.engine_config.max_num_batched_tokens, self.max_model_len)
+        bs = self.engine_config.block_size
+        blocks = -(-n // bs)
+        cache = PagedKVCache(
+            self.config.num_hidden_layers,
+            blocks,
+            bs,
+            self.config.kv_entry_dim,
+            self.dtype,
+            self.device,
+        )
+        runner = ModelRunner(self.model, cache, self.engine_config)
+        req = ScheduledRequest(
+            req_id="profile",
+            num_tokens=n,
+            num_computed_tokens=0,
+            is_prompt=True,
+            samples=True,
+            new_block_ids=[],
+            block_table=list(range(blocks)),
+            token_ids=[0] * n,
+            num_prompt_tokens=n,
+        )
+        runner.execute(SchedulerOutput(step_id=-1, scheduled=[req]))
+        del runner, cache
+
+
+def _default_device() -> torch.device:
+    accel = envs.accelerator()
+    if accel == "cpu" or (accel is None and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if accel == "ascend":
+        raise RuntimeError(
+            "DEEPINFER_ACCELERATOR=ascend: the torch executor supports only nvidia (CUDA) and cpu"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
