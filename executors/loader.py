@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,15 @@ def load_model(
 
 
 @torch.no_grad()
+def load_state_dict_into(model: DeepseekForCausalLM, cfg: DeepseekConfig,
+                         state: Mapping[str, torch.Tensor]) -> None:
+    """Fill `model` from an in-memory state dict in checkpoint names (e.g. transformers'
+    own `state_dict()`), with the same name mapping and completeness checks as files."""
+    filler = _WeightFiller(model, cfg, with_mtp=model.mtp is not None)
+    filler.finish(filler.fill_tensors((name, state.__getitem__) for name in state))
+
+
+@torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Random weights in place, generated on the parameters' device: norms 1, biases 0."""
     gens: dict[torch.device, torch.Generator] = {}
@@ -191,18 +201,27 @@ class _WeightFiller:
         by_file: dict[Path, list[str]] = defaultdict(list)
         for name, file in files.items():
             by_file[file].append(name)
-        unexpected = []
+        unexpected: list[str] = []
         load_device = "cpu" if device.type == "meta" else str(device)
         for file, names in by_file.items():
             with safe_open(file, framework="pt", device=load_device) as f:
-                for name in names:
-                    target = self._target(name)
-                    if target is None:
-                        continue
-                    if target[0] not in self.params:
-                        unexpected.append(name)
-                        continue
-                    self._copy(name, f.get_tensor(name), *target)
+                unexpected += self.fill_tensors((name, f.get_tensor) for name in names)
+        self.finish(unexpected)
+
+    def fill_tensors(self, items: Iterable[tuple[str, Callable[[str], torch.Tensor]]]) -> list[str]:
+        """Copy (name, getter) pairs in; returns the names the model has no place for."""
+        unexpected = []
+        for name, get in items:
+            target = self._target(name)
+            if target is None:
+                continue
+            if target[0] not in self.params:
+                unexpected.append(name)
+                continue
+            self._copy(name, get(name), *target)
+        return unexpected
+
+    def finish(self, unexpected: list[str]) -> None:
         if unexpected:
             raise ValueError(
                 f"checkpoint tensors this model has no place for: {unexpected[:8]}"

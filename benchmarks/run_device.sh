@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark in one device call; logs and JSON land in $OUT.
+#   bash benchmarks/run_device.sh [tests|model|kernels|all]   (default: all)
+# Missing pure-Python packages (simpy) travel as wheels in .whl/.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+what=${1:-all}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', \
+triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+status=0
+if [[ $what == all || $what == tests ]]; then
+  python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  status=${PIPESTATUS[0]}
+fi
+if [[ $what == all || $what == kernels ]] && [[ -f benchmarks/kernels_bench.py ]]; then
+  python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40
+fi
+if [[ $what == all || $what == model ]]; then
+  python3 benchmarks/model_speed.py --json "$OUT/model_speed.json" 2>&1 \
+    | tee "$OUT/model_speed.log" | tail -20
+fi
+exit $status
