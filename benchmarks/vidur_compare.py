@@ -349,7 +349,8 @@ def vidur_latencies(path: Path) -> dict:
     E2E = request_e2e_time (Vidur's seconds, reported here in ms)."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    col = lambda c: [1e3 * float(r[c]) for r in rows if r.get(c) not in (None, "")]
+    def col(c):
+        return [1e3 * float(r[c]) for r in rows if r.get(c) not in (None, "")]
     out = {"completed": len(rows)}
     out.update(stats("ttft", col("prefill_e2e_time")))
     out.update(stats("tpot", col("decode_time_execution_plus_preemption_normalized")))

@@ -1,0 +1,343 @@
+"""Kernel benchmarks against the device's measured ceilings (run on a CUDA machine).
+
+    python benchmarks/kernels_bench.py [--quick] [--no-sweep] [--only mla,moe,rmsnorm]
+
+First the two ceilings: device-to-device copy bandwidth (bytes read + written) and a
+bf16 8192^3 matmul on random data. Then each kernel at representative shapes, timed
+with triton.testing.do_bench (median; it clears L2 before every run), beside its
+torch twin and the executor's current torch path. Achieved TB/s counts the fewest
+bytes the op must move (MLA: the KV read + q + out; MoE: the weights of the distinct
+experts touched + x + out). Prints a markdown table; writes JSON to $OUT if set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.fused_moe import fused_moe, moe_config  # noqa: E402
+from kernels.mla_decode import mla_decode  # noqa: E402
+from kernels.reference import fused_add_rmsnorm_ref, fused_moe_ref, mla_decode_ref  # noqa: E402
+from kernels.rmsnorm import fused_add_rmsnorm  # noqa: E402
+
+DEV = torch.device("cuda")
+ROWS: list[dict] = []
+
+
+def ms(fn: Callable[[], object], rep: int = 100) -> float:
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def graph_ms(fn: Callable[[], object], reps: int = 40) -> float:
+    """Median of CUDA-graph replays of fn, L2 cleared before each (launch overhead gone,
+    as in a graph-captured decode step)."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
+    events = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def maybe_ms(fn: Callable[[], object] | None, rep: int = 50) -> float | None:
+    """Time a baseline; None if it is missing or runs out of memory."""
+    if fn is None:
+        return None
+    try:
+        return ms(fn, rep)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
+def copy_tbps(n: int = 1 << 29) -> float:
+    """Device-to-device copy of n bf16 values (1 GiB), counting bytes read + written."""
+    src = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return 2 * 2 * n / ms(lambda: dst.copy_(src)) / 1e9
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    return 2 * n**3 / ms(lambda: a @ b) / 1e9
+
+
+def ceilings() -> dict[str, float]:
+    return {"copy_tbps": copy_tbps(), "matmul_tflops": matmul_tflops()}
+
+
+def record(kind: str, shape: str, fn: Callable, nbytes: float, flops: float, ceil: dict,
+           twin_ms: float | None = None, exec_ms: float | None = None, **extra) -> None:  # fmt: skip
+    """fn is timed twice: replayed from a CUDA graph (the figure used) and launched eagerly."""
+    t_ms = graph_ms(fn)
+    tbps = nbytes / t_ms / 1e9
+    row = {
+        "kernel": kind, "shape": shape, "us": t_ms * 1e3, "eager_us": ms(fn) * 1e3, "tbps": tbps,
+        "pct_bw": 100 * tbps / ceil["copy_tbps"], "tflops": flops / t_ms / 1e9,
+        "twin_us": twin_ms and twin_ms * 1e3, "exec_us": exec_ms and exec_ms * 1e3, **extra,
+    }  # fmt: skip
+    row["pct_mm"] = 100 * row["tflops"] / ceil["matmul_tflops"]
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def mla_inputs(batch: int, ctx: int, heads: int, q_len: int = 1, page: int = 64):
+    nb = batch * math.ceil(ctx / page)
+    kv = torch.randn(nb, page, 576, device=DEV, dtype=torch.bfloat16)
+    table = torch.randperm(nb, device=DEV).view(batch, -1)
+    seq = torch.full((batch,), ctx, device=DEV, dtype=torch.int64)
+    qsl = torch.arange(batch + 1, device=DEV, dtype=torch.int64) * q_len
+    q = torch.randn(batch * q_len, heads, 576, device=DEV, dtype=torch.bfloat16)
+    return (q, kv, table, seq, qsl, 512, 576**-0.5)
+
+
+def executor_mla() -> Callable | None:
+    try:
+        from executors.attention import mla_decode_attention
+    except Exception:  # noqa: BLE001 (the baseline is optional)
+        return None
+    return mla_decode_attention
+
+
+def bench_mla(ceil: dict, quick: bool) -> None:
+    exec_fn = executor_mla()
+    shapes = [(b, c) for b in (1, 8, 64, 128) for c in (1024, 4096, 8192)]
+    if quick:
+        shapes = [(1, 8192), (64, 4096), (128, 8192)]
+    for heads in (16, 128):
+        for batch, ctx, q_len in [*[(b, c, 1) for b, c in shapes], (64, 4096, 4)]:
+            args = mla_inputs(batch, ctx, heads, q_len)
+            t = batch * q_len
+            nbytes = batch * ctx * 576 * 2 + t * heads * (576 + 512) * 2
+            flops = 2 * t * heads * ctx * (576 + 512)
+            big = batch * q_len * ctx * heads > 64 * 4096 * 128
+            record(
+                "mla_decode", f"H={heads} B={batch} ctx={ctx} q={q_len}",
+                lambda a=args: mla_decode(*a), nbytes, flops, ceil,
+                twin_ms=None if big else maybe_ms(lambda a=args: mla_decode_ref(*a)),
+                exec_ms=None if big or exec_fn is None else maybe_ms(lambda a=args: exec_fn(*a)),
+            )  # fmt: skip
+            del args
+            torch.cuda.empty_cache()
+
+
+def sweep(kind: str, fn: Callable, configs: list[dict], nbytes: float, ceil: dict, **key) -> None:
+    """Time fn(config) for each config (skipping ones that fail to compile or launch)."""
+    for cfg in configs:
+        try:
+            t = graph_ms(lambda c=cfg: fn(c), 20)
+        except Exception as err:  # noqa: BLE001 (out of resources: skip the config)
+            print(f"sweep skip {cfg}: {type(err).__name__}: {str(err)[:80]}", flush=True)
+            continue
+        row = {"sweep": kind, **key, **cfg, "us": t * 1e3,
+               "pct_bw": 100 * nbytes / t / 1e9 / ceil["copy_tbps"]}  # fmt: skip
+        ROWS.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def sweep_mla(ceil: dict) -> None:
+    """Launch settings around the defaults, at the shapes the targets name."""
+    small = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
+             for bn, w, st in ((32, 8, 3), (32, 8, 4), (32, 4, 3), (16, 4, 4), (16, 4, 6),
+                               (64, 8, 3), (16, 8, 4))]  # fmt: skip
+    splits = [{"splits": s} for s in (2, 3, 4, 6, 8, 12)]
+    large = [{"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+             for bh, bn, w, st in ((64, 32, 8, 3), (64, 32, 8, 2), (64, 16, 8, 4), (64, 16, 4, 3),
+                                   (64, 32, 4, 3), (32, 32, 8, 3), (64, 64, 8, 2))]  # fmt: skip
+    for heads, batch, ctx, configs in (
+        (16, 64, 4096, small + splits),
+        (16, 8, 8192, small),
+        (128, 128, 8192, large),
+    ):
+        args = mla_inputs(batch, ctx, heads)
+
+        def run(cfg: dict, args: tuple = args) -> torch.Tensor:
+            cfg = dict(cfg)
+            return mla_decode(*args, num_splits=cfg.pop("splits", None), config=cfg)
+
+        sweep("mla", run, configs, batch * ctx * 576 * 2, ceil, H=heads, B=batch, ctx=ctx)
+
+
+def moe_inputs(t: int, e: int = 64, k: int = 6, hidden: int = 2048, inter: int = 1408):
+    bf = {"device": DEV, "dtype": torch.bfloat16}
+    x = torch.randn(t, hidden, **bf)
+    w13 = torch.randn(e, 2 * inter, hidden, **bf) / hidden**0.5
+    w2 = torch.randn(e, hidden, inter, **bf) / inter**0.5
+    weights, ids = torch.randn(t, e, device=DEV).softmax(-1).topk(k, dim=-1)
+    return x, w13, w2, weights, ids
+
+
+def executor_moe(w13: torch.Tensor, w2: torch.Tensor) -> Callable | None:
+    try:
+        from executors.models.moe import Experts
+    except Exception:  # noqa: BLE001
+        return None
+    experts = Experts(w13.shape[0], w13.shape[2], w2.shape[2]).to(DEV, torch.bfloat16)
+    experts.gate_up_proj.data, experts.down_proj.data = w13, w2
+    return experts
+
+
+def bench_moe(ceil: dict, sweep: bool) -> None:
+    for t in (1, 8, 64, 256, 2048):
+        bench_moe_one(t, ceil, sweep and t in MOE_SWEEP)
+        torch.cuda.empty_cache()
+
+
+def bench_moe_one(t: int, ceil: dict, sweep_configs: bool) -> None:
+    x, w13, w2, weights, ids = moe_inputs(t)
+    e, two_i, hidden = w13.shape
+    touched = ids.unique().numel()
+    nbytes = touched * 3 * (two_i // 2) * hidden * 2 + 2 * t * hidden * 2
+    flops = t * ids.shape[1] * 6 * hidden * (two_i // 2)
+    experts = executor_moe(w13, w2)
+    with torch.inference_mode():
+        record(
+            "fused_moe", f"T={t} E={e} k={ids.shape[1]} H={hidden} I={two_i // 2}",
+            lambda: fused_moe(x, w13, w2, weights, ids), nbytes, flops, ceil,
+            twin_ms=maybe_ms(lambda: fused_moe_ref(x, w13, w2, weights, ids)),
+            exec_ms=maybe_ms(experts and (lambda: experts(x, weights, ids))),
+            experts_touched=touched, config=moe_config(t),
+        )  # fmt: skip
+    if sweep_configs:
+        sweep("moe", lambda c: fused_moe(x, w13, w2, weights, ids, config=c),
+              MOE_SWEEP[t], nbytes, ceil, T=t)  # fmt: skip
+
+
+MOE_SWEEP = {
+    1: [{"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": st}
+        for bn, bk in ((64, 128), (32, 128), (32, 256)) for st in (3, 4)],
+    2048: [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
+           for bm, bn, bk, w, st in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+                                     (64, 256, 64, 8, 3), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4))],
+}  # fmt: skip
+
+
+def bench_rmsnorm(ceil: dict) -> None:
+    for t, hidden in ((1, 2048), (64, 2048), (4096, 2048), (16384, 7168)):
+        bench_rmsnorm_one(t, hidden, ceil)
+
+
+def bench_rmsnorm_one(t: int, hidden: int, ceil: dict) -> None:
+    x, r = (torch.randn(t, hidden, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    w = torch.rand(hidden, device=DEV, dtype=torch.bfloat16) + 0.5
+    record(
+        "fused_add_rmsnorm", f"T={t} H={hidden}",
+        lambda: fused_add_rmsnorm(x, r, w, 1e-6), 4 * t * hidden * 2, 0.0, ceil,
+        twin_ms=maybe_ms(lambda: fused_add_rmsnorm_ref(x, r, w, 1e-6)),
+    )  # fmt: skip
+
+
+def accuracy() -> None:
+    """||out - ref|| / ||ref|| of each bf16 kernel against its twin run in float64."""
+
+    def check(name: str, out: torch.Tensor, ref: torch.Tensor) -> None:
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        if not torch.isfinite(out).all():
+            err = float("inf")
+        ROWS.append({"check": name, "rel_err": err})
+        print(json.dumps(ROWS[-1]), flush=True)
+
+    def f64(args: tuple) -> tuple:
+        return tuple(a.double() if a.is_floating_point() else a for a in args[:5]) + args[5:]
+
+    for heads, batch, ctx, q_len in ((16, 64, 4096, 1), (16, 16, 8192, 4), (128, 16, 4096, 1)):
+        a = mla_inputs(batch, ctx, heads, q_len)
+        check(
+            f"mla H={heads} B={batch} ctx={ctx} q={q_len}", mla_decode(*a), mla_decode_ref(*f64(a))
+        )
+    for t in (1, 64, 2048):
+        a = moe_inputs(t)
+        check(f"moe T={t}", fused_moe(*a), fused_moe_ref(*(x.double() for x in a[:4]), a[4]))
+    x, r = (torch.randn(4096, 2048, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    w = torch.rand(2048, device=DEV, dtype=torch.bfloat16) + 0.5
+    ref = fused_add_rmsnorm_ref(x.double(), r.double(), w.double(), 1e-6)[0]
+    check("fused_add_rmsnorm T=4096", fused_add_rmsnorm(x, r, w, 1e-6)[0], ref)
+
+
+def table(ceil: dict) -> str:
+    lines = [
+        f"copy bandwidth {ceil['copy_tbps']:.2f} TB/s (read + write); "
+        f"bf16 8192^3 matmul {ceil['matmul_tflops']:.0f} TFLOP/s",
+        "",
+        "us: CUDA-graph replay, L2 cleared (eager: plain launches, Python overhead included)",
+        "",
+        "| kernel | shape | us | eager us | TB/s | % copy BW | TFLOP/s | % matmul | twin us "
+        "| executor us |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def f(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for r in ROWS:
+        if "kernel" in r:
+            lines.append(
+                f"| {r['kernel']} | {r['shape']} | {r['us']:.1f} | {r['eager_us']:.1f} | "
+                f"{r['tbps']:.2f} | "
+                f"{r['pct_bw']:.0f} | {r['tflops']:.1f} | {r['pct_mm']:.0f} | "
+                f"{f(r['twin_us'], '.1f')} | {f(r['exec_us'], '.1f')} |"
+            )
+    errs = [f"{r['check']}: {r['rel_err']:.2e}" for r in ROWS if "check" in r]
+    if errs:
+        lines += ["", "relative error vs float64 twin: " + "; ".join(errs)]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--only", default="accuracy,mla,moe,rmsnorm")
+    a = p.parse_args()
+    only = set(a.only.split(","))
+    torch.manual_seed(0)
+    ceil = ceilings()
+    print(json.dumps(ceil), flush=True)
+    if "accuracy" in only:
+        accuracy()
+    if "rmsnorm" in only:
+        bench_rmsnorm(ceil)
+    if "moe" in only:
+        bench_moe(ceil, sweep=not a.no_sweep)
+    if "mla" in only:
+        bench_mla(ceil, a.quick)
+        if not a.no_sweep:
+            sweep_mla(ceil)
+    text = table(ceil)
+    print(text)
+    if os.environ.get("OUT"):
+        out = Path(os.environ["OUT"])
+        (out / "kernels_bench.json").write_text(
+            json.dumps({"ceilings": ceil, "rows": ROWS}, indent=1)
+        )
+        (out / "kernels_bench.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
