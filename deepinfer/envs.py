@@ -66,6 +66,15 @@ def max_draft_len() -> int:
     return _int("DEEPINFER_USE_NEXTN_DECODE", 5)
 
 
+def kernel_backend() -> str:
+    """DEEPINFER_KERNEL_BACKEND: auto (Triton kernels on CUDA), torch (the torch twins
+    everywhere: turns the kernels off) or triton."""
+    raw = os.environ.get("DEEPINFER_KERNEL_BACKEND") or "auto"
+    if raw not in ("auto", "torch", "triton"):
+        raise ValueError(f"DEEPINFER_KERNEL_BACKEND={raw!r}: expected auto, torch or triton")
+    return raw
+
+
 def batch_invariant() -> bool:
     """DEEPINFER_BATCH_INVARIANT: batch-invariant kernels (NVIDIA)."""
     return _flag("DEEPINFER_BATCH_INVARIANT", False)

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from deepinfer import envs
+from kernels import ops as kernel_ops
+
 
 @dataclass
 class AttentionMetadata:
@@ -147,8 +150,12 @@ def mla_decode_attention(
     block_tables: [B, max_blocks], seq_lens: [B], query_start_loc: [B + 1] -> [T, H, L]
     (still latent: W_UV is applied by the caller). Keys are whole cache entries; values
     their first L dims. Query i of a request with q_len queries sees keys up to
-    seq_len - q_len + i.
+    seq_len - q_len + i. On CUDA the Triton kernel (kernels.ops) runs instead.
     """
+    if q.is_cuda:
+        return kernel_ops.mla_decode_attention(q, kv_cache, block_tables, seq_lens,
+                                               query_start_loc, kv_lora_rank, scale,
+                                               backend=envs.kernel_backend())
     b = block_tables.shape[0]
     t, h, d = q.shape
     block_size = kv_cache.shape[1]

@@ -49,6 +49,10 @@ def resolve_model_dir(model: str, *, revision: str | None = None, weights: bool 
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    from executors.demo import DEMO_MODEL_NAME, demo_model_path
+
+    if model == DEMO_MODEL_NAME:  # the small trained model shipped with the package
+        return demo_model_path()
     env = envs.hf_model_dir()
     if env:
         root = Path(env).expanduser()

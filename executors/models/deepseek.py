@@ -10,12 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer import envs
 from executors.attention import AttentionMetadata
 from executors.models.config import DeepseekConfig
 from executors.models.layers import GatedMLP, RMSNorm
 from executors.models.mla import MLAttention
 from executors.models.moe import MoE
 from executors.models.rope import RotaryEmbedding
+from kernels import ops as kernel_ops
 
 
 class DecoderLayer(nn.Module):
@@ -38,7 +40,13 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, md, kv_cache)
+        h = self.self_attn(self.input_layernorm(x), cos_sin, md, kv_cache)
+        if x.is_cuda:  # one Triton pass: the residual add and the norm
+            norm = self.post_attention_layernorm
+            normed, x = kernel_ops.fused_add_rmsnorm(h, x, norm.weight, norm.eps,
+                                                     backend=envs.kernel_backend())
+            return x + self.mlp(normed)
+        x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer import envs
+from kernels import ops as kernel_ops
+
 
 class RMSNorm(nn.Module):
     """Normalises in float32, casts back, then scales (transformers' order of operations)."""
@@ -16,6 +19,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return kernel_ops.rmsnorm(x, self.weight, self.eps, backend=envs.kernel_backend())
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)

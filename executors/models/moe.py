@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer import envs
 from executors.models.config import DeepseekConfig
 from executors.models.layers import GatedMLP
+from kernels import ops as kernel_ops
 
 
 class Router(nn.Module):
@@ -87,6 +89,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden], weights/ids: [T, k] -> [T, hidden]."""
+        if x.is_cuda:  # the fused Triton MoE (kernels.ops), fp32 accumulation
+            return kernel_ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                        backend=envs.kernel_backend())
         t, k = ids.shape
         flat_ids = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat_ids, stable=True)

@@ -1,0 +1,206 @@
+"""Fused MoE in Triton: align pairs by expert, grouped gate/up GEMM with SiLU-and-mul in
+its epilogue, grouped down GEMM scaled by the routing weight, then the sum over top-k.
+
+Weights use the executor's (transformers') fused layout, so no repacking:
+w13 = gate_up_proj [E, 2I, H] (gate rows first), w2 = down_proj [E, H, I].
+Each BLOCK_M-row block of the aligned pairs belongs to one expert, so a program
+streams that expert's weight tile once for up to BLOCK_M tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe_align import moe_align
+
+# (max T, config): block shapes by batch size; small T -> BLOCK_M 16 (decode: few rows per
+# expert, the GEMMs stream weights); large T -> bigger tiles (tensor-core bound).
+CONFIGS: tuple[tuple[int, dict[str, int]], ...] = (
+    (32, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}),
+    (128, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}),
+    (512, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}),
+    (1024, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}),
+    (1 << 62, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}),
+)  # fmt: skip
+
+
+def moe_config(num_tokens: int) -> dict[str, int]:
+    return next(dict(cfg) for max_t, cfg in CONFIGS if num_tokens <= max_t)
+
+
+@triton.jit
+def _block_ids(num_blocks_m, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped launch order: GROUP_M row blocks sweep the N blocks together (L2 reuse)."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr,  # [T, K]
+    w_ptr,  # [E, 2N, K]
+    act_ptr,  # [num_pairs, N]: silu(gate) * up per pair
+    sorted_ptr,  # [max_blocks * BLOCK_M] int32 pair ids
+    block_expert_ptr,  # [max_blocks] int32
+    num_padded_ptr,  # [1] int32
+    num_pairs,
+    num_blocks_m,
+    N,
+    K,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_act,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _block_ids(num_blocks_m, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    row_mask = pairs < num_pairs
+    tok = (pairs // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + N * stride_wn  # up rows follow the N gate rows
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        wg = tl.load(g_ptrs, mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        wu = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        acc_g = tl.dot(a, wg, acc=acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, wu, acc=acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    out_ptrs = act_ptr + pairs[:, None].to(tl.int64) * stride_act + offs_n[None, :]
+    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    act_ptr,  # [num_pairs, K]
+    w_ptr,  # [E, N, K]
+    topk_w_ptr,  # [num_pairs] float32
+    out_ptr,  # [num_pairs, N] float32: weighted expert output per pair
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_pairs,
+    num_blocks_m,
+    N,
+    K,
+    stride_act,
+    stride_we,
+    stride_wn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _block_ids(num_blocks_m, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = pairs < num_pairs
+    rows = pairs.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows[:, None] * stride_act + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc=acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc *= tl.load(topk_w_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    out_ptrs = out_ptr + rows[:, None] * N + offs_n[None, :]
+    tl.store(out_ptrs, acc, mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(
+    part_ptr, out_ptr, N, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+):  # part: [T, TOP_K, N] float32 -> out: [T, N]
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in range(TOP_K):
+        acc += tl.load(part_ptr + (t * TOP_K + j) * N + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: dict[str, int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as `kernels.reference.fused_moe_ref`: x [T, H], w13 [E, 2I, H],
+    w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] -> [T, H] in x.dtype.
+    Weights must be contiguous in their last dim; no host synchronisation. `config`
+    overrides the table's launch settings; `out` [T, H] receives the result."""
+    t, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    k = topk_ids.shape[1]
+    assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    assert w2.shape == (num_experts, hidden, inter)
+    out = torch.empty_like(x) if out is None else out
+    assert out.shape == x.shape and out.stride(1) == 1
+    if t == 0:
+        return out
+    cfg = dict(moe_config(t), **(config or {}))
+    bm, bn, bk, gm = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
+    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    num_pairs = t * k
+    al = moe_align(topk_ids, num_experts, bm)
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
+    _moe_gate_up_kernel[(al.max_blocks * triton.cdiv(inter, bn),)](
+        x, w13, act, al.sorted_pairs, al.block_expert, al.num_padded,
+        num_pairs, al.max_blocks, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISION=precision, **launch,
+    )  # fmt: skip
+    part = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*k, H]
+    weights = topk_weights.reshape(-1).float()
+    _moe_down_kernel[(al.max_blocks * triton.cdiv(hidden, bn),)](
+        act, w2, weights, part, al.sorted_pairs, al.block_expert, al.num_padded,
+        num_pairs, al.max_blocks, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISION=precision, **launch,
+    )  # fmt: skip
+    block = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(t, triton.cdiv(hidden, block))](
+        part, out, hidden, out.stride(0), TOP_K=k, BLOCK=block, num_warps=4
+    )
+    return out

@@ -1,0 +1,264 @@
+"""Paged MLA decode attention in Triton: absorbed form, split-KV (flash-decoding).
+
+All heads share one latent KV entry per token (MQA over [L latent | R rope] dims), so
+one program serves BLOCK_H heads of QG query tokens of one request (QG > 1 when drafts
+are verified): each K tile [BLOCK_N, L + R] is loaded once for all QG * BLOCK_H rows
+and used for QK^T (all L + R dims) and PV (the first L dims).
+Long contexts are cut into `num_splits` pieces run in parallel; a second kernel
+merges the pieces by their log-sum-exp. Softmax runs in base 2 (exp2).
+
+Grid of the split kernel: (head block, query token, split); head blocks vary
+fastest so the programs reading the same KV pages run together and share L2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_KEYS_PER_SPLIT = 128  # shorter pieces cost more in merging than they gain
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    q_ptr,  # [T, H, L + R]
+    kv_ptr,  # [N, PAGE, L + R], last dim contiguous
+    bt_ptr,  # [B, max_blocks]
+    seq_lens_ptr,  # [B]
+    qsl_ptr,  # [B + 1]
+    out_ptr,  # [T, H, L] (written when NUM_SPLITS == 1)
+    part_out_ptr,  # [T, H, NUM_SPLITS, L] float32
+    part_lse_ptr,  # [T, H, NUM_SPLITS] float32, base 2
+    num_reqs,
+    num_heads,
+    sm_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kvb,
+    stride_kvs,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    QG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    t = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Request of token t: how many requests end at or before t.
+    b = tl.zeros([], tl.int32)
+    for c in tl.range(0, num_reqs, 128):
+        offs_b = c + tl.arange(0, 128)
+        ends = tl.load(qsl_ptr + 1 + offs_b, mask=offs_b < num_reqs, other=0)
+        b += tl.sum(((ends <= t) & (offs_b < num_reqs)).to(tl.int32), axis=0)
+    q_start = tl.load(qsl_ptr + b)
+    q_end = tl.load(qsl_ptr + b + 1)
+    first_key = tl.load(seq_lens_ptr + b) - (q_end - q_start)  # keys before the request's queries
+    i0 = (t - q_start).to(tl.int32)  # this program's first query within the request
+    if i0 % QG != 0:  # another program serves this query (QG queries per program)
+        return
+    # Rows are (query, head) pairs: row = qi * BLOCK_H + head offset.
+    rows = tl.arange(0, QG * BLOCK_H)
+    heads = pid_h * BLOCK_H + rows % BLOCK_H
+    if QG == 1:  # scalar token: keeps the single-query kernel's registers down
+        tok = t.to(tl.int64)
+        row_ok = heads < num_heads
+        kv_len = (first_key + i0 + 1).to(tl.int32)
+    else:
+        qi = rows // BLOCK_H
+        tok = (t + qi).to(tl.int64)  # [ROWS]
+        row_ok = (tok < q_end) & (heads < num_heads)
+        last_key = (first_key + i0 + qi).to(tl.int32)  # [ROWS] query i sees keys <= this
+        kv_len = (first_key + i0 + tl.minimum(QG, q_end - t)).to(tl.int32)  # any row sees
+
+    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, kv_len)
+
+    offs_l = tl.arange(0, L)
+    offs_r = tl.arange(0, R)
+    q_row = q_ptr + (tok * stride_qt + heads * stride_qh)[:, None]
+    q_nope = tl.load(q_row + offs_l[None, :], mask=row_ok[:, None], other=0.0)  # [ROWS, L]
+    q_pe = tl.load(q_row + L + offs_r[None, :], mask=row_ok[:, None], other=0.0)  # [ROWS, R]
+
+    m_i = tl.full([QG * BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([QG * BLOCK_H], tl.float32)
+    acc = tl.zeros([QG * BLOCK_H, L], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    # Page ids run one tile ahead (loop-carried): without this Triton's pipeliner keeps only
+    # one KV tile in flight (the KV address would hang on a load of the same iteration).
+    offs_n = start + tl.arange(0, BLOCK_N)
+    page_next = tl.load(bt_row + offs_n // PAGE, mask=offs_n < end, other=0)
+    for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+        offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        n_mask = offs_n < end
+        page = page_next.to(tl.int64)
+        page_next = tl.load(
+            bt_row + (offs_n + BLOCK_N) // PAGE, mask=offs_n + BLOCK_N < end, other=0
+        )
+        kv_row = kv_ptr + page * stride_kvb + (offs_n % PAGE) * stride_kvs  # [BLOCK_N]
+        k_nope = tl.load(kv_row[:, None] + offs_l[None, :], mask=n_mask[:, None], other=0.0)
+        k_pe = tl.load(kv_row[:, None] + L + offs_r[None, :], mask=n_mask[:, None], other=0.0)
+        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PRECISION)  # [ROWS, BLOCK_N]
+        s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)
+        if QG == 1:
+            s = tl.where(n_mask[None, :], s * sm_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = m_new
+        else:  # causal among the group's queries: a row may see none of this tile
+            visible = n_mask[None, :] & (offs_n[None, :] <= last_key[:, None])
+            s = tl.where(visible, s * sm_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])  # [ROWS, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc=acc, input_precision=PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:  # every valid row saw key 0
+        o = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + (tok * stride_ot + heads * stride_oh)[:, None] + offs_l
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        empty = l_i == 0.0  # a split past this row's keys
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        row = (tok * num_heads + heads) * NUM_SPLITS + split  # [ROWS]
+        tl.store(part_lse_ptr + row, lse, mask=row_ok)
+        tl.store(part_out_ptr + row[:, None] * L + offs_l, o, mask=row_ok[:, None])
+
+
+@triton.jit
+def _mla_decode_merge_kernel(
+    part_out_ptr,  # [T, H, NUM_SPLITS, L] float32
+    part_lse_ptr,  # [T, H, NUM_SPLITS] float32, base 2
+    out_ptr,  # [T, H, L]
+    num_heads,
+    stride_ot,
+    stride_oh,
+    L: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+):
+    th = tl.program_id(0)  # t * num_heads + h
+    t = th // num_heads
+    h = th % num_heads
+    offs_s = tl.arange(0, SPLITS_POW2)
+    lse = tl.load(
+        part_lse_ptr + th * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf")
+    )  # [SPLITS_POW2]; split 0 always holds keys, so the max is finite
+    lse_max = tl.max(lse, axis=0)
+    denom = tl.sum(tl.exp2(lse - lse_max), axis=0)
+    offs_l = tl.arange(0, L)
+    acc = tl.zeros([L], tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(part_lse_ptr + th * NUM_SPLITS + s) - lse_max) / denom
+        part = tl.load(part_out_ptr + (th.to(tl.int64) * NUM_SPLITS + s) * L + offs_l)
+        acc += w * part
+    o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_l
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(
+    num_programs: int, max_context: int, num_sms: int, ctas_per_sm: int = 2
+) -> int:
+    """Splits per query token so that the programs fill one wave of resident CTAs
+    (num_sms * ctas_per_sm) without spilling into a second, nearly empty one; each
+    piece keeps at least MIN_KEYS_PER_SPLIT keys. max_context is an upper bound."""
+    splits = (num_sms * ctas_per_sm) // max(num_programs, 1)
+    return max(1, min(splits, max_context // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def default_config(num_heads: int, multi_query: bool) -> dict[str, int]:
+    """Launch settings (H200 sweeps in benchmarks/kernels_bench.py). QG: queries of one
+    request per program (draft verification: they share the request's KV reads).
+    ctas_per_sm: how many such programs fit on one SM (registers, shared memory)."""
+    if num_heads <= 16 and not multi_query:
+        return {"BLOCK_H": 16, "QG": 1, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3,
+                "ctas_per_sm": 2}  # fmt: skip
+    qg = 4 if num_heads <= 16 else 1  # 64-row tiles either way
+    return {"BLOCK_H": 64, "QG": qg, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3,
+            "ctas_per_sm": 1}  # fmt: skip
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+    num_splits: int | None = None,
+    config: dict[str, int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as `kernels.reference.mla_decode_ref` (and the executor's
+    `mla_decode_attention`): q [T, H, L + R] -> [T, H, L]. No host synchronisation:
+    the split count comes from T, H and the block table's width, an upper bound
+    on the context. L, R and block_size must be powers of two. `num_splits`,
+    `config` override the heuristics; `out` [T, H, L] receives the result."""
+    t, h, d = q.shape
+    page = kv_cache.shape[1]
+    lat, rope = kv_lora_rank, d - kv_lora_rank
+    assert kv_cache.shape[2] == d and kv_cache.stride(2) == 1 and q.stride(2) == 1
+    assert lat & (lat - 1) == 0 and rope & (rope - 1) == 0 and page & (page - 1) == 0
+    if out is None:
+        out = torch.empty(t, h, lat, dtype=q.dtype, device=q.device)
+    assert out.shape == (t, h, lat) and out.stride(2) == 1
+    if t == 0:
+        return out
+    # T > B only when some request verifies drafts (every request has >= 1 query).
+    cfg = dict(default_config(h, t > block_tables.shape[0]), **(config or {}))
+    block_h = max(16, min(cfg["BLOCK_H"], triton.next_power_of_2(h)))
+    head_blocks = triton.cdiv(h, block_h)
+    qg = cfg["QG"]
+    assert qg & (qg - 1) == 0, "QG must be a power of two"
+    if num_splits is None:
+        programs = triton.cdiv(t, qg) * head_blocks  # busy ones; the rest return at once
+        max_context = block_tables.shape[1] * page
+        num_splits = choose_num_splits(
+            programs, max_context, _num_sms(q.device), cfg["ctas_per_sm"]
+        )
+    if num_splits > 1:
+        part_out = torch.empty(t, h, num_splits, lat, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(t, h, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _mla_decode_split_kernel[(head_blocks, t, num_splits)](
+        q, kv_cache, block_tables, seq_lens, query_start_loc,
+        out, part_out, part_lse,
+        block_tables.shape[0], h, scale * LOG2E,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        L=lat, R=rope, PAGE=page, BLOCK_H=block_h, QG=qg, BLOCK_N=cfg["BLOCK_N"],
+        NUM_SPLITS=num_splits, PRECISION=precision, NUM_STAGES=cfg["num_stages"],
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    if num_splits > 1:
+        _mla_decode_merge_kernel[(t * h,)](
+            part_out, part_lse, out, h, out.stride(0), out.stride(1),
+            L=lat, NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,42 @@
+"""Kernel tests: on a machine without CUDA the Triton kernels run in Triton's CPU
+interpreter. TRITON_INTERPRET is read when a kernel is decorated, so it is set
+here, before any test module of this folder imports `kernels.*`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _patch_interpreter_scalars() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and calls int() on
+    them for `range` bounds, which NumPy >= 2.4 refuses; take the element instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_deepinfer_patched", False):
+        return
+
+    def patched(tensor, scope) -> None:  # noqa: ANN001 (Triton internals)
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).flat[0]))
+
+    patched._deepinfer_patched = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_scalars()
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where the tiny-shape tests run: the GPU when there is one, else the CPU interpreter."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,99 @@
+"""Triton MLA decode attention equals its torch twin (float64) on random paged caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.mla_decode import choose_num_splits, mla_decode
+from kernels.reference import mla_decode_ref
+from tests.kernels.utils import make_mla_case, rel_err
+
+# (q_lens, seq_lens, heads, L, R, block_size, num_splits, queries per program)
+TINY_CASES = [
+    ([1, 1, 1], [5, 40, 100], 16, 64, 32, 16, None, 1),  # one split, ragged lengths
+    ([1, 4, 2], [9, 40, 100], 16, 64, 32, 16, 3, 1),  # draft verification rows
+    ([1, 4, 2], [9, 40, 100], 16, 64, 32, 16, 3, 4),  # ... grouped per request
+    ([6, 1, 3], [6, 70, 33], 16, 64, 32, 16, 4, 4),  # more queries than one group
+    ([5, 2], [50, 9], 8, 64, 32, 16, None, 2),  # groups of 2, one split
+    ([4], [4], 20, 64, 32, 32, 4, 1),  # heads past BLOCK_H; splits with no keys
+    ([1, 2], [300, 17], 16, 512, 64, 64, 2, 1),  # the real latent / rope widths
+    ([3, 1], [70, 33], 8, 64, 32, 16, 5, 1),  # fewer heads than BLOCK_H
+]
+
+
+@pytest.mark.parametrize("q_lens,seq_lens,heads,lat,rope,block_size,splits,qg", TINY_CASES)
+def test_split_kv_decode_matches_reference(
+    q_lens, seq_lens, heads, lat, rope, block_size, splits, qg, device
+) -> None:
+    """Every query sees exactly keys [0, seq_len - q_len + i]: NaN sits in every other slot."""
+    gen = torch.Generator().manual_seed(sum(seq_lens) + heads)
+    case = make_mla_case(q_lens, seq_lens, heads, lat, rope, block_size, torch.float32, device, gen)
+    out = torch.full((sum(q_lens), heads, lat), float("nan"), device=device)
+    cfg = {"BLOCK_H": 16, "QG": qg, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+    mla_decode(*case.args(), num_splits=splits, config=cfg, out=out)
+    ref = mla_decode_ref(*case.clean_args())
+    assert torch.isfinite(out).all(), "unwritten or poisoned output elements"
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_twin_matches_executor_reference() -> None:
+    """The twin computes what executors.attention.mla_decode_attention computes (float32 there)."""
+    attention = pytest.importorskip("executors.attention")
+    gen = torch.Generator().manual_seed(7)
+    case = make_mla_case([1, 3], [50, 21], 4, 32, 16, 16, torch.float64, torch.device("cpu"), gen)
+    args = case.clean_args()
+    assert rel_err(mla_decode_ref(*args), attention.mla_decode_attention(*args)) < 1e-5
+
+
+def test_splits_fill_the_machine_only_when_needed() -> None:
+    """Small batches over long contexts split until the programs fill one wave of resident
+    CTAs and no more (at most 64 pieces of >= 128 keys); big batches don't split."""
+    assert choose_num_splits(1, 8192, 132) == 64
+    assert choose_num_splits(8, 8192, 132) == 33  # 264 programs: 2 per SM
+    assert choose_num_splits(64, 4096, 132) == 4  # 256, not 320 (a second, ragged wave)
+    assert choose_num_splits(64, 4096, 132, ctas_per_sm=1) == 2
+    assert choose_num_splits(512, 8192, 132) == 1
+    assert choose_num_splits(1, 300, 132) == 2
+    assert choose_num_splits(1, 200, 132) == 1  # too short to be worth a merge
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("batch,context", [(1, 8192), (8, 4096), (64, 1024), (128, 8192)])
+def test_decode_bf16_real_shapes(batch, context, q_len, heads) -> None:
+    if q_len == 4 and batch * context > 64 * 8192:
+        pytest.skip("the float64 reference would not fit comfortably")
+    gen = torch.Generator().manual_seed(batch * 31 + context + q_len + heads)
+    seq = torch.randint(context // 2, context + 1, (batch,), generator=gen).tolist()
+    case = make_mla_case(
+        [q_len] * batch, seq, heads, 512, 64, 64, torch.bfloat16, torch.device("cuda"), gen
+    )
+    out = torch.full((batch * q_len, heads, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    mla_decode(*case.args(), out=out)
+    torch.cuda.synchronize()
+    ref = torch.cat([_ref_slice(case, b, min(b + 16, batch)) for b in range(0, batch, 16)])
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-2
+
+
+def _ref_slice(case, b0: int, b1: int) -> torch.Tensor:
+    """float64 reference for requests [b0, b1) (chunked to bound memory)."""
+    qsl = case.query_start_loc
+    t0, t1 = int(qsl[b0]), int(qsl[b1])
+    args = list(case.clean_args())
+    args[0] = args[0][t0:t1]
+    args[2] = case.block_tables[b0:b1]
+    args[3] = case.seq_lens[b0:b1]
+    args[4] = qsl[b0 : b1 + 1] - t0
+    return mla_decode_ref(*args)
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [2, 1, 3]])
+def test_default_launch_settings(q_lens, device) -> None:
+    """The heuristics' own choices (single-query and grouped draft paths) are correct."""
+    gen = torch.Generator().manual_seed(len(q_lens) + sum(q_lens))
+    seq = [700, 45, 260]
+    case = make_mla_case(q_lens, seq, 16, 64, 32, 64, torch.float32, device, gen)
+    assert rel_err(mla_decode(*case.args()), mla_decode_ref(*case.clean_args())) < 1e-5
