@@ -133,7 +133,12 @@ class Request:
             return _prompt_key(self.prompt, start, end)
         if start >= n:
             return tuple(self.output_token_ids[start - n : end - n])
-        return (_prompt_key(self.prompt, start, n), tuple(self.output_token_ids[: end - n]))
+        head = _prompt_key(self.prompt, start, n)
+        tail = tuple(self.output_token_ids[: end - n])
+        if isinstance(head, tuple) and isinstance(self.prompt, (list, tuple, range)):
+            # Token ids either side: the same ids as a later prompt that repeats them.
+            return head + tail
+        return (head, tail)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids of positions [start, end) over prompt + output."""

@@ -122,11 +122,15 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2. Waiting requests, in queue order, unless this step already preempted.
-        while preempted_now == 0 and budget > 0 and (req := self.waiting.peek()) is not None:
+        # 2. Waiting requests, in queue order. After a preemption only in-progress
+        # chunked prefills go on: they need no new blocks, and holding them back would
+        # leave a step empty when the running request preempted itself for their room.
+        while budget > 0 and (req := self.waiting.peek()) is not None:
             in_progress = self.kv.holds_blocks(req.request_id)
             cached = []
             if not in_progress:
+                if preempted_now:
+                    break
                 if len(self.running) + self.waiting.num_in_progress >= cfg.max_num_seqs:
                     break
                 if cfg.role is EngineRole.NORMAL and self.kv.usage > cfg.prefill_watermark:
@@ -314,13 +318,16 @@ class Scheduler:
 def _effective_max_model_len(config: EngineConfig, num_blocks: int, model_max: int | None) -> int:
     """The user's (or model's) limit, capped by what the cache holds for one request."""
     capacity = num_blocks * config.block_size
+    if not config.enable_chunked_prefill:
+        # A preempted request is recomputed in one step: it must fit the step's budget.
+        capacity = min(capacity, config.max_num_batched_tokens)
     wanted = config.max_model_len or model_max
     if wanted is None:
         return capacity
     if wanted > capacity:
         if config.max_model_len is not None:
-            logger.warning("max_model_len=%d exceeds the KV cache (%d blocks x %d = %d tokens); "
-                           "capping it at %d", wanted, num_blocks, config.block_size, capacity,
-                           capacity)
+            logger.warning("max_model_len=%d exceeds what one request can hold (KV cache of %d "
+                           "blocks x %d tokens, or the batch budget without chunked prefill); "
+                           "capping it at %d", wanted, num_blocks, config.block_size, capacity)
         return capacity
     return wanted

@@ -55,7 +55,9 @@ class SimExecutor:
             self.num_accepted_tokens += accepted
             # A deterministic function of (request, position): repeatable across runs.
             salt = zlib.crc32(sr.req_id.encode())
-            pos = sr.num_computed_tokens + sr.num_tokens
+            # Position of the first sampled token: right after the last known token
+            # (the draft slots being verified come after it).
+            pos = sr.num_computed_tokens + sr.num_tokens - len(sr.draft_token_ids)
             res.sampled_token_ids[sr.req_id] = [
                 1 + ((salt + (pos + j) * 2654435761) % (_VOCAB - 1)) for j in range(accepted + 1)
             ]

@@ -78,8 +78,13 @@ class KVCacheManager:
         blocks for at least this many tokens (a chunked prefill reserves its
         whole prompt with its first chunk). Returns the blocks appended to the
         request's table (hits first), or None, having changed nothing, when
-        the free blocks do not suffice.
+        the free blocks do not suffice or a hit no longer holds the content the
+        lookup found (another allocation evicted it in between: look up again).
         """
+        if cached:
+            hashes = request.block_hashes
+            if any(b.block_hash != hashes[i] for i, b in enumerate(cached)):
+                return None
         held = self.req_blocks.get(request.request_id)
         num_held = len(held) if held else 0
         num_computed = request.num_computed_tokens + len(cached) * self.block_size

@@ -51,11 +51,14 @@ def test_max_model_len_is_capped_by_the_cache_and_stops_with_length() -> None:
 def test_without_chunked_prefill_a_too_long_prompt_is_rejected() -> None:
     engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=8,
                          num_gpu_blocks=20)
+    # max_model_len is capped at the budget: a preempted request is recomputed in one step.
+    assert engine.scheduler.max_model_len == 8
     assert engine.add_request(make_request("r", 9)) is not None
-    ok = make_request("s", 8)
+    assert engine.add_request(make_request("q", 8)) is not None  # no room for an output token
+    ok = make_request("s", 7, max_tokens=4)
     assert engine.add_request(ok) is None
     run_to_completion(engine)
-    assert ok.status is RequestStatus.FINISHED
+    assert ok.status is RequestStatus.FINISHED and ok.num_tokens == 8  # stopped by length
 
 
 def test_watermark_holds_back_new_prompts_only() -> None:

@@ -1,0 +1,272 @@
+"""Drive one engine case through a workload, calling property checkers after each event.
+
+The driver runs the real `EngineCore` (with `check_invariants=True`, so the
+core's own `check_output` / `check_invariants` run every step) over
+`SimExecutor`, calling `schedule()` / `process()` directly so that checkers can
+look between the halves of a step; with async scheduling it overlaps them
+exactly as `EngineCore._step_async` does. Arrivals and aborts happen at driver
+step numbers; steps with no work are skipped (they are not engine steps).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hypothesis import event
+from hypothesis.control import currently_in_test_context
+
+from deepinfer.engine import EngineCore
+from deepinfer.kv_cache.manager import cdiv
+from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
+from deepinfer.request import Request, RequestStatus
+from deepinfer.sampling_params import SamplingParams
+from sim.sim_executor import SimExecutor
+from tests.property.strategies import EngineCase, ReqSpec, Workload
+
+
+def note(label: str) -> None:
+    """Count `label` in hypothesis statistics (a no-op outside a hypothesis test)."""
+    if currently_in_test_context():
+        event(label)
+
+
+# The core's own per-step checks (Scheduler.check_output / check_invariants) run by
+# default; PROPERTY_CORE_CHECKS=0 turns them off to see what this suite's checkers
+# catch on their own (as when judging a mutation of the core).
+CORE_CHECKS = os.environ.get("PROPERTY_CORE_CHECKS", "1") != "0"
+
+
+class Checker:
+    """Hooks a property checker may override; each raises AssertionError on a violation."""
+
+    def on_add(self, d: Driver, spec: ReqSpec, req: Request, reason: str | None) -> None: ...
+    def on_abort(self, d: Driver, req_id: str) -> None: ...
+    def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None: ...
+    def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None: ...
+    def on_step_end(self, d: Driver) -> None: ...
+    def on_end(self, d: Driver) -> None: ...
+
+
+@dataclass
+class Snapshot:
+    """Scheduler state just before a `schedule()` call."""
+
+    tables: dict[str, list[int]]  # req_id -> block ids it holds
+    running: list[str]
+    waiting: list[str]
+    in_progress: list[str]  # waiting requests that hold blocks (chunked prefill between chunks)
+    status: dict[str, RequestStatus]
+
+
+class StepClock:
+    """1 ms per reading: deterministic timestamps."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 0.001
+        return self.t
+
+
+def max_model_len(case: EngineCase) -> int:
+    """The effective limit: the configured one capped by the cache (DESIGN.md section 3)
+    and, without chunked prefill, by the step budget, so that a preempted request can
+    be recomputed in one step (the fix suggested for bug B2; with the bug the
+    generators set max_model_len <= budget themselves)."""
+    cfg = case.config
+    limit = min(cfg.max_model_len or case.capacity, case.capacity)
+    return limit if cfg.enable_chunked_prefill else min(limit, cfg.max_num_batched_tokens)
+
+
+def admissible(case: EngineCase, spec: ReqSpec) -> bool:
+    """Whether a request can ever be served, computed from the spec alone."""
+    n, cfg = len(spec.prompt), case.config
+    fits_step = cfg.enable_chunked_prefill or n <= cfg.max_num_batched_tokens
+    return n >= 1 and n + 1 <= case.capacity and n + 1 <= max_model_len(case) and fits_step
+
+
+def expected_outputs(case: EngineCase, spec: ReqSpec) -> int:
+    """Output tokens an admitted request ends with when nobody aborts it."""
+    if case.config.role.value == "prefill":
+        return 1
+    return min(spec.max_tokens, max_model_len(case) - len(spec.prompt))
+
+
+def preemption_bound(case: EngineCase, workload: Workload) -> int:
+    """Between two steps that preempt, some request gains an output token or ends,
+    and one step preempts each running request at most once."""
+    admitted = [s for s in workload if admissible(case, s)]
+    progress = sum(expected_outputs(case, s) + 1 for s in admitted)
+    return len(admitted) * progress
+
+
+def step_bound(case: EngineCase, workload: Workload) -> int:
+    """Engine steps within which every admissible request must have finished.
+
+    Every step schedules at least one token (an empty step is allowed only
+    after a preemption, bug B1); the tokens to compute are each prompt, each
+    output with its drafts, and one whole recompute per preemption.
+    """
+    k, length = case.config.num_speculative_tokens, max_model_len(case)
+    work = sum(len(s.prompt) + expected_outputs(case, s) * (1 + k)
+               for s in workload if admissible(case, s))
+    steps = max((s.arrival_step for s in workload), default=0) + 1
+    steps += work + preemption_bound(case, workload) * (length + 1)
+    return 2 * steps + 2 if case.config.async_scheduling else steps
+
+
+def progress_window(case: EngineCase) -> int:
+    """Steps within which the progress measure must rise (see test_no_livelock)."""
+    cfg = case.config
+    w = cdiv(max_model_len(case), cfg.max_num_batched_tokens) + 3
+    return 2 * w + 2 if cfg.async_scheduling else w
+
+
+class Driver:
+    """Runs a workload; besides its checkers it fails a run that exceeds step_bound or
+    preemption_bound, or stalls (an empty step that preempts nothing, with nothing in
+    flight) with no arrival or abort left; a stall before such an event is skipped over,
+    its steps counted."""
+
+    def __init__(self, case: EngineCase, workload: Workload, checkers: list[Checker]) -> None:
+        cfg = case.config
+        self.case, self.workload, self.checkers = case, workload, checkers
+        self.executor = SimExecutor(cfg, cfg.num_gpu_blocks, acceptance_rate=case.acceptance_rate)
+        self.engine = EngineCore(cfg, self.executor, clock=StepClock(),
+                                 check_invariants=CORE_CHECKS)
+        self.sched = self.engine.scheduler
+        self.specs = {s.req_id: s for s in workload}
+        self.reqs: dict[str, Request] = {}  # every submitted request
+        self.reasons: dict[str, str] = {}  # rejected ones
+        self.snap: Snapshot | None = None
+        self.live_before_process: set[str] = set()
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+        self.chunked = False  # whether some prompt was split across steps
+        self.steps = 0  # engine steps taken
+        self.clock = 0  # driver steps (arrivals and aborts are stamped with these)
+        self.max_steps = step_bound(case, workload)
+        self.max_preemptions = preemption_bound(case, workload)
+        self.stalled = False  # the last step scheduled nothing and preempted nothing
+
+    def tokens(self, req_id: str) -> list[int]:
+        req = self.reqs[req_id]
+        return list(self.specs[req_id].prompt) + req.output_token_ids
+
+    def run(self) -> Driver:
+        arrivals = sorted(self.workload, key=lambda s: s.arrival_step)
+        aborts = sorted((s for s in self.workload if s.abort_step is not None),
+                        key=lambda s: s.abort_step)  # type: ignore[arg-type,return-value]
+        while True:
+            while arrivals and arrivals[0].arrival_step <= self.clock:
+                self._add(arrivals.pop(0))
+            while aborts and aborts[0].abort_step <= self.clock:  # type: ignore[operator]
+                self._abort(aborts.pop(0).req_id)
+            if not self.sched.has_unfinished() and self.in_flight is None:
+                if not arrivals:
+                    break
+                self.clock = arrivals[0].arrival_step  # idle until the next arrival
+                continue
+            if self.steps >= self.max_steps:
+                raise AssertionError(f"liveness: unfinished after {self.steps} steps (bound "
+                                     f"{self.max_steps})\n{self.sched.diagnose()}")
+            self._step()
+            self.steps += 1
+            self.clock += 1
+            if self.sched.num_preemptions > self.max_preemptions:
+                raise AssertionError(f"livelock: {self.sched.num_preemptions} preemptions > "
+                                     f"bound {self.max_preemptions}\n{self.sched.diagnose()}")
+            if self.stalled:  # nothing changes until an arrival or an abort: skip ahead
+                events = [s.arrival_step for s in arrivals] + [s.abort_step for s in aborts]
+                if not events:
+                    raise AssertionError(f"liveness: stalled at step {self.steps}, no event "
+                                         f"left to unblock it\n{self.sched.diagnose()}")
+                skip = max(0, min(events) - self.clock)  # type: ignore[type-var]
+                self.steps, self.clock = self.steps + skip, self.clock + skip
+            for c in self.checkers:
+                c.on_step_end(self)
+        for c in self.checkers:
+            c.on_end(self)
+        self._note_coverage()
+        return self
+
+    def _note_coverage(self) -> None:
+        kv, cfg = self.sched.kv, self.case.config
+        note(f"role={cfg.role.value} async={cfg.async_scheduling} "
+             f"spec={bool(cfg.num_speculative_tokens)}")
+        for label, seen in [
+            ("some request was preempted", self.sched.num_preemptions),
+            ("a prefix-cache hit", kv.num_hit_tokens),
+            ("a cached block was evicted", kv.pool.num_evictions),
+            ("a request was rejected", self.reasons),
+            ("a request was aborted", any(r.status is RequestStatus.ABORTED
+                                          for r in self.reqs.values())),
+            ("a prompt was chunked", self.chunked),
+        ]:
+            if seen:
+                note(label)
+
+    def _add(self, spec: ReqSpec) -> None:
+        params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
+        req = Request(spec.req_id, list(spec.prompt), params, float(spec.arrival_step),
+                      priority=spec.priority)
+        self.reqs[spec.req_id] = req
+        reason = self.engine.add_request(req)
+        if reason is not None:
+            self.reasons[spec.req_id] = reason
+        for c in self.checkers:
+            c.on_add(self, spec, req, reason)
+
+    def _abort(self, req_id: str) -> None:
+        if self.engine.abort(req_id) is not None:
+            for c in self.checkers:
+                c.on_abort(self, req_id)
+
+    def _schedule(self, in_flight: bool) -> SchedulerOutput:
+        s = self.sched
+        self.snap = Snapshot(
+            tables={rid: s.kv.block_ids(rid) for rid in s.kv.req_blocks},
+            running=[r.request_id for r in s.running],
+            waiting=[r.request_id for r in s.waiting],
+            in_progress=[r.request_id for r in s.waiting if s.kv.holds_blocks(r.request_id)],
+            status={rid: r.status for rid, r in s.requests.items()},
+        )
+        out = self.engine.schedule()
+        self.chunked = self.chunked or any(
+            sr.num_computed_tokens + sr.num_tokens < self.reqs[sr.req_id].num_tokens
+            for sr in out.scheduled)
+        for c in self.checkers:
+            c.on_schedule(self, out, in_flight)
+        return out
+
+    def _process(self, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
+        self.live_before_process = set(self.sched.requests)
+        self.engine.process(out, res)
+        for c in self.checkers:
+            c.on_process(self, out, res)
+
+    def _step(self) -> None:
+        self.stalled = False
+        if not self.case.config.async_scheduling:
+            out = self._schedule(False)
+            if not out.is_empty:
+                self._process(out, self.executor.execute(out))
+            self.stalled = out.is_empty and not out.preempted_req_ids
+            return
+        if self.in_flight is None:  # as EngineCore._step_async: start a step first
+            out = self._schedule(False)
+            if out.is_empty:
+                self.stalled = not out.preempted_req_ids
+                return
+            self.in_flight = (out, self.executor.execute(out))
+        nxt = self._schedule(True)
+        out, res = self.in_flight
+        self.in_flight = None
+        self._process(out, res)
+        if not nxt.is_empty:
+            self.in_flight = (nxt, self.executor.execute(nxt))
+
+
+def run_case(case: EngineCase, workload: Workload, *checkers: Checker) -> Driver:
+    return Driver(case, workload, list(checkers)).run()

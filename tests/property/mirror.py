@@ -1,0 +1,227 @@
+"""KVMirror: the KV cache as the SchedulerOutputs describe it, kept by the test.
+
+It rebuilds every block table from the outputs alone (a resumed request's
+`block_table`, then `new_block_ids` appended; preempted and ended requests
+dropped; draft-slot trims taken from the core after `process`), records the
+token written into each block slot by each step, and keeps a plain-dict
+reference model of the prefix cache: a prefix (exact token tuples, no hashing)
+maps to the block registered for it; a block handed out fresh loses its entry.
+It asserts that its tables equal the core's after every half step; the checkers
+read its observations (admissions with the usage before them, predicted hits).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from deepinfer.config import EngineRole
+from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
+from tests.property import known_bugs
+from tests.property.harness import Checker, Driver
+
+
+@dataclass
+class Admission:
+    req_id: str
+    held_before: int  # blocks held by any request just before this request's allocation
+    hits: int  # leading blocks reused from the prefix cache (NORMAL/PREFILL: from the output)
+    predicted: list[int]  # block ids the reference dict finds for its prefix
+    table: list[int]  # its block table after the allocation
+    num_tokens: int
+    start: int  # tokens it starts with computed (the hit, or num_tokens - 1 in DECODE)
+
+
+class PrefixModel:
+    """Prefix -> block, keyed by interned exact prefixes (no hashes)."""
+
+    def __init__(self, block_size: int, enabled: bool) -> None:
+        self.bs, self.enabled = block_size, enabled
+        self._intern: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._pids: dict[str, list[int]] = {}  # req_id -> prefix id of each full block
+        self.cache: dict[int, int] = {}  # prefix id -> block id
+        self.owner: dict[int, int] = {}  # block id -> prefix id
+        self.reg_upto: dict[str, int] = {}  # req_id -> leading blocks already considered
+        self.prompt_len: dict[str, int] = {}  # req_id -> prompt tokens (set by the user)
+
+    def pids(self, req_id: str, tokens: list[int]) -> list[int]:
+        out, n = self._pids.setdefault(req_id, []), self.prompt_len.get(req_id, 0)
+        for i in range(len(out), len(tokens) // self.bs):
+            start = i * self.bs
+            block: tuple = tuple(tokens[start:start + self.bs])
+            if known_bugs.PREFIX_KEY_SPLITS_AT_PROMPT_END and start < n < start + self.bs:
+                block = (block, n - start)  # bug B5: the core keys such a block apart
+            out.append(self._intern.setdefault((out[-1] if out else -1, block), len(self._intern)))
+        return out
+
+    def lookup(self, req_id: str, tokens: list[int]) -> list[int]:
+        if not self.enabled:
+            return []
+        hits = []
+        for pid in self.pids(req_id, tokens)[:(len(tokens) - 1) // self.bs]:
+            if pid not in self.cache:
+                break
+            hits.append(self.cache[pid])
+        return hits
+
+    def register(self, req_id: str, table: list[int], tokens: list[int], num_full: int) -> None:
+        """Register blocks [reg_upto, num_full) of the request, each position once."""
+        if not self.enabled:
+            return
+        start = self.reg_upto.get(req_id, 0)
+        pids = self.pids(req_id, tokens)
+        for i in range(start, num_full):
+            if pids[i] not in self.cache and table[i] not in self.owner:  # first one wins
+                self.cache[pids[i]] = table[i]
+                self.owner[table[i]] = pids[i]
+        self.reg_upto[req_id] = max(start, num_full)
+
+    def evict(self, block: int) -> None:
+        pid = self.owner.pop(block, None)
+        if pid is not None:
+            del self.cache[pid]
+
+
+class KVMirror(Checker):
+    def __init__(self, d_case_block_size: int, num_blocks: int, caching: bool) -> None:
+        self.bs, self.n = d_case_block_size, num_blocks
+        self.tables: dict[str, list[int]] = {}
+        self.gen = [0] * num_blocks  # bumped each time a block is handed out fresh
+        self.content: list[dict[int, int]] = [{} for _ in range(num_blocks)]  # slot -> token
+        self.pending: list[tuple[str, int, int, int]] = []  # (req, pos, block, gen): unknown yet
+        self.comp: dict[str, int] = {}  # req_id -> tokens computed, per the outputs
+        self.sched_info: dict[str, tuple[list[int], int]] = {}  # req -> (table, draft start)
+        self.prefix = PrefixModel(d_case_block_size, caching)
+        self.admissions: list[Admission] = []  # of the latest schedule() call
+        self.hit_mismatches: list[str] = []  # content or prediction disagreements seen
+
+    @classmethod
+    def for_driver(cls, d: Driver) -> KVMirror:
+        cfg = d.case.config
+        return cls(cfg.block_size, cfg.num_gpu_blocks, cfg.enable_prefix_caching)  # type: ignore[arg-type]
+
+    def held(self) -> Counter[int]:
+        return Counter(b for t in self.tables.values() for b in t)
+
+    def _write(self, table: list[int], pos: int, token: int, gen: int | None = None) -> None:
+        block = table[pos // self.bs]
+        if gen is None or self.gen[block] == gen:
+            self.content[block][pos % self.bs] = token
+
+    def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
+        bs, decode = self.bs, d.case.config.role is EngineRole.DECODE
+        for rid in out.preempted_req_ids | out.finished_req_ids:
+            self.tables.pop(rid, None)
+        held = self.held()
+        self.admissions = []
+        for sr in out.scheduled:
+            rid, toks = sr.req_id, d.tokens(sr.req_id)
+            self.prefix.prompt_len[rid] = len(d.specs[rid].prompt)
+            start, ndraft = sr.num_computed_tokens, len(sr.draft_token_ids)
+            if sr.block_table is not None:  # (re)admitted: held nothing until now
+                assert rid not in self.tables, f"{rid} resumed while holding {self.tables[rid]}"
+                assert sr.new_block_ids == sr.block_table, f"{rid}: new blocks != its table"
+                table = list(sr.block_table)
+                predicted = self.prefix.lookup(rid, toks)
+                hits = len(predicted) if decode else start // bs
+                if decode and table[:hits] != predicted:
+                    self.hit_mismatches.append(f"{rid}: table {table[:hits]} != dict {predicted}")
+                self.admissions.append(Admission(rid, len(held), hits, predicted, table, len(toks),
+                                                 start))
+                for i, b in enumerate(table[:hits]):
+                    want = dict(enumerate(toks[i * bs:(i + 1) * bs]))
+                    if self.content[b] != want:
+                        self.hit_mismatches.append(
+                            f"{rid}: hit block {b} at index {i} holds {self.content[b]}, "
+                            f"its tokens are {want}")
+                fresh, self.prefix.reg_upto[rid] = table[hits:], hits
+            else:
+                assert rid in self.tables, f"{rid} scheduled without a table and no block_table"
+                fresh = list(sr.new_block_ids)
+                table = self.tables[rid] + fresh
+            for b in fresh:
+                assert held[b] == 0, f"step {out.step_id}: block {b} handed to {rid} while " \
+                                     f"held by {[r for r, t in self.tables.items() if b in t]}"
+                self.gen[b] += 1
+                self.content[b] = {}
+                self.prefix.evict(b)
+            held.update(fresh if sr.block_table is None else table)
+            self.tables[rid] = table
+            hi = start + sr.num_tokens - ndraft
+            first = hits * bs if (decode and sr.block_table is not None) else start
+            for pos in range(first, hi):  # a DECODE admission's prompt KV arrives with it
+                if pos < len(toks):
+                    self._write(table, pos, toks[pos])
+                else:  # an async placeholder: its token is known after the step in flight
+                    self.pending.append((rid, pos, table[pos // bs], self.gen[table[pos // bs]]))
+            self.comp[rid] = start + sr.num_tokens  # drafts included until verified
+            self.sched_info[rid] = (table, hi)
+            bound = hits * bs + 1 if (decode and sr.block_table is not None) else hi
+            self.prefix.register(rid, table, toks, min(bound, len(toks)) // bs)
+        self._check_tables(d, "after schedule")
+
+    def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
+        for sr in out.scheduled:
+            tokens = res.sampled_token_ids.get(sr.req_id)
+            if not sr.samples or not tokens or sr.req_id not in self.tables:
+                continue  # ended or preempted while in flight: nothing more from this step
+            table, hi = self.sched_info[sr.req_id]
+            accepted = len(tokens) - 1
+            self.comp[sr.req_id] -= len(sr.draft_token_ids) - accepted
+            toks = d.tokens(sr.req_id)
+            for pos in range(hi, min(hi + accepted, len(toks))):  # accepted drafts are real KV
+                self._write(table, pos, toks[pos], self.gen[table[pos // self.bs]])
+        still = []
+        for rid, pos, block, gen in self.pending:
+            toks = d.tokens(rid)
+            if pos < len(toks):
+                if self.gen[block] == gen:
+                    self.content[block][pos % self.bs] = toks[pos]
+            elif rid in self.tables:
+                still.append((rid, pos, block, gen))
+        self.pending = still
+        live = d.sched.requests
+        for sr in out.scheduled:
+            rid = sr.req_id
+            if sr.samples and rid in live and rid in self.tables and rid in d.live_before_process:
+                toks = d.tokens(rid)
+                self.prefix.register(rid, self.tables[rid], toks,
+                                     min(self.comp[rid], len(toks)) // self.bs)
+        kv = d.sched.kv
+        for rid in list(self.tables):
+            if not kv.holds_blocks(rid):
+                assert d.reqs[rid].is_finished, f"{rid} lost its blocks but is {d.reqs[rid]}"
+                del self.tables[rid]
+                continue
+            core = kv.block_ids(rid)  # rejected draft slots are trimmed off the tail
+            assert self.tables[rid][:len(core)] == core, f"{rid}: core table {core} is not a " \
+                                                         f"prefix of {self.tables[rid]}"
+            self.tables[rid] = core
+        self._check_tables(d, "after process")
+
+    def on_abort(self, d: Driver, req_id: str) -> None:
+        self.tables.pop(req_id, None)
+        self._check_tables(d, f"after aborting {req_id}")
+
+    def _check_tables(self, d: Driver, when: str) -> None:
+        core = {rid: d.sched.kv.block_ids(rid) for rid in d.sched.kv.req_blocks}
+        assert core == self.tables, f"{when}: core tables {core} != from outputs {self.tables}"
+
+    def shared_content_errors(self, d: Driver) -> list[str]:
+        """Blocks in two or more tables whose recorded tokens disagree with a holder's."""
+        where: dict[int, list[tuple[str, int]]] = {}
+        for rid, table in self.tables.items():
+            for i, b in enumerate(table):
+                where.setdefault(b, []).append((rid, i))
+        errors = []
+        for b, holders in where.items():
+            if len(holders) < 2:
+                continue
+            for rid, i in holders:
+                toks = d.tokens(rid)
+                for slot, tok in self.content[b].items():
+                    pos = i * self.bs + slot
+                    if pos < len(toks) and toks[pos] != tok:
+                        errors.append(f"block {b} shared by {holders}: slot {slot} holds {tok}, "
+                                      f"{rid} has {toks[pos]} at position {pos}")
+        return errors
