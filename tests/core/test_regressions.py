@@ -1,9 +1,8 @@
 """Regression tests: shrunk examples from the property suite (tests/property) and the
 watermark deadlock, as plain scenarios.
 
-A test marked xfail(strict=True) pins a core bug that is not fixed yet; when the
-fix lands it XPASSes, which fails the suite: then drop the marker and set the
-matching flag in tests/property/known_bugs.py to False.
+Each bug test (B1-B5) failed before its fix landed (it was a strict xfail) and
+pins the fix now.
 """
 
 from __future__ import annotations

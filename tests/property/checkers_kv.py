@@ -9,7 +9,6 @@ from __future__ import annotations
 from deepinfer.config import EngineRole
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import RequestStatus
-from tests.property import known_bugs
 from tests.property.harness import Checker, Driver, max_model_len, note
 from tests.property.mirror import KVMirror
 
@@ -137,8 +136,6 @@ class WatermarkExemption(Checker):
         cfg, snap, n = d.case.config, d.snap, d.case.config.num_gpu_blocks
         assert snap is not None and n is not None
         if not snap.in_progress:
-            return
-        if known_bugs.EMPTY_STEP_AFTER_PREEMPTION and out.preempted_req_ids:
             return
         head, running = snap.in_progress[0], set(snap.running)
         used = sum(sr.num_tokens for sr in out.scheduled if sr.req_id in running)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from deepinfer.config import EngineRole
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
-from tests.property import known_bugs
 from tests.property.harness import Checker, Driver
 
 
@@ -42,15 +41,12 @@ class PrefixModel:
         self.cache: dict[int, int] = {}  # prefix id -> block id
         self.owner: dict[int, int] = {}  # block id -> prefix id
         self.reg_upto: dict[str, int] = {}  # req_id -> leading blocks already considered
-        self.prompt_len: dict[str, int] = {}  # req_id -> prompt tokens (set by the user)
 
     def pids(self, req_id: str, tokens: list[int]) -> list[int]:
-        out, n = self._pids.setdefault(req_id, []), self.prompt_len.get(req_id, 0)
+        out = self._pids.setdefault(req_id, [])
         for i in range(len(out), len(tokens) // self.bs):
             start = i * self.bs
             block: tuple = tuple(tokens[start:start + self.bs])
-            if known_bugs.PREFIX_KEY_SPLITS_AT_PROMPT_END and start < n < start + self.bs:
-                block = (block, n - start)  # bug B5: the core keys such a block apart
             out.append(self._intern.setdefault((out[-1] if out else -1, block), len(self._intern)))
         return out
 
@@ -116,7 +112,6 @@ class KVMirror(Checker):
         self.admissions = []
         for sr in out.scheduled:
             rid, toks = sr.req_id, d.tokens(sr.req_id)
-            self.prefix.prompt_len[rid] = len(d.specs[rid].prompt)
             start, ndraft = sr.num_computed_tokens, len(sr.draft_token_ids)
             if sr.block_table is not None:  # (re)admitted: held nothing until now
                 assert rid not in self.tables, f"{rid} resumed while holding {self.tables[rid]}"

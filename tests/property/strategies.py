@@ -16,7 +16,6 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 from deepinfer.config import EngineConfig, EngineRole
-from tests.property import known_bugs
 
 MAX_TOKENS = 4096  # capacity (num_blocks * block_size) stays below this
 
@@ -83,11 +82,7 @@ def engine_cases(draw: st.DrawFn, *, roles: tuple[EngineRole, ...] = tuple(Engin
     budget = draw(st.integers(low, low + capacity + 8))
     chunked = draw(st.booleans())
     max_model_len = draw(st.none() | st.integers(max(2, capacity // 2), capacity + 4))
-    if not chunked and known_bugs.UNCHUNKED_RECOMPUTE_CAN_EXCEED_BUDGET:
-        # Bug B2: without chunked prefill a preempted request that grew past the
-        # budget can never be recomputed. A length cap at the budget avoids it.
-        max_model_len = min(max_model_len or budget, budget)
-    elif not chunked and max_model_len is not None:
+    if not chunked and max_model_len is not None:
         max_model_len = min(max_model_len, budget)
     config = EngineConfig(
         block_size=block_size,
@@ -161,10 +156,17 @@ def workloads(draw: st.DrawFn, case: EngineCase, *, max_requests: int = 10,
     specs = []
     for i, t in enumerate(times):
         abort_after = draw(st.none() | st.integers(0, 30)) if aborts else None
+        if i and draw(st.booleans()):  # repeat (a prefix of) an earlier prompt: whole hits
+            src = specs[draw(st.integers(0, i - 1))].prompt
+            cut: int = either(draw, st.just(len(src)), st.integers(1, len(src)),
+                              st.integers(1, max(1, len(src) // bs)).map(lambda m: m * bs))
+            prompt = src[:max(1, cut)]
+        else:
+            prompt = draw(prompts(case.capacity, bs, chunk_len, i))
         specs.append(ReqSpec(
             req_id=f"r{i}",
             arrival_step=t,
-            prompt=draw(prompts(case.capacity, bs, chunk_len, i)),
+            prompt=prompt,
             max_tokens=either(draw, st.integers(1, 24),  # type: ignore[arg-type]
                               st.integers(1, min(64, case.capacity))),
             priority=draw(st.integers(0, 3)),

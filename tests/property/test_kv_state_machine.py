@@ -59,7 +59,6 @@ class KVCacheMachine(RuleBasedStateMachine):
         rid = f"q{self.count}"
         self.count += 1
         req = self.reqs[rid] = Request(rid, tokens)
-        self.model.prompt_len[rid] = len(tokens)
         hits = [b.block_id for b in self.kv.find_cached_prefix(req)]
         assert hits == self.model.lookup(rid, tokens), "hits differ from the reference dict"
         start = len(hits) * self.bs
