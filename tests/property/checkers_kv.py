@@ -130,7 +130,7 @@ class WatermarkNewPrompts(Checker):
 
 class WatermarkExemption(Checker):
     """The in-progress chunked prefill at the head of waiting is scheduled whenever
-    the running requests leave budget over (bug B1: not after a preemption)."""
+    the running requests leave budget over, after a preemption too (bug B1)."""
 
     def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
         cfg, snap, n = d.case.config, d.snap, d.case.config.num_gpu_blocks

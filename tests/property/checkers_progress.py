@@ -109,9 +109,9 @@ class ComputedProgress(Checker):
     falls and never lags num_computed_tokens; and the progress measure
     phi = sum over requests of (max_computed_tokens + output tokens + 1 if ended)
     rises at least once every progress_window steps. Only a preempted request's
-    recompute (up to max_model_len tokens, a full budget a step) and the empty step
-    of bug B1 pass without raising it: every other step samples a token or computes
-    prompt tokens never computed before."""
+    recompute (up to max_model_len tokens, a full budget a step) passes without
+    raising it: every other step samples a token or computes prompt tokens never
+    computed before."""
 
     def __init__(self) -> None:
         self.max_seen: dict[str, int] = {}

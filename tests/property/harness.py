@@ -1,7 +1,8 @@
 """Drive one engine case through a workload, calling property checkers after each event.
 
 The driver runs the real `EngineCore` (with `check_invariants=True`, so the
-core's own `check_output` / `check_invariants` run every step) over
+core's own `check_output` / `check_invariants` run every step, unless
+PROPERTY_CORE_CHECKS=0) over
 `SimExecutor`, calling `schedule()` / `process()` directly so that checkers can
 look between the halves of a step; with async scheduling it overlaps them
 exactly as `EngineCore._step_async` does. Arrivals and aborts happen at driver
@@ -73,8 +74,7 @@ class StepClock:
 def max_model_len(case: EngineCase) -> int:
     """The effective limit: the configured one capped by the cache (DESIGN.md section 3)
     and, without chunked prefill, by the step budget, so that a preempted request can
-    be recomputed in one step (the fix suggested for bug B2; with the bug the
-    generators set max_model_len <= budget themselves)."""
+    be recomputed in one step (the rule that fixed bug B2)."""
     cfg = case.config
     limit = min(cfg.max_model_len or case.capacity, case.capacity)
     return limit if cfg.enable_chunked_prefill else min(limit, cfg.max_num_batched_tokens)
@@ -95,8 +95,10 @@ def expected_outputs(case: EngineCase, spec: ReqSpec) -> int:
 
 
 def preemption_bound(case: EngineCase, workload: Workload) -> int:
-    """Between two steps that preempt, some request gains an output token or ends,
-    and one step preempts each running request at most once."""
+    """An argued bound, checked on every run: between two steps that preempt some
+    request gains an output token or ends (the oldest running request, or the
+    prefill that a lone request gave way to, goes on), and a step preempts each
+    running request at most once."""
     admitted = [s for s in workload if admissible(case, s)]
     progress = sum(expected_outputs(case, s) + 1 for s in admitted)
     return len(admitted) * progress
@@ -105,9 +107,9 @@ def preemption_bound(case: EngineCase, workload: Workload) -> int:
 def step_bound(case: EngineCase, workload: Workload) -> int:
     """Engine steps within which every admissible request must have finished.
 
-    Every step schedules at least one token (an empty step is allowed only
-    after a preemption, bug B1); the tokens to compute are each prompt, each
-    output with its drafts, and one whole recompute per preemption.
+    Every step schedules at least one token (NoIdleStep); the tokens to compute
+    are each prompt, each output with its drafts, and one whole recompute (plus
+    one step of slack) per preemption.
     """
     k, length = case.config.num_speculative_tokens, max_model_len(case)
     work = sum(len(s.prompt) + expected_outputs(case, s) * (1 + k)

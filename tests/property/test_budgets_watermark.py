@@ -51,6 +51,6 @@ def test_a_continuing_chunk_of_an_admitted_prompt_is_never_held_back_by_the_wate
     """A chunked prefill between chunks is scheduled in every step whose running
     requests leave budget over, whatever the usage: it needs no new blocks, and
     holding it back deadlocks a prompt that needs more than the watermark (the
-    37-token-prompt bug). Steps that preempt are exempt while bug B1 stands."""
+    37-token-prompt bug). This holds in a step that preempts, too (bug B1)."""
     case, workload = cw
     run_case(case, workload, WatermarkExemption())

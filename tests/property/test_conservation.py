@@ -29,7 +29,6 @@ def test_no_output_token_is_lost_or_repeated_across_preemption_and_recompute(
     """A request's output tokens are exactly the tokens the executor returned for it,
     in order, cut only after the stop inside its last step; and the token at
     position p is SimExecutor's token for (request, p), so recompute after a
-    preemption neither drops nor repeats a token. (Under speculation the token is
-    that of p + d for the d <= k drafts of its step, while bug B3 stands.)"""
+    preemption neither drops nor repeats a token, with or without drafts (bug B3)."""
     case, workload = cw
     run_case(case, workload, TokenConservation())

@@ -43,7 +43,7 @@ def _run_with_step(case: EngineCase, workload: Workload) -> dict[str, Any]:
             continue
         try:
             engine.step()
-        except SchedulerStalled:  # bug B1; identical runs must stall identically
+        except SchedulerStalled:  # a liveness bug (test_liveness); it must repeat too
             stalled = engine.scheduler.step_id
             break
         clock, steps = clock + 1, steps + 1

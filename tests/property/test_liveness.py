@@ -28,7 +28,7 @@ def test_every_admissible_request_finishes_within_the_step_bound(
     """Every request that can fit ends FINISHED with all its output tokens (or ABORTED,
     only when the workload aborts it) within harness.step_bound engine steps: the last
     arrival plus one step per token of work (each prompt, each output with its drafts,
-    one max_model_len recompute per preemption) plus the empty steps of bug B1."""
+    one max_model_len recompute per preemption) plus one step per preemption."""
     case, workload = cw
     run_case(case, workload, Completion())  # the driver fails past the bound
 
