@@ -150,31 +150,7 @@ def mla_decode_attention(
     block_tables: [B, max_blocks], seq_lens: [B], query_start_loc: [B + 1] -> [T, H, L]
     (still latent: W_UV is applied by the caller). Keys are whole cache entries; values
     their first L dims. Query i of a request with q_len queries sees keys up to
-    seq_len - q_len + i. On CUDA the Triton kernel (kernels.ops) runs instead.
+    seq_len - q_len + i. The Triton kernel on CUDA, its torch twin elsewhere (kernels.ops).
     """
-    if q.is_cuda:
-        return kernel_ops.mla_decode_attention(q, kv_cache, block_tables, seq_lens,
-                                               query_start_loc, kv_lora_rank, scale,
-                                               backend=envs.kernel_backend())
-    b = block_tables.shape[0]
-    t, h, d = q.shape
-    block_size = kv_cache.shape[1]
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [B]
-    max_q = int(q_lens.max())
-    max_s = int(seq_lens.max())
-    n_blocks = -(-max_s // block_size)
-    # Gather each request's cache pages: [B, n_blocks * block_size, D] -> [B, S, D]
-    kv = kv_cache[block_tables[:, :n_blocks]].reshape(b, -1, d)[:, :max_s]
-    # Scatter the flat queries into [B, Qmax, H, D] (row j = query j of the request).
-    req_of = torch.repeat_interleave(torch.arange(b, device=q.device), q_lens, output_size=t)
-    row = torch.arange(t, device=q.device) - query_start_loc[req_of]
-    qp = q.new_zeros(b, max_q, h, d)
-    qp[req_of, row] = q
-    scores = torch.einsum("bqhd,bsd->bhqs", qp.float(), kv.float()) * scale  # [B, H, Qmax, S]
-    key_pos = torch.arange(max_s, device=q.device)
-    last_visible = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=q.device)  # [B, Qmax]
-    visible = key_pos[None, None, :] <= last_visible[:, :, None]  # [B, Qmax, S]
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out = torch.einsum("bhqs,bsl->bqhl", probs, kv[..., :kv_lora_rank].float())  # [B, Qmax, H, L]
-    return out[req_of, row].to(q.dtype)
+    return kernel_ops.mla_decode_attention(q, kv_cache, block_tables, seq_lens, query_start_loc,
+                                           kv_lora_rank, scale, backend=envs.kernel_backend())

@@ -37,15 +37,6 @@ def test_split_kv_decode_matches_reference(
     assert rel_err(out, ref) < 1e-5
 
 
-def test_twin_matches_executor_reference() -> None:
-    """The twin computes what executors.attention.mla_decode_attention computes (float32 there)."""
-    attention = pytest.importorskip("executors.attention")
-    gen = torch.Generator().manual_seed(7)
-    case = make_mla_case([1, 3], [50, 21], 4, 32, 16, 16, torch.float64, torch.device("cpu"), gen)
-    args = case.clean_args()
-    assert rel_err(mla_decode_ref(*args), attention.mla_decode_attention(*args)) < 1e-5
-
-
 def test_splits_fill_the_machine_only_when_needed() -> None:
     """Small batches over long contexts split until the programs fill one wave of resident
     CTAs and no more (at most 64 pieces of >= 128 keys); big batches don't split."""
