@@ -22,10 +22,10 @@ def make_engine(config: EngineConfig | None = None, *, check: bool = True,
                 acceptance_rate: float = 0.7, **overrides: object) -> EngineCore:
     cfg = config or make_config(**overrides)
     ex = SimExecutor(cfg, cfg.num_gpu_blocks, acceptance_rate=acceptance_rate)
-    return EngineCore(cfg, ex, clock=_StepClock(), check_invariants=check)
+    return EngineCore(cfg, ex, clock=StepClock(), check_invariants=check)
 
 
-class _StepClock:
+class StepClock:
     """A clock that advances 1 ms per reading: deterministic timestamps."""
 
     def __init__(self) -> None:

@@ -23,6 +23,7 @@ from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
 from sim.sim_executor import SimExecutor
+from tests.factories import StepClock
 from tests.property.strategies import EngineCase, ReqSpec, Workload
 
 
@@ -58,17 +59,6 @@ class Snapshot:
     waiting: list[str]
     in_progress: list[str]  # waiting requests that hold blocks (chunked prefill between chunks)
     status: dict[str, RequestStatus]
-
-
-class StepClock:
-    """1 ms per reading: deterministic timestamps."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        self.t += 0.001
-        return self.t
 
 
 def max_model_len(case: EngineCase) -> int:

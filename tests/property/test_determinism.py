@@ -12,7 +12,8 @@ from deepinfer.errors import SchedulerStalled
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from sim.sim_executor import SimExecutor
-from tests.property.harness import CORE_CHECKS, StepClock, run_case, step_bound
+from tests.factories import StepClock
+from tests.property.harness import CORE_CHECKS, run_case, step_bound
 from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
 
 
