@@ -1,6 +1,6 @@
 """Kernel benchmarks against the device's measured ceilings (run on a CUDA machine).
 
-    python benchmarks/kernels_bench.py [--quick] [--no-sweep] [--only accuracy,mla,moe,rmsnorm]
+    python benchmarks/kernels_bench.py [--quick] [--no-sweep] [--only accuracy,mla,moe,rmsnorm,router,prefill]
 
 First the two ceilings: device-to-device copy bandwidth (bytes read + written) and a
 bf16 8192^3 matmul on random data (triton.testing.do_bench medians; L2 cleared before
@@ -29,7 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.fused_moe import fused_moe, moe_config  # noqa: E402
 from kernels.mla_decode import mla_decode  # noqa: E402
-from kernels.reference import fused_add_rmsnorm_ref, fused_moe_ref, mla_decode_ref  # noqa: E402
+from kernels.mla_prefill import mla_prefill  # noqa: E402
+from kernels.moe_router import moe_router, router_config  # noqa: E402
+from kernels.reference import (  # noqa: E402
+    fused_add_rmsnorm_ref,
+    fused_moe_ref,
+    mla_decode_ref,
+    mla_prefill_ref,
+    moe_router_ref,
+)
 from kernels.rmsnorm import fused_add_rmsnorm  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -73,6 +81,15 @@ def maybe_ms(fn: Callable[[], object] | None, rep: int = 50) -> float | None:
         return ms(fn, rep)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
+        return None
+
+
+def maybe_graph_us(fn: Callable[[], object]) -> float | None:
+    """Graph-replay time of a torch baseline in us; None if it cannot be captured."""
+    try:
+        return graph_ms(fn) * 1e3
+    except RuntimeError as err:
+        print(f"graph capture failed: {str(err)[:80]}", flush=True)
         return None
 
 
@@ -242,6 +259,128 @@ def bench_rmsnorm_one(t: int, hidden: int, ceil: dict) -> None:
     )  # fmt: skip
 
 
+# (experts, hidden, router settings after x, weight, bias)
+ROUTERS = {
+    "moonlight": (64, 2048, (6, "sigmoid", "noaux_tc", 1, 1, True, True, 2.446)),
+    "deepseek_v3": (256, 7168, (8, "sigmoid", "noaux_tc", 8, 4, True, True, 2.5)),
+}
+
+
+def router_inputs(t: int, model: str, w_dtype: torch.dtype = torch.float32):
+    """bf16 hidden states; the router weight in float32 as the executor keeps it."""
+    e, hidden, _ = ROUTERS[model]
+    x = torch.randn(t, hidden, device=DEV, dtype=torch.bfloat16)
+    w = (torch.randn(e, hidden, device=DEV) / hidden**0.5).to(w_dtype)
+    bias = torch.rand(e, device=DEV) - 0.5
+    return x, w, bias
+
+
+def bench_router(ceil: dict) -> None:
+    """One launch instead of the ~17 of the torch router (the twin); its graph-replay
+    time is the figure that counts at decode. Bytes: weight + x + outputs."""
+    for model, t, w_dtype in [("moonlight", 1, torch.float32), ("moonlight", 64, torch.float32),
+                              ("moonlight", 4096, torch.float32), ("moonlight", 1, torch.bfloat16),
+                              ("moonlight", 4096, torch.bfloat16), ("deepseek_v3", 1, torch.float32),
+                              ("deepseek_v3", 64, torch.float32)]:  # fmt: skip
+        x, w, bias = router_inputs(t, model, w_dtype)
+        e, hidden, settings = ROUTERS[model]
+        args = (x, w, bias, *settings)
+        nbytes = w.numel() * w.element_size() + x.numel() * 2 + t * settings[0] * 12
+        cfg = router_config(t, max(16, 1 << (e - 1).bit_length()), upcast=w_dtype != torch.bfloat16)
+        record(
+            "moe_router", f"{model} T={t} E={e} H={hidden} w={str(w_dtype)[6:]}",
+            lambda a=args: moe_router(*a), nbytes, 2 * t * e * hidden, ceil,
+            twin_ms=maybe_ms(lambda a=args: moe_router_ref(*a)),
+            twin_graph_us=maybe_graph_us(lambda a=args: moe_router_ref(*a)), config=cfg,
+        )  # fmt: skip
+
+
+def sweep_router(ceil: dict) -> None:
+    """Moonlight: tile sizes around the defaults; the float32 path's few-token variant
+    (BLOCK_T < 16) against 16-token FMA dots; bf16 weights on the tensor cores or upcast."""
+    few = [{"BLOCK_T": bt, "BLOCK_H": max(16, 8192 // (bt * 64)), "num_warps": nw}
+           for bt in (1, 2, 4, 8) for nw in (4, 8)]  # fmt: skip
+    dots = [{"BLOCK_T": 16, "BLOCK_H": bh, "num_warps": nw, "num_stages": ns}
+            for bh in (64, 128) for nw in (4, 8) for ns in (2, 3)]  # fmt: skip
+    for t, w_dtype, configs in ((1, torch.float32, few[:4] + dots[:2]),
+                                (64, torch.float32, few + dots),
+                                (4096, torch.float32, few[-2:] + dots),
+                                (4096, torch.bfloat16, [{"UPCAST": u, "BLOCK_T": bt}
+                                                        for u in (False, True) for bt in (16, 32)])):  # fmt: skip
+        x, w, bias = router_inputs(t, "moonlight", w_dtype)
+        args = (x, w, bias, *ROUTERS["moonlight"][2])
+
+        def run(cfg: dict, args: tuple = args) -> tuple:
+            return moe_router(*args, config=cfg)
+
+        nbytes = w.numel() * w.element_size() + x.numel() * 2
+        sweep("router", run, configs, nbytes, ceil, T=t, w=str(w_dtype)[6:])
+
+
+# (label, heads, q_lens, k_lens): Moonlight's 16 heads at the profiled step (16 x 1k), one
+# long prompt, a chunk after cached context; DeepSeek-V3's 128 heads.
+PREFILL_SHAPES = [
+    ("16x1k", 16, [1024] * 16, [1024] * 16),
+    ("1x16k", 16, [16384], [16384]),
+    ("4k after 4k", 16, [4096], [8192]),
+    ("16x1k", 128, [1024] * 16, [1024] * 16),
+]
+
+
+def prefill_inputs(q_lens: list[int], k_lens: list[int], heads: int, dn: int = 128,
+                   rope: int = 64, dv: int = 128) -> tuple:  # fmt: skip
+    """bf16 args of mla_prefill laid out as the executor passes them: q_nope, q_pe views
+    of [Tq, H, Dn + R]; k_nope, v views of [Tk, H, Dn + Dv]; k_pe a view of the latent."""
+    bf = {"device": DEV, "dtype": torch.bfloat16}
+    q = torch.randn(sum(q_lens), heads, dn + rope, **bf)
+    kv = torch.randn(sum(k_lens), heads, dn + dv, **bf)
+    latent = torch.randn(sum(k_lens), 512 + rope, **bf)
+    cu_q, cu_k = (torch.tensor([0, *n], device=DEV).cumsum(0) for n in (q_lens, k_lens))
+    return (q[..., :dn], q[..., dn:], kv[..., :dn], latent[:, 512:], kv[..., dn:],
+            cu_q, cu_k, max(q_lens), (dn + rope) ** -0.5)  # fmt: skip
+
+
+def prefill_cost(q_lens: list[int], k_lens: list[int], heads: int, dn: int = 128,
+                 rope: int = 64, dv: int = 128) -> tuple[float, float]:  # fmt: skip
+    """(bytes, FLOPs): q, k_nope, k_pe, v read once and out written once (bf16);
+    2 (Dn + R) + 2 Dv FLOPs per visible (causal) query-key pair per head."""
+    pairs = sum(lq * (lk - lq) + lq * (lq + 1) // 2 for lq, lk in zip(q_lens, k_lens))
+    tq, tk = sum(q_lens), sum(k_lens)
+    nbytes = 2 * (tq * heads * (dn + rope + dv) + tk * (heads * (dn + dv) + rope))
+    return nbytes, pairs * heads * (2 * (dn + rope) + 2 * dv)
+
+
+def bench_prefill(ceil: dict) -> None:
+    """Varlen causal MLA prefill; the twin is per-request float32 SDPA with a dense mask
+    (the executor's path before the kernel). Compute-bound: read TFLOP/s, % matmul."""
+    for label, heads, q_lens, k_lens in PREFILL_SHAPES:
+        args = prefill_inputs(q_lens, k_lens, heads)
+        nbytes, flops = prefill_cost(q_lens, k_lens, heads)
+        record(
+            "mla_prefill", f"H={heads} {label}", lambda a=args: mla_prefill(*a), nbytes, flops,
+            ceil, twin_ms=maybe_ms(lambda a=args: mla_prefill_ref(*a), rep=20),
+        )  # fmt: skip
+        del args
+        torch.cuda.empty_cache()
+
+
+def sweep_prefill(ceil: dict) -> None:
+    """Tiles around the default (BLOCK_M 128, BLOCK_N 64, 8 warps, 3 stages); gflop in
+    each row turns us into TFLOP/s."""
+    configs = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": nw, "num_stages": ns}
+               for bm, bn, nw, ns in ((128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 4),
+                                      (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
+                                      (64, 128, 4, 2))]  # fmt: skip
+    for label, heads, q_lens, k_lens in PREFILL_SHAPES[:2]:
+        args = prefill_inputs(q_lens, k_lens, heads)
+
+        def run(cfg: dict, args: tuple = args) -> torch.Tensor:
+            return mla_prefill(*args, config=cfg)
+
+        nbytes, flops = prefill_cost(q_lens, k_lens, heads)
+        sweep("prefill", run, configs, nbytes, ceil, H=heads, shape=label, gflop=flops / 1e9)
+
+
 def accuracy() -> None:
     """||out - ref|| / ||ref|| of each bf16 kernel against its twin run in float64."""
 
@@ -260,6 +399,8 @@ def accuracy() -> None:
         check(
             f"mla H={heads} B={batch} ctx={ctx} q={q_len}", mla_decode(*a), mla_decode_ref(*f64(a))
         )
+    a = prefill_inputs([1024] * 4 + [300], [1024] * 4 + [2348], 16)  # last: after context
+    check("mla_prefill H=16 4x1k + 300 after 2k", mla_prefill(*a), mla_prefill_ref(*f64(a)))
     for t in (1, 64, 2048):
         a = moe_inputs(t)
         check(f"moe T={t}", fused_moe(*a), fused_moe_ref(*(x.double() for x in a[:4]), a[4]))
@@ -292,6 +433,10 @@ def table(ceil: dict) -> str:
                 f"{r['pct_bw']:.0f} | {r['tflops']:.1f} | {r['pct_mm']:.0f} | "
                 f"{f(r['twin_us'], '.1f')} | {f(r['exec_us'], '.1f')} |"
             )
+    graphs = [f"{r['shape']}: {r['twin_graph_us']:.1f}" for r in ROWS
+              if r.get("twin_graph_us") is not None]  # fmt: skip
+    if graphs:
+        lines += ["", "moe_router twin under CUDA-graph replay (us): " + "; ".join(graphs)]
     errs = [f"{r['check']}: {r['rel_err']:.2e}" for r in ROWS if "check" in r]
     if errs:
         lines += ["", "relative error vs float64 twin: " + "; ".join(errs)]
@@ -301,8 +446,8 @@ def table(ceil: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--no-sweep", action="store_true", help="skip the MLA launch-setting sweep")
-    p.add_argument("--only", default="accuracy,mla,moe,rmsnorm")
+    p.add_argument("--no-sweep", action="store_true", help="skip the launch-setting sweeps")
+    p.add_argument("--only", default="accuracy,mla,moe,rmsnorm,router,prefill")
     a = p.parse_args()
     only = set(a.only.split(","))
     torch.manual_seed(0)
@@ -312,12 +457,20 @@ def main() -> None:
         accuracy()
     if "rmsnorm" in only:
         bench_rmsnorm(ceil)
+    if "router" in only:
+        bench_router(ceil)
+        if not a.no_sweep:
+            sweep_router(ceil)
     if "moe" in only:
         bench_moe(ceil)
     if "mla" in only:
         bench_mla(ceil, a.quick)
         if not a.no_sweep:
             sweep_mla(ceil)
+    if "prefill" in only:
+        bench_prefill(ceil)
+        if not a.no_sweep:
+            sweep_prefill(ceil)
     text = table(ceil)
     print(text)
     if os.environ.get("OUT"):

@@ -1,12 +1,14 @@
 """Real-executor throughput on a dummy model in published shapes, beside HF transformers.
 
-    python benchmarks/model_speed.py [--model moonlight-16b-a3b] [--no-hf] [--json OUT.json]
+    python benchmarks/model_speed.py [--model moonlight-16b-a3b] [--no-hf] [--eager]
+        [--json OUT.json]      # then: python benchmarks/plot_model_speed.py OUT.json
 
 Builds transformers' DeepseekV3ForCausalLM from the preset config directly on
 the GPU (random weights), copies the same weights into deepinfer's model, and
-measures in one process:
-- prefill tokens/s with N tokens in one step (1k-token prompts);
-- decode tokens/s at batch B and context C (median step time);
+measures in one process (each figure a whole engine step: scheduler, model, sampler):
+- prefill tokens/s with N tokens in one step (1k-token prompts), 1k to 32k;
+- decode tokens/s at batch B and context C (median step time), batch 1 to 256 at
+  context 1k and 4k; with --eager also without CUDA graphs;
 - each beside its roofline: bytes of weights actually read (dense + distinct
   experts touched, expected under uniform routing) plus KV read, over the
   measured copy bandwidth; prefill FLOPs over the measured bf16 matmul rate;
@@ -109,14 +111,60 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def build(model: str, dev: torch.device, cfg: EngineConfig, with_hf: bool
+          ) -> tuple[TorchExecutor, object, object]:
+    """(deepinfer executor, HF model with the same weights or None, model spec) for a preset
+    name or a config.json path; dummy weights, MTP layers left out."""
+    path = Path(model) if model.endswith(".json") else PRESETS / f"{model}.json"
+    raw = json.loads(path.read_text())
+    raw["num_nextn_predict_layers"] = 0
+    spec = load_model_spec(path)
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "config.json").write_text(json.dumps(raw))
+    dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    ex = TorchExecutor(cfg, str(tmp), load_format="dummy", dtype=dtype, device=str(dev))
+    hf = None
+    if with_hf:
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        torch.set_default_dtype(getattr(torch, dtype))
+        with torch.device(dev):
+            hf = DeepseekV3ForCausalLM(DeepseekV3Config(**raw)).eval()
+        torch.set_default_dtype(torch.float32)
+        load_state_dict_into(ex.model, ex.config, hf.state_dict())
+    return ex, hf, spec
+
+
+def decode_roofline_s(spec, batch: int, context: int, bw: float) -> float:
+    """Bytes a decode step must read (dense weights, the distinct experts that `batch`
+    tokens route to under uniform routing, every request's latent KV) over `bw`."""
+    experts = expected_distinct_experts(batch, spec.n_routed_experts, spec.num_experts_per_tok)
+    weight_bytes = spec.dtype_bytes * (
+        spec.active_params - spec.num_moe_layers * spec.num_experts_per_tok * spec.expert_params
+        + spec.num_moe_layers * experts * spec.expert_params)
+    return (weight_bytes + batch * context * spec.kv_bytes_per_token) / bw
+
+
+def hf_kv_bytes(ex: TorchExecutor, tokens: int) -> int:
+    """transformers caches full per-head K and V for MLA (not the latent)."""
+    c = ex.config
+    per_token = c.num_hidden_layers * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim)
+    return 2 * per_token * tokens
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="moonlight-16b-a3b")
-    p.add_argument("--batches", default="1,8,64")
-    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--batches", default="1,8,64,256")
+    p.add_argument("--contexts", default="1024,4096")
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--prefill", default="1024,4096,16384")
+    p.add_argument("--prefill", default="1024,2048,4096,8192,16384,32768",
+                   help="tokens per prefill step (prompts of 1,024 tokens)")
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--hf-max-kv-gib", type=float, default=24.0,
+                   help="skip HF where its KV cache would exceed this")
+    p.add_argument("--eager", action="store_true",
+                   help="also time decode without CUDA graphs (first context only)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     args = p.parse_args()
@@ -126,35 +174,26 @@ def main() -> None:
         bw, peak = ceilings(dev)
         torch.cuda.empty_cache()
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
-    path = Path(args.model) if args.model.endswith(".json") else PRESETS / f"{args.model}.json"
-    raw = json.loads(path.read_text())
-    raw["num_nextn_predict_layers"] = 0
-    spec = load_model_spec(path)
-    tmp = Path(tempfile.mkdtemp())
-    (tmp / "config.json").write_text(json.dumps(raw))
-    cfg = EngineConfig(block_size=64, num_gpu_blocks=6144, max_num_seqs=256,
-                       max_num_batched_tokens=16384, enable_prefix_caching=False)
-    dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    ex = TorchExecutor(cfg, str(tmp), load_format="dummy", dtype=dtype, device=args.device)
-    hf = None
-    if not args.no_hf:
-        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-        torch.set_default_dtype(getattr(torch, dtype))
-        with torch.device(dev):
-            hf = DeepseekV3ForCausalLM(DeepseekV3Config(**raw)).eval()
-        torch.set_default_dtype(torch.float32)
-        load_state_dict_into(ex.model, ex.config, hf.state_dict())
+    batches = [int(x) for x in args.batches.split(",") if x]
+    contexts = [int(x) for x in args.contexts.split(",") if x]
+    prefills = [int(x) for x in args.prefill.split(",") if x]
+    block = 64
+    need = max(max(batches) * (max(contexts) + args.new_tokens + block), max(prefills) + block)
+    cfg = EngineConfig(block_size=block, num_gpu_blocks=need // block + 64,
+                       max_num_seqs=max(batches), max_num_batched_tokens=16384,
+                       enable_prefix_caching=False)
+    ex, hf, spec = build(args.model, dev, cfg, with_hf=not args.no_hf)
+    hf_limit = args.hf_max_kv_gib * 2**30
     rows = []
     ours(ex, cfg, random_prompts(2, 64, spec.vocab_size, 0), 4, "warm")  # warm-up
-    for n in [int(x) for x in args.prefill.split(",")]:
+    for n in prefills:
         prompts = random_prompts(max(n // 1024, 1), min(n, 1024), spec.vocab_size, n)
         run_cfg = cfg.replace(max_num_batched_tokens=max(n, 1024))
         # The first step at a new shape pays allocator growth and kernel selection.
         t = min(ours(ex, run_cfg, prompts, 1, f"p{n}.{i}")[0] for i in range(2))
         flops = 2 * spec.active_params * n  # matmul FLOPs; attention is small at 1k context
         row = dict(kind="prefill", tokens=n, ours_tok_s=n / t, roofline_tok_s=n / (flops / peak))
-        if hf is not None:
+        if hf is not None and hf_kv_bytes(ex, n) <= hf_limit:
             try:
                 th, _ = hf_times(hf, prompts, 2)
                 row["hf_tok_s"] = n / th
@@ -162,39 +201,49 @@ def main() -> None:
                 row["hf_tok_s"] = None
             _empty_cache()
         rows.append(row)
-    for b in [int(x) for x in args.batches.split(",")]:
-        prompts = random_prompts(b, args.context, spec.vocab_size, b)
-        _, step = ours(ex, cfg, prompts, args.new_tokens, f"d{b}")
-        experts = expected_distinct_experts(b, spec.n_routed_experts, spec.num_experts_per_tok)
-        weight_bytes = spec.dtype_bytes * (
-            spec.active_params - spec.num_moe_layers * spec.num_experts_per_tok
-            * spec.expert_params + spec.num_moe_layers * experts * spec.expert_params)
-        kv_bytes = b * args.context * spec.kv_bytes_per_token
-        row = dict(kind="decode", batch=b, context=args.context, ours_step_ms=1e3 * step,
-                   ours_tok_s=b / step, roofline_step_ms=1e3 * (weight_bytes + kv_bytes) / bw)
-        if hf is not None:
-            try:
-                _, th = hf_times(hf, prompts, args.new_tokens)
-                row["hf_tok_s"] = b / th
-            except torch.OutOfMemoryError:
-                row["hf_tok_s"] = None
-            _empty_cache()
-        rows.append(row)
-    print("| kind | size | ours tok/s | roofline | ours/roofline | HF tok/s | ours/HF |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        hf_s = r.get("hf_tok_s")
-        if r["kind"] == "prefill":
-            size, roof = f"{r['tokens']} tokens", r["roofline_tok_s"]
-        else:
-            size = f"batch {r['batch']}, ctx {r['context']}"
-            roof = r["batch"] / (r["roofline_step_ms"] / 1e3)
-        ours_s = r["ours_tok_s"]
-        hf_txt = f"{hf_s:.0f} | {ours_s / hf_s:.1f}x" if hf_s else "n/a | n/a"
-        print(f"| {r['kind']} | {size} | {ours_s:.0f} | {roof:.0f} | {ours_s / roof:.2f} | "
-              f"{hf_txt} |")
+        print(row, flush=True)
+    for ctx in contexts:
+        for b in batches:
+            prompts = random_prompts(b, ctx, spec.vocab_size, b + ctx)
+            _, step = ours(ex, cfg, prompts, args.new_tokens, f"d{b}.{ctx}")
+            roof = decode_roofline_s(spec, b, ctx, bw)
+            row = dict(kind="decode", batch=b, context=ctx, ours_step_ms=1e3 * step,
+                       ours_tok_s=b / step, roofline_step_ms=1e3 * roof,
+                       roofline_tok_s=b / roof)
+            if args.eager and ctx == contexts[0] and ex.runner.graphs is not None:
+                graphs, ex.runner.graphs = ex.runner.graphs, None
+                _, eager = ours(ex, cfg, prompts, args.new_tokens, f"e{b}.{ctx}")
+                ex.runner.graphs = graphs
+                row["eager_tok_s"] = b / eager
+            if hf is not None and hf_kv_bytes(ex, b * (ctx + args.new_tokens)) <= hf_limit:
+                try:
+                    _, th = hf_times(hf, prompts, args.new_tokens)
+                    row["hf_tok_s"] = b / th
+                except torch.OutOfMemoryError:
+                    row["hf_tok_s"] = None
+                _empty_cache()
+            rows.append(row)
+            print(row, flush=True)
+    print_table(rows)
     if args.json:
-        args.json.write_text(json.dumps(dict(copy_bw=bw, matmul_flops=peak, rows=rows), indent=1))
+        args.json.write_text(json.dumps(dict(copy_bw=bw, matmul_flops=peak, model=args.model,
+                                             rows=rows), indent=1))
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| kind | size | deepinfer tok/s | roofline tok/s | deepinfer / roofline "
+          "| eager tok/s | HF tok/s | deepinfer / HF |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if r["kind"] == "prefill":
+            size = f"{r['tokens']:,} tokens"
+        else:
+            size = f"batch {r['batch']}, ctx {r['context']:,}"
+        ours_s, roof, hf_s = r["ours_tok_s"], r["roofline_tok_s"], r.get("hf_tok_s")
+        eager = f"{r['eager_tok_s']:,.0f}" if r.get("eager_tok_s") else "-"
+        hf_txt = f"{hf_s:,.0f} | {ours_s / hf_s:.1f}x" if hf_s else "- | -"
+        print(f"| {r['kind']} | {size} | {ours_s:,.0f} | {roof:,.0f} | {ours_s / roof:.2f} "
+              f"| {eager} | {hf_txt} |")
 
 
 if __name__ == "__main__":

@@ -102,6 +102,8 @@ def _add_generate_parser(sub: Any) -> None:
                    help="per-request sampling seed (deterministic sampling)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: detected)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (they are on by default on CUDA)")
     add_engine_options(p)
     p.set_defaults(func=_run_generate)
 
@@ -113,6 +115,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     engine = engine_config_from_args(args)
     try:
         llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
+                  enforce_eager=args.enforce_eager,
                   **{f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)})
     except (RuntimeError, OSError) as e:  # unreachable hub, unreadable checkpoint
         raise ValueError(f"cannot load model {args.model!r}: {e}") from e

@@ -40,12 +40,15 @@ class LLM:
         load_format: str = "auto",
         revision: str | None = None,
         trust_remote_code: bool = False,
+        enforce_eager: bool = False,
         **engine_args: Any,
     ) -> None:
         self.config = EngineConfig.from_dict(engine_args, source="LLM(...)")
         cls = get_executor_class(executor)
+        # enforce_eager: no CUDA graphs for decode steps (vLLM's name)
         self.executor = cls(self.config, model, dtype=dtype, device=device,
-                            load_format=load_format, revision=revision)
+                            load_format=load_format, revision=revision,
+                            enforce_eager=enforce_eager)
         self.tokenizer = _maybe_tokenizer(self.executor.model_dir, trust_remote_code)
         self.engine = EngineCore(self.config, self.executor,
                                  model_max_len=self.executor.max_model_len)

@@ -1,10 +1,10 @@
-"""Paged MLA attention in pure torch: batch metadata, cache writes and the two attention forms.
+"""Paged MLA attention: batch metadata, cache writes and the two attention forms.
 
 The batch is one flattened varlen sequence of T new tokens. Requests are ordered
 decode-first: the first `num_decode_reqs` requests (short queries over a long
 context) use the absorbed form over the latent cache; the rest (prefill chunks)
 decompress the gathered latent into full K/V. `mla_prefill_attention` and
-`mla_decode_attention` are the seams where kernels replace this reference.
+`mla_decode_attention` delegate to kernels.ops: Triton on CUDA, torch twins elsewhere.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor  # [Bp + 1] int64
     prefill_cu_seqlens_k: torch.Tensor  # [Bp + 1] int64: every cached + new token per request
     prefill_kv_slots: torch.Tensor  # [Sp] int64: cache slots of those keys, request by request
+    # Longest prefill query (host int: the prefill kernel's grid); 0 = unknown, derived on use.
+    prefill_max_query_len: int = 0
 
     def to(self, device: torch.device) -> AttentionMetadata:
         moved = {
@@ -79,6 +81,7 @@ def build_attention_metadata(
         prefill_cu_seqlens_q=F.pad(torch.cumsum(q_lens[prefill], 0), (1, 0)),
         prefill_cu_seqlens_k=F.pad(torch.cumsum(seq[prefill], 0), (1, 0)),
         prefill_kv_slots=torch.cat(kv_slots) if kv_slots else empty,
+        prefill_max_query_len=max(query_lens[num_decode_reqs:], default=0),
     )
     return md.to(device)
 
@@ -88,51 +91,37 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) 
     return block_table[positions // block_size] * block_size + positions % block_size
 
 
-def write_latent_cache(
-    kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """kv_cache: [num_blocks, block_size, D]; latent: [T, D] written at slot_mapping: [T]."""
-    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, latent.to(kv_cache.dtype))
-
-
 def gather_latent_cache(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """-> [len(slots), D]."""
     return kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, slots)
 
 
 def mla_prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
+    max_query_len: int,
     scale: float,
 ) -> torch.Tensor:
     """Varlen causal attention, bottom-right aligned (a request's query i sees keys
-    [0, len_k - len_q + i]), as flash-attn's varlen function defines it.
+    [0, len_k - len_q + i]), as flash-attn's varlen function defines it, with MLA's
+    split keys: per-head [k_nope | k_pe] where k_pe is one rope key per token.
 
-    q: [Tq, H, Dqk], k: [Tk, H, Dqk], v: [Tk, H, Dv] -> [Tq, H, Dv].
+    q_nope: [Tq, H, Dn], q_pe: [Tq, H, R], k_nope: [Tk, H, Dn], k_pe: [Tk, R],
+    v: [Tk, H, Dv] -> [Tq, H, Dv]. max_query_len: the longest request's query count
+    (0: derived here, at the cost of a host sync). The Triton kernel on CUDA, its torch
+    twin elsewhere (kernels.ops).
     """
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    for qs, qe, ks, ke in zip(
-        cu_seqlens_q[:-1].tolist(),
-        cu_seqlens_q[1:].tolist(),
-        cu_seqlens_k[:-1].tolist(),
-        cu_seqlens_k[1:].tolist(),
-    ):
-        lq, lk = qe - qs, ke - ks
-        if lq == 0:
-            continue
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)  # [lq, lk]
-        o = F.scaled_dot_product_attention(
-            q[qs:qe].transpose(0, 1),
-            k[ks:ke].transpose(0, 1),
-            v[ks:ke].transpose(0, 1),
-            attn_mask=mask,
-            scale=scale,
-        )  # [H, lq, Dv]
-        out[qs:qe] = o.transpose(0, 1)
-    return out
+    if max_query_len <= 0 and cu_seqlens_q.numel() > 1:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    return kernel_ops.mla_prefill_attention(
+        q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_query_len, scale,
+        backend=envs.kernel_backend(),
+    )  # fmt: skip
 
 
 def mla_decode_attention(

@@ -29,12 +29,16 @@ class PagedKVCache:
         entry_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        scratch_block: bool = False,
     ) -> None:
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # the scheduler's blocks: ids [0, num_blocks)
         self.block_size = block_size
-        # per layer: [num_blocks, block_size, entry_dim]
+        # One more block, never handed out, where CUDA-graph padding rows write.
+        self.scratch_block: int | None = num_blocks if scratch_block else None
+        rows = num_blocks + int(scratch_block)
+        # per layer: [num_blocks (+ 1 scratch), block_size, entry_dim]
         self.layers = [
-            torch.zeros(num_blocks, block_size, entry_dim, dtype=dtype, device=device)
+            torch.zeros(rows, block_size, entry_dim, dtype=dtype, device=device)
             for _ in range(num_layers)
         ]
 

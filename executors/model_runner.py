@@ -17,6 +17,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.sampling_params import SamplingParams
 from executors.attention import AttentionMetadata, build_attention_metadata
+from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
 from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
 from executors.sampler import SamplingState, sample_tokens
@@ -31,15 +32,30 @@ class RequestState:
 
 
 @dataclass
+class HostBatch:
+    """One step's inputs as host lists; requests ordered decode-first."""
+
+    req_ids: list[str]
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    query_lens: list[int]  # [B]
+    context_lens: list[int]  # [B]
+    block_tables: list[list[int]]  # [B][blocks]
+    num_decode: int  # requests [0, num_decode) take the absorbed path
+    logits_indices: list[int]  # [N] batch rows whose logits are sampled
+    # req_id -> (first row in logits_indices, number of rows, drafts to verify)
+    sample_rows: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
+
+
+@dataclass
 class Batch:
-    """One step's flattened inputs; requests ordered decode-first."""
+    """One step's flattened inputs on the device (the eager path)."""
 
     req_ids: list[str]
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     md: AttentionMetadata
     logits_indices: torch.Tensor  # [N] batch rows whose logits are sampled
-    # req_id -> (first row in logits_indices, number of rows, drafts to verify)
     sample_rows: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
 
 
@@ -56,6 +72,7 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         engine_config: EngineConfig,
         eos_token_id: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -64,8 +81,28 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         # Queries this short (a decode token plus drafts) take the absorbed MLA path.
         self.decode_max_query_len = 1 + engine_config.num_speculative_tokens
+        self.max_num_seqs = engine_config.max_num_seqs
+        # Longest sequence a graph's block table must hold.
+        self.max_model_len = min(max_model_len or engine_config.max_model_len or 1 << 62,
+                                 kv_cache.num_blocks * kv_cache.block_size)
         self.generator = torch.Generator(self.device).manual_seed(engine_config.seed)
         self.requests: dict[str, RequestState] = {}
+        self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
+
+    def enable_cuda_graphs(self, sizes: list[int] | None = None, capture: bool = True) -> None:
+        """Serve pure-decode steps through DecodeGraphs; the KV cache must hold a scratch
+        block. capture=False (the CPU tests) runs their padded buffers eagerly."""
+        if capture and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        if self.kv_cache.scratch_block is None:
+            raise ValueError("CUDA graphs need a KV cache built with a scratch block")
+        max_blocks = -(-self.max_model_len // self.block_size)
+        graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.block_size, max_blocks,
+                              self.kv_cache.scratch_block,
+                              sizes or default_capture_sizes(self.max_num_seqs))
+        if capture:
+            graphs.capture()
+        self.graphs = graphs
 
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
@@ -79,10 +116,29 @@ class ModelRunner:
         self.update_states(out)
         if out.is_empty:
             return StepResult(ModelRunnerOutput(), {})
-        batch = self.prepare_batch(out.scheduled)
+        host = self.collect(out.scheduled)
+        if self._graph_eligible(host):
+            assert self.graphs is not None
+            all_logits = self.graphs.run(host.input_ids, host.positions, host.block_tables)
+            # A copy: the graph's output buffer is overwritten by the next replay.
+            n = len(host.logits_indices)
+            if host.logits_indices == list(range(n)):
+                logits = all_logits[:n].clone()
+            else:
+                logits = all_logits[torch.tensor(host.logits_indices, device=self.device)]
+            return self._sample(host.sample_rows, logits)
+        batch = self.to_device(host)
         hidden = self.model(batch.input_ids, batch.positions, batch.md, self.kv_cache.layers)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab]
-        return self._sample(batch, logits)
+        return self._sample(batch.sample_rows, logits)
+
+    def _graph_eligible(self, host: HostBatch) -> bool:
+        """Pure decode (one token per request) of a batch some graph holds."""
+        return (
+            self.graphs is not None
+            and len(host.input_ids) == len(host.req_ids) <= self.graphs.max_size
+            and host.num_decode == len(host.req_ids)
+        )
 
     def update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids | out.preempted_req_ids:
@@ -105,12 +161,20 @@ class ModelRunner:
                 self.requests[sr.req_id].block_table.extend(sr.new_block_ids)
 
     def prepare_batch(self, scheduled: list[ScheduledRequest]) -> Batch:
+        """The eager path's device batch (also records the tokens in the sampler history)."""
+        return self.to_device(self.collect(scheduled))
+
+    def collect(self, scheduled: list[ScheduledRequest]) -> HostBatch:
+        """Order decode-first, check the block tables, record history, flatten to lists."""
         ordered = sorted(scheduled, key=lambda r: r.num_tokens > self.decode_max_query_len)
-        num_decode = sum(r.num_tokens <= self.decode_max_query_len for r in ordered)
-        ids: list[int] = []
-        positions: list[int] = []
-        logits_indices: list[int] = []
-        sample_rows: dict[str, tuple[int, int, list[int]]] = {}
+        host = HostBatch(
+            req_ids=[r.req_id for r in ordered], input_ids=[], positions=[],
+            query_lens=[r.num_tokens for r in ordered],
+            context_lens=[r.num_computed_tokens for r in ordered],
+            block_tables=[self.requests[r.req_id].block_table for r in ordered],
+            num_decode=sum(r.num_tokens <= self.decode_max_query_len for r in ordered),
+            logits_indices=[],
+        )  # fmt: skip
         for sr in ordered:
             state = self.requests[sr.req_id]
             tokens = self._step_tokens(sr, state)
@@ -123,26 +187,26 @@ class ModelRunner:
             self._record_history(state, start, tokens[: len(tokens) - len(sr.draft_token_ids)])
             if sr.samples:
                 n = 1 + len(sr.draft_token_ids)
-                sample_rows[sr.req_id] = (len(logits_indices), n, list(sr.draft_token_ids))
-                last = len(ids) + len(tokens)
-                logits_indices.extend(range(last - n, last))
-            ids.extend(tokens)
-            positions.extend(range(start, end))
+                host.sample_rows[sr.req_id] = (len(host.logits_indices), n,
+                                               list(sr.draft_token_ids))
+                last = len(host.input_ids) + len(tokens)
+                host.logits_indices.extend(range(last - n, last))
+            host.input_ids.extend(tokens)
+            host.positions.extend(range(start, end))
+        return host
+
+    def to_device(self, host: HostBatch) -> Batch:
         md = build_attention_metadata(
-            [r.num_tokens for r in ordered],
-            [r.num_computed_tokens for r in ordered],
-            [self.requests[r.req_id].block_table for r in ordered],
-            self.block_size,
-            num_decode,
-            self.device,
-        )
+            host.query_lens, host.context_lens, host.block_tables, self.block_size,
+            host.num_decode, self.device,
+        )  # fmt: skip
         return Batch(
-            req_ids=[r.req_id for r in ordered],
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(self.device),
-            positions=torch.tensor(positions, dtype=torch.int64).to(self.device),
+            req_ids=host.req_ids,
+            input_ids=torch.tensor(host.input_ids, dtype=torch.int64).to(self.device),
+            positions=torch.tensor(host.positions, dtype=torch.int64).to(self.device),
             md=md,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(self.device),
-            sample_rows=sample_rows,
+            logits_indices=torch.tensor(host.logits_indices, dtype=torch.int64).to(self.device),
+            sample_rows=host.sample_rows,
         )
 
     @staticmethod
@@ -179,8 +243,10 @@ class ModelRunner:
             if start <= pos < end:
                 s.output_token_ids.extend(tokens[pos - start :])
 
-    def _sample(self, batch: Batch, logits: torch.Tensor) -> StepResult:
-        rows = sorted(batch.sample_rows.items(), key=lambda kv: kv[1][0])
+    def _sample(
+        self, sample_rows: dict[str, tuple[int, int, list[int]]], logits: torch.Tensor
+    ) -> StepResult:
+        rows = sorted(sample_rows.items(), key=lambda kv: kv[1][0])
         states = [self.requests[rid].sampling for rid, (_, n, _) in rows for _ in range(n)]
         result = sample_tokens(logits, states, self.generator) if states else None
         sampled = result.token_ids if result else []

@@ -36,7 +36,11 @@ class TorchExecutor:
         device: str | None = None,
         load_format: str = "auto",
         revision: str | None = None,
+        enforce_eager: bool = False,
+        cuda_graph_sizes: list[int] | None = None,
     ) -> None:
+        """enforce_eager: no CUDA graphs (they capture decode steps on CUDA by default);
+        cuda_graph_sizes: the batch sizes captured (default: default_capture_sizes)."""
         self.engine_config = engine_config
         self.model_dir: Path = resolve_model_dir(
             model, revision=revision, weights=load_format != "dummy"
@@ -58,6 +62,7 @@ class TorchExecutor:
             seed=engine_config.seed,
         )
         num_blocks = self._num_blocks()
+        use_graphs = self.device.type == "cuda" and not enforce_eager
         self.kv_cache = PagedKVCache(
             self.config.num_hidden_layers,
             num_blocks,
@@ -65,11 +70,15 @@ class TorchExecutor:
             self.config.kv_entry_dim,
             self.dtype,
             self.device,
+            scratch_block=use_graphs,
         )
         first_eos = (
             self.eos_token_id[0] if isinstance(self.eos_token_id, list) else self.eos_token_id
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, engine_config, first_eos)
+        self.runner = ModelRunner(self.model, self.kv_cache, engine_config, first_eos,
+                                  max_model_len=self.max_model_len)
+        if use_graphs:
+            self.runner.enable_cuda_graphs(cuda_graph_sizes)
         logger.info(
             "TorchExecutor: %s on %s in %s, %d KV blocks of %d tokens",
             self.model_dir,

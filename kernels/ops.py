@@ -15,6 +15,9 @@ from kernels.reference import (
     fused_add_rmsnorm_ref,
     fused_moe_ref,
     mla_decode_ref,
+    mla_prefill_ref,
+    mla_rope_cache_ref,
+    moe_router_ref,
     rmsnorm_ref,
 )
 
@@ -55,6 +58,31 @@ def mla_decode_attention(
     return mla_decode_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, kv_lora_rank, scale)
 
 
+def mla_prefill_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """q_nope [Tq, H, Dn], q_pe [Tq, H, R], k_nope [Tk, H, Dn], k_pe [Tk, R],
+    v [Tk, H, Dv] -> [Tq, H, Dv] (varlen causal, bottom-right aligned). The kernel needs
+    Dn, R, Dv powers of two >= 16 (tl.dot's smallest K) and contiguous last dims."""
+    args = (q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_query_len, scale)
+    dims = (q_nope.shape[-1], q_pe.shape[-1], v.shape[-1])
+    shapes_ok = all(_is_pow2(d) and d >= 16 for d in dims)
+    if shapes_ok and use_triton(q_nope, backend):
+        from kernels.mla_prefill import mla_prefill
+
+        return mla_prefill(*args)
+    return mla_prefill_ref(*args)
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -69,6 +97,31 @@ def fused_moe(
 
         return triton_fused_moe(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+def moe_router(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    scoring: str,
+    topk_method: str,
+    n_group: int,
+    topk_group: int,
+    normalise: bool,
+    scale_after_norm: bool,
+    routed_scaling_factor: float,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, H], weight: [E, H], bias: [E] or None -> (weights [T, k] float32, ids [T, k]
+    int64); see `kernels.reference.moe_router_ref`. The kernel holds up to 256 experts."""
+    args = (x, weight, bias, top_k, scoring, topk_method, n_group, topk_group, normalise,
+            scale_after_norm, routed_scaling_factor)  # fmt: skip
+    if weight.shape[0] <= 256 and use_triton(x, backend):
+        from kernels.moe_router import moe_router as triton_moe_router
+
+        return triton_moe_router(*args)
+    return moe_router_ref(*args)
 
 
 def rmsnorm(
@@ -95,3 +148,28 @@ def fused_add_rmsnorm(
 
         return triton_fused_add_rmsnorm(x, residual, weight, eps)
     return fused_add_rmsnorm_ref(x, residual, weight, eps)
+
+
+def mla_rope_cache(
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    interleave: bool,
+    backend: str | None = None,
+) -> None:
+    """q_pe [T, H, R] rotated in place; RMSNorm(c_kv) | RoPE(k_pe) of kv [T, L + R]
+    written into kv_cache [N, block_size, L + R] at slot_mapping [T]."""
+    rope = q_pe.shape[-1]
+    lat = kv.shape[-1] - rope
+    shapes_ok = _is_pow2(lat) and _is_pow2(rope) and kv_cache.is_contiguous()
+    args = (q_pe, kv, norm_weight, eps, cos, sin, kv_cache, slot_mapping, interleave)
+    if shapes_ok and use_triton(kv, backend):
+        from kernels.mla_rope_cache import mla_rope_cache as triton_mla_rope_cache
+
+        return triton_mla_rope_cache(*args)
+    return mla_rope_cache_ref(*args)

@@ -53,6 +53,48 @@ def mla_decode_ref(
     return out.to(q.dtype)
 
 
+def mla_prefill_ref(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Varlen causal MLA attention with full per-head keys [k_nope | k_pe], bottom-right
+    aligned as flash-attn's varlen function: query i of a request with len_q queries and
+    len_k >= len_q keys sees keys [0, len_k - len_q + i].
+
+    q_nope: [Tq, H, Dn], q_pe: [Tq, H, R], k_nope: [Tk, H, Dn], k_pe: [Tk, R] (one rope
+    key per token, shared by all heads), v: [Tk, H, Dv], cu_seqlens_q/k: [B + 1]
+    -> [Tq, H, Dv]. max_query_len is the kernel's launch bound, unused here.
+    """
+    acc = _acc_dtype(q_nope.dtype)
+    h = q_nope.shape[1]
+    out = q_nope.new_empty(q_nope.shape[0], h, v.shape[-1])
+    for qs, qe, ks, ke in zip(
+        cu_seqlens_q[:-1].tolist(),
+        cu_seqlens_q[1:].tolist(),
+        cu_seqlens_k[:-1].tolist(),
+        cu_seqlens_k[1:].tolist(),
+    ):
+        lq, lk = qe - qs, ke - ks
+        if lq == 0:
+            continue
+        q = torch.cat([q_nope[qs:qe], q_pe[qs:qe]], dim=-1).to(acc)  # [lq, H, Dn + R]
+        k = torch.cat([k_nope[ks:ke], k_pe[ks:ke, None, :].expand(-1, h, -1)], dim=-1).to(acc)
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)  # [lq, lk]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v[ks:ke].to(acc).transpose(0, 1),
+            attn_mask=mask, scale=scale,
+        )  # fmt: skip  # [H, lq, Dv]
+        out[qs:qe] = o.transpose(0, 1).to(out.dtype)
+    return out
+
+
 def fused_moe_ref(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -99,3 +141,110 @@ def fused_add_rmsnorm_ref(
     """new_residual = x + residual (in x.dtype); returns (rmsnorm(new_residual), new_residual)."""
     new_residual = x + residual
     return rmsnorm_ref(new_residual, weight, eps), new_residual
+
+
+def moe_router_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    scoring: str,
+    topk_method: str,
+    n_group: int,
+    topk_group: int,
+    normalise: bool,
+    scale_after_norm: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek MoE router: x [T, H], weight [E, H], bias [E] (e_score_correction_bias,
+    used by noaux_tc only) -> (weights [T, top_k], ids [T, top_k] int64).
+
+    Logits in float32 from float32-cast inputs; scores = softmax or sigmoid. Selection
+    ranks scores (+ bias for noaux_tc) among the experts of the `topk_group` best of
+    `n_group` groups; the weights are the unbiased scores of the chosen experts,
+    normalised to sum 1 when `normalise` (V2: not for a top-1) and multiplied by
+    `routed_scaling_factor` when `scale_after_norm` (V3) or when not normalised.
+    """
+    acc = _acc_dtype(x.dtype)
+    logits = F.linear(x.to(acc), weight.to(acc))  # [T, E]
+    if scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+    else:
+        scores = logits.sigmoid()
+    choice = scores
+    if topk_method == "noaux_tc":
+        assert bias is not None
+        choice = scores + bias.to(acc)
+    limited = topk_method in ("noaux_tc", "group_limited_greedy")
+    if limited and n_group > 1 and topk_group < n_group:  # else every group is kept
+        choice = _mask_groups(choice, topk_method, n_group, topk_group)
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]  # [T, k]
+    weights = scores.gather(1, ids)
+    normalised = normalise and (scale_after_norm or top_k > 1)
+    if normalised:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if scale_after_norm or not normalised:
+        weights = weights * routed_scaling_factor
+    return weights, ids
+
+
+def _mask_groups(
+    choice: torch.Tensor, topk_method: str, n_group: int, topk_group: int
+) -> torch.Tensor:
+    """Keep only experts of the `topk_group` best groups (masked ones get -inf or 0).
+    choice: [T, E] -> [T, E]. Group score: sum of the top two (noaux_tc) or max."""
+    t = choice.shape[0]
+    grouped = choice.view(t, n_group, -1)  # [T, G, E/G]
+    if topk_method == "noaux_tc":
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        fill = float("-inf")
+    else:
+        group_scores = grouped.max(dim=-1).values
+        fill = 0.0
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    keep = keep.unsqueeze(-1).expand_as(grouped).reshape(t, -1)  # [T, E]
+    return choice.masked_fill(~keep, fill)
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+             ) -> torch.Tensor:
+    """Rotate x: [T, ..., R] by cos/sin: [T, R / 2] in float32, rounded to x.dtype.
+
+    Interleaved layout (DeepSeek's): pairs (x0, x1), (x2, x3), ... each rotated by one
+    frequency, results written back in place of the pair. Half-split layout: pairs
+    (x_i, x_{i + R/2}).
+    """
+    shape = [cos.shape[0]] + [1] * (x.dim() - 2) + [cos.shape[1]]
+    c, s = cos.view(shape), sin.view(shape)
+    xf = x.float()
+    if interleave:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return out.to(x.dtype)
+
+
+def mla_rope_cache_ref(
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    interleave: bool,
+) -> None:
+    """MLA's per-token prologue: q_pe [T, H, R] rotated in place; kv [T, L + R] split
+    into c_kv (RMSNorm'd with norm_weight) and k_pe (rotated); [c_kv | k_pe] written
+    into kv_cache [N, block_size, L + R] at slot_mapping [T]. cos/sin: [T, R / 2]."""
+    rope = q_pe.shape[-1]
+    c_kv, k_pe = kv.split([kv.shape[-1] - rope, rope], dim=-1)
+    q_pe.copy_(rope_ref(q_pe, cos, sin, interleave))
+    entry = torch.cat([rmsnorm_ref(c_kv, norm_weight, eps), rope_ref(k_pe, cos, sin, interleave)],
+                      dim=-1)
+    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, entry.to(kv_cache.dtype))

@@ -12,16 +12,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer import envs
 from executors.attention import (
     AttentionMetadata,
     gather_latent_cache,
     mla_decode_attention,
     mla_prefill_attention,
-    write_latent_cache,
 )
 from executors.models.config import DeepseekConfig
 from executors.models.layers import RMSNorm
-from executors.models.rope import apply_rope, softmax_scale
+from executors.models.rope import softmax_scale
+from kernels import ops as kernel_ops
 
 
 class MLAttention(nn.Module):
@@ -64,12 +65,12 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, dn + R]
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_pe = apply_rope(q_pe, cos, sin, self.interleave)  # [T, H, R]
-
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)  # [T, L]
-        k_pe = apply_rope(k_pe, cos, sin, self.interleave)  # [T, R]
-        write_latent_cache(kv_cache, torch.cat([c_kv, k_pe], dim=-1), md.slot_mapping)
+        # One op: q_pe rotated in place; [RMSNorm(c_kv) | RoPE(k_pe)] into the cache.
+        kernel_ops.mla_rope_cache(
+            q_pe, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps, cos, sin, kv_cache, md.slot_mapping, self.interleave,
+            backend=envs.kernel_backend(),
+        )  # fmt: skip
 
         td = md.num_decode_tokens
         outs = []
@@ -120,8 +121,8 @@ class MLAttention(nn.Module):
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(s, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [S, H, dn], [S, H, dv]
-        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)  # [Tp, H, dn + R]
         return mla_prefill_attention(
-            q, k, v, md.prefill_cu_seqlens_q, md.prefill_cu_seqlens_k, self.scale
-        )
+            q_nope, q_pe, k_nope, k_pe, v,  # k_pe: [S, R], shared by all heads
+            md.prefill_cu_seqlens_q, md.prefill_cu_seqlens_k, md.prefill_max_query_len,
+            self.scale,
+        )  # fmt: skip

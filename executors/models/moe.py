@@ -37,40 +37,13 @@ class Router(nn.Module):
             self.register_parameter("e_score_correction_bias", None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> weights [T, top_k] float32, expert ids [T, top_k] int64."""
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
-        if self.scoring_func == "softmax":
-            scores = logits.softmax(dim=-1)
-        else:
-            scores = logits.sigmoid()
-        choice = scores
-        if self.topk_method == "noaux_tc":
-            choice = scores + self.e_score_correction_bias.float()
-        if self.topk_method in ("noaux_tc", "group_limited_greedy"):
-            choice = self._mask_groups(choice)
-        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # [T, k]
-        weights = scores.gather(1, ids)
-        normalised = self.norm_topk_prob and (self.scale_after_norm or self.top_k > 1)
-        if normalised:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        if self.scale_after_norm or not normalised:
-            weights = weights * self.routed_scaling_factor
-        return weights, ids
-
-    def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """Keep only experts of the `topk_group` best groups (masked ones get -inf or 0)."""
-        t = choice.shape[0]
-        grouped = choice.view(t, self.n_group, -1)  # [T, G, E/G]
-        if self.topk_method == "noaux_tc":
-            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
-            fill = float("-inf")
-        else:
-            group_scores = grouped.max(dim=-1).values
-            fill = 0.0
-        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-        keep = keep.unsqueeze(-1).expand_as(grouped).reshape(t, -1)  # [T, E]
-        return choice.masked_fill(~keep, fill)
+        """x: [T, hidden] -> weights [T, top_k] float32, expert ids [T, top_k] int64.
+        One Triton kernel on CUDA; its torch twin (kernels.reference) elsewhere."""
+        return kernel_ops.moe_router(
+            x, self.weight, self.e_score_correction_bias, self.top_k, self.scoring_func,
+            self.topk_method, self.n_group, self.topk_group, self.norm_topk_prob,
+            self.scale_after_norm, self.routed_scaling_factor, backend=envs.kernel_backend(),
+        )  # fmt: skip
 
 
 class Experts(nn.Module):

@@ -12,6 +12,7 @@ import math
 import torch
 
 from executors.models.config import DeepseekConfig, RopeConfig
+from kernels.reference import rope_ref
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -86,19 +87,7 @@ def apply_rope(
 ) -> torch.Tensor:
     """Rotate x: [T, ..., dim] by cos/sin: [T, dim // 2]; computed in float32.
 
-    Interleaved layout (DeepSeek's): pairs (x0, x1), (x2, x3), ... each rotated by one
-    frequency, results written back in place of the pair. Half-split layout: pairs
-    (x_i, x_{i + dim/2}). Both q_pe and k_pe go through the same function, so only
-    their dot products matter, which equal transformers' for either layout.
+    Both q_pe and k_pe go through the same function, so only their dot products
+    matter, which equal transformers' for either layout (see kernels.reference.rope_ref).
     """
-    shape = [cos.shape[0]] + [1] * (x.dim() - 2) + [cos.shape[1]]
-    c, s = cos.view(shape), sin.view(shape)
-    xf = x.float()
-    if interleave:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
-    else:
-        half = x.shape[-1] // 2
-        x1, x2 = xf[..., :half], xf[..., half:]
-        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    return out.to(x.dtype)
+    return rope_ref(x, cos, sin, interleave)

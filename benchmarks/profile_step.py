@@ -1,0 +1,98 @@
+"""Where one engine step spends its time: torch.profiler over real-executor steps.
+
+    python benchmarks/profile_step.py [--model moonlight-16b-a3b] [--prefill 16384]
+        [--batches 1,64] [--context 1024] [--rows 25] [--trace-dir DIR]
+
+For each case it runs the step once to warm up, then profiles a second identical
+step and prints the CUDA kernels by total device time, plus the step's wall time
+against the sum of device time (a large gap means the step is launch- or
+host-bound). `--trace-dir` also writes Chrome traces (open in Perfetto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from model_speed import build, random_prompts
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine import EngineCore
+from deepinfer.request import Request
+from deepinfer.sampling_params import SamplingParams
+
+
+def run_case(ex, cfg: EngineConfig, prompts: list[list[int]], decode_steps: int, tag: str,
+             rows: int, trace_dir: Path | None) -> None:
+    """Prefill `prompts` (profiled when decode_steps == 0), else profile decode steps."""
+    for attempt in ("warm", "prof"):
+        core = EngineCore(cfg, ex, model_max_len=ex.max_model_len)
+        sp = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            core.add_request(Request(f"{tag}-{attempt}-{i}", p, sp))
+        while core.has_unfinished() and (decode_steps == 0 or not _all_decoding(core)):
+            if decode_steps == 0 and attempt == "prof":
+                break
+            core.step()
+        if attempt == "warm":
+            while core.has_unfinished():
+                core.step()
+            continue
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            n = 0
+            while core.has_unfinished() and (n < max(decode_steps, 1)):
+                core.step()
+                n += 1
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / n
+        events = prof.key_averages()
+        # Kernels only (aten ops on the CPU side would count their kernels twice).
+        device_us = sum(e.self_device_time_total for e in events
+                        if e.device_type == DeviceType.CUDA) / n
+        print(f"\n== {tag}: {n} step(s), wall {wall * 1e3:.2f} ms/step, "
+              f"device busy {device_us / 1e3:.2f} ms/step ({device_us / 1e6 / wall:.0%})")
+        print(events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+        if trace_dir is not None:
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(trace_dir / f"{tag}.json"))
+
+
+def _all_decoding(core: EngineCore) -> bool:
+    """True once no request is waiting or still prefilling."""
+    sched = core.scheduler
+    return not sched.waiting and all(
+        r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="moonlight-16b-a3b")
+    p.add_argument("--prefill", default="16384")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--decode-steps", type=int, default=4)
+    p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--trace-dir", type=Path, default=None)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    cfg = EngineConfig(block_size=64, num_gpu_blocks=4096, max_num_seqs=256,
+                       max_num_batched_tokens=16384, enable_prefix_caching=False)
+    ex, _, spec = build(args.model, dev, cfg, with_hf=False)
+    for n in [int(x) for x in args.prefill.split(",") if x]:
+        prompts = random_prompts(max(n // 1024, 1), min(n, 1024), spec.vocab_size, n)
+        run_case(ex, cfg.replace(max_num_batched_tokens=max(n, 1024)), prompts, 0,
+                 f"prefill{n}", args.rows, args.trace_dir)
+    for b in [int(x) for x in args.batches.split(",") if x]:
+        prompts = random_prompts(b, args.context, spec.vocab_size, b)
+        run_case(ex, cfg, prompts, args.decode_steps, f"decode_b{b}", args.rows, args.trace_dir)
+
+
+if __name__ == "__main__":
+    main()

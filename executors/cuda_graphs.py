@@ -1,0 +1,160 @@
+"""CUDA graphs of the decode forward, one per bucketed batch size.
+
+A decode step launches some 50 kernels per layer; from Python each launch costs
+more than the kernel itself at small batches, so the step is launch-bound.
+Graphs replay the whole forward (embedding to logits) with one launch.
+
+A graph reads fixed buffers, so a step copies its inputs into them and runs the
+graph of the smallest captured size >= its batch. Padding rows are requests of
+one token at position 0 whose block table points at a scratch block that the
+scheduler never hands out (the KV cache holds one extra block for it), so their
+cache writes and attention reads touch no real request's data; their logits are
+never read. Graphs serve pure-decode steps (every request schedules one token);
+prefill chunks and draft verification run eagerly. Without `capture()` (on the
+CPU, in tests) `run` executes the same padded forward over the same buffers eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from executors.attention import AttentionMetadata
+from executors.models.deepseek import DeepseekForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def default_capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 to 64, of 32 to 256, of 64 beyond; up to max_batch.
+
+    Finer steps where a padded row costs most (small batches are weight-read bound, so
+    padding costs little in time; the steps only bound the graphs' number)."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(96, 257, 32))
+    sizes += list(range(320, max(max_batch, 256) + 64, 64))
+    capped = [s for s in sizes if s < max_batch] + [max_batch]
+    return sorted(set(capped))
+
+
+class DecodeGraphs:
+    """Captured decode forwards of the model, sharing one memory pool and one set of
+    input buffers (the largest size's; smaller graphs read their prefixes)."""
+
+    def __init__(
+        self,
+        model: DeepseekForCausalLM,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_blocks_per_seq: int,
+        scratch_block: int,
+        sizes: list[int],
+    ) -> None:
+        if not sizes:
+            raise ValueError("DecodeGraphs needs at least one capture size")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.sizes = sorted(set(sizes))
+        self.max_size = self.sizes[-1]
+        dev = kv_caches[0].device
+        n = self.max_size
+        # Static inputs, one [4, n] buffer so that a step fills them with one copy:
+        # token ids, positions, cache slots, sequence lengths. Rows start as padding.
+        self._rows = torch.zeros(4, n, dtype=torch.int64, device=dev)
+        self._rows[2] = scratch_block * block_size
+        self._rows[3] = 1
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self._rows.unbind(0)
+        self.block_tables = torch.full((n, max_blocks_per_seq), scratch_block,
+                                       dtype=torch.int64, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int64, device=dev)
+        self._empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        self._zero = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # size -> [size, vocab] float32
+        self.pool = None
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        """Metadata over the first `size` rows of the buffers: all requests decode."""
+        return AttentionMetadata(
+            block_size=self.block_size,
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            context_lens=self.seq_lens[:size] - 1,
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            num_decode_reqs=size,
+            num_decode_tokens=size,
+            prefill_cu_seqlens_q=self._zero,
+            prefill_cu_seqlens_k=self._zero,
+            prefill_kv_slots=self._empty,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:size], self.positions[:size], self.metadata(size),
+                            self.kv_caches)
+        return self.model.compute_logits(hidden)  # [size, vocab]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first (smaller ones reuse its pool)."""
+        t0 = time.perf_counter()
+        for size in reversed(self.sizes):
+            self._forward(size)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[size] = self._forward(size)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s",
+                    len(self.sizes), self.sizes[0], self.max_size, time.perf_counter() - t0)
+
+    def size_for(self, batch: int) -> int | None:
+        """The smallest captured size that holds `batch` requests, or None."""
+        return next((s for s in self.sizes if s >= batch), None)
+
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        block_tables: list[list[int]],
+    ) -> torch.Tensor:
+        """One decode token per request -> logits [size, vocab] float32 (rows past
+        len(input_ids) are padding). Valid until the next run."""
+        b = len(input_ids)
+        size = self.size_for(b)
+        if size is None:
+            raise ValueError(f"decode batch of {b} exceeds the largest graph ({self.max_size})")
+        bs = self.block_size
+        width = max(len(t) for t in block_tables)
+        if width > self.block_tables.shape[1]:
+            raise ValueError(f"block table of {width} blocks exceeds the graphs' "
+                             f"{self.block_tables.shape[1]}")
+        pad = size - b
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)]
+        scratch_slot = self.scratch_block * bs
+        rows = torch.tensor(
+            [input_ids + [0] * pad, positions + [0] * pad, slots + [scratch_slot] * pad,
+             [p + 1 for p in positions] + [1] * pad],
+            dtype=torch.int64,
+        )  # [4, size]
+        table = torch.tensor(
+            [t + [self.scratch_block] * (width - len(t)) for t in block_tables]
+            + [[self.scratch_block] * width] * pad,
+            dtype=torch.int64,
+        )  # [size, width]
+        if self._rows.is_cuda:  # pinned: the copies need not wait for the host
+            rows, table = rows.pin_memory(), table.pin_memory()
+        self._rows[:, :size].copy_(rows, non_blocking=True)
+        # Columns past `width` keep stale pages: the kernel reads no page past seq_len.
+        self.block_tables[:size, :width].copy_(table, non_blocking=True)
+        graph = self.graphs.get(size)
+        if graph is None:  # not captured (the CPU tests): the same buffers, run eagerly
+            return self._forward(size)
+        graph.replay()
+        return self.logits[size]
