@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one device call; logs and JSON land in $OUT.
-#   bash benchmarks/run_device.sh [tests|model|kernels|all]   (default: all)
+#   bash benchmarks/run_device.sh [tests|model|kernels|profile|all]   (default: all)
+# The model sweep's JSON plots here with benchmarks/plot_model_speed.py (matplotlib).
 # Missing pure-Python packages (simpy) travel as wheels in .whl/.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -17,14 +18,20 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
 if [[ $what == all || $what == tests ]]; then
-  python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=10 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -25
   status=${PIPESTATUS[0]}
 fi
 if [[ $what == all || $what == kernels ]] && [[ -f benchmarks/kernels_bench.py ]]; then
   python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40
 fi
 if [[ $what == all || $what == model ]]; then
-  python3 benchmarks/model_speed.py --json "$OUT/model_speed.json" 2>&1 \
-    | tee "$OUT/model_speed.log" | tail -20
+  python3 benchmarks/model_speed.py --eager --json "$OUT/model_speed.json" 2>&1 \
+    | grep -v Warning | tee "$OUT/model_speed.log" | tail -20
+fi
+if [[ $what == all || $what == profile ]]; then
+  python3 benchmarks/profile_step.py --prefill 16384 --batches 1,64 --rows 20 2>&1 \
+    | grep -v "^-" | cut -c1-60,100-240 > "$OUT/profile.log"
+  grep "^==" "$OUT/profile.log"
 fi
 exit $status

@@ -59,6 +59,7 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.sizes = sorted(set(sizes))
         self.max_size = self.sizes[-1]
+        self.max_blocks_per_seq = max_blocks_per_seq
         dev = kv_caches[0].device
         n = self.max_size
         # Static inputs, one [4, n] buffer so that a step fills them with one copy:

@@ -138,6 +138,7 @@ class ModelRunner:
             self.graphs is not None
             and len(host.input_ids) == len(host.req_ids) <= self.graphs.max_size
             and host.num_decode == len(host.req_ids)
+            and max(map(len, host.block_tables)) <= self.graphs.max_blocks_per_seq
         )
 
     def update_states(self, out: SchedulerOutput) -> None:
