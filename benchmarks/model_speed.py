@@ -71,15 +71,22 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 def ours(ex: TorchExecutor, cfg: EngineConfig, prompts: list[list[int]], new_tokens: int,
          tag: str) -> tuple[float, float]:
-    """(prefill seconds of the first step, median decode step seconds)."""
+    """(prefill seconds of the first step, median seconds of the decode steps that ran
+    every request). The prompts take ceil(tokens / budget) steps to prefill, during which
+    the first ones already decode, so each request generates that many tokens more than
+    `new_tokens`: the last `new_tokens` steps then decode the whole batch."""
     core = EngineCore(cfg, ex, model_max_len=ex.max_model_len)
-    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    prefill_steps = -(-sum(map(len, prompts)) // cfg.max_num_batched_tokens)
+    extra = prefill_steps if new_tokens > 1 else 0
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens + extra, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add_request(Request(f"{tag}-{i}", p, sp))
     while core.has_unfinished():
         core.step()
     prefill = [s.duration for s in core.steps if s.num_prompt_tokens]
-    decode = [s.duration for s in core.steps if not s.num_prompt_tokens]
+    full = len(prompts)
+    decode = [s.duration for s in core.steps
+              if not s.num_prompt_tokens and s.num_scheduled_reqs == full]
     return sum(prefill), statistics.median(decode) if decode else float("nan")
 
 
@@ -178,9 +185,12 @@ def main() -> None:
     contexts = [int(x) for x in args.contexts.split(",") if x]
     prefills = [int(x) for x in args.prefill.split(",") if x]
     block = 64
-    need = max(max(batches) * (max(contexts) + args.new_tokens + block), max(prefills) + block)
+    budget = 16384
+    b, c = max(batches), max(contexts)
+    # every decode request's tokens (see ours(): extra tokens while the batch prefills)
+    need = max(b * (c + args.new_tokens + -(-b * c // budget) + block), max(prefills) + block)
     cfg = EngineConfig(block_size=block, num_gpu_blocks=need // block + 64,
-                       max_num_seqs=max(batches), max_num_batched_tokens=16384,
+                       max_num_seqs=b, max_num_batched_tokens=budget,
                        enable_prefix_caching=False)
     ex, hf, spec = build(args.model, dev, cfg, with_hf=not args.no_hf)
     hf_limit = args.hf_max_kv_gib * 2**30

@@ -49,6 +49,7 @@ def _mla_decode_split_kernel(
     QG: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MIN_KEYS: tl.constexpr,
     PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -82,7 +83,10 @@ def _mla_decode_split_kernel(
         last_key = (first_key + i0 + qi).to(tl.int32)  # [ROWS] query i sees keys <= this
         kv_len = (first_key + i0 + tl.minimum(QG, q_end - t)).to(tl.int32)  # any row sees
 
-    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # Splits come from an upper bound on the context (a CUDA graph's table width), so a
+    # short context would be cut into slivers: each piece keeps at least MIN_KEYS keys and
+    # the splits past the context stay empty (the merge skips them).
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_KEYS)
     start = split * per_split
     end = tl.minimum(start + per_split, kv_len)
 
@@ -165,9 +169,10 @@ def _mla_decode_merge_kernel(
     offs_l = tl.arange(0, L)
     acc = tl.zeros([L], tl.float32)
     for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(part_lse_ptr + th * NUM_SPLITS + s) - lse_max) / denom
-        part = tl.load(part_out_ptr + (th.to(tl.int64) * NUM_SPLITS + s) * L + offs_l)
-        acc += w * part
+        lse_s = tl.load(part_lse_ptr + th * NUM_SPLITS + s)
+        if lse_s > float("-inf"):  # empty splits hold no keys: nothing to read
+            part = tl.load(part_out_ptr + (th.to(tl.int64) * NUM_SPLITS + s) * L + offs_l)
+            acc += tl.exp2(lse_s - lse_max) / denom * part
     o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_l
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
 
@@ -233,6 +238,7 @@ def mla_decode(
     head_blocks = triton.cdiv(h, block_h)
     qg = cfg["QG"]
     assert qg & (qg - 1) == 0, "QG must be a power of two"
+    min_keys = cfg["BLOCK_N"] if num_splits is not None else MIN_KEYS_PER_SPLIT
     if num_splits is None:
         programs = triton.cdiv(t, qg) * head_blocks  # busy ones; the rest return at once
         max_context = block_tables.shape[1] * page
@@ -252,7 +258,8 @@ def mla_decode(
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         L=lat, R=rope, PAGE=page, BLOCK_H=block_h, QG=qg, BLOCK_N=cfg["BLOCK_N"],
-        NUM_SPLITS=num_splits, PRECISION=precision, NUM_STAGES=cfg["num_stages"],
+        NUM_SPLITS=num_splits, MIN_KEYS=min_keys, PRECISION=precision,
+        NUM_STAGES=cfg["num_stages"],
         num_warps=cfg["num_warps"],
     )  # fmt: skip
     if num_splits > 1:

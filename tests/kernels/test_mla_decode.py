@@ -82,9 +82,15 @@ def _ref_slice(case, b0: int, b1: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [2, 1, 3]])
-def test_default_launch_settings(q_lens, device) -> None:
-    """The heuristics' own choices (single-query and grouped draft paths) are correct."""
+@pytest.mark.parametrize("table_cols", [2, 120], ids=["tight_table", "graph_wide_table"])
+def test_default_launch_settings(q_lens, table_cols, device) -> None:
+    """The heuristics' own choices (single-query and grouped draft paths) are correct,
+    also when the table is far wider than the contexts (a CUDA graph's buffers): the
+    splits then come from the width, and pieces past a short context stay empty."""
     gen = torch.Generator().manual_seed(len(q_lens) + sum(q_lens))
     seq = [700, 45, 260]
-    case = make_mla_case(q_lens, seq, 16, 64, 32, 64, torch.float32, device, gen)
-    assert rel_err(mla_decode(*case.args()), mla_decode_ref(*case.clean_args())) < 1e-5
+    case = make_mla_case(q_lens, seq, 16, 64, 32, 64, torch.float32, device, gen,
+                         extra_table_cols=table_cols)
+    out = torch.full((sum(q_lens), 16, 64), float("nan"), device=device)
+    mla_decode(*case.args(), out=out)
+    assert rel_err(out, mla_decode_ref(*case.clean_args())) < 1e-5
