@@ -189,9 +189,12 @@ def main() -> None:
     b, c = max(batches), max(contexts)
     # every decode request's tokens (see ours(): extra tokens while the batch prefills)
     need = max(b * (c + args.new_tokens + -(-b * c // budget) + block), max(prefills) + block)
-    cfg = EngineConfig(block_size=block, num_gpu_blocks=need // block + 64,
-                       max_num_seqs=b, max_num_batched_tokens=budget,
+    cfg = EngineConfig(block_size=block, max_num_seqs=b, max_num_batched_tokens=budget,
                        enable_prefix_caching=False)
+    # No prompt starts above the prefill watermark: with a cache the batch just fills,
+    # the last prompts would wait for the first requests to finish, and no step would
+    # decode the whole batch (batch 256 at 4k did that). So: room to spare above it.
+    cfg = cfg.replace(num_gpu_blocks=int(need / block / cfg.prefill_watermark * 1.05) + 64)
     ex, hf, spec = build(args.model, dev, cfg, with_hf=not args.no_hf)
     hf_limit = args.hf_max_kv_gib * 2**30
     rows = []
