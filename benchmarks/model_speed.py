@@ -152,6 +152,20 @@ def decode_roofline_s(spec, batch: int, context: int, bw: float) -> float:
     return (weight_bytes + batch * context * spec.kv_bytes_per_token) / bw
 
 
+def sweep_config(batch: int, context: int, new_tokens: int, max_prefill: int,
+                 block: int = 64, budget: int = 16384) -> EngineConfig:
+    """An engine config whose KV cache holds the largest decode batch with room above the
+    prefill watermark. No prompt starts above the watermark: in a cache the batch just
+    fills, the last prompts would wait for the first requests to finish and no step would
+    decode the whole batch (batch 256 at 4k did that)."""
+    cfg = EngineConfig(block_size=block, max_num_seqs=batch, max_num_batched_tokens=budget,
+                       enable_prefix_caching=False)
+    # every request's tokens, with the extra ones it decodes while the batch prefills
+    extra = -(-batch * context // budget)
+    need = max(batch * (context + new_tokens + extra + block), max_prefill + block)
+    return cfg.replace(num_gpu_blocks=int(need / block / cfg.prefill_watermark * 1.05) + 64)
+
+
 def hf_kv_bytes(ex: TorchExecutor, tokens: int) -> int:
     """transformers caches full per-head K and V for MLA (not the latent)."""
     c = ex.config
@@ -184,17 +198,7 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",") if x]
     contexts = [int(x) for x in args.contexts.split(",") if x]
     prefills = [int(x) for x in args.prefill.split(",") if x]
-    block = 64
-    budget = 16384
-    b, c = max(batches), max(contexts)
-    # every decode request's tokens (see ours(): extra tokens while the batch prefills)
-    need = max(b * (c + args.new_tokens + -(-b * c // budget) + block), max(prefills) + block)
-    cfg = EngineConfig(block_size=block, max_num_seqs=b, max_num_batched_tokens=budget,
-                       enable_prefix_caching=False)
-    # No prompt starts above the prefill watermark: with a cache the batch just fills,
-    # the last prompts would wait for the first requests to finish, and no step would
-    # decode the whole batch (batch 256 at 4k did that). So: room to spare above it.
-    cfg = cfg.replace(num_gpu_blocks=int(need / block / cfg.prefill_watermark * 1.05) + 64)
+    cfg = sweep_config(max(batches), max(contexts), args.new_tokens, max(prefills))
     ex, hf, spec = build(args.model, dev, cfg, with_hf=not args.no_hf)
     hf_limit = args.hf_max_kv_gib * 2**30
     rows = []
