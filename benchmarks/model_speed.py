@@ -108,6 +108,17 @@ def hf_times(hf, prompts: list[list[int]], new_tokens: int) -> tuple[float, floa
     return prefill, max(gen(new_tokens) - prefill, 1e-9) / (new_tokens - 1)
 
 
+def hf_tok_s(hf, prompts: list[list[int]], new_tokens: int, prefill: bool) -> float | None:
+    """HF's prefill (all prompt tokens) or decode (one per prompt) tokens/s; None on OOM."""
+    try:
+        t_prefill, t_step = hf_times(hf, prompts, new_tokens)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        _empty_cache()
+    return sum(map(len, prompts)) / t_prefill if prefill else len(prompts) / t_step
+
+
 def _empty_cache() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -211,12 +222,7 @@ def main() -> None:
         flops = 2 * spec.active_params * n  # matmul FLOPs; attention is small at 1k context
         row = dict(kind="prefill", tokens=n, ours_tok_s=n / t, roofline_tok_s=n / (flops / peak))
         if hf is not None and hf_kv_bytes(ex, n) <= hf_limit:
-            try:
-                th, _ = hf_times(hf, prompts, 2)
-                row["hf_tok_s"] = n / th
-            except torch.OutOfMemoryError:
-                row["hf_tok_s"] = None
-            _empty_cache()
+            row["hf_tok_s"] = hf_tok_s(hf, prompts, 2, prefill=True)
         rows.append(row)
         print(row, flush=True)
     for ctx in contexts:
@@ -233,12 +239,7 @@ def main() -> None:
                 ex.runner.graphs = graphs
                 row["eager_tok_s"] = b / eager
             if hf is not None and hf_kv_bytes(ex, b * (ctx + args.new_tokens)) <= hf_limit:
-                try:
-                    _, th = hf_times(hf, prompts, args.new_tokens)
-                    row["hf_tok_s"] = b / th
-                except torch.OutOfMemoryError:
-                    row["hf_tok_s"] = None
-                _empty_cache()
+                row["hf_tok_s"] = hf_tok_s(hf, prompts, args.new_tokens, prefill=False)
             rows.append(row)
             print(row, flush=True)
     print_table(rows)

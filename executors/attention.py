@@ -34,8 +34,7 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor  # [Bp + 1] int64
     prefill_cu_seqlens_k: torch.Tensor  # [Bp + 1] int64: every cached + new token per request
     prefill_kv_slots: torch.Tensor  # [Sp] int64: cache slots of those keys, request by request
-    # Longest prefill query (host int: the prefill kernel's grid); 0 = unknown, derived on use.
-    prefill_max_query_len: int = 0
+    prefill_max_query_len: int  # longest prefill query (host int: the prefill kernel's grid)
 
     def to(self, device: torch.device) -> AttentionMetadata:
         moved = {
@@ -116,8 +115,6 @@ def mla_prefill_attention(
     (0: derived here, at the cost of a host sync). The Triton kernel on CUDA, its torch
     twin elsewhere (kernels.ops).
     """
-    if max_query_len <= 0 and cu_seqlens_q.numel() > 1:
-        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     return kernel_ops.mla_prefill_attention(
         q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_query_len, scale,
         backend=envs.kernel_backend(),

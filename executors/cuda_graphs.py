@@ -91,6 +91,7 @@ class DecodeGraphs:
             prefill_cu_seqlens_q=self._zero,
             prefill_cu_seqlens_k=self._zero,
             prefill_kv_slots=self._empty,
+            prefill_max_query_len=0,
         )
 
     def _forward(self, size: int) -> torch.Tensor:

@@ -161,10 +161,6 @@ class ModelRunner:
             else:
                 self.requests[sr.req_id].block_table.extend(sr.new_block_ids)
 
-    def prepare_batch(self, scheduled: list[ScheduledRequest]) -> Batch:
-        """The eager path's device batch (also records the tokens in the sampler history)."""
-        return self.to_device(self.collect(scheduled))
-
     def collect(self, scheduled: list[ScheduledRequest]) -> HostBatch:
         """Order decode-first, check the block tables, record history, flatten to lists."""
         ordered = sorted(scheduled, key=lambda r: r.num_tokens > self.decode_max_query_len)

@@ -1,7 +1,7 @@
 """DeepSeek V2 / V3 in pure torch, over one flattened varlen batch and a paged latent cache.
 
 - config.py: DeepseekConfig, the validated config.json (both spellings of the rope keys).
-- rope.py: default / YaRN frequencies, attention factor, softmax-scale mscale, apply_rope.
+- rope.py: default / YaRN frequencies, attention factor, softmax-scale mscale (RoPE itself: kernels.mla_rope_cache).
 - layers.py: RMSNorm, the gated SiLU MLP.
 - moe.py: router (softmax greedy / group-limited, sigmoid noaux_tc), fused experts, MoE.
 - mla.py: multi-head latent attention (full form for prefill, absorbed form for decode).

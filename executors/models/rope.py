@@ -12,7 +12,6 @@ import math
 import torch
 
 from executors.models.config import DeepseekConfig, RopeConfig
-from kernels.reference import rope_ref
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -80,14 +79,3 @@ class RotaryEmbedding:
             self._inv_freq = self._inv_freq_cpu.to(positions.device)
         freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [T, dim // 2]
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
-
-
-def apply_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
-) -> torch.Tensor:
-    """Rotate x: [T, ..., dim] by cos/sin: [T, dim // 2]; computed in float32.
-
-    Both q_pe and k_pe go through the same function, so only their dot products
-    matter, which equal transformers' for either layout (see kernels.reference.rope_ref).
-    """
-    return rope_ref(x, cos, sin, interleave)
