@@ -93,8 +93,6 @@ class EngineCore:
         changed = self.scheduler.update_from_output(out, res)
         now = self.clock()
         for req in changed:
-            if res.logprobs and req.request_id in res.logprobs:
-                req.logprobs.extend(res.logprobs[req.request_id])
             times = req.times
             if times.first_token is None:
                 times.first_token = now

@@ -107,7 +107,7 @@ class LLM:
     def _detokenizer(self, token_ids: list[int], sp: SamplingParams) -> Any:
         if self.tokenizer is None:
             return None
-        from executors.detokenizer import IncrementalDetokenizer
+        from deepinfer.detokenizer import IncrementalDetokenizer
 
         return IncrementalDetokenizer(self.tokenizer, token_ids, stop=list(sp.stop))
 
@@ -185,7 +185,7 @@ def _params_for(batch: list[PromptInput],
 
 
 def _maybe_tokenizer(model_dir: Any, trust_remote_code: bool) -> Any:
-    from executors.tokenizer import load_tokenizer
+    from deepinfer.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(model_dir, trust_remote_code=trust_remote_code)

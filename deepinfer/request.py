@@ -34,6 +34,9 @@ class PromptTokens(Protocol):
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # A chunked prefill between chunks: it holds the blocks of its whole prompt and
+    # sits at the very front of waiting until its last chunk makes it RUNNING.
+    PREFILLING = "prefilling"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in waiting after losing its blocks
     FINISHED = "finished"

@@ -9,20 +9,20 @@ DESIGN.md section 3 is the specification; rule names below follow it.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
-from deepinfer import scheduler_checks
 from deepinfer.config import EngineConfig, EngineRole
-from deepinfer.errors import SchedulerStalled
 from deepinfer.kv_cache.manager import KVCacheManager, cdiv
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.request_queue import WaitingQueue
+from deepinfer.scheduler_checks import SchedulerChecks
 from deepinfer.stop_checker import check_stop
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(SchedulerChecks):
     def __init__(
         self,
         config: EngineConfig,
@@ -93,18 +93,25 @@ class Scheduler:
     # ---- scheduling ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted_now = 0
+        step = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        self._schedule_waiting(step)
+        self.step_id += 1
+        out = SchedulerOutput(self.step_id, step.scheduled, self._finished_since_last,
+                              self._preempted_since_last)
+        self._finished_since_last = set()
+        self._preempted_since_last = set()
+        self.last_num_preempted = step.num_preempted
+        return out
 
-        # 1. Running requests, oldest first; the newest is preempted for room.
+    def _schedule_running(self, step: _StepPlan) -> None:
+        """Running requests, oldest first; the newest is preempted when blocks run out."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             req = self.running[i]
             num_known = req.num_tokens + req.num_output_placeholders
             drafts = req.spec_token_ids if req.num_output_placeholders == 0 else []
-            num_new = min(num_known + len(drafts) - req.num_computed_tokens, budget,
+            num_new = min(num_known + len(drafts) - req.num_computed_tokens, step.budget,
                           self.max_model_len - req.num_computed_tokens)
             if num_new <= 0:
                 i += 1
@@ -113,62 +120,77 @@ class Scheduler:
             while (blocks := self.kv.allocate(req, num_new, num_draft_tokens=num_drafts)) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
-                preempted_now += 1
+                step.num_preempted += 1
                 if victim is req:
                     break
             if blocks is None:
                 break
-            scheduled.append(self._schedule_one(req, num_new, blocks, drafts[:num_drafts], False))
-            budget -= num_new
+            step.add(self._schedule_one(req, num_new, blocks, drafts[:num_drafts], False))
             i += 1
 
-        # 2. Waiting requests, in queue order. After a preemption only in-progress
-        # chunked prefills go on: they need no new blocks, and holding them back would
-        # leave a step empty when the running request preempted itself for their room.
-        while budget > 0 and (req := self.waiting.peek()) is not None:
-            in_progress = self.kv.holds_blocks(req.request_id)
-            cached = []
-            if not in_progress:
-                if preempted_now:
-                    break
-                if len(self.running) + self.waiting.num_in_progress >= cfg.max_num_seqs:
-                    break
-                if cfg.role is EngineRole.NORMAL and self.kv.usage > cfg.prefill_watermark:
-                    break  # in-progress chunks are exempt: they need no new blocks
-                cached = self.kv.find_cached_prefix(req)
-            num_computed = req.num_computed_tokens if in_progress else len(cached) * self.block_size
-            if cfg.role is EngineRole.DECODE and not in_progress:
-                num_computed = req.num_tokens - 1  # its prompt's KV arrived with it
-            num_new = req.num_tokens - num_computed
-            if num_new > budget and not cfg.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            blocks = self.kv.allocate(req, num_new, cached, reserve_tokens=req.num_tokens)
-            if blocks is None:
-                break
-            self.waiting.pop()
-            if not in_progress:
-                req.num_computed_tokens = num_computed
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = len(cached) * self.block_size
-            is_prompt = cfg.role is not EngineRole.DECODE or in_progress
-            scheduled.append(self._schedule_one(req, num_new, blocks, [], is_prompt,
-                                                resumed=not in_progress))
-            budget -= num_new
-            if req.num_computed_tokens < req.num_tokens:
-                self.waiting.add_in_progress(req)
-                req.status = RequestStatus.WAITING
+    def _schedule_waiting(self, step: _StepPlan) -> None:
+        """The waiting queue in order: chunked prefills in progress first, then new starts."""
+        while step.budget > 0 and (req := self.waiting.peek()) is not None:
+            if req.status is RequestStatus.PREFILLING:
+                scheduled = self._continue_prefill(req, step)
             else:
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
+                scheduled = self._start(req, step)
+            if not scheduled:
+                return
 
-        self.step_id += 1
-        out = SchedulerOutput(self.step_id, scheduled, self._finished_since_last,
-                              self._preempted_since_last)
-        self._finished_since_last = set()
-        self._preempted_since_last = set()
-        self.last_num_preempted = preempted_now
-        return out
+    def _continue_prefill(self, req: Request, step: _StepPlan) -> bool:
+        """The next chunk of a prompt whose blocks were reserved with its first chunk.
+
+        Exempt from the watermark, the sequence limit and the after-preemption stop: it
+        needs no new blocks, and holding it back would leave a step empty when a running
+        request preempted itself for its room.
+        """
+        num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
+        blocks = self.kv.allocate(req, num_new, reserve_tokens=req.num_tokens)
+        if blocks is None:
+            return False
+        self.waiting.pop()
+        step.add(self._schedule_one(req, num_new, blocks, [], is_prompt=True))
+        self._after_prompt_chunk(req)
+        return True
+
+    def _start(self, req: Request, step: _StepPlan) -> bool:
+        """First chunk of a new or preempted request (DESIGN.md section 3's admission rules)."""
+        cfg = self.config
+        if step.num_preempted:
+            return False
+        if len(self.running) + self.waiting.num_in_progress >= cfg.max_num_seqs:
+            return False
+        if cfg.role is EngineRole.NORMAL and self.kv.usage > cfg.prefill_watermark:
+            return False
+        cached = self.kv.find_cached_prefix(req)
+        num_computed = len(cached) * self.block_size
+        if cfg.role is EngineRole.DECODE:
+            num_computed = req.num_tokens - 1  # its prompt's KV arrived with it
+        num_new = req.num_tokens - num_computed
+        if num_new > step.budget and not cfg.enable_chunked_prefill:
+            return False
+        num_new = min(num_new, step.budget)
+        # The first chunk reserves the blocks of the whole prompt.
+        blocks = self.kv.allocate(req, num_new, cached, reserve_tokens=req.num_tokens)
+        if blocks is None:
+            return False
+        self.waiting.pop()
+        req.num_computed_tokens = num_computed
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = len(cached) * self.block_size
+        is_prompt = cfg.role is not EngineRole.DECODE
+        step.add(self._schedule_one(req, num_new, blocks, [], is_prompt, resumed=True))
+        self._after_prompt_chunk(req)
+        return True
+
+    def _after_prompt_chunk(self, req: Request) -> None:
+        if req.num_computed_tokens < req.num_tokens:
+            req.status = RequestStatus.PREFILLING
+            self.waiting.add_in_progress(req)
+        else:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
 
     def _schedule_one(self, req: Request, num_new: int, blocks: list, drafts: list[int],
                       is_prompt: bool, resumed: bool = False) -> ScheduledRequest:
@@ -239,8 +261,11 @@ class Scheduler:
                 req.num_computed_tokens -= num_rejected
                 req.num_pending_drafts = 0
             reason = None
-            for t in tokens:
+            logprobs = res.logprobs.get(sr.req_id) if res.logprobs else None
+            for j, t in enumerate(tokens):
                 req.output_token_ids.append(t)
+                if logprobs is not None and j < len(logprobs):
+                    req.logprobs.append(logprobs[j])
                 reason = check_stop(req, self.max_model_len)
                 if reason is None and self.config.role is EngineRole.PREFILL:
                     reason = FinishReason.LENGTH  # a prefill engine hands over after one token
@@ -299,20 +324,18 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def diagnose(self) -> str:
-        """Why nothing can be scheduled: the head request, its blocks, usage, watermark."""
-        return scheduler_checks.diagnose(self)
 
-    def raise_stalled(self) -> None:
-        raise SchedulerStalled(self.diagnose())
+@dataclass
+class _StepPlan:
+    """One step being planned: the token budget left and what is scheduled so far."""
 
-    def check_output(self, out: SchedulerOutput) -> None:
-        """Budgets of one step (DESIGN.md section 3)."""
-        scheduler_checks.check_output(self, out)
+    budget: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_preempted: int = 0
 
-    def check_invariants(self) -> None:
-        """Every block free or held, ref counts exact, each request in one place."""
-        scheduler_checks.check_invariants(self)
+    def add(self, sr: ScheduledRequest) -> None:
+        self.scheduled.append(sr)
+        self.budget -= sr.num_tokens
 
 
 def _effective_max_model_len(config: EngineConfig, num_blocks: int, model_max: int | None) -> int:

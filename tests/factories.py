@@ -1,14 +1,17 @@
-"""Test factories: engines and requests that need no GPU and no trace file."""
+"""Test factories: engines and requests that need no GPU, no trace file and no simulator."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
+from deepinfer.executor import completed
+from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
-from sim.sim_executor import SimExecutor
 
 
 def make_config(**overrides: object) -> EngineConfig:
@@ -21,8 +24,49 @@ def make_config(**overrides: object) -> EngineConfig:
 def make_engine(config: EngineConfig | None = None, *, check: bool = True,
                 acceptance_rate: float = 0.7, **overrides: object) -> EngineCore:
     cfg = config or make_config(**overrides)
-    ex = SimExecutor(cfg, cfg.num_gpu_blocks, acceptance_rate=acceptance_rate)
+    assert cfg.num_gpu_blocks is not None
+    ex = ScriptedExecutor(cfg.num_gpu_blocks, cfg.num_speculative_tokens, acceptance_rate,
+                          seed=cfg.seed)
     return EngineCore(cfg, ex, clock=StepClock(), check_invariants=check)
+
+
+class ScriptedExecutor:
+    """The Executor contract with no model: the token sampled at position p is
+    `1000 + p`; each draft is accepted with probability `acceptance_rate` (seeded),
+    and the next drafts are the tokens this rule will produce."""
+
+    needs_token_ids = False
+
+    def __init__(self, num_blocks: int, num_drafts: int = 0, acceptance_rate: float = 1.0,
+                 *, seed: int = 0) -> None:
+        self._num_blocks = num_blocks
+        self.k = num_drafts
+        self.acceptance_rate = acceptance_rate
+        self._rng = random.Random(seed)
+
+    def num_kv_blocks(self) -> int:
+        return self._num_blocks
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        res = ModelRunnerOutput()
+        for sr in out.scheduled:
+            if not sr.samples:
+                continue
+            accepted = 0
+            while accepted < len(sr.draft_token_ids) and self._rng.random() < self.acceptance_rate:
+                accepted += 1
+            first = sr.num_computed_tokens + sr.num_tokens - len(sr.draft_token_ids)
+            res.sampled_token_ids[sr.req_id] = [1000 + first + j for j in range(accepted + 1)]
+            if self.k:
+                nxt = first + accepted + 1
+                res.draft_token_ids[sr.req_id] = [1000 + nxt + j for j in range(self.k)]
+        return res
+
+    def execute_async(self, out: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        return completed(self.execute(out))
+
+    def shutdown(self) -> None:
+        pass
 
 
 class StepClock:

@@ -20,7 +20,6 @@ from tests.property.checkers_progress import (
     NoIdleStep,
     RequestConservation,
     TokenConservation,
-    sim_token,
 )
 from tests.property.harness import Driver
 from tests.property.mirror import KVMirror
@@ -97,16 +96,6 @@ def test_without_chunked_prefill_a_preempted_request_longer_than_the_budget_fini
         engine.add_request(r)
     run_to_completion(engine)
     assert all(r.status is RequestStatus.FINISHED for r in reqs)
-
-
-def test_sim_executor_token_depends_only_on_request_and_position_under_speculation() -> None:
-    """Tokens are documented as a function of (request, position): speculation must not
-    change them (all drafts accepted here, so every step verifies 2)."""
-    engine = make_engine(num_speculative_tokens=2, num_gpu_blocks=40, acceptance_rate=1.0)
-    r = make_request("s", 6, max_tokens=10)
-    engine.add_request(r)
-    run_to_completion(engine)
-    assert r.output_token_ids == [sim_token("s", 6 + i) for i in range(10)]
 
 
 def test_a_stale_prefix_hit_is_not_claimed_after_its_block_was_reused() -> None:

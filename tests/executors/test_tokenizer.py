@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from executors.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from deepinfer.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 BOS, EOS, EOT = "<|bos|>", "<|eos|>", "<|eot|>"
 WORDS = ["héllo", "wörld", "日本語", "🙂", "naïve", "café", "привет", "мир", "中文", "字符",

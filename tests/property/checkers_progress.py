@@ -22,9 +22,10 @@ from tests.property.strategies import ReqSpec
 S = RequestStatus
 LEGAL: dict[S | None, set[S]] = {  # status -> statuses it may have at the next observation
     None: {S.WAITING, S.REJECTED},
-    S.WAITING: {S.WAITING, S.RUNNING, S.FINISHED, S.ABORTED},
+    S.WAITING: {S.WAITING, S.PREFILLING, S.RUNNING, S.FINISHED, S.ABORTED},
+    S.PREFILLING: {S.PREFILLING, S.RUNNING, S.FINISHED, S.ABORTED},
     S.RUNNING: {S.RUNNING, S.PREEMPTED, S.FINISHED, S.ABORTED},
-    S.PREEMPTED: {S.PREEMPTED, S.WAITING, S.RUNNING, S.FINISHED, S.ABORTED},
+    S.PREEMPTED: {S.PREEMPTED, S.PREFILLING, S.RUNNING, S.FINISHED, S.ABORTED},
     S.FINISHED: {S.FINISHED},
     S.ABORTED: {S.ABORTED},
     S.REJECTED: {S.REJECTED},
@@ -154,7 +155,7 @@ class RequestConservation(Checker):
         assert len(d.reqs) == (by[S.FINISHED] + by[S.ABORTED] + by[S.REJECTED] + len(s.waiting)
                                + len(s.running)), f"{where}: requests not conserved: {by}"
         assert {r.request_id for r in s.waiting} == {
-            rid for rid, r in d.reqs.items() if r.status in (S.WAITING, S.PREEMPTED)}
+            rid for rid, r in d.reqs.items() if r.status in (S.WAITING, S.PREEMPTED, S.PREFILLING)}
         assert {r.request_id for r in s.running} == {
             rid for rid, r in d.reqs.items() if r.status is S.RUNNING}
         records = Counter(rec.req_id for rec in d.engine.records)

@@ -7,9 +7,13 @@ from pathlib import Path
 import pytest
 
 from deepinfer.config import EngineConfig
+from deepinfer.engine import EngineCore
 from sim import load_trace, simulate
 from sim.cost_model import UnitCostModel
+from sim.sim_executor import SimExecutor
 from sim.traces import TraceRequest
+from tests.factories import StepClock, make_config, make_request, run_to_completion
+from tests.property.checkers_progress import sim_token
 
 TRACES = Path(__file__).resolve().parents[2] / "traces"
 
@@ -68,3 +72,15 @@ def test_async_scheduling_overlaps_cpu_time() -> None:
     overlap = simulate(trace, engine=EngineConfig(num_gpu_blocks=400, async_scheduling=True))
     assert overlap.summary["tpot_ms_mean"] < sync.summary["tpot_ms_mean"]
     assert all(r.status == "finished" for r in overlap.requests)
+
+
+def test_sim_executor_token_depends_only_on_request_and_position_under_speculation() -> None:
+    """Tokens are documented as a function of (request, position): speculation must not
+    change them (all drafts accepted here, so every step verifies 2)."""
+    cfg = make_config(num_speculative_tokens=2, num_gpu_blocks=40)
+    engine = EngineCore(cfg, SimExecutor(cfg, acceptance_rate=1.0), clock=StepClock(),
+                        check_invariants=True)
+    r = make_request("s", 6, max_tokens=10)
+    engine.add_request(r)
+    run_to_completion(engine)
+    assert r.output_token_ids == [sim_token("s", 6 + i) for i in range(10)]

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from executors.detokenizer import IncrementalDetokenizer
+from deepinfer.detokenizer import IncrementalDetokenizer
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "load_tokenizer"]
 

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deepinfer.cli.engine_options import add_engine_options, engine_config_from_args
+
 
 def add_simulate_parser(sub: Any) -> None:
-    from deepinfer.cli import add_engine_options
-
     p = sub.add_parser(
         "simulate",
         help="replay a request trace through the scheduler in simulated time",
@@ -56,7 +56,6 @@ def add_simulate_parser(sub: Any) -> None:
 def run_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from deepinfer.cli import default_trace, engine_config_from_args
     from deepinfer.metrics import parse_slo
     from sim.report import plot_report, print_summary, write_report
     from sim.simulator import simulate
@@ -84,3 +83,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         plot_report(args.plot, result.requests, result.steps, title)
         print(f"plots: {args.plot}")
     return 0
+
+
+def default_trace() -> Path:
+    """The bundled trace `deepinfer simulate` runs when given none."""
+    return Path(__file__).resolve().parents[2] / "traces" / "azure_code_small.json"

@@ -1,0 +1,42 @@
+"""`deepinfer simulate | generate`: the command line.
+
+Each command lives in its own module and imports the simulator or the real
+executor inside its run function, so `deepinfer --help` stays light.
+Exit codes: 0 success, 2 bad input (trace, option, model config), 3 the
+engine stalled (the message is the diagnosis).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from deepinfer.cli.generate import add_generate_parser
+from deepinfer.cli.simulate import add_simulate_parser
+from deepinfer.errors import SchedulerStalled
+
+EXIT_BAD_INPUT = 2
+EXIT_STALLED = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deepinfer",
+        description="Inference engine and scheduler simulator for DeepSeek-architecture models.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_simulate_parser(sub)
+    add_generate_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except SchedulerStalled as e:
+        print(f"deepinfer: the engine stalled:\n{e}", file=sys.stderr)
+        return EXIT_STALLED
+    except (ValueError, FileNotFoundError) as e:
+        print(f"deepinfer: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT

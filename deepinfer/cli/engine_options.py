@@ -1,0 +1,58 @@
+"""One `--kebab-case` option per EngineConfig field, shared by every command."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from deepinfer.config import EngineConfig
+
+_ENGINE_HELP = {
+    "block_size": "tokens per KV block",
+    "num_gpu_blocks": "KV blocks in the cache (default: derived from GPU memory minus weights)",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use",
+    "max_num_seqs": "most requests in one step",
+    "max_num_batched_tokens": "most tokens in one step",
+    "max_model_len": "longest request (prompt + output); capped by the cache",
+    "enable_chunked_prefill": "split long prompts across steps",
+    "prefill_watermark": "KV usage above which no new prompt starts (GPU_CACHE_PREFILL_WATERMARK)",
+    "enable_prefix_caching": "reuse cached KV blocks of equal prefixes",
+    "role": "normal, prefill (finish after the first token) or decode (prompt arrives cached)",
+    "num_speculative_tokens": "draft tokens verified per step (0: no speculation)",
+    "enable_mtp_varlen": "confidence-scheduled variable-length drafts",
+    "async_scheduling": "schedule step N+1 while step N runs",
+    "policy": "fcfs or priority",
+    "seed": "seed for everything random",
+}
+
+
+def parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """One --kebab-case option per EngineConfig field, defaulting to the config's default."""
+    group = parser.add_argument_group("engine options (EngineConfig)")
+    defaults = EngineConfig()
+    for f in dataclasses.fields(EngineConfig):
+        default = getattr(defaults, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        kind: Any = {bool: parse_bool, int: int, float: float}.get(type(default), str)
+        if f.name in ("num_gpu_blocks", "max_model_len"):
+            kind = int
+        shown = default.value if hasattr(default, "value") else default
+        group.add_argument(flag, dest=f"engine_{f.name}", type=kind, default=None,
+                           metavar=f.name.split("_")[-1].upper(),
+                           help=f"{_ENGINE_HELP.get(f.name, '')} (default: {shown})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {k[len("engine_"):]: v for k, v in vars(args).items()
+              if k.startswith("engine_") and v is not None}
+    return EngineConfig.from_dict(values, source="command line")
