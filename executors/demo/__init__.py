@@ -2,8 +2,10 @@
 
 `executors/demo/deepinfer-demo/` holds the checkpoint (config.json, bf16
 model.safetensors with one MTP layer, tokenizer.json, eval.json, README.md);
-`python -m executors.demo.train --out DIR` rebuilds it from the Python standard
-library's source. Importing this package pulls in neither torch nor transformers.
+`python -m examples.train_demo.train --out DIR` (run from the repository root;
+the training tool lives in examples/train_demo/, outside the engine) rebuilds it
+from the Python standard library's source. Importing this package pulls in
+neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def demo_model_path() -> Path:
     if missing:
         raise FileNotFoundError(
             f"the demo model checkpoint is not in {DEMO_MODEL_DIR} (missing {', '.join(missing)}); "
-            "build it with `python -m executors.demo.train --out "
+            "build it from the repository root with `python -m examples.train_demo.train --out "
             f"{DEMO_MODEL_DIR} --device cuda` (about 8 minutes on one H200)"
         )
     return DEMO_MODEL_DIR

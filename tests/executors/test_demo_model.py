@@ -2,8 +2,9 @@
 DeepSeek-V3 checkpoint: it loads in deepinfer and in transformers, greedy generation is
 token-identical in both, and the figures in its eval.json reproduce on CPU.
 
-Skipped until the checkpoint is built (`python -m executors.demo.train --out
-executors/demo/deepinfer-demo --device cuda`).
+Skipped until the checkpoint is built (from the repository root: `python -m
+examples.train_demo.train --out executors/demo/deepinfer-demo --device cuda`). The
+training tool's own modules come from examples/train_demo (see train_demo_tool.py).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ pytest.importorskip("tokenizers")
 
 from executors import demo  # noqa: E402
 from executors.demo import DEMO_MODEL_DIR, demo_model_path  # noqa: E402
+from tests.executors.train_demo_tool import train_demo  # noqa: E402
 
 needs_checkpoint = pytest.mark.skipif(
     not (DEMO_MODEL_DIR / "model.safetensors").is_file(),
     reason=f"demo checkpoint not built yet ({DEMO_MODEL_DIR}/model.safetensors is absent; "
-    "python -m executors.demo.train --out executors/demo/deepinfer-demo --device cuda)",
+    "python -m examples.train_demo.train --out executors/demo/deepinfer-demo --device cuda)",
 )
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -58,7 +60,7 @@ def test_demo_model_path_names_the_missing_checkpoint(
 ) -> None:
     """Without a checkpoint the error says where it should be and how to build it."""
     monkeypatch.setattr(demo, "DEMO_MODEL_DIR", tmp_path / "deepinfer-demo")
-    with pytest.raises(FileNotFoundError, match="executors.demo.train"):
+    with pytest.raises(FileNotFoundError, match=r"python -m examples\.train_demo\.train --out"):
         demo_model_path()
 
 
@@ -128,7 +130,7 @@ def test_eval_json_reproduces_on_a_heldout_sample(hf_model) -> None:
     headline held-out loss."""
     from tokenizers import Tokenizer
 
-    from executors.demo.corpus import is_heldout
+    is_heldout = train_demo("corpus").is_heldout
 
     ev = _eval_json()
     sample = json.loads((DEMO_MODEL_DIR / "heldout_sample.json").read_text())
@@ -165,12 +167,12 @@ def test_engine_mtp_layer_computes_what_training_optimised() -> None:
     from tokenizers import Tokenizer
 
     from executors.attention import build_attention_metadata
-    from executors.demo.checkpoint import load_for_eval
-    from executors.demo.modeling import forward_losses
     from executors.kv_cache import PagedKVCache
     from executors.loader import load_model, read_hf_config
     from executors.models.config import DeepseekConfig
 
+    load_for_eval = train_demo("checkpoint").load_for_eval
+    forward_losses = train_demo("modeling").forward_losses
     hf, trained_mtp = load_for_eval(DEMO_MODEL_DIR, "cpu")
     tok = Tokenizer.from_file(str(DEMO_MODEL_DIR / "tokenizer.json"))
     ids = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return fib").ids

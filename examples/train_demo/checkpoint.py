@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from executors.demo.modeling import MODEL_CONFIG, MTPModule, hf_config
+from .modeling import MODEL_CONFIG, MTPModule, hf_config
 
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

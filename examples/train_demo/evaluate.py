@@ -17,8 +17,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from executors.demo.corpus import Document, encode_documents, windows
-from executors.demo.modeling import MTPModule, forward_losses
+from .corpus import Document, encode_documents, windows
+from .modeling import MTPModule, forward_losses
 
 
 @torch.no_grad()

@@ -6,8 +6,9 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from executors.demo.checkpoint import parameter_counts
-from executors.demo.modeling import MODEL_CONFIG
+from . import COMMAND
+from .checkpoint import parameter_counts
+from .modeling import MODEL_CONFIG
 
 _TEMPLATE = """\
 # deepinfer-demo
@@ -51,7 +52,7 @@ The `*.py` files of the Python {python_version} standard library (site-packages,
 test suites and generated files left out): {n_train_files} training files
 ({train_mb:.1f} MB, {train_tokens:,} tokens) and {n_heldout_files} held-out files
 ({heldout_mb:.1f} MB, {heldout_tokens:,} tokens), split by a hash of each file's
-path (`executors/demo/corpus.py`). Each file is one document, `<|bos|> text <|eos|>`.
+path (`examples/train_demo/corpus.py`). Each file is one document, `<|bos|> text <|eos|>`.
 The tokenizer was trained on the training split only.
 
 ## Training
@@ -120,7 +121,7 @@ def fields(out: Path, report: dict, args: dict[str, Any], argv: list[str]) -> di
         "heldout_mb": data["heldout_bytes"] / 1e6,
         "train_tokens": data["train_tokens"],
         "heldout_tokens": data["heldout_tokens"],
-        "command": "python -m executors.demo.train " + shlex.join(argv),
+        "command": COMMAND + " " + shlex.join(argv),
         "device_name": report["device_name"],
         "warmup": report["warmup_steps"],
         "train_minutes": report["train_seconds"] / 60,

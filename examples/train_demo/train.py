@@ -1,4 +1,6 @@
-"""Train the shipped demo model: `python -m executors.demo.train --out DIR [--device cuda]`.
+"""Train the shipped demo model, from the repository root:
+
+    python -m examples.train_demo.train --out DIR [--device cuda]
 
 Builds the stdlib corpus and its BPE, trains DeepseekV3ForCausalLM plus its MTP
 layer (loss = main + mtp_weight * MTP), saves the checkpoint in DeepSeek's layout,
@@ -19,13 +21,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+if not __package__:  # run as a file, where the relative imports below cannot work
+    sys.exit(
+        "run the demo model's training from the repository root: "
+        "python -m examples.train_demo.train --out DIR [--device cuda]"
+    )
 
-from executors.demo import checkpoint, corpus, evaluate, modeling, readme
+import torch  # noqa: E402
+
+from . import COMMAND, checkpoint, corpus, evaluate, modeling, readme  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m executors.demo.train", description=__doc__)
+    p = argparse.ArgumentParser(prog=COMMAND, description=__doc__)
     p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     p.add_argument("--steps", type=int, default=None, help="default: --epochs over the data")
     p.add_argument("--epochs", type=float, default=8.0)
