@@ -3,15 +3,17 @@
 The same object runs under the simulator (clock = simulated time) and the
 real executor (clock = wall time). It stamps every request's arrival,
 first schedule, each output step and finish, so metrics come out the same way
-from both. `step()` is the whole loop for a real executor; the simulator
-calls its two halves, `schedule()` and `process()`, around simulated time.
+from both. `step_events()` is the one engine loop: `step()` runs it in wall-clock
+time, the simulator drives the same coroutine in simulated time.
 """
 
 from __future__ import annotations
 
+import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig
 from deepinfer.executor import Executor
@@ -19,6 +21,18 @@ from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import FinishReason, Request
 from deepinfer.scheduler import Scheduler
+
+
+class StepEventKind(enum.Enum):
+    SCHEDULED = "scheduled"  # the host has scheduled `out` (its host work is done)
+    LAUNCHED = "launched"  # `out` was handed to the executor
+    AWAIT = "await"  # the loop now waits for `out`'s results
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    kind: StepEventKind
+    out: SchedulerOutput
 
 
 class EngineCore:
@@ -110,34 +124,48 @@ class EngineCore:
         return changed
 
     def step(self) -> list[Request]:
-        """One scheduling round with the real executor; returns requests that changed."""
-        if self.config.async_scheduling:
-            return self._step_async()
-        out = self.schedule()
-        if out.is_empty:
-            if self.scheduler.has_unfinished():
-                self.scheduler.raise_stalled()
-            return []
-        start = self.clock()
-        res = self.executor.execute(out)
-        return self.process(out, res, self.clock() - start)
+        """One round of the engine loop in wall-clock time; returns requests that changed."""
+        events = self.step_events()
+        while True:
+            try:
+                next(events)  # a real executor's handle blocks in .result(): nothing to wait for
+            except StopIteration as done:
+                return done.value
 
-    def _step_async(self) -> list[Request]:
-        """Schedule step N+1 while step N runs; N's results reconcile afterwards."""
+    def step_events(self) -> Generator[StepEvent, None, list[Request]]:
+        """One round of the engine loop, as a coroutine that yields at its time points.
+
+        The loop is the same for every executor; only the driver differs. `step()` runs
+        it in wall-clock time and ignores the events; the simulator advances simulated
+        time at each: host time after `SCHEDULED`, the step's device time from
+        `LAUNCHED`, and it resumes an `AWAIT` once that time has passed. With async
+        scheduling step N+1 is scheduled while step N runs, so its host time overlaps.
+        """
         if self._in_flight is None:
             out = self.schedule()
             if out.is_empty:
                 if self.scheduler.has_unfinished():
                     self.scheduler.raise_stalled()
                 return []
-            self._in_flight = (out, self.executor.execute_async(out), self.clock())
-        next_out = self.schedule()
-        out, fut, start = self._in_flight
+            yield StepEvent(StepEventKind.SCHEDULED, out)
+            yield self._launch(out)
+        next_out = None
+        if self.config.async_scheduling:
+            next_out = self.schedule()
+            if not next_out.is_empty:
+                yield StepEvent(StepEventKind.SCHEDULED, next_out)
+        assert self._in_flight is not None
+        out, handle, start = self._in_flight
+        yield StepEvent(StepEventKind.AWAIT, out)
         self._in_flight = None
-        changed = self.process(out, fut.result(), self.clock() - start)
-        if not next_out.is_empty:
-            self._in_flight = (next_out, self.executor.execute_async(next_out), self.clock())
+        changed = self.process(out, handle.result(), self.clock() - start)
+        if next_out is not None and not next_out.is_empty:
+            yield self._launch(next_out)
         return changed
+
+    def _launch(self, out: SchedulerOutput) -> StepEvent:
+        self._in_flight = (out, self.executor.execute_async(out), self.clock())
+        return StepEvent(StepEventKind.LAUNCHED, out)
 
     def _step_record(self, out: SchedulerOutput, now: float, duration: float) -> StepRecord:
         s = self.scheduler

@@ -1,8 +1,9 @@
 """simulate(): replay a trace through the real EngineCore in simulated time.
 
-The simpy process is deliberately thin: admit arrivals, schedule, advance the
-clock by the cost model's price of the step, apply the step's results. Every
-batching decision is the shared scheduler's.
+The simpy process is deliberately thin: it admits arrivals and drives the
+engine's own loop (`EngineCore.step_events`), advancing the clock by the cost
+model's price of each step. Every batching decision is the shared scheduler's,
+and the stall rule and async overlap are the engine loop's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import simpy
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine import EngineCore
+from deepinfer.engine import EngineCore, StepEventKind
 from deepinfer.metrics import SLO, summarize
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
@@ -98,37 +99,28 @@ def simulate(
 
 def _serve(env: simpy.Environment, core: EngineCore, pending: deque[Request], cost: CostModel,
            on_progress: Callable[[int], None] | None) -> Iterator[simpy.events.Event]:
-    """The simulated engine loop (async scheduling overlaps CPU work with the GPU step)."""
-    executor = core.executor
-    overlap = core.config.async_scheduling
-    in_flight = None
-    cpu = 0.0
+    """Admit arrivals and drive the engine's own loop (`EngineCore.step_events`) in
+    simulated time: host time after each schedule, the cost model's device time from
+    each launch; async scheduling overlaps the two exactly as the real loop does."""
+    ready_at: dict[int, float] = {}  # step id -> simulated time its results are back
     reported = 0
-    while pending or core.scheduler.has_unfinished() or in_flight is not None:
+    while pending or core.has_unfinished():
         while pending and pending[0].arrival_time <= env.now:
             core.add_request(pending.popleft())
-        if in_flight is None:
-            if not core.scheduler.has_unfinished():
-                if pending:
-                    yield env.timeout(pending[0].arrival_time - env.now)
-                continue
-            in_flight = core.schedule()
-            if in_flight.is_empty:
-                core.scheduler.raise_stalled()
-            cpu = cost.cpu_time(in_flight)
-        out = in_flight
-        gpu = cost.step_time(out)
-        if overlap:
-            # Step N+1 is scheduled while step N runs on the device.
-            in_flight = core.schedule()
-            duration = max(gpu, cost.cpu_time(in_flight))
-        else:
-            in_flight = None
-            duration = cpu + gpu
-        yield env.timeout(duration)
-        core.process(out, executor.execute(out), duration)
-        if in_flight is not None and in_flight.is_empty:
-            in_flight = None
+        if not core.has_unfinished():
+            yield env.timeout(pending[0].arrival_time - env.now)
+            continue
+        for event in core.step_events():
+            if event.kind is StepEventKind.SCHEDULED:
+                cpu = cost.cpu_time(event.out)
+                if cpu > 0:
+                    yield env.timeout(cpu)
+            elif event.kind is StepEventKind.LAUNCHED:
+                ready_at[event.out.step_id] = env.now + cost.step_time(event.out)
+            else:
+                wait = ready_at.pop(event.out.step_id) - env.now
+                if wait > 0:
+                    yield env.timeout(wait)
         if on_progress is not None and len(core.records) != reported:
             on_progress(len(core.records) - reported)
             reported = len(core.records)

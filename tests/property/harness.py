@@ -5,7 +5,7 @@ core's own `check_output` / `check_invariants` run every step, unless
 PROPERTY_CORE_CHECKS=0) over
 `SimExecutor`, calling `schedule()` / `process()` directly so that checkers can
 look between the halves of a step; with async scheduling it overlaps them
-exactly as `EngineCore._step_async` does. Arrivals and aborts happen at driver
+exactly as `EngineCore.step_events` does. Arrivals and aborts happen at driver
 step numbers; steps with no work are skipped (they are not engine steps).
 """
 
@@ -246,7 +246,7 @@ class Driver:
                 self._process(out, self.executor.execute(out))
             self.stalled = out.is_empty and not out.preempted_req_ids
             return
-        if self.in_flight is None:  # as EngineCore._step_async: start a step first
+        if self.in_flight is None:  # as EngineCore.step_events: start a step first
             out = self._schedule(False)
             if out.is_empty:
                 self.stalled = not out.preempted_req_ids

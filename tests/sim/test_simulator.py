@@ -11,7 +11,8 @@ from deepinfer.engine import EngineCore
 from sim import load_trace, simulate
 from sim.cost_model import UnitCostModel
 from sim.sim_executor import SimExecutor
-from sim.traces import TraceRequest
+from sim.simulator import build_requests
+from sim.traces import Trace, TraceRequest
 from tests.factories import StepClock, make_config, make_request, run_to_completion
 from tests.property.checkers_progress import sim_token
 
@@ -84,3 +85,27 @@ def test_sim_executor_token_depends_only_on_request_and_position_under_speculati
     engine.add_request(r)
     run_to_completion(engine)
     assert r.output_token_ids == [sim_token("s", 6 + i) for i in range(10)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_simulator_runs_the_engines_own_loop(async_scheduling: bool) -> None:
+    """One engine loop: simulate() and EngineCore.step() over the same requests and
+    executor make the very same steps; only the clock differs."""
+    reqs = [TraceRequest(f"r{i}", 0.0, 7 + 5 * i, 3 + i) for i in range(6)]
+    cfg = EngineConfig(num_gpu_blocks=30, block_size=4, max_num_batched_tokens=16,
+                       async_scheduling=async_scheduling)
+    simulated = simulate(reqs, engine=cfg, cost_model=UnitCostModel(0.001, 0.0002))
+    engine = EngineCore(cfg, SimExecutor(cfg), clock=StepClock())
+    for req in build_requests(Trace("t", "test", reqs), vocab_size=32000):
+        engine.add_request(req)
+    run_to_completion(engine)
+    shape = [(s.num_batched_tokens, s.num_scheduled_reqs, s.num_prompt_tokens)
+             for s in simulated.steps]
+    assert shape == [(s.num_batched_tokens, s.num_scheduled_reqs, s.num_prompt_tokens)
+                     for s in engine.steps]
+    n = len(simulated.steps)
+    end = simulated.steps[-1].time
+    if async_scheduling:  # host time of step N+1 hides under step N's device time
+        assert end == pytest.approx(0.0002 + 0.001 * n)
+    else:
+        assert end == pytest.approx(0.0012 * n)
