@@ -29,12 +29,12 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
+from deepinfer.model_config import load_model_config
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from executors.loader import load_state_dict_into
 from executors.torch_executor import TorchExecutor
 from sim.analytic_cost_model import expected_distinct_experts
-from sim.model_spec import load_model_spec
 
 PRESETS = Path(__file__).resolve().parents[1] / "sim" / "data" / "models"
 
@@ -136,7 +136,7 @@ def build(model: str, dev: torch.device, cfg: EngineConfig, with_hf: bool
     path = Path(model) if model.endswith(".json") else PRESETS / f"{model}.json"
     raw = json.loads(path.read_text())
     raw["num_nextn_predict_layers"] = 0
-    spec = load_model_spec(path)
+    spec = load_model_config(path)
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(raw))
     dtype = "bfloat16" if dev.type == "cuda" else "float32"

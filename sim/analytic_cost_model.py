@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
+from deepinfer.model_config import ModelConfig
 from sim.cost_coefficients import CostCoefficients
 from sim.hardware import HardwareSpec
-from sim.model_spec import ModelSpec
 
 if TYPE_CHECKING:
     from deepinfer.outputs import SchedulerOutput
@@ -52,7 +52,7 @@ def expected_distinct_experts(num_tokens: int, num_experts: int, top_k: int) -> 
 class AnalyticCostModel:
     """Prices a SchedulerOutput from FLOPs and bytes; see the module docstring."""
 
-    def __init__(self, model: ModelSpec, hardware: HardwareSpec, coeffs: CostCoefficients):
+    def __init__(self, model: ModelConfig, hardware: HardwareSpec, coeffs: CostCoefficients):
         self.model = model
         self.hardware = hardware
         self.coeffs = coeffs
@@ -83,7 +83,7 @@ class AnalyticCostModel:
         if m.q_lora_rank is not None:
             q_io += 2 * m.q_lora_rank
         kvb_io = m.kv_lora_rank + heads * (m.qk_nope_head_dim + m.v_head_dim)
-        attn_io = q_io + (h + m.kv_latent_dim) + kvb_io + (heads * m.v_head_dim + h) + 4 * h
+        attn_io = q_io + (h + m.kv_entry_dim) + kvb_io + (heads * m.v_head_dim + h) + 4 * h
         mlp_io = 2 * h + 6 * m.intermediate_size  # gate_up in/out, act, down in/out
         shared_inter = m.n_shared_experts * m.moe_intermediate_size
         shared_io = (2 * h + 6 * shared_inter + m.n_routed_experts) if moe_layers else 0
@@ -92,7 +92,7 @@ class AnalyticCostModel:
         )
         # Cached context up-projected by kv_b in the prefill form: per context token.
         self._ctx_upproj_flops = 2.0 * layers * m.kv_b_params
-        self._ctx_upproj_bytes = float(layers * (ab * kvb_io + m.kv_dtype_bytes * m.kv_latent_dim))
+        self._ctx_upproj_bytes = float(layers * (ab * kvb_io + m.kv_dtype_bytes * m.kv_entry_dim))
 
         # experts (routed): per token FLOPs and activations; weights by distinct experts.
         self._num_experts, self._top_k = m.n_routed_experts, m.num_experts_per_tok
@@ -110,12 +110,12 @@ class AnalyticCostModel:
         # Q [heads, 192] and O [heads, 128] per new token; K [heads, 192] and V [heads, 128]
         # per attended token (context + chunk): the same width both times.
         self._pre_row_bytes = float(layers * ab * heads * (m.qk_head_dim + m.v_head_dim))
-        self._kv_write_bytes = float(layers * m.kv_latent_dim * m.kv_dtype_bytes)  # per new token
+        self._kv_write_bytes = float(layers * m.kv_entry_dim * m.kv_dtype_bytes)  # per new token
 
         # attention, absorbed decode form: MQA over [ctx, 576] latents, values are the 512.
-        self._dec_flops_per_pair = 2.0 * layers * heads * (m.kv_latent_dim + m.kv_lora_rank)
-        self._dec_kv_bytes = float(layers * m.kv_latent_dim * m.kv_dtype_bytes)  # per cached token
-        self._dec_q_bytes = float(layers * ab * heads * (m.kv_latent_dim + m.kv_lora_rank))
+        self._dec_flops_per_pair = 2.0 * layers * heads * (m.kv_entry_dim + m.kv_lora_rank)
+        self._dec_kv_bytes = float(layers * m.kv_entry_dim * m.kv_dtype_bytes)  # per cached token
+        self._dec_q_bytes = float(layers * ab * heads * (m.kv_entry_dim + m.kv_lora_rank))
 
         # lm head on sampled positions; logits written in fp32.
         self._head_flops_per_tok = 2.0 * m.vocab_size * h

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from deepinfer.model_config import ModelConfig
 from sim.analytic_cost_model import AnalyticCostModel, GroupCost, expected_distinct_experts
 from sim.cost_coefficients import CostCoefficients, load_cost_coefficients
 from sim.hardware import HardwareSpec
 from sim.kv_capacity import default_activation_reserve_bytes, kv_capacity_blocks
-from sim.model_spec import ModelSpec
 
 if TYPE_CHECKING:
     from deepinfer.outputs import SchedulerOutput
@@ -77,7 +77,7 @@ class _ZeroCpuTime:
         return 0.0
 
 
-def get_cost_model(spec: str | CostModel, model: ModelSpec, hardware: HardwareSpec) -> CostModel:
+def get_cost_model(spec: str | CostModel, model: ModelConfig, hardware: HardwareSpec) -> CostModel:
     """A cost model by name ("analytic" or "unit"), or a cost-model object passed through.
 
     An object needs `step_time(out)`; one without `cpu_time` is wrapped so its

@@ -7,8 +7,8 @@ of a profiling forward pass, divided by the bytes of one block.
 
 from __future__ import annotations
 
+from deepinfer.model_config import ModelConfig
 from sim.hardware import HardwareSpec
-from sim.model_spec import ModelSpec
 
 # CUDA context, cuBLAS/NCCL workspaces and captured CUDA graphs: memory the
 # engine holds outside weights and per-token activations.
@@ -16,7 +16,7 @@ FIXED_RESERVE_BYTES = 2 * 1024**3
 
 
 def default_activation_reserve_bytes(
-    model: ModelSpec, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256
+    model: ModelConfig, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256
 ) -> int:
     """Peak non-weight, non-KV memory of a forward pass at the engine's default budgets.
 
@@ -35,7 +35,7 @@ def default_activation_reserve_bytes(
 
 
 def kv_capacity_blocks(
-    model: ModelSpec,
+    model: ModelConfig,
     hardware: HardwareSpec,
     block_size: int,
     gpu_memory_utilization: float,

@@ -18,12 +18,12 @@ import simpy
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore, StepEventKind
 from deepinfer.metrics import SLO, summarize
+from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from sim.cost_model import CostModel, get_cost_model, kv_capacity_blocks
 from sim.hardware import HardwareSpec, get_hardware
-from sim.model_spec import ModelSpec, load_model_spec
 from sim.sim_executor import SimExecutor
 from sim.traces import SyntheticPrompt, Trace, TraceRequest
 
@@ -49,7 +49,7 @@ def build_requests(trace: Trace, vocab_size: int) -> list[Request]:
 
 def simulate(
     trace: Trace | list[TraceRequest],
-    model: str | ModelSpec = "moonlight-16b-a3b",
+    model: str | ModelConfig = "moonlight-16b-a3b",
     hardware: str | HardwareSpec = "h200",
     engine: EngineConfig | None = None,
     cost_model: str | CostModel = "analytic",
@@ -63,7 +63,7 @@ def simulate(
     if not isinstance(trace, Trace):
         trace = Trace("requests", "python", list(trace))
     engine = engine or EngineConfig()
-    spec = model if isinstance(model, ModelSpec) else load_model_spec(model)
+    spec = model if isinstance(model, ModelConfig) else load_model_config(model)
     hw = hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
     cost = get_cost_model(cost_model, spec, hw)
     num_blocks = engine.num_gpu_blocks

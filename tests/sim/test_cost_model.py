@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from deepinfer.model_config import PRESETS_DIR, ModelConfig, load_model_config
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 from sim.cost_model import (
     AnalyticCostModel,
@@ -17,7 +18,6 @@ from sim.cost_model import (
     load_cost_coefficients,
 )
 from sim.hardware import get_hardware, known_hardware
-from sim.model_spec import MODELS_DIR, ModelSpec, load_model_spec
 
 
 def _req(i: int, q: int, ctx: int, prompt: bool, samples: bool = True, drafts: int = 0):
@@ -41,12 +41,12 @@ def prefill_step(q: int, ctx: int = 0, samples: bool = True) -> SchedulerOutput:
 
 
 @pytest.fixture(scope="module")
-def moonlight() -> ModelSpec:
-    return load_model_spec("moonlight-16b-a3b")
+def moonlight() -> ModelConfig:
+    return load_model_config("moonlight-16b-a3b")
 
 
 @pytest.fixture(scope="module")
-def h200_model(moonlight: ModelSpec) -> AnalyticCostModel:
+def h200_model(moonlight: ModelConfig) -> AnalyticCostModel:
     return AnalyticCostModel(moonlight, get_hardware("h200"), load_cost_coefficients())
 
 
@@ -83,12 +83,12 @@ def test_unknown_hardware_lists_known_names() -> None:
 def test_preset_parameter_counts_match_published_totals(
     name: str, total_b: float, active_b: float, active_tol: float
 ) -> None:
-    spec = load_model_spec(name)
+    spec = load_model_config(name)
     assert spec.total_params / 1e9 == pytest.approx(total_b, rel=0.1)
     assert spec.active_params / 1e9 == pytest.approx(active_b, rel=active_tol)
 
 
-def test_moonlight_shapes_and_latent_kv_bytes(moonlight: ModelSpec) -> None:
+def test_moonlight_shapes_and_latent_kv_bytes(moonlight: ModelConfig) -> None:
     assert moonlight.num_hidden_layers == 27 and moonlight.num_moe_layers == 26
     assert moonlight.q_lora_rank is None and moonlight.dtype_bytes == 2
     assert moonlight.kv_bytes_per_token == (512 + 64) * 27 * 2
@@ -96,53 +96,53 @@ def test_moonlight_shapes_and_latent_kv_bytes(moonlight: ModelSpec) -> None:
 
 
 def test_deepseek_v3_is_fp8_and_mtp_is_not_served_by_default() -> None:
-    v3 = load_model_spec("deepseek-v3")
+    v3 = load_model_config("deepseek-v3")
     assert v3.dtype_bytes == 1  # quantization_config.quant_method == "fp8"
     assert v3.num_mtp_layers == 1
     assert v3.mtp_params / 1e9 == pytest.approx(14.0, rel=0.1)  # 685B checkpoint - 671B
     assert v3.weight_bytes < v3.total_params * 1.01  # about one byte per weight
-    assert load_model_spec("deepseek-v3", dtype_bytes=2).weight_bytes > 1.3e12
+    assert load_model_config("deepseek-v3", dtype_bytes=2).weight_bytes > 1.3e12
 
 
 def test_config_json_path_and_folder_load(tmp_path) -> None:
-    d = json.loads((MODELS_DIR / "deepseek-v2-lite.json").read_text())
+    d = json.loads((PRESETS_DIR / "deepseek-v2-lite.json").read_text())
     folder = tmp_path / "my-model"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(d))
-    by_file = load_model_spec(folder / "config.json")
-    by_dir = load_model_spec(str(folder))
+    by_file = load_model_config(folder / "config.json")
+    by_dir = load_model_config(str(folder))
     assert by_file.name == by_dir.name == "my-model"
-    assert by_file.total_params == load_model_spec("deepseek-v2-lite").total_params
+    assert by_file.total_params == load_model_config("deepseek-v2-lite").total_params
 
 
 def test_missing_key_names_the_key_and_the_file(tmp_path) -> None:
-    d = json.loads((MODELS_DIR / "moonlight-16b-a3b.json").read_text())
+    d = json.loads((PRESETS_DIR / "moonlight-16b-a3b.json").read_text())
     del d["kv_lora_rank"]
     path = tmp_path / "config.json"
     path.write_text(json.dumps(d))
     with pytest.raises(ValueError, match="kv_lora_rank") as e:
-        load_model_spec(path)
+        load_model_config(path)
     assert str(path) in str(e.value)
 
 
 def test_unknown_model_type_is_named(tmp_path) -> None:
-    d = json.loads((MODELS_DIR / "moonlight-16b-a3b.json").read_text())
+    d = json.loads((PRESETS_DIR / "moonlight-16b-a3b.json").read_text())
     d["model_type"] = "llama"
     path = tmp_path / "config.json"
     path.write_text(json.dumps(d))
     with pytest.raises(ValueError, match="'llama'"):
-        load_model_spec(path)
+        load_model_config(path)
 
 
 def test_unknown_model_name_lists_presets() -> None:
     with pytest.raises(ValueError, match="moonlight-16b-a3b"):
-        load_model_spec("no-such-model")
+        load_model_config("no-such-model")
 
 
 # --- KV capacity ---------------------------------------------------------------------
 
 
-def test_kv_capacity_is_positive_for_moonlight_on_h200(moonlight: ModelSpec) -> None:
+def test_kv_capacity_is_positive_for_moonlight_on_h200(moonlight: ModelConfig) -> None:
     h200 = get_hardware("h200")
     blocks = kv_capacity_blocks(moonlight, h200, block_size=64, gpu_memory_utilization=0.9)
     assert blocks > 0
@@ -155,7 +155,7 @@ def test_kv_capacity_is_positive_for_moonlight_on_h200(moonlight: ModelSpec) -> 
 
 @pytest.mark.parametrize("dtype_bytes", [2, None])
 def test_kv_capacity_raises_when_deepseek_v3_does_not_fit(dtype_bytes: int | None) -> None:
-    v3 = load_model_spec("deepseek-v3", dtype_bytes=dtype_bytes)
+    v3 = load_model_config("deepseek-v3", dtype_bytes=dtype_bytes)
     with pytest.raises(ValueError, match="does not fit") as e:
         kv_capacity_blocks(v3, get_hardware("h200"), 64, 0.9)
     msg = str(e.value)
@@ -173,7 +173,7 @@ def test_unit_cost_model_costs_one_ms_per_nonempty_step() -> None:
     assert unit.cpu_time(decode_step(7, 100)) == 0.0
 
 
-def test_get_cost_model_by_name_or_object(moonlight: ModelSpec) -> None:
+def test_get_cost_model_by_name_or_object(moonlight: ModelConfig) -> None:
     h200 = get_hardware("h200")
     assert isinstance(get_cost_model("unit", moonlight, h200), UnitCostModel)
     assert isinstance(get_cost_model("analytic", moonlight, h200), AnalyticCostModel)
@@ -191,7 +191,7 @@ def test_get_cost_model_by_name_or_object(moonlight: ModelSpec) -> None:
 
 
 def test_decode_at_batch_1_is_near_the_weight_bandwidth_bound(
-    h200_model: AnalyticCostModel, moonlight: ModelSpec
+    h200_model: AnalyticCostModel, moonlight: ModelConfig
 ) -> None:
     bound = moonlight.active_params * moonlight.dtype_bytes / get_hardware("h200").hbm_bandwidth
     t = h200_model.step_time(decode_step(1, 1024))
@@ -215,7 +215,7 @@ def test_more_tokens_never_cost_less(h200_model: AnalyticCostModel) -> None:
 
 
 def test_prefill_of_16k_tokens_is_compute_bound(
-    h200_model: AnalyticCostModel, moonlight: ModelSpec
+    h200_model: AnalyticCostModel, moonlight: ModelConfig
 ) -> None:
     out = prefill_step(16384)
     t = h200_model.step_time(out)

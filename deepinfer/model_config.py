@@ -1,0 +1,344 @@
+"""ModelConfig: the one parser of a DeepSeek V2/V3 Hugging Face `config.json`.
+
+The simulator's cost models and the real executor's model read the same object.
+Both spellings found in the wild are accepted: transformers 5.x
+(`rope_parameters`, `dtype`) and the original DeepSeek / transformers 4.x
+(`rope_theta` + `rope_scaling`, `torch_dtype`). Keys the model's math depends on
+are validated, and an error names the file and the key. Parameter counts and
+byte sizes (what cost models price) come from `ModelSizes`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from deepinfer.model_sizes import ModelSizes
+
+ARCHITECTURES = {
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+_SCORING = ("softmax", "sigmoid")
+_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+_ROPE_TYPES = ("default", "yarn")
+_V3_DEFAULTS: dict[str, Any] = {
+    "q_lora_rank": 1536,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 3,
+    "n_shared_experts": 1,
+    "rope_interleave": True,
+    "num_nextn_predict_layers": 1,
+}
+# Optional keys and their transformers defaults, per model type (Kimi K2 is V3's layout).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {
+        "q_lora_rank": 1536,
+        "scoring_func": "softmax",
+        "topk_method": "greedy",
+        "n_group": None,
+        "topk_group": None,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 0,
+        "n_shared_experts": 2,
+        "rope_interleave": True,
+        "num_nextn_predict_layers": 0,
+    },
+    "deepseek_v3": _V3_DEFAULTS,
+    "kimi_k2": _V3_DEFAULTS,
+}
+_NULLABLE = ("q_lora_rank", "n_group", "topk_group")  # null is meaningful, not "use the default"
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "max_position_embeddings",
+)
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    type: str  # "default" or "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig(ModelSizes):
+    """Shapes and math of a DeepSeek-architecture model (MLA attention, MoE, MTP)."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense MLP width (the first `first_k_dense_replace` layers)
+    num_hidden_layers: int  # decoder layers served (MTP layers excluded)
+    num_attention_heads: int
+    q_lora_rank: int | None  # None: a plain q_proj (Moonlight, V2-Lite)
+    kv_lora_rank: int  # latent KV width (512): what the cache stores, plus the rope key
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    max_position_embeddings: int
+    rope: RopeConfig
+    rope_interleave: bool
+    rms_norm_eps: float
+    attention_bias: bool
+    tie_word_embeddings: bool
+    n_routed_experts: int  # 0: every layer is dense
+    n_shared_experts: int
+    moe_intermediate_size: int
+    num_experts_per_tok: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    scoring_func: str
+    topk_method: str
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    num_nextn_predict_layers: int  # MTP layers shipped after the decoder layers
+    dtype: str | None  # "bfloat16", "float32", ... as the checkpoint states it
+    eos_token_id: int | list[int] | None
+    quant_method: str | None = None  # "fp8" for DeepSeek-V3's published checkpoint
+    dtype_bytes: int = 2  # linear-layer weights: 2 for bf16, 1 for fp8 checkpoints
+    embed_dtype_bytes: int = 2  # embedding / lm_head stay bf16 even in fp8 checkpoints
+    kv_dtype_bytes: int = 2  # KV cache entries (bf16 unless an fp8 cache is configured)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_routed_experts > 0
+
+    @classmethod
+    def from_dict(
+        cls, raw: dict[str, Any], *, source: str = "config.json", name: str | None = None
+    ) -> ModelConfig:
+        """Parse and validate; errors name `source` and the offending key."""
+        model_type = _model_type(raw, source)
+        missing = [k for k in _REQUIRED if raw.get(k) is None]
+        if missing:
+            raise ValueError(f"{source}: missing required key(s) {missing}")
+        d = {
+            k: raw[k] if k in raw and (raw[k] is not None or k in _NULLABLE) else default
+            for k, default in _DEFAULTS[model_type].items()
+        }
+        _reject(raw, source)
+        quant = raw.get("quantization_config") or None
+        quant_method = str(quant.get("quant_method", "?")).lower() if quant else None
+        try:
+            cfg = cls(
+                name=name or Path(source).parent.name or source,
+                model_type=model_type,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=int(raw["hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=int(raw["num_attention_heads"]),
+                q_lora_rank=int(d["q_lora_rank"]) if d["q_lora_rank"] else None,
+                kv_lora_rank=int(raw["kv_lora_rank"]),
+                qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+                v_head_dim=int(raw["v_head_dim"]),
+                max_position_embeddings=int(raw["max_position_embeddings"]),
+                rope=_rope(raw, source),
+                rope_interleave=bool(d["rope_interleave"]),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                attention_bias=bool(raw.get("attention_bias", False)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                n_routed_experts=int(raw.get("n_routed_experts") or 0),
+                n_shared_experts=int(d["n_shared_experts"] or 0),
+                moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+                num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+                first_k_dense_replace=int(d["first_k_dense_replace"]),
+                moe_layer_freq=int(raw.get("moe_layer_freq", 1)),
+                scoring_func=str(d["scoring_func"]),
+                topk_method=str(d["topk_method"]),
+                n_group=int(d["n_group"] or 1),
+                topk_group=int(d["topk_group"] or 1),
+                norm_topk_prob=bool(d["norm_topk_prob"]),
+                routed_scaling_factor=float(d["routed_scaling_factor"]),
+                num_nextn_predict_layers=int(d["num_nextn_predict_layers"] or 0),
+                dtype=raw.get("dtype") or raw.get("torch_dtype"),
+                eos_token_id=raw.get("eos_token_id"),
+                quant_method=quant_method,
+                dtype_bytes=1 if quant_method == "fp8" else _dtype_bytes(raw),
+            )
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: {e}") from None
+        cfg._validate(source)
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str | Path, *, name: str | None = None) -> ModelConfig:
+        """A config.json (or a folder holding one); errors name the file."""
+        path = Path(path).expanduser()
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no such model config file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: cannot read model config ({e})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        return cls.from_dict(raw, source=str(path), name=name)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return replace(self, **changes)
+
+    def _validate(self, source: str) -> None:
+        def bad(key: str, value: Any, why: str) -> ValueError:
+            return ValueError(f"{source}: {key}={value!r}: {why}")
+
+        for key in _REQUIRED:
+            if key != "max_position_embeddings" and getattr(self, key) <= 0:
+                raise bad(key, getattr(self, key), "must be positive")
+        if self.scoring_func not in _SCORING:
+            raise bad("scoring_func", self.scoring_func, f"expected one of {_SCORING}")
+        if self.topk_method not in _TOPK_METHODS:
+            raise bad("topk_method", self.topk_method, f"expected one of {_TOPK_METHODS}")
+        if self.moe_layer_freq < 1:
+            raise bad("moe_layer_freq", self.moe_layer_freq, "must be >= 1")
+        if not self.is_moe:
+            return
+        e = self.n_routed_experts
+        if self.moe_intermediate_size <= 0 or not 0 < self.num_experts_per_tok <= e:
+            raise bad(
+                "num_experts_per_tok",
+                self.num_experts_per_tok,
+                f"must be in [1, n_routed_experts={e}] with moe_intermediate_size > 0",
+            )
+        if e % self.n_group != 0:
+            raise bad("n_group", self.n_group, f"must divide n_routed_experts={e}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise bad("topk_group", self.topk_group, f"must be in [1, n_group={self.n_group}]")
+        if self.topk_method == "noaux_tc" and e // self.n_group < 2:
+            raise bad("n_group", self.n_group, "noaux_tc needs >= 2 experts per group")
+        if self.topk_group * (e // self.n_group) < self.num_experts_per_tok:
+            raise bad(
+                "topk_group",
+                self.topk_group,
+                f"the chosen groups hold fewer than num_experts_per_tok="
+                f"{self.num_experts_per_tok} experts",
+            )
+
+
+def _model_type(raw: dict[str, Any], source: str) -> str:
+    archs = raw.get("architectures") or []
+    model_type = raw.get("model_type")
+    known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
+    if archs and not known:
+        raise ValueError(
+            f"{source}: unknown architecture(s) {archs} (model_type {model_type!r}); "
+            f"supported: {sorted(ARCHITECTURES)}"
+        )
+    if model_type is None and known:
+        model_type = known[0]
+    if model_type not in _DEFAULTS:
+        raise ValueError(
+            f"{source}: unknown model_type {model_type!r} (architectures {archs}); "
+            f"supported: {sorted(_DEFAULTS)}"
+        )
+    return str(model_type)
+
+
+def _reject(raw: dict[str, Any], source: str) -> None:
+    """Keys whose presence changes the math in ways this engine does not model."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{source}: hidden_act={act!r}: only 'silu' is supported")
+    if raw.get("mlp_bias"):
+        raise ValueError(f"{source}: mlp_bias=True is not supported")
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor is not supported")
+
+
+def _dtype_bytes(raw: dict[str, Any]) -> int:
+    dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
+    return _DTYPE_BYTES.get(dtype, 2)
+
+
+def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        raise ValueError(f"{source}: rope type {kind!r} is not supported; expected {_ROPE_TYPES}")
+    if kind == "default":
+        return RopeConfig(theta=theta, type="default")
+    max_pos = int(raw["max_position_embeddings"])
+    orig = int(
+        raw.get("original_max_position_embeddings")
+        or params.get("original_max_position_embeddings")
+        or max_pos
+    )
+    factor = params.get("factor")
+    return RopeConfig(
+        theta=theta,
+        type="yarn",
+        factor=float(factor) if factor is not None else max_pos / orig,
+        original_max_position_embeddings=orig,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+PRESETS_DIR = Path(__file__).parent / "data" / "models"
+DEFAULT_MODEL = "moonlight-16b-a3b"
+
+
+def known_models() -> list[str]:
+    """Preset names `load_model_config` accepts (the published configs, verbatim)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def load_model_config(name_or_path: str | Path, dtype_bytes: int | None = None) -> ModelConfig:
+    """A preset by name ("moonlight-16b-a3b"), or a config.json (or a folder holding one).
+
+    `dtype_bytes` overrides the weight dtype read from the config (2: bf16, 1: fp8).
+    """
+    text = str(name_or_path)
+    preset = PRESETS_DIR / f"{text.lower()}.json"
+    path = Path(text).expanduser()
+    if preset.is_file():
+        cfg = ModelConfig.from_file(preset, name=text.lower())
+    elif path.is_dir() and (path / "config.json").is_file():
+        cfg = ModelConfig.from_file(path, name=path.resolve().name)
+    elif path.is_file():
+        name = path.resolve().parent.name if path.name == "config.json" else path.stem
+        cfg = ModelConfig.from_file(path, name=name)
+    else:
+        raise ValueError(
+            f"unknown model {text!r}: not a preset ({', '.join(known_models())}) "
+            f"nor a config.json path"
+        )
+    return cfg if dtype_bytes is None else cfg.replace(dtype_bytes=dtype_bytes)
