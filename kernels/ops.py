@@ -72,7 +72,10 @@ def mla_prefill_attention(
 ) -> torch.Tensor:
     """q_nope [Tq, H, Dn], q_pe [Tq, H, R], k_nope [Tk, H, Dn], k_pe [Tk, R],
     v [Tk, H, Dv] -> [Tq, H, Dv] (varlen causal, bottom-right aligned). The kernel needs
-    Dn, R, Dv powers of two >= 16 (tl.dot's smallest K) and contiguous last dims."""
+    Dn, R, Dv powers of two >= 16 (tl.dot's smallest K) and contiguous last dims.
+    max_query_len: the longest request's query count, a host int (the kernel's grid; it
+    is never derived from cu_seqlens_q, which would be a host sync). With Tq > 0 it must
+    be positive: both backends raise ValueError otherwise (`check_prefill_bound`)."""
     args = (q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_query_len, scale)
     dims = (q_nope.shape[-1], q_pe.shape[-1], v.shape[-1])
     shapes_ok = all(_is_pow2(d) and d >= 16 for d in dims)

@@ -53,6 +53,23 @@ def mla_decode_ref(
     return out.to(q.dtype)
 
 
+def check_prefill_bound(num_queries: int, num_reqs: int, max_query_len: int) -> None:
+    """The prefill's host-side contract, shared by the kernel and the twin: with any query
+    there must be a request and a positive max_query_len (the kernel's grid: 0 would
+    launch nothing and leave the output unwritten). Not derived from cu_seqlens_q: that
+    would be a hidden host sync. A positive bound below the true maximum is not caught
+    (checking it needs the same sync) and leaves the kernel's rows past it unwritten."""
+    if num_queries == 0:
+        return
+    if num_reqs == 0:
+        raise ValueError(f"{num_queries} prefill queries but no request in cu_seqlens_q")
+    if max_query_len <= 0:
+        raise ValueError(
+            f"max_query_len={max_query_len} with {num_queries} prefill queries: pass the "
+            "longest request's query count (a host int)"
+        )
+
+
 def mla_prefill_ref(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -70,8 +87,10 @@ def mla_prefill_ref(
 
     q_nope: [Tq, H, Dn], q_pe: [Tq, H, R], k_nope: [Tk, H, Dn], k_pe: [Tk, R] (one rope
     key per token, shared by all heads), v: [Tk, H, Dv], cu_seqlens_q/k: [B + 1]
-    -> [Tq, H, Dv]. max_query_len is the kernel's launch bound, unused here.
+    -> [Tq, H, Dv]. max_query_len is the kernel's launch bound: checked as the kernel
+    checks it (`check_prefill_bound`: ValueError when <= 0 with queries), else unused.
     """
+    check_prefill_bound(q_nope.shape[0], cu_seqlens_q.shape[0] - 1, max_query_len)
     acc = _acc_dtype(q_nope.dtype)
     h = q_nope.shape[1]
     out = q_nope.new_empty(q_nope.shape[0], h, v.shape[-1])
