@@ -1,16 +1,19 @@
 """The kernels' public entry points: the Triton kernel on CUDA, the torch twin elsewhere.
 
-The `backend=` argument chooses: `auto` (default: Triton for CUDA tensors), `torch`
-(always the twin) or `triton` (always the kernel; on the CPU only under
-TRITON_INTERPRET=1). The executor passes DEEPINFER_KERNEL_BACKEND, read by
-deepinfer.envs. Triton modules are imported on first use, so the CPU path never
-compiles anything.
+The one place where a kernel is chosen: the models and the attention code call these
+ops and nothing else. The `backend=` argument chooses: `auto` (Triton for CUDA
+tensors), `torch` (always the twin) or `triton` (always the kernel; on the CPU only
+under TRITON_INTERPRET=1). Left at None (what the executor does), it is
+DEEPINFER_KERNEL_BACKEND, read here through deepinfer.envs on every call (default
+`auto`). An op whose shapes the kernel cannot take falls back to the twin. Triton
+modules are imported on first use, so the CPU path never compiles anything.
 """
 
 from __future__ import annotations
 
 import torch
 
+from deepinfer import envs
 from kernels.reference import (
     fused_add_rmsnorm_ref,
     fused_moe_ref,
@@ -25,8 +28,9 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
-    """Whether an op on `tensor` takes the Triton kernel."""
-    choice = backend or "auto"
+    """Whether an op on `tensor` takes the Triton kernel. backend=None reads
+    DEEPINFER_KERNEL_BACKEND (deepinfer.envs.kernel_backend)."""
+    choice = envs.kernel_backend() if backend is None else backend
     if choice not in BACKENDS:
         raise ValueError(f"kernel backend {choice!r}: expected one of {', '.join(BACKENDS)}")
     if choice == "auto":
