@@ -52,7 +52,13 @@ def mla_decode_attention(
     scale: float,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, L + R], kv_cache: [N, block_size, L + R] -> [T, H, L] (absorbed MLA)."""
+    """Absorbed MLA over the paged latent cache (the FlashMLA interface).
+
+    q: [T, H, L + R] (W_UK folded into the nope part), kv_cache: [N, block_size, L + R],
+    block_tables: [B, max_blocks], seq_lens: [B], query_start_loc: [B + 1] -> [T, H, L]
+    (still latent: the caller applies W_UV). Keys are whole cache entries, values their
+    first L dims; query i of a request with q_len queries sees keys up to
+    seq_len - q_len + i. The kernel needs L, R and block_size powers of two."""
     rope = q.shape[-1] - kv_lora_rank
     shapes_ok = _is_pow2(kv_lora_rank) and _is_pow2(rope) and _is_pow2(kv_cache.shape[1])
     if shapes_ok and use_triton(q, backend):
