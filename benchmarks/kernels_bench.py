@@ -137,7 +137,7 @@ def mla_inputs(batch: int, ctx: int, heads: int, q_len: int = 1, page: int = 64)
 
 def executor_mla() -> Callable | None:
     try:
-        from executors.attention import mla_decode_attention
+        from kernels.ops import mla_decode_attention  # the executor's entry point
     except Exception:  # noqa: BLE001 (the baseline is optional)
         return None
     return mla_decode_attention

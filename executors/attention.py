@@ -1,10 +1,11 @@
-"""Paged MLA attention: batch metadata, cache writes and the two attention forms.
+"""Paged MLA attention metadata: slots, block tables and the prefill key gather.
 
 The batch is one flattened varlen sequence of T new tokens. Requests are ordered
 decode-first: the first `num_decode_reqs` requests (short queries over a long
 context) use the absorbed form over the latent cache; the rest (prefill chunks)
-decompress the gathered latent into full K/V. `mla_prefill_attention` and
-`mla_decode_attention` delegate to kernels.ops: Triton on CUDA, torch twins elsewhere.
+decompress the gathered latent into full K/V. The attention itself is
+`kernels.ops.mla_decode_attention` / `kernels.ops.mla_prefill_attention`, called by
+executors.models.mla (kernels.ops chooses Triton or the torch twin).
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from deepinfer import envs
-from kernels import ops as kernel_ops
 
 
 @dataclass
@@ -93,50 +91,3 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) 
 def gather_latent_cache(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """-> [len(slots), D]."""
     return kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, slots)
-
-
-def mla_prefill_attention(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    k_nope: torch.Tensor,
-    k_pe: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_query_len: int,
-    scale: float,
-) -> torch.Tensor:
-    """Varlen causal attention, bottom-right aligned (a request's query i sees keys
-    [0, len_k - len_q + i]), as flash-attn's varlen function defines it, with MLA's
-    split keys: per-head [k_nope | k_pe] where k_pe is one rope key per token.
-
-    q_nope: [Tq, H, Dn], q_pe: [Tq, H, R], k_nope: [Tk, H, Dn], k_pe: [Tk, R],
-    v: [Tk, H, Dv] -> [Tq, H, Dv]. max_query_len: the longest request's query count
-    (0: derived here, at the cost of a host sync). The Triton kernel on CUDA, its torch
-    twin elsewhere (kernels.ops).
-    """
-    return kernel_ops.mla_prefill_attention(
-        q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_query_len, scale,
-        backend=envs.kernel_backend(),
-    )  # fmt: skip
-
-
-def mla_decode_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    kv_lora_rank: int,
-    scale: float,
-) -> torch.Tensor:
-    """Absorbed MLA over the paged latent cache (the FlashMLA interface).
-
-    q: [T, H, L + R] (W_UK folded into the nope part), kv_cache: [N, block_size, L + R],
-    block_tables: [B, max_blocks], seq_lens: [B], query_start_loc: [B + 1] -> [T, H, L]
-    (still latent: W_UV is applied by the caller). Keys are whole cache entries; values
-    their first L dims. Query i of a request with q_len queries sees keys up to
-    seq_len - q_len + i. The Triton kernel on CUDA, its torch twin elsewhere (kernels.ops).
-    """
-    return kernel_ops.mla_decode_attention(q, kv_cache, block_tables, seq_lens, query_start_loc,
-                                           kv_lora_rank, scale, backend=envs.kernel_backend())

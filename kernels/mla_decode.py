@@ -217,10 +217,10 @@ def mla_decode(
     config: dict[str, int] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as `kernels.reference.mla_decode_ref` (and the executor's
-    `mla_decode_attention`): q [T, H, L + R] -> [T, H, L]. No host synchronisation:
-    the split count comes from T, H and the block table's width, an upper bound
-    on the context. L, R and block_size must be powers of two. `num_splits`,
+    """Same contract as `kernels.reference.mla_decode_ref` (and the executor's entry
+    point `kernels.ops.mla_decode_attention`): q [T, H, L + R] -> [T, H, L]. No host
+    synchronisation: the split count comes from T, H and the block table's width, an
+    upper bound on the context. L, R and block_size must be powers of two. `num_splits`,
     `config` override the heuristics; `out` [T, H, L] receives the result."""
     t, h, d = q.shape
     page = kv_cache.shape[1]

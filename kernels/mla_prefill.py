@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import check_prefill_bound
+
 LOG2E = 1.4426950408889634
 
 
@@ -149,8 +151,9 @@ def mla_prefill(
     heads), v [Tk, H, Dv], cu_seqlens_q/k [B + 1] -> [Tq, H, Dv]. Every tensor's last
     dim must be contiguous (other strides are free); Dn, R, Dv powers of two >= 16.
     max_query_len: the longest request's query count (a host int: no synchronisation
-    here; smaller values leave rows unwritten). `config` overrides `default_config`;
-    `out` [Tq, H, Dv] receives the result."""
+    here). With queries it must be positive (ValueError otherwise, as in the twin: see
+    `check_prefill_bound`); a positive value below the true maximum leaves rows
+    unwritten. `config` overrides `default_config`; `out` [Tq, H, Dv] receives the result."""
     tq, h, dn = q_nope.shape
     rope, dv = q_pe.shape[-1], v.shape[-1]
     assert q_pe.shape == (tq, h, rope) and k_nope.shape[1:] == (h, dn)
@@ -163,7 +166,8 @@ def mla_prefill(
         out = torch.empty(tq, h, dv, dtype=q_nope.dtype, device=q_nope.device)
     assert out.shape == (tq, h, dv) and out.stride(2) == 1
     num_reqs = cu_seqlens_q.shape[0] - 1
-    if tq == 0 or num_reqs == 0 or max_query_len <= 0:
+    check_prefill_bound(tq, num_reqs, max_query_len)
+    if tq == 0:
         return out
     cfg = dict(default_config(q_nope.dtype), **(config or {}))
     precision = "ieee" if q_nope.dtype == torch.float32 else "tf32"

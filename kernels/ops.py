@@ -1,16 +1,19 @@
 """The kernels' public entry points: the Triton kernel on CUDA, the torch twin elsewhere.
 
-The `backend=` argument chooses: `auto` (default: Triton for CUDA tensors), `torch`
-(always the twin) or `triton` (always the kernel; on the CPU only under
-TRITON_INTERPRET=1). The executor passes DEEPINFER_KERNEL_BACKEND, read by
-deepinfer.envs. Triton modules are imported on first use, so the CPU path never
-compiles anything.
+The one place where a kernel is chosen: the models and the attention code call these
+ops and nothing else. The `backend=` argument chooses: `auto` (Triton for CUDA
+tensors), `torch` (always the twin) or `triton` (always the kernel; on the CPU only
+under TRITON_INTERPRET=1). Left at None (what the executor does), it is
+DEEPINFER_KERNEL_BACKEND, read here through deepinfer.envs on every call (default
+`auto`). An op whose shapes the kernel cannot take falls back to the twin. Triton
+modules are imported on first use, so the CPU path never compiles anything.
 """
 
 from __future__ import annotations
 
 import torch
 
+from deepinfer import envs
 from kernels.reference import (
     fused_add_rmsnorm_ref,
     fused_moe_ref,
@@ -25,8 +28,9 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
-    """Whether an op on `tensor` takes the Triton kernel."""
-    choice = backend or "auto"
+    """Whether an op on `tensor` takes the Triton kernel. backend=None reads
+    DEEPINFER_KERNEL_BACKEND (deepinfer.envs.kernel_backend)."""
+    choice = envs.kernel_backend() if backend is None else backend
     if choice not in BACKENDS:
         raise ValueError(f"kernel backend {choice!r}: expected one of {', '.join(BACKENDS)}")
     if choice == "auto":
@@ -48,7 +52,13 @@ def mla_decode_attention(
     scale: float,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, L + R], kv_cache: [N, block_size, L + R] -> [T, H, L] (absorbed MLA)."""
+    """Absorbed MLA over the paged latent cache (the FlashMLA interface).
+
+    q: [T, H, L + R] (W_UK folded into the nope part), kv_cache: [N, block_size, L + R],
+    block_tables: [B, max_blocks], seq_lens: [B], query_start_loc: [B + 1] -> [T, H, L]
+    (still latent: the caller applies W_UV). Keys are whole cache entries, values their
+    first L dims; query i of a request with q_len queries sees keys up to
+    seq_len - q_len + i. The kernel needs L, R and block_size powers of two."""
     rope = q.shape[-1] - kv_lora_rank
     shapes_ok = _is_pow2(kv_lora_rank) and _is_pow2(rope) and _is_pow2(kv_cache.shape[1])
     if shapes_ok and use_triton(q, backend):
@@ -72,7 +82,10 @@ def mla_prefill_attention(
 ) -> torch.Tensor:
     """q_nope [Tq, H, Dn], q_pe [Tq, H, R], k_nope [Tk, H, Dn], k_pe [Tk, R],
     v [Tk, H, Dv] -> [Tq, H, Dv] (varlen causal, bottom-right aligned). The kernel needs
-    Dn, R, Dv powers of two >= 16 (tl.dot's smallest K) and contiguous last dims."""
+    Dn, R, Dv powers of two >= 16 (tl.dot's smallest K) and contiguous last dims.
+    max_query_len: the longest request's query count, a host int (the kernel's grid; it
+    is never derived from cu_seqlens_q, which would be a host sync). With Tq > 0 it must
+    be positive: both backends raise ValueError otherwise (`check_prefill_bound`)."""
     args = (q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_query_len, scale)
     dims = (q_nope.shape[-1], q_pe.shape[-1], v.shape[-1])
     shapes_ok = all(_is_pow2(d) and d >= 16 for d in dims)

@@ -1,8 +1,12 @@
 """Torch reference twins of the Triton kernels: same signatures, same semantics.
 
 Each twin computes in float32 (float64 when given float64 inputs, which is how the
-tests build their high-precision references) and returns the input dtype. They are
-the CPU path of `kernels.ops` and the baseline the benchmarks compare against.
+tests build their high-precision references), rounds to the input dtype where its
+kernel does, and returns the input dtype. They are the executor's one CPU
+implementation (the torch path of `kernels.ops`: the models hold no copy), the
+reference the kernel tests compare against and the benchmarks' baseline. Where
+transformers' DeepSeek modules round differently, the twin's docstring says so
+(tests/kernels/test_twins_vs_transformers.py pins it).
 """
 
 from __future__ import annotations
@@ -53,6 +57,23 @@ def mla_decode_ref(
     return out.to(q.dtype)
 
 
+def check_prefill_bound(num_queries: int, num_reqs: int, max_query_len: int) -> None:
+    """The prefill's host-side contract, shared by the kernel and the twin: with any query
+    there must be a request and a positive max_query_len (the kernel's grid: 0 would
+    launch nothing and leave the output unwritten). Not derived from cu_seqlens_q: that
+    would be a hidden host sync. A positive bound below the true maximum is not caught
+    (checking it needs the same sync) and leaves the kernel's rows past it unwritten."""
+    if num_queries == 0:
+        return
+    if num_reqs == 0:
+        raise ValueError(f"{num_queries} prefill queries but no request in cu_seqlens_q")
+    if max_query_len <= 0:
+        raise ValueError(
+            f"max_query_len={max_query_len} with {num_queries} prefill queries: pass the "
+            "longest request's query count (a host int)"
+        )
+
+
 def mla_prefill_ref(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -70,8 +91,10 @@ def mla_prefill_ref(
 
     q_nope: [Tq, H, Dn], q_pe: [Tq, H, R], k_nope: [Tk, H, Dn], k_pe: [Tk, R] (one rope
     key per token, shared by all heads), v: [Tk, H, Dv], cu_seqlens_q/k: [B + 1]
-    -> [Tq, H, Dv]. max_query_len is the kernel's launch bound, unused here.
+    -> [Tq, H, Dv]. max_query_len is the kernel's launch bound: checked as the kernel
+    checks it (`check_prefill_bound`: ValueError when <= 0 with queries), else unused.
     """
+    check_prefill_bound(q_nope.shape[0], cu_seqlens_q.shape[0] - 1, max_query_len)
     acc = _acc_dtype(q_nope.dtype)
     h = q_nope.shape[1]
     out = q_nope.new_empty(q_nope.shape[0], h, v.shape[-1])
@@ -105,7 +128,10 @@ def fused_moe_ref(
     """Routed experts: sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j].
 
     x: [T, H], w13: [E, 2I, H] (gate rows first), w2: [E, H, I], topk_weights: [T, k],
-    topk_ids: [T, k] -> [T, H] in x.dtype (accumulated in float32).
+    topk_ids: [T, k] -> [T, H] in x.dtype. The kernel's rounding: both GEMMs and the
+    weighted sum over the k experts in float32; the activation silu(gate) * up rounded
+    to x.dtype between the GEMMs (the kernel stores it so). Transformers' experts round
+    every GEMM output and sum in the activation dtype; float32 models agree to rounding.
     """
     t, k = topk_ids.shape
     acc = _acc_dtype(x.dtype)
@@ -121,7 +147,8 @@ def fused_moe_ref(
         pairs = order[start : start + n]
         tok = pairs // k
         gate, up = F.linear(x[tok].to(acc), w13[e].to(acc)).chunk(2, dim=-1)  # [n, I] each
-        y = F.linear(F.silu(gate) * up, w2[e].to(acc))  # [n, H]
+        act = (F.silu(gate) * up).to(x.dtype).to(acc)  # [n, I], rounded as the kernel's
+        y = F.linear(act, w2[e].to(acc))  # [n, H]
         out.index_add_(0, tok, y * flat_w[pairs, None])
         start += n
     return out.to(x.dtype)
@@ -129,7 +156,8 @@ def fused_moe_ref(
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x * rsqrt(mean(x^2) + eps)) with the norm in float32, cast back before
-    scaling (transformers' order, as executors.models.layers.RMSNorm). x: [..., H]."""
+    scaling: transformers' order (DeepseekV3RMSNorm), bit for bit. x: [..., H]. float64
+    inputs are normalised in float64 (transformers would go through float32)."""
     xf = x.to(_acc_dtype(x.dtype))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

@@ -1,8 +1,8 @@
 """RMSNorm and residual-add + RMSNorm in Triton, one program per row.
 
-Rounding follows executors.models.layers.RMSNorm exactly: the residual sum is
-rounded to the activation dtype, normalised in float32, rounded back, then scaled
-by the weight (a product in the activation dtype).
+Rounding follows the twins (kernels.reference.rmsnorm_ref, transformers' order):
+the residual sum is rounded to the activation dtype, normalised in float32, rounded
+back, then scaled by the weight (a product in the activation dtype).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer import envs
 from executors.attention import AttentionMetadata
 from executors.models.config import DeepseekConfig
 from executors.models.layers import GatedMLP, RMSNorm
@@ -41,13 +40,9 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         h = self.self_attn(self.input_layernorm(x), cos_sin, md, kv_cache)
-        if x.is_cuda:  # one Triton pass: the residual add and the norm
-            norm = self.post_attention_layernorm
-            normed, x = kernel_ops.fused_add_rmsnorm(h, x, norm.weight, norm.eps,
-                                                     backend=envs.kernel_backend())
-            return x + self.mlp(normed)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        norm = self.post_attention_layernorm  # with the residual add: one op (one pass)
+        normed, x = kernel_ops.fused_add_rmsnorm(h, x, norm.weight, norm.eps)  # [T, hidden] x 2
+        return x + self.mlp(normed)
 
 
 class DeepseekModel(nn.Module):

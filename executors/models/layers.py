@@ -6,12 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer import envs
 from kernels import ops as kernel_ops
 
 
 class RMSNorm(nn.Module):
-    """Normalises in float32, casts back, then scales (transformers' order of operations)."""
+    """Normalises in float32, casts back, then scales (transformers' order of operations):
+    kernels.ops.rmsnorm, the Triton kernel on CUDA, its torch twin elsewhere."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -19,11 +19,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return kernel_ops.rmsnorm(x, self.weight, self.eps, backend=envs.kernel_backend())
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # x: [..., dim] -> [..., dim]
+        return kernel_ops.rmsnorm(x, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):

@@ -12,13 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer import envs
-from executors.attention import (
-    AttentionMetadata,
-    gather_latent_cache,
-    mla_decode_attention,
-    mla_prefill_attention,
-)
+from executors.attention import AttentionMetadata, gather_latent_cache
 from executors.models.config import DeepseekConfig
 from executors.models.layers import RMSNorm
 from executors.models.rope import softmax_scale
@@ -69,7 +63,6 @@ class MLAttention(nn.Module):
         kernel_ops.mla_rope_cache(
             q_pe, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight,
             self.kv_a_layernorm.eps, cos, sin, kv_cache, md.slot_mapping, self.interleave,
-            backend=envs.kernel_backend(),
         )  # fmt: skip
 
         td = md.num_decode_tokens
@@ -97,7 +90,7 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [Td, H, L]
         n = md.num_decode_reqs
-        o_lat = mla_decode_attention(
+        o_lat = kernel_ops.mla_decode_attention(
             torch.cat([q_lat, q_pe], dim=-1),  # [Td, H, L + R]
             kv_cache,
             md.block_tables[:n],
@@ -121,7 +114,7 @@ class MLAttention(nn.Module):
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(s, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [S, H, dn], [S, H, dv]
-        return mla_prefill_attention(
+        return kernel_ops.mla_prefill_attention(
             q_nope, q_pe, k_nope, k_pe, v,  # k_pe: [S, R], shared by all heads
             md.prefill_cu_seqlens_q, md.prefill_cu_seqlens_k, md.prefill_max_query_len,
             self.scale,

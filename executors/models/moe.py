@@ -5,10 +5,8 @@ routed experts held as fused 3-D weights, and always-on shared experts.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from deepinfer import envs
 from executors.models.config import DeepseekConfig
 from executors.models.layers import GatedMLP
 from kernels import ops as kernel_ops
@@ -37,12 +35,12 @@ class Router(nn.Module):
             self.register_parameter("e_score_correction_bias", None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> weights [T, top_k] float32, expert ids [T, top_k] int64.
-        One Triton kernel on CUDA; its torch twin (kernels.reference) elsewhere."""
+        """x: [T, hidden] -> weights [T, top_k] float32, expert ids [T, top_k] int64
+        (kernels.ops.moe_router)."""
         return kernel_ops.moe_router(
             x, self.weight, self.e_score_correction_bias, self.top_k, self.scoring_func,
             self.topk_method, self.n_group, self.topk_group, self.norm_topk_prob,
-            self.scale_after_norm, self.routed_scaling_factor, backend=envs.kernel_backend(),
+            self.scale_after_norm, self.routed_scaling_factor,
         )  # fmt: skip
 
 
@@ -61,27 +59,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden], weights/ids: [T, k] -> [T, hidden]."""
-        if x.is_cuda:  # the fused Triton MoE (kernels.ops), fp32 accumulation
-            return kernel_ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
-                                        backend=envs.kernel_backend())
-        t, k = ids.shape
-        flat_ids = ids.reshape(-1)  # [T*k]
-        order = torch.argsort(flat_ids, stable=True)
-        token_of = order // k  # [T*k] source token of each sorted assignment
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        out = torch.zeros_like(x, dtype=torch.float32)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            idx = token_of[start : start + n]
-            gate, up = F.linear(x[idx], self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, hidden]
-            w = weights.reshape(-1)[order[start : start + n]]  # [n]
-            out.index_add_(0, idx, y.float() * w[:, None])
-            start += n
-        return out.to(x.dtype)
+        """x: [T, hidden], weights/ids: [T, k] -> [T, hidden] (kernels.ops.fused_moe:
+        float32 accumulation over the k experts of a token)."""
+        return kernel_ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
 
 
 class MoE(nn.Module):

@@ -65,19 +65,6 @@ def test_fused_moe_matches_reference(t, e, k, hidden, inter, cfg, skew, device) 
     assert rel_err(out, ref) < 1e-5
 
 
-def test_twin_matches_executor_experts() -> None:
-    """The twin is the executor's Experts module (same fused weight layout)."""
-    moe = pytest.importorskip("executors.models.moe")
-    gen = torch.Generator().manual_seed(3)
-    x, w13, w2, weights, ids = _moe_inputs(9, 6, 2, 32, 16, torch.float32, "cpu", gen)
-    experts = moe.Experts(6, 32, 16)
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(w13)
-        experts.down_proj.copy_(w2)
-        want = experts(x, weights, ids)
-    assert rel_err(fused_moe_ref(x, w13, w2, weights, ids), want) < 1e-5
-
-
 def test_config_table_covers_every_batch_size() -> None:
     assert moe_config(1)["BLOCK_M"] == 16
     assert moe_config(10**9) == CONFIGS[-1][1]

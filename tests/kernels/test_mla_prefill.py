@@ -13,7 +13,7 @@ import torch
 
 from kernels import ops
 from kernels.mla_prefill import mla_prefill
-from kernels.reference import mla_prefill_ref
+from kernels.reference import check_prefill_bound, mla_prefill_ref
 from tests.kernels.utils import rel_err
 
 TINY = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
@@ -113,6 +113,54 @@ def test_ops_dispatch(device) -> None:
         out = ops.mla_prefill_attention(*args, 0.25, backend="triton")
         assert out.shape == (8, 2, dv)
         assert rel_err(out, mla_prefill_ref(*upcast(args), 0.25)) < 1e-5
+
+
+def test_zero_max_query_len_with_queries_is_an_error(device) -> None:
+    """max_query_len is the kernel's grid bound, a host int the caller already knows (no
+    hidden host sync). 0 with queries would launch nothing and return the unwritten
+    output buffer, so the kernel, the twin and both ops backends refuse it alike."""
+    gen = torch.Generator().manual_seed(13)
+    *args, _ = make_prefill_case([3, 2], [3, 5], 2, 16, 16, 16, torch.float32, device, gen)
+    for fn in (mla_prefill, mla_prefill_ref):
+        with pytest.raises(ValueError, match="max_query_len"):
+            fn(*args, 0, 0.25)
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match="max_query_len"):
+            ops.mla_prefill_attention(*args, 0, 0.25, backend=backend)
+
+
+def test_queries_without_requests_are_an_error(device) -> None:
+    """cu_seqlens_q with no request ([0]) cannot cover Tq > 0 queries."""
+    gen = torch.Generator().manual_seed(14)
+    q_nope, q_pe, k_nope, k_pe, v, _, cu_k, max_len = make_prefill_case(
+        [3], [3], 2, 16, 16, 16, torch.float32, device, gen
+    )
+    cu_q = cu_k.new_zeros(1)
+    for fn in (mla_prefill, mla_prefill_ref):
+        with pytest.raises(ValueError, match="no request"):
+            fn(q_nope, q_pe, k_nope, k_pe, v, cu_q, cu_k[:1], max_len, 0.25)
+
+
+def test_no_queries_need_no_bound(device) -> None:
+    """Tq = 0 (requests without queries): nothing to write, max_query_len = 0 is fine."""
+    gen = torch.Generator().manual_seed(15)
+    args = make_prefill_case([0, 0], [4, 2], 2, 16, 16, 16, torch.float32, device, gen)
+    assert args[-1] == 0
+    for backend in ("torch", "triton"):
+        assert ops.mla_prefill_attention(*args, 0.25, backend=backend).shape == (0, 2, 16)
+
+
+def test_prefill_bound_guard() -> None:
+    """The shared guard: a host-side check on shapes and the host int only."""
+    check_prefill_bound(num_queries=0, num_reqs=0, max_query_len=0)
+    check_prefill_bound(num_queries=0, num_reqs=3, max_query_len=0)
+    check_prefill_bound(num_queries=5, num_reqs=2, max_query_len=4)
+    with pytest.raises(ValueError, match="max_query_len"):
+        check_prefill_bound(num_queries=5, num_reqs=2, max_query_len=0)
+    with pytest.raises(ValueError, match="max_query_len"):
+        check_prefill_bound(num_queries=5, num_reqs=2, max_query_len=-1)
+    with pytest.raises(ValueError, match="no request"):
+        check_prefill_bound(num_queries=5, num_reqs=0, max_query_len=5)
 
 
 @pytest.mark.gpu

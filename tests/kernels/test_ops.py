@@ -9,7 +9,7 @@ from kernels import ops
 
 
 def test_cpu_tensors_take_the_twin() -> None:
-    assert not ops.use_triton(torch.zeros(1))
+    assert not ops.use_triton(torch.zeros(1), backend="auto")
 
 
 def test_backend_argument_chooses() -> None:
@@ -30,6 +30,19 @@ def test_environment_variable_is_read_by_envs(monkeypatch) -> None:
     monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "cuda")
     with pytest.raises(ValueError, match="DEEPINFER_KERNEL_BACKEND"):
         envs.kernel_backend()
+
+
+def test_no_backend_argument_reads_the_environment(monkeypatch) -> None:
+    """backend=None: kernels.ops reads DEEPINFER_KERNEL_BACKEND itself (callers pass nothing)."""
+    cpu = torch.zeros(1)
+    monkeypatch.delenv("DEEPINFER_KERNEL_BACKEND", raising=False)
+    assert not ops.use_triton(cpu)
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    assert ops.use_triton(cpu)
+    assert not ops.use_triton(cpu, backend="torch")  # an explicit argument wins
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="DEEPINFER_KERNEL_BACKEND"):
+        ops.use_triton(cpu)
 
 
 @pytest.mark.gpu

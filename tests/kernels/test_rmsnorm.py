@@ -38,15 +38,6 @@ def test_fused_add_rmsnorm_matches_reference(shape, device) -> None:
     assert rel_err(out, ref) < 1e-6
 
 
-def test_twin_matches_executor_rmsnorm() -> None:
-    layers = pytest.importorskip("executors.models.layers")
-    x, _, w = _inputs((4, 96), torch.bfloat16, "cpu", 5)
-    norm = layers.RMSNorm(96, eps=1e-5).to(torch.bfloat16)
-    with torch.no_grad():
-        norm.weight.copy_(w)
-        assert torch.equal(rmsnorm_ref(x, w, 1e-5), norm(x))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,hidden", [(1, 2048), (257, 2048), (64, 7168), (4096, 2048)])
 def test_bf16_rounding_matches_twin(tokens, hidden) -> None:
