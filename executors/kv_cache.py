@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from deepinfer.config import EngineConfig
-from executors.models.config import DeepseekConfig
+from deepinfer.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +44,14 @@ class PagedKVCache:
 
 
 def bytes_per_block(
-    cfg: DeepseekConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None
+    cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None
 ) -> int:
     layers = cfg.num_hidden_layers if num_layers is None else num_layers
     return layers * block_size * cfg.kv_entry_dim * torch.empty(0, dtype=dtype).element_size()
 
 
 def cpu_num_blocks(
-    engine: EngineConfig, cfg: DeepseekConfig, dtype: torch.dtype, max_model_len: int
+    engine: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int
 ) -> int:
     """engine.num_gpu_blocks, else enough for 8 sequences of max_model_len (capped)."""
     if engine.num_gpu_blocks is not None:
@@ -63,7 +63,7 @@ def cpu_num_blocks(
 
 def cuda_num_blocks(
     engine: EngineConfig,
-    cfg: DeepseekConfig,
+    cfg: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
     profile: Callable[[], None],

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 from deepinfer import envs
-from executors.models.config import DeepseekConfig
+from deepinfer.model_config import ModelConfig
 from executors.models.deepseek import DeepseekForCausalLM
 from executors.models.mtp import DeepseekMTP
 
@@ -81,12 +81,31 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {model_dir} (expected {path})")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return raw
+
+
+def read_model_config(model_dir: Path) -> ModelConfig:
+    """The checkpoint's config.json, parsed; refuses what this executor cannot run."""
+    path = Path(model_dir) / "config.json"
+    cfg = ModelConfig.from_dict(read_hf_config(model_dir), source=str(path),
+                                name=Path(model_dir).name)
+    if cfg.quant_method is not None:
+        raise ValueError(
+            f"{path}: quantization_config ({cfg.quant_method}) is not supported by the torch "
+            "executor; use a bf16/fp16/fp32 checkpoint (the simulator prices it as given)"
+        )
+    return cfg
 
 
 def resolve_dtype(
-    cfg: DeepseekConfig, dtype: str | torch.dtype | None, device: torch.device
+    cfg: ModelConfig, dtype: str | torch.dtype | None, device: torch.device
 ) -> torch.dtype:
     """The argument, else the checkpoint's dtype, else bf16 on CUDA and fp32 elsewhere."""
     if isinstance(dtype, torch.dtype):
@@ -127,7 +146,7 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 
 def build_model(
-    cfg: DeepseekConfig, dtype: torch.dtype, device: torch.device, with_mtp: bool
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, with_mtp: bool
 ) -> DeepseekForCausalLM:
     """Uninitialised parameters allocated once, on `device`, in `dtype` (routers in fp32)."""
     with torch.device("meta"):
@@ -146,7 +165,7 @@ def build_model(
 
 def load_model(
     model_dir: Path,
-    cfg: DeepseekConfig,
+    cfg: ModelConfig,
     *,
     dtype: torch.dtype,
     device: torch.device,
@@ -170,7 +189,7 @@ def load_model(
 
 
 @torch.no_grad()
-def load_state_dict_into(model: DeepseekForCausalLM, cfg: DeepseekConfig,
+def load_state_dict_into(model: DeepseekForCausalLM, cfg: ModelConfig,
                          state: Mapping[str, torch.Tensor]) -> None:
     """Fill `model` from an in-memory state dict in checkpoint names (e.g. transformers'
     own `state_dict()`), with the same name mapping and completeness checks as files."""
@@ -195,7 +214,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
 class _WeightFiller:
     """Copies checkpoint tensors into parameters and checks every piece got filled."""
 
-    def __init__(self, model: DeepseekForCausalLM, cfg: DeepseekConfig, with_mtp: bool) -> None:
+    def __init__(self, model: DeepseekForCausalLM, cfg: ModelConfig, with_mtp: bool) -> None:
         self.cfg = cfg
         self.params = dict(model.named_parameters())
         self.with_mtp = with_mtp
@@ -294,7 +313,7 @@ class _WeightFiller:
             )
 
 
-def _checkpoint_name(param: str, cfg: DeepseekConfig) -> str:
+def _checkpoint_name(param: str, cfg: ModelConfig) -> str:
     """Our parameter name -> the checkpoint's (MTP layers live at model.layers.{N + k})."""
     m = re.match(r"^mtp\.layers\.(\d+)\.(block\.)?(.*)$", param)
     if not m:

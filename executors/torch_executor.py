@@ -8,7 +8,6 @@ import json
 import logging
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -17,9 +16,8 @@ from deepinfer.config import EngineConfig
 from deepinfer.executor import completed
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from executors.kv_cache import PagedKVCache, cpu_num_blocks, cuda_num_blocks
-from executors.loader import load_model, read_hf_config, resolve_dtype, resolve_model_dir
+from executors.loader import load_model, read_model_config, resolve_dtype, resolve_model_dir
 from executors.model_runner import ModelRunner
-from executors.models.config import DeepseekConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +43,7 @@ class TorchExecutor:
         self.model_dir: Path = resolve_model_dir(
             model, revision=revision, weights=load_format != "dummy"
         )
-        self.hf_config: dict[str, Any] = read_hf_config(self.model_dir)
-        self.config = DeepseekConfig.from_dict(
-            self.hf_config, source=str(self.model_dir / "config.json")
-        )
+        self.config = read_model_config(self.model_dir)
         self.device = torch.device(device) if device else _default_device()
         self.dtype = resolve_dtype(self.config, dtype, self.device)
         self.max_model_len = engine_config.max_model_len or self.config.max_position_embeddings

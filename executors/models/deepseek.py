@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.model_config import ModelConfig
 from executors.attention import AttentionMetadata
-from executors.models.config import DeepseekConfig
 from executors.models.layers import GatedMLP, RMSNorm
 from executors.models.mla import MLAttention
 from executors.models.moe import MoE
@@ -20,7 +20,7 @@ from kernels import ops as kernel_ops
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = MLAttention(cfg)
         self.mlp: nn.Module
@@ -46,7 +46,7 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: DeepseekConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
@@ -56,7 +56,7 @@ class DeepseekModel(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], md, kv_caches) -> final-normed hidden [T, hidden]."""
 
-    def __init__(self, cfg: DeepseekConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.model = DeepseekModel(cfg)

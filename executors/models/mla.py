@@ -12,15 +12,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.model_config import ModelConfig
 from executors.attention import AttentionMetadata, gather_latent_cache
-from executors.models.config import DeepseekConfig
 from executors.models.layers import RMSNorm
 from executors.models.rope import softmax_scale
 from kernels import ops as kernel_ops
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: DeepseekConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h, hidden = cfg.num_attention_heads, cfg.hidden_size
         self.num_heads = h

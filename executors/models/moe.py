@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executors.models.config import DeepseekConfig
+from deepinfer.model_config import ModelConfig
 from executors.models.layers import GatedMLP
 from kernels import ops as kernel_ops
 
@@ -15,9 +15,8 @@ from kernels import ops as kernel_ops
 class Router(nn.Module):
     """Scores experts and picks top-k per token; kept in float32 like the reference."""
 
-    def __init__(self, cfg: DeepseekConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        assert cfg.n_routed_experts is not None
         self.num_experts = cfg.n_routed_experts
         self.top_k = cfg.num_experts_per_tok
         self.scoring_func = cfg.scoring_func
@@ -65,9 +64,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: DeepseekConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        assert cfg.n_routed_experts is not None
         self.gate = Router(cfg)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = (

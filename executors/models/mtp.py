@@ -17,20 +17,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.model_config import ModelConfig
 from executors.attention import AttentionMetadata
-from executors.models.config import DeepseekConfig
 from executors.models.deepseek import DecoderLayer, DeepseekForCausalLM
 from executors.models.layers import RMSNorm
 
 
 class SharedHead(nn.Module):
-    def __init__(self, cfg: DeepseekConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -41,7 +41,7 @@ class MTPLayer(nn.Module):
 
 
 class DeepseekMTP(nn.Module):
-    def __init__(self, cfg: DeepseekConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         n = cfg.num_nextn_predict_layers
         self.layers = nn.ModuleList(MTPLayer(cfg, cfg.num_hidden_layers + k) for k in range(n))

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from executors.models.config import DeepseekConfig, RopeConfig
+from deepinfer.model_config import ModelConfig, RopeConfig
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -20,7 +20,7 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
-def softmax_scale(cfg: DeepseekConfig) -> float:
+def softmax_scale(cfg: ModelConfig) -> float:
     """qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) ** 2 when set."""
     scale = cfg.qk_head_dim**-0.5
     if cfg.rope.type != "default" and cfg.rope.mscale_all_dim:
@@ -67,7 +67,7 @@ def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding:
     """cos/sin for given positions; computed per forward (positions of the batch only)."""
 
-    def __init__(self, cfg: DeepseekConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         self.dim = cfg.qk_rope_head_dim
         self.interleave = cfg.rope_interleave
         self._inv_freq_cpu, self.attention_factor = rope_frequencies(cfg.rope, self.dim)

@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 
 from deepinfer.config import EngineConfig
+from deepinfer.model_config import ModelConfig
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 from deepinfer.sampling_params import SamplingParams
 from executors.kv_cache import PagedKVCache
 from executors.loader import load_model, read_hf_config
 from executors.model_runner import ModelRunner, StepResult
-from executors.models.config import DeepseekConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
@@ -27,7 +27,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 def load_runner(
     path: Path, *, block_size: int = 4, num_blocks: int = 256, num_speculative_tokens: int = 0
 ) -> ModelRunner:
-    cfg = DeepseekConfig.from_dict(read_hf_config(path))
+    cfg = ModelConfig.from_dict(read_hf_config(path))
     model = load_model(path, cfg, dtype=torch.float32, device=torch.device("cpu"))
     cache = PagedKVCache(
         cfg.num_hidden_layers,

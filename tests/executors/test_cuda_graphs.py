@@ -12,18 +12,18 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineConfig
+from deepinfer.model_config import ModelConfig
 from executors.cuda_graphs import default_capture_sizes
 from executors.kv_cache import PagedKVCache
 from executors.loader import load_model, read_hf_config
 from executors.model_runner import ModelRunner
-from executors.models.config import DeepseekConfig
 from tests.executors.harness import Driver, max_rel_error
 from tests.executors.test_llm import hf_greedy, prompts
 from tests.executors.tiny_models import TinyModel
 
 
 def graph_runner(tiny: TinyModel, sizes: list[int], num_blocks: int = 64) -> ModelRunner:
-    cfg = DeepseekConfig.from_dict(read_hf_config(tiny.path))
+    cfg = ModelConfig.from_dict(read_hf_config(tiny.path))
     model = load_model(tiny.path, cfg, dtype=torch.float32, device=torch.device("cpu"))
     cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, 4, cfg.kv_entry_dim, torch.float32,
                          torch.device("cpu"), scratch_block=True)

@@ -166,10 +166,10 @@ def test_engine_mtp_layer_computes_what_training_optimised() -> None:
     for the token after next as the module train.py trained, fed the same hidden states."""
     from tokenizers import Tokenizer
 
+    from deepinfer.model_config import ModelConfig
     from executors.attention import build_attention_metadata
     from executors.kv_cache import PagedKVCache
     from executors.loader import load_model, read_hf_config
-    from executors.models.config import DeepseekConfig
 
     load_for_eval = train_demo("checkpoint").load_for_eval
     forward_losses = train_demo("modeling").forward_losses
@@ -179,7 +179,7 @@ def test_engine_mtp_layer_computes_what_training_optimised() -> None:
     _, _, _, ref = forward_losses(hf, trained_mtp, torch.tensor([ids]))  # [1, L - 2, vocab]
     hidden = hf.model(torch.tensor([ids[:-1]])).last_hidden_state[0]  # [L - 1, hidden]
 
-    cfg = DeepseekConfig.from_dict(read_hf_config(DEMO_MODEL_DIR))
+    cfg = ModelConfig.from_dict(read_hf_config(DEMO_MODEL_DIR))
     model = load_model(DEMO_MODEL_DIR, cfg, dtype=torch.float32, device=torch.device("cpu"))
     assert model.mtp is not None
     n, bs = len(ids) - 2, 16

@@ -10,21 +10,22 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from deepinfer.model_config import ModelConfig
 from executors.loader import (
     checkpoint_files,
     load_model,
     read_hf_config,
+    read_model_config,
     resolve_dtype,
     resolve_model_dir,
 )
-from executors.models.config import DeepseekConfig
 from tests.executors.tiny_models import TinyModel, save_fused
 
 CPU = torch.device("cpu")
 
 
 def _load(path: Path, **kw) -> torch.nn.Module:
-    cfg = DeepseekConfig.from_dict(read_hf_config(path))
+    cfg = ModelConfig.from_dict(read_hf_config(path))
     return load_model(path, cfg, dtype=torch.float32, device=CPU, **kw)
 
 
@@ -112,17 +113,16 @@ def test_missing_config_and_missing_weights_are_named(tmp_path: Path) -> None:
 def test_unknown_architecture_and_model_type_are_named(tiny_models: dict[str, TinyModel]) -> None:
     raw = read_hf_config(tiny_models["v3_plain"].path)
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
-        DeepseekConfig.from_dict(
+        ModelConfig.from_dict(
             {**raw, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
         )
     with pytest.raises(ValueError, match="'mystery'"):
-        DeepseekConfig.from_dict({**raw, "architectures": [], "model_type": "mystery"})
+        ModelConfig.from_dict({**raw, "architectures": [], "model_type": "mystery"})
 
 
 @pytest.mark.parametrize(
     ("change", "needle"),
     [
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"n_group": 3}, "n_group"),
         ({"topk_method": "magic"}, "topk_method"),
@@ -135,7 +135,21 @@ def test_config_values_that_matter_are_validated(
 ) -> None:
     raw = read_hf_config(tiny_models["v3_mtp"].path)
     with pytest.raises(ValueError, match=needle):
-        DeepseekConfig.from_dict({**raw, **change})
+        ModelConfig.from_dict({**raw, **change})
+
+
+def test_a_quantized_checkpoint_is_refused_by_the_executor_naming_the_file(
+    tiny_models: dict[str, TinyModel], tmp_path: Path
+) -> None:
+    raw = read_hf_config(tiny_models["v3_mtp"].path)
+    (tmp_path / "config.json").write_text(
+        json.dumps({**raw, "quantization_config": {"quant_method": "fp8"}}))
+    assert ModelConfig.from_dict(json.loads((tmp_path / "config.json").read_text())).dtype_bytes == 1
+    with pytest.raises(ValueError, match=r"config\.json: quantization_config \(fp8\)"):
+        read_model_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        read_model_config(tmp_path)
 
 
 def test_original_and_transformers_config_spellings_agree(
@@ -144,7 +158,7 @@ def test_original_and_transformers_config_spellings_agree(
     original = read_hf_config(tiny_models["v2_lite"].path)
     assert "rope_scaling" in original and "rope_parameters" not in original
     hf = tiny_models["v2_lite"].hf.config.to_dict()
-    a, b = DeepseekConfig.from_dict(original), DeepseekConfig.from_dict(hf)
+    a, b = ModelConfig.from_dict(original), ModelConfig.from_dict(hf)
     assert a.rope == b.rope and a.rope.type == "yarn" and a.rope.mscale_all_dim == 0.707
     assert a.dtype == "float32" and a.q_lora_rank is None
 
@@ -196,12 +210,12 @@ def test_hub_unreachable_is_a_clear_error(monkeypatch) -> None:
 
 
 def test_dtype_resolution(tiny_models: dict[str, TinyModel]) -> None:
-    cfg = DeepseekConfig.from_dict(read_hf_config(tiny_models["v3_plain"].path))
+    cfg = ModelConfig.from_dict(read_hf_config(tiny_models["v3_plain"].path))
     assert resolve_dtype(cfg, None, CPU) == torch.float32  # the checkpoint's
     assert resolve_dtype(cfg, "bfloat16", CPU) == torch.bfloat16
     assert resolve_dtype(cfg, torch.float16, CPU) == torch.float16
     with pytest.raises(ValueError, match="int3"):
         resolve_dtype(cfg, "int3", CPU)
     raw = {**read_hf_config(tiny_models["v3_plain"].path), "dtype": None}
-    assert resolve_dtype(DeepseekConfig.from_dict(raw), None, CPU) == torch.float32
+    assert resolve_dtype(ModelConfig.from_dict(raw), None, CPU) == torch.float32
     assert json.loads((tiny_models["v3_plain"].path / "config.json").read_text())["dtype"]

@@ -54,7 +54,7 @@ def test_executor_satisfies_the_protocol_and_exposes_the_model(
     assert get_executor_class("torch") is TorchExecutor
     assert isinstance(ex, Executor) and ex.needs_token_ids
     assert ex.num_kv_blocks() == 64 and ex.kv_cache.layers[0].shape == (64, 4, 48)
-    assert ex.hf_config["model_type"] == "deepseek_v3" and ex.model_dir == tiny.path
+    assert ex.config.model_type == "deepseek_v3" and ex.model_dir == tiny.path
     assert ex.max_model_len == 512 and ex.eos_token_id == 1 and ex.dtype == torch.float32
     prompt = [5, 6, 7, 8, 9, 10]
     out = ex.execute(SchedulerOutput(1, [_prompt_step("a", prompt, [3, 9])]))
