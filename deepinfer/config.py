@@ -2,8 +2,8 @@
 
 `EngineConfig` is flat: the names in DESIGN.md section 5 work at the top level
 (`EngineConfig(block_size=64, max_num_seqs=128)`), and `LLM(...)` and the CLI
-accept the same names. The grouped views (`cache`, `scheduler`, `spec`) are
-derived, never stored twice.
+accept the same names. Every field does what it says on both executors, or is
+refused here with a clear error until it does.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 from deepinfer import envs
@@ -24,32 +23,6 @@ class EngineRole(enum.StrEnum):
     NORMAL = "normal"  # prefill and decode
     PREFILL = "prefill"  # a request finishes after its first token
     DECODE = "decode"  # requests arrive with their prompt already in the cache
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int
-    num_gpu_blocks: int | None
-    gpu_memory_utilization: float
-    enable_prefix_caching: bool
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int | None
-    enable_chunked_prefill: bool
-    prefill_watermark: float
-    role: EngineRole
-    async_scheduling: bool
-    policy: str
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    num_speculative_tokens: int
-    enable_varlen: bool
 
 
 @dataclass(frozen=True)
@@ -73,6 +46,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        envs.refuse_unimplemented()
         if isinstance(self.role, str) and not isinstance(self.role, EngineRole):
             try:
                 object.__setattr__(self, "role", EngineRole(self.role.lower()))
@@ -101,6 +75,12 @@ class EngineConfig:
             raise ValueError(
                 "num_speculative_tokens must be smaller than max_num_batched_tokens "
                 "so a verification step fits in one batch"
+            )
+        if self.enable_mtp_varlen and self.num_speculative_tokens > 0:
+            raise ValueError(
+                "enable_mtp_varlen=True: confidence-scheduled variable-length drafts are not "
+                "implemented yet; use fixed-length drafts (enable_mtp_varlen=False, "
+                "DEEPINFER_ENABLE_MTP_VARLEN=0)"
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy={self.policy!r}: expected 'fcfs' or 'priority'")
@@ -132,32 +112,6 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
-
-    @cached_property
-    def cache(self) -> CacheConfig:
-        return CacheConfig(
-            self.block_size,
-            self.num_gpu_blocks,
-            self.gpu_memory_utilization,
-            self.enable_prefix_caching,
-        )
-
-    @cached_property
-    def scheduler(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            self.max_num_seqs,
-            self.max_num_batched_tokens,
-            self.max_model_len,
-            self.enable_chunked_prefill,
-            self.prefill_watermark,
-            self.role,
-            self.async_scheduling,
-            self.policy,
-        )
-
-    @cached_property
-    def spec(self) -> SpecConfig:
-        return SpecConfig(self.num_speculative_tokens, self.enable_mtp_varlen)
 
 
 def _positive(name: str, value: int) -> None:

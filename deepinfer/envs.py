@@ -57,13 +57,9 @@ def prefill_watermark() -> float:
 
 
 def enable_mtp_varlen() -> bool:
-    """DEEPINFER_ENABLE_MTP_VARLEN: confidence-scheduled variable-length drafts."""
-    return _flag("DEEPINFER_ENABLE_MTP_VARLEN", True)
-
-
-def max_draft_len() -> int:
-    """DEEPINFER_USE_NEXTN_DECODE: maximum draft length."""
-    return _int("DEEPINFER_USE_NEXTN_DECODE", 5)
+    """DEEPINFER_ENABLE_MTP_VARLEN: confidence-scheduled variable-length drafts (off until
+    they are implemented; EngineConfig refuses them together with speculation)."""
+    return _flag("DEEPINFER_ENABLE_MTP_VARLEN", False)
 
 
 def kernel_backend() -> str:
@@ -75,17 +71,22 @@ def kernel_backend() -> str:
     return raw
 
 
-def batch_invariant() -> bool:
-    """DEEPINFER_BATCH_INVARIANT: batch-invariant kernels (NVIDIA)."""
-    return _flag("DEEPINFER_BATCH_INVARIANT", False)
+# Reference-engine variables whose feature is not implemented yet: set, they are an
+# error naming the variable rather than a setting that silently does nothing.
+_UNIMPLEMENTED = {
+    "DEEPINFER_USE_NEXTN_DECODE": "the maximum length of variable-length drafts",
+    "DEEPINFER_BATCH_INVARIANT": "batch-invariant kernels",
+    "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "YOCO prefill truncation",
+    "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "YOCO prefill truncation",
+}
 
 
-def yoco_truncation_mode() -> str | None:
-    """DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE: `compact` replays a bounded suffix."""
-    raw = os.environ.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE")
-    return raw or None
-
-
-def yoco_keep_tokens() -> int:
-    """DEEPINFER_YOCO_PREFILL_KEEP_TOKENS: retained suffix length."""
-    return _int("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", 140)
+def refuse_unimplemented() -> None:
+    """Raise if a variable of a feature that does not exist yet is set (and not off)."""
+    for name, feature in _UNIMPLEMENTED.items():
+        raw = os.environ.get(name)
+        if raw is None or raw.strip().lower() in ("", "0", "false", "no", "off"):
+            continue
+        raise ValueError(
+            f"environment variable {name}={raw!r}: {feature} is not implemented yet; unset it"
+        )

@@ -68,9 +68,8 @@ class ModelRunnerOutput:
     # req_id -> token ids sampled this step: one, or 1 + accepted drafts; absent
     # (or empty) for a prompt chunk that does not end the prompt.
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # req_id -> next draft proposal and its per-token confidences (speculation).
+    # req_id -> next draft proposal (speculation).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    draft_confidences: dict[str, list[float]] = field(default_factory=dict)
     # req_id -> per sampled token: the chosen token's logprob plus the top ones.
     logprobs: dict[str, list[list[Logprob]]] | None = None
 

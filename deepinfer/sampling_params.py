@@ -65,6 +65,8 @@ class SamplingParams:
                    "entries must be non-negative integers")
         if self.so_args is not None:
             _check_so_args(self.so_args)
+            raise ValueError("SamplingParams.so_args: structured outputs are not implemented "
+                             "yet by any executor; leave so_args unset")
 
     @property
     def greedy(self) -> bool:

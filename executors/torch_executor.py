@@ -39,6 +39,12 @@ class TorchExecutor:
     ) -> None:
         """enforce_eager: no CUDA graphs (they capture decode steps on CUDA by default);
         cuda_graph_sizes: the batch sizes captured (default: default_capture_sizes)."""
+        if engine_config.num_speculative_tokens:
+            raise ValueError(
+                f"num_speculative_tokens={engine_config.num_speculative_tokens}: the torch "
+                "executor does not propose draft tokens yet (MTP drafting is not implemented); "
+                "speculation runs in the simulator only"
+            )
         self.engine_config = engine_config
         self.model_dir: Path = resolve_model_dir(
             model, revision=revision, weights=load_format != "dummy"

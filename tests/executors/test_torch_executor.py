@@ -216,3 +216,13 @@ def test_dummy_weights_in_published_shapes_run_on_cuda(tmp_path: Path) -> None:
     out = ex.execute(SchedulerOutput(1, [_prompt_step("a", list(range(100)), [0, 1])]))
     assert 0 <= out.sampled_token_ids["a"][0] < 163840
     ex.shutdown()
+
+
+def test_speculation_is_refused_until_the_executor_drafts(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    from executors.torch_executor import TorchExecutor
+
+    cfg = EngineConfig(num_speculative_tokens=2, num_gpu_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match="num_speculative_tokens=2: the torch executor"):
+        TorchExecutor(cfg, str(tiny_models["v3_mtp"].path), device="cpu")

@@ -1,0 +1,41 @@
+"""No inert knobs: every option either works or is refused with an error naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import EngineConfig, SamplingParams
+
+
+@pytest.mark.parametrize("name", ["DEEPINFER_BATCH_INVARIANT", "DEEPINFER_USE_NEXTN_DECODE",
+                                  "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE",
+                                  "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"])
+def test_a_variable_of_an_unimplemented_feature_is_refused_naming_it(monkeypatch, name) -> None:
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ValueError, match=name):
+        EngineConfig()
+    monkeypatch.setenv(name, "0")  # explicitly off is no request for the feature
+    EngineConfig()
+
+
+def test_variable_length_drafts_are_refused_until_they_exist(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="enable_mtp_varlen"):
+        EngineConfig(num_speculative_tokens=2, enable_mtp_varlen=True)
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    with pytest.raises(ValueError, match="DEEPINFER_ENABLE_MTP_VARLEN"):
+        EngineConfig(num_speculative_tokens=2)
+    assert EngineConfig().enable_mtp_varlen  # without speculation it changes nothing
+    monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
+    assert EngineConfig(num_speculative_tokens=2).num_speculative_tokens == 2
+
+
+def test_structured_outputs_are_refused_until_they_exist() -> None:
+    with pytest.raises(ValueError, match="so_args: structured outputs are not implemented"):
+        SamplingParams(so_args={"schema_type": "regex", "schema": "[0-9]{3}"})
+    with pytest.raises(ValueError, match="so_args.schema_type"):
+        SamplingParams(so_args={"schema_type": "yaml", "schema": "x"})
+
+
+def test_unknown_engine_option_is_named() -> None:
+    with pytest.raises(ValueError, match="max_num_seq"):
+        EngineConfig.from_dict({"max_num_seq": 4})
