@@ -168,8 +168,8 @@ def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
-        return [items]  # one prompt given as token ids
-    return items
+        return [[int(t) for t in items]]  # type: ignore[arg-type]  # one prompt as token ids
+    return items  # type: ignore[return-value]
 
 
 def _params_for(batch: list[PromptInput],

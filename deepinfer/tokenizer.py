@@ -63,7 +63,7 @@ class _HFBackend:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def token_to_id(self, token: str) -> int | None:
         i = self._tok.convert_tokens_to_ids(token)

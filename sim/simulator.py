@@ -9,7 +9,7 @@ and the stall rule and async overlap are the engine loop's.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +98,7 @@ def simulate(
 
 
 def _serve(env: simpy.Environment, core: EngineCore, pending: deque[Request], cost: CostModel,
-           on_progress: Callable[[int], None] | None) -> Iterator[simpy.events.Event]:
+           on_progress: Callable[[int], None] | None) -> Generator[simpy.events.Event, Any, None]:
     """Admit arrivals and drive the engine's own loop (`EngineCore.step_events`) in
     simulated time: host time after each schedule, the cost model's device time from
     each launch; async scheduling overlaps the two exactly as the real loop does."""
