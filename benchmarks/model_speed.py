@@ -69,8 +69,9 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(10, vocab - 10, (n, length), generator=g).tolist()
 
 
-def ours(ex: TorchExecutor, cfg: EngineConfig, prompts: list[list[int]], new_tokens: int,
-         tag: str) -> tuple[float, float]:
+def ours(
+    ex: TorchExecutor, cfg: EngineConfig, prompts: list[list[int]], new_tokens: int, tag: str
+) -> tuple[float, float]:
     """(prefill seconds of the first step, median seconds of the decode steps that ran
     every request). The prompts take ceil(tokens / budget) steps to prefill, during which
     the first ones already decode, so each request generates that many tokens more than
@@ -85,8 +86,9 @@ def ours(ex: TorchExecutor, cfg: EngineConfig, prompts: list[list[int]], new_tok
         core.step()
     prefill = [s.duration for s in core.steps if s.num_prompt_tokens]
     full = len(prompts)
-    decode = [s.duration for s in core.steps
-              if not s.num_prompt_tokens and s.num_scheduled_reqs == full]
+    decode = [
+        s.duration for s in core.steps if not s.num_prompt_tokens and s.num_scheduled_reqs == full
+    ]
     return sum(prefill), statistics.median(decode) if decode else float("nan")
 
 
@@ -129,8 +131,9 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def build(model: str, dev: torch.device, cfg: EngineConfig, with_hf: bool
-          ) -> tuple[TorchExecutor, object, object]:
+def build(
+    model: str, dev: torch.device, cfg: EngineConfig, with_hf: bool
+) -> tuple[TorchExecutor, object, object]:
     """(deepinfer executor, HF model with the same weights or None, model spec) for a preset
     name or a config.json path; dummy weights, MTP layers left out."""
     path = Path(model) if model.endswith(".json") else PRESETS / f"{model}.json"
@@ -158,19 +161,31 @@ def decode_roofline_s(spec, batch: int, context: int, bw: float) -> float:
     tokens route to under uniform routing, every request's latent KV) over `bw`."""
     experts = expected_distinct_experts(batch, spec.n_routed_experts, spec.num_experts_per_tok)
     weight_bytes = spec.dtype_bytes * (
-        spec.active_params - spec.num_moe_layers * spec.num_experts_per_tok * spec.expert_params
-        + spec.num_moe_layers * experts * spec.expert_params)
+        spec.active_params
+        - spec.num_moe_layers * spec.num_experts_per_tok * spec.expert_params
+        + spec.num_moe_layers * experts * spec.expert_params
+    )
     return (weight_bytes + batch * context * spec.kv_bytes_per_token) / bw
 
 
-def sweep_config(batch: int, context: int, new_tokens: int, max_prefill: int,
-                 block: int = 64, budget: int = 16384) -> EngineConfig:
+def sweep_config(
+    batch: int,
+    context: int,
+    new_tokens: int,
+    max_prefill: int,
+    block: int = 64,
+    budget: int = 16384,
+) -> EngineConfig:
     """An engine config whose KV cache holds the largest decode batch with room above the
     prefill watermark. No prompt starts above the watermark: in a cache the batch just
     fills, the last prompts would wait for the first requests to finish and no step would
     decode the whole batch (batch 256 at 4k did that)."""
-    cfg = EngineConfig(block_size=block, max_num_seqs=batch, max_num_batched_tokens=budget,
-                       enable_prefix_caching=False)
+    cfg = EngineConfig(
+        block_size=block,
+        max_num_seqs=batch,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=False,
+    )
     # every request's tokens, with the extra ones it decodes while the batch prefills
     extra = -(-batch * context // budget)
     need = max(batch * (context + new_tokens + extra + block), max_prefill + block)
@@ -190,13 +205,23 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--contexts", default="1024,4096")
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--prefill", default="1024,2048,4096,8192,16384,32768",
-                   help="tokens per prefill step (prompts of 1,024 tokens)")
+    p.add_argument(
+        "--prefill",
+        default="1024,2048,4096,8192,16384,32768",
+        help="tokens per prefill step (prompts of 1,024 tokens)",
+    )
     p.add_argument("--no-hf", action="store_true")
-    p.add_argument("--hf-max-kv-gib", type=float, default=24.0,
-                   help="skip HF where its KV cache would exceed this")
-    p.add_argument("--eager", action="store_true",
-                   help="also time decode without CUDA graphs (first context only)")
+    p.add_argument(
+        "--hf-max-kv-gib",
+        type=float,
+        default=24.0,
+        help="skip HF where its KV cache would exceed this",
+    )
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="also time decode without CUDA graphs (first context only)",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     args = p.parse_args()
@@ -230,9 +255,15 @@ def main() -> None:
             prompts = random_prompts(b, ctx, spec.vocab_size, b + ctx)
             _, step = ours(ex, cfg, prompts, args.new_tokens, f"d{b}.{ctx}")
             roof = decode_roofline_s(spec, b, ctx, bw)
-            row = dict(kind="decode", batch=b, context=ctx, ours_step_ms=1e3 * step,
-                       ours_tok_s=b / step, roofline_step_ms=1e3 * roof,
-                       roofline_tok_s=b / roof)
+            row = dict(
+                kind="decode",
+                batch=b,
+                context=ctx,
+                ours_step_ms=1e3 * step,
+                ours_tok_s=b / step,
+                roofline_step_ms=1e3 * roof,
+                roofline_tok_s=b / roof,
+            )
             if args.eager and ctx == contexts[0] and ex.runner.graphs is not None:
                 graphs, ex.runner.graphs = ex.runner.graphs, None
                 _, eager = ours(ex, cfg, prompts, args.new_tokens, f"e{b}.{ctx}")
@@ -244,13 +275,16 @@ def main() -> None:
             print(row, flush=True)
     print_table(rows)
     if args.json:
-        args.json.write_text(json.dumps(dict(copy_bw=bw, matmul_flops=peak, model=args.model,
-                                             rows=rows), indent=1))
+        args.json.write_text(
+            json.dumps(dict(copy_bw=bw, matmul_flops=peak, model=args.model, rows=rows), indent=1)
+        )
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| kind | size | deepinfer tok/s | roofline tok/s | deepinfer / roofline "
-          "| eager tok/s | HF tok/s | deepinfer / HF |")
+    print(
+        "| kind | size | deepinfer tok/s | roofline tok/s | deepinfer / roofline "
+        "| eager tok/s | HF tok/s | deepinfer / HF |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if r["kind"] == "prefill":
@@ -260,8 +294,10 @@ def print_table(rows: list[dict]) -> None:
         ours_s, roof, hf_s = r["ours_tok_s"], r["roofline_tok_s"], r.get("hf_tok_s")
         eager = f"{r['eager_tok_s']:,.0f}" if r.get("eager_tok_s") else "-"
         hf_txt = f"{hf_s:,.0f} | {ours_s / hf_s:.1f}x" if hf_s else "- | -"
-        print(f"| {r['kind']} | {size} | {ours_s:,.0f} | {roof:,.0f} | {ours_s / roof:.2f} "
-              f"| {eager} | {hf_txt} |")
+        print(
+            f"| {r['kind']} | {size} | {ours_s:,.0f} | {roof:,.0f} | {ours_s / roof:.2f} "
+            f"| {eager} | {hf_txt} |"
+        )
 
 
 if __name__ == "__main__":

@@ -29,14 +29,21 @@ def plot(data: dict, out: Path) -> None:
     hf = [(r["tokens"], r["hf_tok_s"]) for r in prefill if r.get("hf_tok_s")]
     if hf:
         pre.plot(*zip(*hf), "s-", label="HF transformers")
-    pre.set(xscale="log", yscale="log", xlabel="tokens per prefill step (1k-token prompts)",
-            ylabel="tokens / s", title="prefill")
+    pre.set(
+        xscale="log",
+        yscale="log",
+        xlabel="tokens per prefill step (1k-token prompts)",
+        ylabel="tokens / s",
+        title="prefill",
+    )
     pre.set_xticks(x, [f"{t // 1024}k" for t in x])
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     contexts = sorted({r["context"] for r in rows if r["kind"] == "decode"})
     for i, ctx in enumerate(contexts):
-        dr = sorted((r for r in rows if r["kind"] == "decode" and r["context"] == ctx),
-                    key=lambda r: r["batch"])
+        dr = sorted(
+            (r for r in rows if r["kind"] == "decode" and r["context"] == ctx),
+            key=lambda r: r["batch"],
+        )
         b = [r["batch"] for r in dr]
         c = colors[i % len(colors)]
         label = f"ctx {ctx // 1024}k"
@@ -48,8 +55,9 @@ def plot(data: dict, out: Path) -> None:
         eager = [(r["batch"], r["eager_tok_s"]) for r in dr if r.get("eager_tok_s")]
         if eager:
             dec.plot(*zip(*eager), "^:", color=c, alpha=0.6, label=f"no CUDA graphs, {label}")
-    dec.set(xscale="log", yscale="log", xlabel="decode batch size", ylabel="tokens / s",
-            title="decode")
+    dec.set(
+        xscale="log", yscale="log", xlabel="decode batch size", ylabel="tokens / s", title="decode"
+    )
     batches = sorted({r["batch"] for r in rows if r["kind"] == "decode"})
     dec.set_xticks(batches, [str(b) for b in batches])
     for ax in (pre, dec):
@@ -57,8 +65,10 @@ def plot(data: dict, out: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     model = data.get("model", "model")
-    fig.suptitle(f"{model}, dummy weights, one GPU: copy {data['copy_bw'] / 1e12:.2f} TB/s, "
-                 f"bf16 matmul {data['matmul_flops'] / 1e12:.0f} TFLOP/s (measured)")
+    fig.suptitle(
+        f"{model}, dummy weights, one GPU: copy {data['copy_bw'] / 1e12:.2f} TB/s, "
+        f"bf16 matmul {data['matmul_flops'] / 1e12:.0f} TFLOP/s (measured)"
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

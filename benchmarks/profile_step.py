@@ -26,8 +26,15 @@ from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 
 
-def run_case(ex, cfg: EngineConfig, prompts: list[list[int]], decode_steps: int, tag: str,
-             rows: int, trace_dir: Path | None) -> None:
+def run_case(
+    ex,
+    cfg: EngineConfig,
+    prompts: list[list[int]],
+    decode_steps: int,
+    tag: str,
+    rows: int,
+    trace_dir: Path | None,
+) -> None:
     """Prefill `prompts` (profiled when decode_steps == 0), else profile decode steps."""
     for attempt in ("warm", "prof"):
         core = EngineCore(cfg, ex, model_max_len=ex.max_model_len)
@@ -53,11 +60,16 @@ def run_case(ex, cfg: EngineConfig, prompts: list[list[int]], decode_steps: int,
             wall = (time.perf_counter() - t0) / n
         events = prof.key_averages()
         # Kernels only (aten ops on the CPU side would count their kernels twice).
-        device_us = sum(e.self_device_time_total for e in events
-                        if e.device_type == DeviceType.CUDA) / n
-        print(f"\n== {tag}: {n} step(s), wall {wall * 1e3:.2f} ms/step, "
-              f"device busy {device_us / 1e3:.2f} ms/step ({device_us / 1e6 / wall:.0%})")
-        print(events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+        device_us = (
+            sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / n
+        )
+        print(
+            f"\n== {tag}: {n} step(s), wall {wall * 1e3:.2f} ms/step, "
+            f"device busy {device_us / 1e3:.2f} ms/step ({device_us / 1e6 / wall:.0%})"
+        )
+        print(
+            events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60)
+        )
         if trace_dir is not None:
             trace_dir.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(trace_dir / f"{tag}.json"))
@@ -82,13 +94,25 @@ def main() -> None:
     p.add_argument("--trace-dir", type=Path, default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
-    cfg = EngineConfig(block_size=64, num_gpu_blocks=4096, max_num_seqs=256,
-                       max_num_batched_tokens=16384, enable_prefix_caching=False)
+    cfg = EngineConfig(
+        block_size=64,
+        num_gpu_blocks=4096,
+        max_num_seqs=256,
+        max_num_batched_tokens=16384,
+        enable_prefix_caching=False,
+    )
     ex, _, spec = build(args.model, dev, cfg, with_hf=False)
     for n in [int(x) for x in args.prefill.split(",") if x]:
         prompts = random_prompts(max(n // 1024, 1), min(n, 1024), spec.vocab_size, n)
-        run_case(ex, cfg.replace(max_num_batched_tokens=max(n, 1024)), prompts, 0,
-                 f"prefill{n}", args.rows, args.trace_dir)
+        run_case(
+            ex,
+            cfg.replace(max_num_batched_tokens=max(n, 1024)),
+            prompts,
+            0,
+            f"prefill{n}",
+            args.rows,
+            args.trace_dir,
+        )
     for b in [int(x) for x in args.batches.split(",") if x]:
         prompts = random_prompts(b, args.context, spec.vocab_size, b)
         run_case(ex, cfg, prompts, args.decode_steps, f"decode_b{b}", args.rows, args.trace_dir)

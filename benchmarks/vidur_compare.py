@@ -277,8 +277,16 @@ def vidur_args(trace_csv: Path, date: str, out_dir: Path, cache_dir: Path, args)
         "1",
     ]
     if not args.full_grid:  # one random-forest setting, 2-fold CV, instead of a 27-setting grid
-        a += [f"--{pred}_num_estimators", "250", f"--{pred}_max_depth", "16",
-              f"--{pred}_min_samples_split", "2", f"--{pred}_k_fold_cv_splits", "2"]
+        a += [
+            f"--{pred}_num_estimators",
+            "250",
+            f"--{pred}_max_depth",
+            "16",
+            f"--{pred}_min_samples_split",
+            "2",
+            f"--{pred}_k_fold_cv_splits",
+            "2",
+        ]
     a += [
         "--metrics_config_output_dir",
         str(out_dir),
@@ -349,8 +357,10 @@ def vidur_latencies(path: Path) -> dict:
     E2E = request_e2e_time (Vidur's seconds, reported here in ms)."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
+
     def col(c):
         return [1e3 * float(r[c]) for r in rows if r.get(c) not in (None, "")]
+
     out = {"completed": len(rows)}
     out.update(stats("ttft", col("prefill_e2e_time")))
     out.update(stats("tpot", col("decode_time_execution_plus_preemption_normalized")))
@@ -422,9 +432,12 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=8192, help="Vidur's per-request token cap")
     p.add_argument("--model", default="moonlight-16b-a3b", help="our model preset")
     p.add_argument("--hardware", default="h200", help="our hardware preset")
-    p.add_argument("--full-grid", action="store_true",
-                   help="Vidur's default random-forest grid search (27 settings, 10-fold; ~2 min per "
-                        "operator on one core) instead of one setting, 2-fold")
+    p.add_argument(
+        "--full-grid",
+        action="store_true",
+        help="Vidur's default random-forest grid search (27 settings, 10-fold; ~2 min per "
+        "operator on one core) instead of one setting, 2-fold",
+    )
     p.add_argument("--skip-cold", action="store_true", help="reuse cached Vidur predictors")
     args = p.parse_args()
 

@@ -68,9 +68,7 @@ class EngineConfig:
         if not 0.0 < self.prefill_watermark <= 1.0:
             raise ValueError(f"prefill_watermark={self.prefill_watermark}: must be in (0, 1]")
         if self.num_speculative_tokens < 0:
-            raise ValueError(
-                f"num_speculative_tokens={self.num_speculative_tokens}: must be >= 0"
-            )
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: must be >= 0")
         if self.num_speculative_tokens >= self.max_num_batched_tokens:
             raise ValueError(
                 "num_speculative_tokens must be smaller than max_num_batched_tokens "
@@ -100,7 +98,9 @@ class EngineConfig:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], *, source: str = "engine options") -> EngineConfig:
+    def from_dict(
+        cls, values: Mapping[str, Any], *, source: str = "engine options"
+    ) -> EngineConfig:
         """Build from user-supplied keys; an unknown key is an error naming it."""
         known = set(cls.field_names())
         unknown = sorted(k for k in values if k not in known)

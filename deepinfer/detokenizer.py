@@ -77,26 +77,27 @@ class IncrementalDetokenizer:
         end = len(self.text) if self.stop_hit is not None else len(self.text) - self._hold
         if end <= self._emitted:
             return ""
-        delta = self.text[self._emitted:end]
+        delta = self.text[self._emitted : end]
         self._emitted = end
         return delta
 
     def flush(self) -> str:
         """The text still held back; call once when the request finishes."""
-        delta = self.text[self._emitted:]
+        delta = self.text[self._emitted :]
         self._emitted = len(self.text)
         return delta
 
     def _decode_new(self) -> str:
         """Text the tokens past the read offset add, once it ends on a whole character."""
-        window = self._ids[self._prefix:]
-        seen = self._tokenizer.decode(self._ids[self._prefix:self._read],
-                                      skip_special_tokens=self._skip_special)
+        window = self._ids[self._prefix :]
+        seen = self._tokenizer.decode(
+            self._ids[self._prefix : self._read], skip_special_tokens=self._skip_special
+        )
         full = self._tokenizer.decode(window, skip_special_tokens=self._skip_special)
         if len(full) <= len(seen) or full.endswith(_REPLACEMENT):
             return ""  # nothing new yet, or a character still incomplete
         self._prefix, self._read = self._read, len(self._ids)
-        return full[len(seen):]
+        return full[len(seen) :]
 
     def _find_stop(self, before: int) -> None:
         """Cut `text` at the earliest stop string that ends in the new text."""

@@ -101,8 +101,9 @@ class EngineCore:
                     times.first_scheduled = now
         return out
 
-    def process(self, out: SchedulerOutput, res: ModelRunnerOutput,
-                duration: float | None = None) -> list[Request]:
+    def process(
+        self, out: SchedulerOutput, res: ModelRunnerOutput, duration: float | None = None
+    ) -> list[Request]:
         """Apply a step's results, stamp times, record ended requests and the step."""
         changed = self.scheduler.update_from_output(out, res)
         now = self.clock()

@@ -46,15 +46,23 @@ class LLM:
         self.config = EngineConfig.from_dict(engine_args, source="LLM(...)")
         cls = get_executor_class(executor)
         # enforce_eager: no CUDA graphs for decode steps (vLLM's name)
-        self.executor = cls(self.config, model, dtype=dtype, device=device,
-                            load_format=load_format, revision=revision,
-                            enforce_eager=enforce_eager)
+        self.executor = cls(
+            self.config,
+            model,
+            dtype=dtype,
+            device=device,
+            load_format=load_format,
+            revision=revision,
+            enforce_eager=enforce_eager,
+        )
         self.tokenizer = _maybe_tokenizer(self.executor.model_dir, trust_remote_code)
-        self.engine = EngineCore(self.config, self.executor,
-                                 model_max_len=self.executor.max_model_len)
+        self.engine = EngineCore(
+            self.config, self.executor, model_max_len=self.executor.max_model_len
+        )
         eos = self.executor.eos_token_id
-        self._eos_ids: list[int] = list(eos) if isinstance(eos, list) else (
-            [eos] if eos is not None else [])
+        self._eos_ids: list[int] = (
+            list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+        )
         self._ids = itertools.count()
 
     @property
@@ -91,8 +99,10 @@ class LLM:
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{self.executor.model_dir} has no tokenizer; pass prompts as "
-                                 "token ids ({'prompt_token_ids': [...]} or a list of ints)")
+                raise ValueError(
+                    f"{self.executor.model_dir} has no tokenizer; pass prompts as "
+                    "token ids ({'prompt_token_ids': [...]} or a list of ints)"
+                )
             return prompt, self.tokenizer.encode(prompt)
         return None, [int(t) for t in prompt]
 
@@ -101,8 +111,7 @@ class LLM:
         extra = [t for t in self._eos_ids[1:] if t not in sp.stop_token_ids]
         if extra and not sp.ignore_eos:  # generation_config's other end tokens stop too
             sp = dataclasses.replace(sp, stop_token_ids=list(sp.stop_token_ids) + extra)
-        return Request(str(next(self._ids)), token_ids, sp, self.engine.clock(),
-                       eos_token_id=eos)
+        return Request(str(next(self._ids)), token_ids, sp, self.engine.clock(), eos_token_id=eos)
 
     def _detokenizer(self, token_ids: list[int], sp: SamplingParams) -> Any:
         if self.tokenizer is None:
@@ -115,8 +124,14 @@ class LLM:
         from tqdm import tqdm
 
         live = {rid for rid, t in tracked.items() if not t.req.is_finished}
-        with tqdm(total=len(tracked), desc="generating", unit="req", disable=not use_tqdm,
-                  initial=len(tracked) - len(live), leave=False) as bar:
+        with tqdm(
+            total=len(tracked),
+            desc="generating",
+            unit="req",
+            disable=not use_tqdm,
+            initial=len(tracked) - len(live),
+            leave=False,
+        ) as bar:
             while live:
                 for req in self.engine.step():
                     t = tracked.get(req.request_id)
@@ -140,7 +155,7 @@ class _Tracked:
 
     def feed(self) -> bool:
         """Detokenize new tokens; True once a stop string appeared."""
-        new = self.req.output_token_ids[self.num_fed:]
+        new = self.req.output_token_ids[self.num_fed :]
         self.num_fed += len(new)
         if self.detok is None or not new:
             return False
@@ -156,11 +171,23 @@ class _Tracked:
         stop_reason = self.detok.stop_hit if self.detok is not None else None
         if stop_reason is None and reason == "stop" and req.output_token_ids:
             stop_reason = req.output_token_ids[-1]
-        completion = CompletionOutput(0, text, list(req.output_token_ids), reason,
-                                      logprobs=req.logprobs or None, stop_reason=stop_reason)
-        return RequestOutput(req.request_id, self.prompt, req.token_ids(0, req.num_prompt_tokens),
-                             [completion], req.is_finished, max(req.num_cached_tokens, 0),
-                             error=req.reject_reason)
+        completion = CompletionOutput(
+            0,
+            text,
+            list(req.output_token_ids),
+            reason,
+            logprobs=req.logprobs or None,
+            stop_reason=stop_reason,
+        )
+        return RequestOutput(
+            req.request_id,
+            self.prompt,
+            req.token_ids(0, req.num_prompt_tokens),
+            [completion],
+            req.is_finished,
+            max(req.num_cached_tokens, 0),
+            error=req.reject_reason,
+        )
 
 
 def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
@@ -172,8 +199,9 @@ def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     return items  # type: ignore[return-value]
 
 
-def _params_for(batch: list[PromptInput],
-                params: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
+def _params_for(
+    batch: list[PromptInput], params: SamplingParams | Sequence[SamplingParams] | None
+) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams() for _ in batch]
     if isinstance(params, SamplingParams):
@@ -191,4 +219,3 @@ def _maybe_tokenizer(model_dir: Any, trust_remote_code: bool) -> Any:
         return load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     except FileNotFoundError:
         return None  # token-id prompts still work (e.g. load_format="dummy")
-

@@ -97,8 +97,9 @@ class Scheduler(SchedulerChecks):
         self._schedule_running(step)
         self._schedule_waiting(step)
         self.step_id += 1
-        out = SchedulerOutput(self.step_id, step.scheduled, self._finished_since_last,
-                              self._preempted_since_last)
+        out = SchedulerOutput(
+            self.step_id, step.scheduled, self._finished_since_last, self._preempted_since_last
+        )
         self._finished_since_last = set()
         self._preempted_since_last = set()
         self.last_num_preempted = step.num_preempted
@@ -111,8 +112,11 @@ class Scheduler(SchedulerChecks):
             req = self.running[i]
             num_known = req.num_tokens + req.num_output_placeholders
             drafts = req.spec_token_ids if req.num_output_placeholders == 0 else []
-            num_new = min(num_known + len(drafts) - req.num_computed_tokens, step.budget,
-                          self.max_model_len - req.num_computed_tokens)
+            num_new = min(
+                num_known + len(drafts) - req.num_computed_tokens,
+                step.budget,
+                self.max_model_len - req.num_computed_tokens,
+            )
             if num_new <= 0:
                 i += 1
                 continue
@@ -192,8 +196,15 @@ class Scheduler(SchedulerChecks):
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
-    def _schedule_one(self, req: Request, num_new: int, blocks: list, drafts: list[int],
-                      is_prompt: bool, resumed: bool = False) -> ScheduledRequest:
+    def _schedule_one(
+        self,
+        req: Request,
+        num_new: int,
+        blocks: list,
+        drafts: list[int],
+        is_prompt: bool,
+        resumed: bool = False,
+    ) -> ScheduledRequest:
         start = req.num_computed_tokens
         table = self.kv.block_ids(req.request_id) if resumed else None
         token_ids = prior = None
@@ -251,12 +262,16 @@ class Scheduler(SchedulerChecks):
                 req.num_output_placeholders -= 1
             tokens = res.sampled_token_ids.get(sr.req_id) or []
             if not tokens:
-                raise RuntimeError(f"executor returned no token for {sr.req_id!r} in step "
-                                   f"{out.step_id}, which was scheduled to sample")
+                raise RuntimeError(
+                    f"executor returned no token for {sr.req_id!r} in step "
+                    f"{out.step_id}, which was scheduled to sample"
+                )
             num_rejected = len(sr.draft_token_ids) - (len(tokens) - 1)
             if num_rejected < 0:
-                raise RuntimeError(f"executor returned {len(tokens)} tokens for {sr.req_id!r} "
-                                   f"with only {len(sr.draft_token_ids)} drafts to verify")
+                raise RuntimeError(
+                    f"executor returned {len(tokens)} tokens for {sr.req_id!r} "
+                    f"with only {len(sr.draft_token_ids)} drafts to verify"
+                )
             if not preempted_meanwhile:
                 req.num_computed_tokens -= num_rejected
                 req.num_pending_drafts = 0
@@ -349,8 +364,14 @@ def _effective_max_model_len(config: EngineConfig, num_blocks: int, model_max: i
         return capacity
     if wanted > capacity:
         if config.max_model_len is not None:
-            logger.warning("max_model_len=%d exceeds what one request can hold (KV cache of %d "
-                           "blocks x %d tokens, or the batch budget without chunked prefill); "
-                           "capping it at %d", wanted, num_blocks, config.block_size, capacity)
+            logger.warning(
+                "max_model_len=%d exceeds what one request can hold (KV cache of %d "
+                "blocks x %d tokens, or the batch budget without chunked prefill); "
+                "capping it at %d",
+                wanted,
+                num_blocks,
+                config.block_size,
+                capacity,
+            )
         return capacity
     return wanted

@@ -52,8 +52,11 @@ class SchedulerChecks:
                 f"{head.status is RequestStatus.PREFILLING}"
             )
         holders = sorted(self.kv.req_blocks.items(), key=lambda kv: -len(kv[1]))[:5]
-        lines.append("largest block holders: " + ", ".join(
-            f"{rid}={len(blocks)}" for rid, blocks in holders) if holders else "no block holders")
+        lines.append(
+            "largest block holders: " + ", ".join(f"{rid}={len(blocks)}" for rid, blocks in holders)
+            if holders
+            else "no block holders"
+        )
         return "\n".join(lines)
 
     def raise_stalled(self) -> None:
@@ -62,11 +65,13 @@ class SchedulerChecks:
     def check_output(self, out: SchedulerOutput) -> None:
         """Budgets of one step (DESIGN.md section 3)."""
         if out.num_batched_tokens > self.config.max_num_batched_tokens:
-            raise AssertionError(f"step {out.step_id}: {out.num_batched_tokens} tokens "
-                                 f"> max_num_batched_tokens")
+            raise AssertionError(
+                f"step {out.step_id}: {out.num_batched_tokens} tokens > max_num_batched_tokens"
+            )
         if len(out.scheduled) > self.config.max_num_seqs:
-            raise AssertionError(f"step {out.step_id}: {len(out.scheduled)} requests "
-                                 f"> max_num_seqs")
+            raise AssertionError(
+                f"step {out.step_id}: {len(out.scheduled)} requests > max_num_seqs"
+            )
         if len({s.req_id for s in out.scheduled}) != len(out.scheduled):
             raise AssertionError(f"step {out.step_id}: a request scheduled twice")
 
@@ -99,7 +104,12 @@ class SchedulerChecks:
             limit = req.num_tokens + req.num_output_placeholders + req.num_pending_drafts
             if req.num_computed_tokens > limit:
                 raise AssertionError(f"{req!r} computed more tokens than it has")
-        accounted = (self.num_finished + self.num_aborted + self.num_rejected
-                     + len(self.waiting) + len(self.running))
+        accounted = (
+            self.num_finished
+            + self.num_aborted
+            + self.num_rejected
+            + len(self.waiting)
+            + len(self.running)
+        )
         if accounted != self.num_submitted:
             raise AssertionError(f"{self.num_submitted} submitted but {accounted} accounted for")

@@ -56,8 +56,9 @@ class _HFBackend:
     def __init__(self, model_dir: Path, trust_remote_code: bool) -> None:
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(str(model_dir),
-                                                  trust_remote_code=trust_remote_code)
+        self._tok = AutoTokenizer.from_pretrained(
+            str(model_dir), trust_remote_code=trust_remote_code
+        )
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
@@ -120,8 +121,10 @@ class Tokenizer:
         return self._backend.decode(ids, skip_special_tokens)
 
     def __repr__(self) -> str:
-        return (f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, "
-                f"bos={self.bos_token_id}, eos={self.eos_token_id})")
+        return (
+            f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, "
+            f"bos={self.bos_token_id}, eos={self.eos_token_id})"
+        )
 
 
 def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False) -> Tokenizer:
@@ -157,8 +160,14 @@ def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False) -> To
     if eos is None and end_ids:
         eos = end_ids[0]
     eos_ids = ([eos] if eos is not None else []) + [t for t in end_ids if t != eos]
-    return Tokenizer(backend, bos_token_id=bos, eos_token_id=eos, eos_token_ids=eos_ids,
-                     add_bos=bool(tok_cfg.get("add_bos_token", False)), name=str(root))
+    return Tokenizer(
+        backend,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        eos_token_ids=eos_ids,
+        add_bos=bool(tok_cfg.get("add_bos_token", False)),
+        name=str(root),
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -28,14 +28,15 @@ def main() -> None:
     args = p.parse_args()
     llm = LLM(args.model, device=args.device, max_num_seqs=8)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens,
-                             seq_seed=0)
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens, seq_seed=0)
     for params in (greedy, sampled):
         print(f"=== temperature {params.temperature}")
         for out in llm.generate(PROMPTS, params):
             completion = out.outputs[0]
-            print(f"--- {out.prompt!r} ({len(completion.token_ids)} tokens, "
-                  f"{completion.finish_reason})")
+            print(
+                f"--- {out.prompt!r} ({len(completion.token_ids)} tokens, "
+                f"{completion.finish_reason})"
+            )
             print(out.prompt + completion.text)
 
 

@@ -68,8 +68,9 @@ class DecodeGraphs:
         self._rows[2] = scratch_block * block_size
         self._rows[3] = 1
         self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self._rows.unbind(0)
-        self.block_tables = torch.full((n, max_blocks_per_seq), scratch_block,
-                                       dtype=torch.int64, device=dev)
+        self.block_tables = torch.full(
+            (n, max_blocks_per_seq), scratch_block, dtype=torch.int64, device=dev
+        )
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int64, device=dev)
         self._empty = torch.zeros(0, dtype=torch.int64, device=dev)
         self._zero = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -95,8 +96,9 @@ class DecodeGraphs:
         )
 
     def _forward(self, size: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:size], self.positions[:size], self.metadata(size),
-                            self.kv_caches)
+        hidden = self.model(
+            self.input_ids[:size], self.positions[:size], self.metadata(size), self.kv_caches
+        )
         return self.model.compute_logits(hidden)  # [size, vocab]
 
     @torch.inference_mode()
@@ -113,8 +115,13 @@ class DecodeGraphs:
                 self.pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s",
-                    len(self.sizes), self.sizes[0], self.max_size, time.perf_counter() - t0)
+        logger.info(
+            "captured %d decode CUDA graphs (batch %d..%d) in %.1f s",
+            len(self.sizes),
+            self.sizes[0],
+            self.max_size,
+            time.perf_counter() - t0,
+        )
 
     def size_for(self, batch: int) -> int | None:
         """The smallest captured size that holds `batch` requests, or None."""
@@ -135,14 +142,19 @@ class DecodeGraphs:
         bs = self.block_size
         width = max(len(t) for t in block_tables)
         if width > self.block_tables.shape[1]:
-            raise ValueError(f"block table of {width} blocks exceeds the graphs' "
-                             f"{self.block_tables.shape[1]}")
+            raise ValueError(
+                f"block table of {width} blocks exceeds the graphs' {self.block_tables.shape[1]}"
+            )
         pad = size - b
         slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)]
         scratch_slot = self.scratch_block * bs
         rows = torch.tensor(
-            [input_ids + [0] * pad, positions + [0] * pad, slots + [scratch_slot] * pad,
-             [p + 1 for p in positions] + [1] * pad],
+            [
+                input_ids + [0] * pad,
+                positions + [0] * pad,
+                slots + [scratch_slot] * pad,
+                [p + 1 for p in positions] + [1] * pad,
+            ],
             dtype=torch.int64,
         )  # [4, size]
         table = torch.tensor(

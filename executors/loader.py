@@ -94,8 +94,9 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
 def read_model_config(model_dir: Path) -> ModelConfig:
     """The checkpoint's config.json, parsed; refuses what this executor cannot run."""
     path = Path(model_dir) / "config.json"
-    cfg = ModelConfig.from_dict(read_hf_config(model_dir), source=str(path),
-                                name=Path(model_dir).name)
+    cfg = ModelConfig.from_dict(
+        read_hf_config(model_dir), source=str(path), name=Path(model_dir).name
+    )
     if cfg.quant_method is not None:
         raise ValueError(
             f"{path}: quantization_config ({cfg.quant_method}) is not supported by the torch "
@@ -189,8 +190,9 @@ def load_model(
 
 
 @torch.no_grad()
-def load_state_dict_into(model: DeepseekForCausalLM, cfg: ModelConfig,
-                         state: Mapping[str, torch.Tensor]) -> None:
+def load_state_dict_into(
+    model: DeepseekForCausalLM, cfg: ModelConfig, state: Mapping[str, torch.Tensor]
+) -> None:
     """Fill `model` from an in-memory state dict in checkpoint names (e.g. transformers'
     own `state_dict()`), with the same name mapping and completeness checks as files."""
     filler = _WeightFiller(model, cfg, with_mtp=model.mtp is not None)

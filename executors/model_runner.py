@@ -83,8 +83,10 @@ class ModelRunner:
         self.decode_max_query_len = 1 + engine_config.num_speculative_tokens
         self.max_num_seqs = engine_config.max_num_seqs
         # Longest sequence a graph's block table must hold.
-        self.max_model_len = min(max_model_len or engine_config.max_model_len or 1 << 62,
-                                 kv_cache.num_blocks * kv_cache.block_size)
+        self.max_model_len = min(
+            max_model_len or engine_config.max_model_len or 1 << 62,
+            kv_cache.num_blocks * kv_cache.block_size,
+        )
         self.generator = torch.Generator(self.device).manual_seed(engine_config.seed)
         self.requests: dict[str, RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
@@ -97,9 +99,14 @@ class ModelRunner:
         if self.kv_cache.scratch_block is None:
             raise ValueError("CUDA graphs need a KV cache built with a scratch block")
         max_blocks = -(-self.max_model_len // self.block_size)
-        graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.block_size, max_blocks,
-                              self.kv_cache.scratch_block,
-                              sizes or default_capture_sizes(self.max_num_seqs))
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache.layers,
+            self.block_size,
+            max_blocks,
+            self.kv_cache.scratch_block,
+            sizes or default_capture_sizes(self.max_num_seqs),
+        )
         if capture:
             graphs.capture()
         self.graphs = graphs
@@ -184,8 +191,11 @@ class ModelRunner:
             self._record_history(state, start, tokens[: len(tokens) - len(sr.draft_token_ids)])
             if sr.samples:
                 n = 1 + len(sr.draft_token_ids)
-                host.sample_rows[sr.req_id] = (len(host.logits_indices), n,
-                                               list(sr.draft_token_ids))
+                host.sample_rows[sr.req_id] = (
+                    len(host.logits_indices),
+                    n,
+                    list(sr.draft_token_ids),
+                )
                 last = len(host.input_ids) + len(tokens)
                 host.logits_indices.extend(range(last - n, last))
             host.input_ids.extend(tokens)

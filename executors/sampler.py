@@ -218,8 +218,7 @@ def sample_tokens(
     raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None  # [num_reqs, vocab]
 
     logits = suppress_stop_tokens(logits, states)
-    if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
-           for p in params):
+    if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
         logits = apply_penalties(
             logits,
             [s.prompt_token_ids for s in states],

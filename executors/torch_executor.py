@@ -76,8 +76,9 @@ class TorchExecutor:
         first_eos = (
             self.eos_token_id[0] if isinstance(self.eos_token_id, list) else self.eos_token_id
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, engine_config, first_eos,
-                                  max_model_len=self.max_model_len)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, engine_config, first_eos, max_model_len=self.max_model_len
+        )
         if use_graphs:
             self.runner.enable_cuda_graphs(cuda_graph_sizes)
         logger.info(

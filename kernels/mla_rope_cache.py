@@ -63,8 +63,9 @@ def _mla_rope_cache_kernel(
 
     # Shared rope key.
     k_row = kv_ptr + t * stride_kvt + L
-    k1, k2 = _rotate(tl.load(k_row + first).to(tl.float32),
-                     tl.load(k_row + second).to(tl.float32), c, s)
+    k1, k2 = _rotate(
+        tl.load(k_row + first).to(tl.float32), tl.load(k_row + second).to(tl.float32), c, s
+    )
     tl.store(dst + L + first, k1.to(kv_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty))
     tl.store(dst + L + second, k2.to(kv_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty))
 

@@ -119,8 +119,9 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ali
     first = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
     pos = torch.arange(num_pairs, device=ids.device)
     rows = ends[ids[order]] - padded[ids[order]] + pos - first[ids[order]]
-    sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32,
-                              device=ids.device)
+    sorted_pairs = torch.full(
+        (max_blocks * block_m,), num_pairs, dtype=torch.int32, device=ids.device
+    )
     sorted_pairs[rows] = order.to(torch.int32)
     row0 = torch.arange(max_blocks, device=ids.device) * block_m
     block_expert = torch.searchsorted(ends, row0, right=True)

@@ -136,8 +136,11 @@ def _moe_router_kernel(
     x_ptrs = x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :]  # [BLOCK_T, BLOCK_H]
     w_ptrs = w_ptr + offs_e[:, None] * stride_we + offs_h[None, :]  # [E_POW2, BLOCK_H]
     if LOGITS_IN:  # x holds float32 logits [T, E] already (a cuBLAS GEMM: many SMs)
-        acc = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_e[None, :],
-                      mask=t_mask[:, None] & e_mask[None, :], other=0.0)
+        acc = tl.load(
+            x_ptr + offs_t[:, None] * stride_xt + offs_e[None, :],
+            mask=t_mask[:, None] & e_mask[None, :],
+            other=0.0,
+        )
     elif BLOCK_T >= 16:  # tl.dot's smallest tile
         acc = _logits_dot(x_ptrs, w_ptrs, t_mask, e_mask, H, UPCAST, BLOCK_T, E_POW2, BLOCK_H)
     else:

@@ -235,8 +235,9 @@ def _mask_groups(
     return choice.masked_fill(~keep, fill)
 
 
-def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
-             ) -> torch.Tensor:
+def rope_ref(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+) -> torch.Tensor:
     """Rotate x: [T, ..., R] by cos/sin: [T, R / 2] in float32, rounded to x.dtype.
 
     Interleaved layout (DeepSeek's): pairs (x0, x1), (x2, x3), ... each rotated by one
@@ -273,6 +274,7 @@ def mla_rope_cache_ref(
     rope = q_pe.shape[-1]
     c_kv, k_pe = kv.split([kv.shape[-1] - rope, rope], dim=-1)
     q_pe.copy_(rope_ref(q_pe, cos, sin, interleave))
-    entry = torch.cat([rmsnorm_ref(c_kv, norm_weight, eps), rope_ref(k_pe, cos, sin, interleave)],
-                      dim=-1)
+    entry = torch.cat(
+        [rmsnorm_ref(c_kv, norm_weight, eps), rope_ref(k_pe, cos, sin, interleave)], dim=-1
+    )
     kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, entry.to(kv_cache.dtype))

@@ -23,8 +23,9 @@ _VOCAB = 1 << 20
 class SimExecutor:
     needs_token_ids = False
 
-    def __init__(self, config: EngineConfig, num_blocks: int | None = None,
-                 *, acceptance_rate: float = 0.7) -> None:
+    def __init__(
+        self, config: EngineConfig, num_blocks: int | None = None, *, acceptance_rate: float = 0.7
+    ) -> None:
         blocks = num_blocks if num_blocks is not None else config.num_gpu_blocks
         if blocks is None:
             raise ValueError("SimExecutor needs num_blocks (or EngineConfig.num_gpu_blocks)")
@@ -62,8 +63,9 @@ class SimExecutor:
                 1 + ((salt + (pos + j) * 2654435761) % (_VOCAB - 1)) for j in range(accepted + 1)
             ]
             if self.k:
-                res.draft_token_ids[sr.req_id] = [1 + rng.randrange(_VOCAB - 1)
-                                                  for _ in range(self.k)]
+                res.draft_token_ids[sr.req_id] = [
+                    1 + rng.randrange(_VOCAB - 1) for _ in range(self.k)
+                ]
         return res
 
     def execute_async(self, out: SchedulerOutput) -> Future[ModelRunnerOutput]:

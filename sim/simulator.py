@@ -71,9 +71,13 @@ def simulate(
         num_blocks = kv_capacity_blocks(spec, hw, engine.block_size, engine.gpu_memory_utilization)
     executor = SimExecutor(engine, num_blocks, acceptance_rate=acceptance_rate)
     env = simpy.Environment()
-    core = EngineCore(engine, executor, clock=lambda: env.now,
-                      model_max_len=spec.max_position_embeddings,
-                      check_invariants=check_invariants)
+    core = EngineCore(
+        engine,
+        executor,
+        clock=lambda: env.now,
+        model_max_len=spec.max_position_embeddings,
+        check_invariants=check_invariants,
+    )
     requests = build_requests(trace, spec.vocab_size)
     env.process(_serve(env, core, deque(requests), cost, on_progress))
     env.run()
@@ -97,8 +101,13 @@ def simulate(
     return SimResult(records, core.steps, summarize(records, core.steps, slo), meta)
 
 
-def _serve(env: simpy.Environment, core: EngineCore, pending: deque[Request], cost: CostModel,
-           on_progress: Callable[[int], None] | None) -> Generator[simpy.events.Event, Any, None]:
+def _serve(
+    env: simpy.Environment,
+    core: EngineCore,
+    pending: deque[Request],
+    cost: CostModel,
+    on_progress: Callable[[int], None] | None,
+) -> Generator[simpy.events.Event, Any, None]:
     """Admit arrivals and drive the engine's own loop (`EngineCore.step_events`) in
     simulated time: host time after each schedule, the cost model's device time from
     each launch; async scheduling overlaps the two exactly as the real loop does."""

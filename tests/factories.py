@@ -15,18 +15,25 @@ from deepinfer.sampling_params import SamplingParams
 
 
 def make_config(**overrides: object) -> EngineConfig:
-    base: dict[str, object] = dict(block_size=4, num_gpu_blocks=10, max_num_seqs=8,
-                                   max_num_batched_tokens=16)
+    base: dict[str, object] = dict(
+        block_size=4, num_gpu_blocks=10, max_num_seqs=8, max_num_batched_tokens=16
+    )
     base.update(overrides)
     return EngineConfig(**base)  # type: ignore[arg-type]
 
 
-def make_engine(config: EngineConfig | None = None, *, check: bool = True,
-                acceptance_rate: float = 0.7, **overrides: object) -> EngineCore:
+def make_engine(
+    config: EngineConfig | None = None,
+    *,
+    check: bool = True,
+    acceptance_rate: float = 0.7,
+    **overrides: object,
+) -> EngineCore:
     cfg = config or make_config(**overrides)
     assert cfg.num_gpu_blocks is not None
-    ex = ScriptedExecutor(cfg.num_gpu_blocks, cfg.num_speculative_tokens, acceptance_rate,
-                          seed=cfg.seed)
+    ex = ScriptedExecutor(
+        cfg.num_gpu_blocks, cfg.num_speculative_tokens, acceptance_rate, seed=cfg.seed
+    )
     return EngineCore(cfg, ex, clock=StepClock(), check_invariants=check)
 
 
@@ -37,8 +44,9 @@ class ScriptedExecutor:
 
     needs_token_ids = False
 
-    def __init__(self, num_blocks: int, num_drafts: int = 0, acceptance_rate: float = 1.0,
-                 *, seed: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, num_drafts: int = 0, acceptance_rate: float = 1.0, *, seed: int = 0
+    ) -> None:
         self._num_blocks = num_blocks
         self.k = num_drafts
         self.acceptance_rate = acceptance_rate
@@ -80,8 +88,9 @@ class StepClock:
         return self.t
 
 
-def make_request(req_id: str, prompt: Sequence[int] | int, max_tokens: int = 4,
-                 **params: object) -> Request:
+def make_request(
+    req_id: str, prompt: Sequence[int] | int, max_tokens: int = 4, **params: object
+) -> Request:
     tokens = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)  # type: ignore[arg-type]
     return Request(req_id, tokens, sp)
@@ -94,6 +103,7 @@ def run_to_completion(engine: EngineCore, max_steps: int = 10_000) -> int:
         engine.step()
         steps += 1
         if steps > max_steps:
-            raise AssertionError(f"not finished after {max_steps} steps:\n"
-                                 f"{engine.scheduler.diagnose()}")
+            raise AssertionError(
+                f"not finished after {max_steps} steps:\n{engine.scheduler.diagnose()}"
+            )
     return steps

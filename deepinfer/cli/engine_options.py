@@ -47,12 +47,20 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         if f.name in ("num_gpu_blocks", "max_model_len"):
             kind = int
         shown = default.value if hasattr(default, "value") else default
-        group.add_argument(flag, dest=f"engine_{f.name}", type=kind, default=None,
-                           metavar=f.name.split("_")[-1].upper(),
-                           help=f"{_ENGINE_HELP.get(f.name, '')} (default: {shown})")
+        group.add_argument(
+            flag,
+            dest=f"engine_{f.name}",
+            type=kind,
+            default=None,
+            metavar=f.name.split("_")[-1].upper(),
+            help=f"{_ENGINE_HELP.get(f.name, '')} (default: {shown})",
+        )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    values = {k[len("engine_"):]: v for k, v in vars(args).items()
-              if k.startswith("engine_") and v is not None}
+    values = {
+        k[len("engine_") :]: v
+        for k, v in vars(args).items()
+        if k.startswith("engine_") and v is not None
+    }
     return EngineConfig.from_dict(values, source="command line")

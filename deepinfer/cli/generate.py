@@ -12,18 +12,29 @@ from deepinfer.cli.engine_options import add_engine_options, engine_config_from_
 def add_generate_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text with a real model (needs the torch extra)")
     p.add_argument("prompt", nargs="+", help="one or more prompts")
-    p.add_argument("--model", default="deepinfer-demo",
-                   help="checkpoint directory or hub id (default: %(default)s)")
+    p.add_argument(
+        "--model",
+        default="deepinfer-demo",
+        help="checkpoint directory or hub id (default: %(default)s)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seq-seed", dest="seq_seed", type=int, default=None,
-                   help="per-request sampling seed (deterministic sampling)")
+    p.add_argument(
+        "--seq-seed",
+        dest="seq_seed",
+        type=int,
+        default=None,
+        help="per-request sampling seed (deterministic sampling)",
+    )
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: detected)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs for decode steps (they are on by default on CUDA)")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs for decode steps (they are on by default on CUDA)",
+    )
     add_engine_options(p)
     p.set_defaults(func=run_generate)
 
@@ -34,13 +45,22 @@ def run_generate(args: argparse.Namespace) -> int:
 
     engine = engine_config_from_args(args)
     try:
-        llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-                  enforce_eager=args.enforce_eager,
-                  **{f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)})
+        llm = LLM(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            enforce_eager=args.enforce_eager,
+            **{f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)},
+        )
     except (RuntimeError, OSError) as e:  # unreachable hub, unreadable checkpoint
         raise ValueError(f"cannot load model {args.model!r}: {e}") from e
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seq_seed=args.seq_seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seq_seed=args.seq_seed,
+    )
     for out in llm.generate(list(args.prompt), params):
         print(f"--- {out.request_id} ({out.outputs[0].finish_reason})")
         print((out.prompt or "") + out.outputs[0].text)

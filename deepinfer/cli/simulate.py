@@ -18,36 +18,68 @@ def add_simulate_parser(sub: Any) -> None:
         "executor and an analytic cost model; print a summary, optionally write a JSON report "
         "and PNG plots. Exit code 2: bad input; 3: the engine stalled.",
     )
-    p.add_argument("trace", nargs="?", default=None,
-                   help="trace file: native JSON/JSONL, Azure CSV, Mooncake JSONL, BurstGPT CSV "
-                   "or Vidur CSV (default: the bundled traces/azure_code_small.json)")
-    p.add_argument("--format", choices=["native", "azure", "mooncake", "burstgpt", "vidur"],
-                   default=None, help="force the trace format (default: detected from content)")
-    p.add_argument("--model", default="moonlight-16b-a3b",
-                   help="preset (moonlight-16b-a3b, deepseek-v2-lite, deepseek-v3) or a path to "
-                   "an HF config.json (default: %(default)s)")
-    p.add_argument("--hardware", default="h200",
-                   help="GPU: h200, h100, h800 or b200 (default: %(default)s)")
-    p.add_argument("--cost-model", choices=["analytic", "unit"], default="analytic",
-                   help="analytic (FLOPs and bytes on the GPU) or unit (1 ms a step)")
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiply arrival times (0.5 replays twice as fast)")
-    p.add_argument("--max-requests", type=int, default=None,
-                   help="take only the first N requests")
-    p.add_argument("--start", type=float, default=None,
-                   help="keep requests arriving at or after START seconds")
-    p.add_argument("--end", type=float, default=None,
-                   help="keep requests arriving before END seconds")
-    p.add_argument("--slo", default=None,
-                   help="goodput SLOs in ms, e.g. ttft:2000,tpot:100")
-    p.add_argument("--acceptance-rate", type=float, default=0.7,
-                   help="per-draft-token acceptance probability when speculating")
-    p.add_argument("--out", type=Path, default=None,
-                   help="write a JSON report with per-request records")
-    p.add_argument("--plot", type=Path, default=None,
-                   help="write PNG plots (TTFT/TPOT CDFs, KV usage, queues, batch tokens)")
-    p.add_argument("--check-invariants", action="store_true",
-                   help="check scheduler invariants after every step (slow)")
+    p.add_argument(
+        "trace",
+        nargs="?",
+        default=None,
+        help="trace file: native JSON/JSONL, Azure CSV, Mooncake JSONL, BurstGPT CSV "
+        "or Vidur CSV (default: the bundled traces/azure_code_small.json)",
+    )
+    p.add_argument(
+        "--format",
+        choices=["native", "azure", "mooncake", "burstgpt", "vidur"],
+        default=None,
+        help="force the trace format (default: detected from content)",
+    )
+    p.add_argument(
+        "--model",
+        default="moonlight-16b-a3b",
+        help="preset (moonlight-16b-a3b, deepseek-v2-lite, deepseek-v3) or a path to "
+        "an HF config.json (default: %(default)s)",
+    )
+    p.add_argument(
+        "--hardware", default="h200", help="GPU: h200, h100, h800 or b200 (default: %(default)s)"
+    )
+    p.add_argument(
+        "--cost-model",
+        choices=["analytic", "unit"],
+        default="analytic",
+        help="analytic (FLOPs and bytes on the GPU) or unit (1 ms a step)",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply arrival times (0.5 replays twice as fast)",
+    )
+    p.add_argument("--max-requests", type=int, default=None, help="take only the first N requests")
+    p.add_argument(
+        "--start", type=float, default=None, help="keep requests arriving at or after START seconds"
+    )
+    p.add_argument(
+        "--end", type=float, default=None, help="keep requests arriving before END seconds"
+    )
+    p.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft:2000,tpot:100")
+    p.add_argument(
+        "--acceptance-rate",
+        type=float,
+        default=0.7,
+        help="per-draft-token acceptance probability when speculating",
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="write a JSON report with per-request records"
+    )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write PNG plots (TTFT/TPOT CDFs, KV usage, queues, batch tokens)",
+    )
+    p.add_argument(
+        "--check-invariants",
+        action="store_true",
+        help="check scheduler invariants after every step (slow)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_engine_options(p)
     p.set_defaults(func=run_simulate)
@@ -62,20 +94,42 @@ def run_simulate(args: argparse.Namespace) -> int:
     from sim.traces import load_trace
 
     path = Path(args.trace) if args.trace else default_trace()
-    trace = load_trace(path, args.format, time_scale=args.time_scale,
-                       max_requests=args.max_requests, start=args.start, end=args.end)
+    trace = load_trace(
+        path,
+        args.format,
+        time_scale=args.time_scale,
+        max_requests=args.max_requests,
+        start=args.start,
+        end=args.end,
+    )
     engine = engine_config_from_args(args)
     slo = parse_slo(args.slo) if args.slo else None
-    with tqdm(total=len(trace), desc="simulating", unit="req", file=sys.stderr,
-              disable=args.no_progress or None, leave=False) as bar:
-        result = simulate(trace, args.model, args.hardware, engine, args.cost_model, slo=slo,
-                          acceptance_rate=args.acceptance_rate,
-                          check_invariants=args.check_invariants, on_progress=bar.update)
+    with tqdm(
+        total=len(trace),
+        desc="simulating",
+        unit="req",
+        file=sys.stderr,
+        disable=args.no_progress or None,
+        leave=False,
+    ) as bar:
+        result = simulate(
+            trace,
+            args.model,
+            args.hardware,
+            engine,
+            args.cost_model,
+            slo=slo,
+            acceptance_rate=args.acceptance_rate,
+            check_invariants=args.check_invariants,
+            on_progress=bar.update,
+        )
     meta = dict(result.meta, trace_path=str(path))
     title = f"{trace.name}: {meta['model']} on {meta['hardware']}"
     print_summary(result.summary, title)
-    print(f"KV cache: {meta['num_gpu_blocks']} blocks of {engine.block_size} tokens; "
-          f"max_model_len {meta['max_model_len']}; {meta['num_steps']} steps")
+    print(
+        f"KV cache: {meta['num_gpu_blocks']} blocks of {engine.block_size} tokens; "
+        f"max_model_len {meta['max_model_len']}; {meta['num_steps']} steps"
+    )
     if args.out:
         write_report(args.out, result.summary, result.requests, result.steps, meta)
         print(f"report: {args.out}")

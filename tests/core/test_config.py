@@ -7,9 +7,15 @@ import pytest
 from deepinfer import EngineConfig, SamplingParams
 
 
-@pytest.mark.parametrize("name", ["DEEPINFER_BATCH_INVARIANT", "DEEPINFER_USE_NEXTN_DECODE",
-                                  "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE",
-                                  "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "DEEPINFER_BATCH_INVARIANT",
+        "DEEPINFER_USE_NEXTN_DECODE",
+        "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE",
+        "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS",
+    ],
+)
 def test_a_variable_of_an_unimplemented_feature_is_refused_naming_it(monkeypatch, name) -> None:
     monkeypatch.setenv(name, "1")
     with pytest.raises(ValueError, match=name):

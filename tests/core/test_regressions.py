@@ -36,8 +36,14 @@ def test_preempted_request_waits_behind_a_37_token_prefill_that_takes_the_whole_
     growth; P (37 tokens, all 10 blocks of 4, higher priority) overtakes it and is
     prefilled in chunks at usage 1.0 > 0.9, exempt from the watermark while in
     progress; then R recomputes. Everything finishes, in both drivers."""
-    cfg = EngineConfig(block_size=4, num_gpu_blocks=10, max_num_seqs=8, max_num_batched_tokens=8,
-                       prefill_watermark=0.9, policy="priority")
+    cfg = EngineConfig(
+        block_size=4,
+        num_gpu_blocks=10,
+        max_num_seqs=8,
+        max_num_batched_tokens=8,
+        prefill_watermark=0.9,
+        policy="priority",
+    )
     engine = make_engine(cfg)
     a, r = _request("a", 15, 10, 1, 1), _request("r", 11, 20, 1, 100)
     p = _request("p", 37, 3, 0, 500)
@@ -51,26 +57,42 @@ def test_preempted_request_waits_behind_a_37_token_prefill_that_takes_the_whole_
     assert r.num_preemptions >= 1 and p.num_output_tokens == 3
     full = [s for s in engine.steps if s.kv_usage > 0.9 and s.num_prompt_tokens]
     assert len(full) >= 4, "P's chunks ran with the cache above the watermark"
-    specs = (ReqSpec("a", 0, tuple(range(1, 16)), 10, 1), ReqSpec("r", 0, tuple(range(100, 111)),
-             20, 1), ReqSpec("p", 3, tuple(range(500, 537)), 3, 0))
+    specs = (
+        ReqSpec("a", 0, tuple(range(1, 16)), 10, 1),
+        ReqSpec("r", 0, tuple(range(100, 111)), 20, 1),
+        ReqSpec("p", 3, tuple(range(500, 537)), 3, 0),
+    )
     d = Driver(EngineCase(cfg, 0.7), specs, [])
     mirror = KVMirror.for_driver(d)
-    d.checkers = [mirror, BlockSafety(mirror), PrefixCache(mirror), WatermarkNewPrompts(mirror),
-                  Budgets(), NoIdleStep(), Completion(), RequestConservation(),
-                  TokenConservation()]
+    d.checkers = [
+        mirror,
+        BlockSafety(mirror),
+        PrefixCache(mirror),
+        WatermarkNewPrompts(mirror),
+        Budgets(),
+        NoIdleStep(),
+        Completion(),
+        RequestConservation(),
+        TokenConservation(),
+    ]
     d.run()
     assert d.reqs["r"].num_preemptions >= 1
 
 
 @pytest.mark.parametrize("size", ["shrunk", "10x4"])
-def test_a_request_preempting_itself_for_an_in_progress_prefill_does_not_stall(
-        size: str) -> None:
+def test_a_request_preempting_itself_for_an_in_progress_prefill_does_not_stall(size: str) -> None:
     """Shrunk by the property suite: with 3 one-token blocks and a budget of 2, r0
     (1 prompt token) runs while r1's 2-token prompt is chunked and reserves the rest;
     r0 needs a block for its second token and can only preempt itself."""
     if size == "shrunk":
-        engine = make_engine(block_size=1, num_gpu_blocks=3, max_num_batched_tokens=2,
-                             max_num_seqs=2, prefill_watermark=0.5, enable_prefix_caching=False)
+        engine = make_engine(
+            block_size=1,
+            num_gpu_blocks=3,
+            max_num_batched_tokens=2,
+            max_num_seqs=2,
+            prefill_watermark=0.5,
+            enable_prefix_caching=False,
+        )
         first, second = make_request("r0", 1, max_tokens=2), make_request("r1", 2, max_tokens=1)
         engine.add_request(first)
         engine.add_request(second)
@@ -88,9 +110,15 @@ def test_a_request_preempting_itself_for_an_in_progress_prefill_does_not_stall(
 def test_without_chunked_prefill_a_preempted_request_longer_than_the_budget_finishes() -> None:
     """Shrunk by the property suite: two 1-token prompts, 2 blocks of 2, budget 2. r1 is
     preempted with 3 tokens, which one unchunked step of 2 tokens can never recompute."""
-    engine = make_engine(block_size=2, num_gpu_blocks=2, max_num_batched_tokens=2,
-                         max_num_seqs=2, enable_chunked_prefill=False,
-                         enable_prefix_caching=False, prefill_watermark=0.5)
+    engine = make_engine(
+        block_size=2,
+        num_gpu_blocks=2,
+        max_num_batched_tokens=2,
+        max_num_seqs=2,
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+        prefill_watermark=0.5,
+    )
     reqs = [make_request("r0", [7], max_tokens=3), make_request("r1", [8], max_tokens=3)]
     for r in reqs:
         engine.add_request(r)

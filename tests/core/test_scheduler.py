@@ -49,8 +49,7 @@ def test_max_model_len_is_capped_by_the_cache_and_stops_with_length() -> None:
 
 
 def test_without_chunked_prefill_a_too_long_prompt_is_rejected() -> None:
-    engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=8,
-                         num_gpu_blocks=20)
+    engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=8, num_gpu_blocks=20)
     # max_model_len is capped at the budget: a preempted request is recomputed in one step.
     assert engine.scheduler.max_model_len == 8
     assert engine.add_request(make_request("r", 9)) is not None
@@ -62,8 +61,9 @@ def test_without_chunked_prefill_a_too_long_prompt_is_rejected() -> None:
 
 
 def test_watermark_holds_back_new_prompts_only() -> None:
-    engine = make_engine(block_size=4, num_gpu_blocks=10, prefill_watermark=0.5,
-                         max_num_batched_tokens=64)
+    engine = make_engine(
+        block_size=4, num_gpu_blocks=10, prefill_watermark=0.5, max_num_batched_tokens=64
+    )
     engine.add_request(make_request("a", 24, max_tokens=50))  # 6 of 10 blocks: usage 0.6
     engine.step()
     engine.add_request(make_request("b", 4))
@@ -83,8 +83,9 @@ def test_fcfs_and_running_first() -> None:
 
 
 def test_preemption_frees_the_newest_and_it_recomputes() -> None:
-    engine = make_engine(block_size=4, num_gpu_blocks=6, max_num_batched_tokens=64,
-                         prefill_watermark=1.0)
+    engine = make_engine(
+        block_size=4, num_gpu_blocks=6, max_num_batched_tokens=64, prefill_watermark=1.0
+    )
     a = make_request("a", 8, max_tokens=8)
     b = make_request("b", 8, max_tokens=8)
     engine.add_request(a)
@@ -146,8 +147,7 @@ def test_speculative_steps_verify_drafts_and_roll_back_rejections() -> None:
 def test_async_scheduling_gives_the_same_outputs() -> None:
     results = []
     for async_ in (False, True):
-        engine = make_engine(async_scheduling=async_, num_gpu_blocks=30,
-                             max_num_batched_tokens=16)
+        engine = make_engine(async_scheduling=async_, num_gpu_blocks=30, max_num_batched_tokens=16)
         reqs = [make_request(f"r{i}", 5 + 3 * i, max_tokens=6) for i in range(4)]
         for r in reqs:
             engine.add_request(r)

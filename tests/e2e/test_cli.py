@@ -16,8 +16,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "deepinfer.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "deepinfer.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_simulate_default_trace_prints_summary_and_writes_report_and_plot(tmp_path) -> None:
@@ -39,8 +44,10 @@ def test_simulate_runs_on_every_bundled_trace(name: str) -> None:
 
 def test_malformed_trace_row_exits_2_naming_file_line_and_field(tmp_path) -> None:
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"id": "a", "arrival": 0, "prompt_len": 10, "output_len": 2}\n'
-                   '{"id": "b", "arrival": 1, "prompt_len": "ten", "output_len": 2}\n')
+    bad.write_text(
+        '{"id": "a", "arrival": 0, "prompt_len": 10, "output_len": 2}\n'
+        '{"id": "b", "arrival": 1, "prompt_len": "ten", "output_len": 2}\n'
+    )
     proc = run_cli("simulate", str(bad), "--no-progress")
     assert proc.returncode == 2
     assert f"{bad}:2" in proc.stderr and "prompt_len" in proc.stderr
@@ -68,7 +75,15 @@ def test_a_stall_exits_3_with_the_diagnosis(monkeypatch, capsys) -> None:
 def test_help_explains_every_engine_option() -> None:
     proc = run_cli("simulate", "--help")
     assert proc.returncode == 0
-    for flag in ("--prefill-watermark", "--num-gpu-blocks", "--enable-chunked-prefill",
-                 "--slo", "--format", "--time-scale", "--max-requests", "--plot"):
+    for flag in (
+        "--prefill-watermark",
+        "--num-gpu-blocks",
+        "--enable-chunked-prefill",
+        "--slo",
+        "--format",
+        "--time-scale",
+        "--max-requests",
+        "--plot",
+    ):
         assert flag in proc.stdout
     assert SchedulerStalled.__name__  # the error type the CLI maps to exit code 3

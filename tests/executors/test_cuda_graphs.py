@@ -25,10 +25,18 @@ from tests.executors.tiny_models import TinyModel
 def graph_runner(tiny: TinyModel, sizes: list[int], num_blocks: int = 64) -> ModelRunner:
     cfg = ModelConfig.from_dict(read_hf_config(tiny.path))
     model = load_model(tiny.path, cfg, dtype=torch.float32, device=torch.device("cpu"))
-    cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, 4, cfg.kv_entry_dim, torch.float32,
-                         torch.device("cpu"), scratch_block=True)
-    runner = ModelRunner(model, cache, EngineConfig(block_size=4, num_gpu_blocks=num_blocks),
-                         max_model_len=128)
+    cache = PagedKVCache(
+        cfg.num_hidden_layers,
+        num_blocks,
+        4,
+        cfg.kv_entry_dim,
+        torch.float32,
+        torch.device("cpu"),
+        scratch_block=True,
+    )
+    runner = ModelRunner(
+        model, cache, EngineConfig(block_size=4, num_gpu_blocks=num_blocks), max_model_len=128
+    )
     runner.enable_cuda_graphs(sizes, capture=False)
     return runner
 
@@ -101,12 +109,19 @@ def test_graph_decode_generates_what_eager_decode_generates(
     equal eager CUDA's; in float32 also transformers'."""
     tiny = tiny_models["v3_mtp"]
     batch = prompts(6, [7, 13, 3, 9, 20])
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-              for n in (24, 8, 16, 30, 12)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 8, 16, 30, 12)
+    ]
     outs = {}
     for eager in (False, True):
-        llm = LLM(str(tiny.path), device="cuda", dtype=dtype, block_size=16,
-                  enforce_eager=eager, max_num_seqs=8)
+        llm = LLM(
+            str(tiny.path),
+            device="cuda",
+            dtype=dtype,
+            block_size=16,
+            enforce_eager=eager,
+            max_num_seqs=8,
+        )
         assert (llm.executor.runner.graphs is None) == eager
         res = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         outs[eager] = [o.outputs[0].token_ids for o in res]

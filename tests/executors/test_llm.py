@@ -18,9 +18,15 @@ from tests.executors.tiny_models import TinyModel
 
 def hf_greedy(tiny: TinyModel, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        ref = tiny.hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
-    return ref[0, len(prompt):].tolist()
+        ref = tiny.hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return ref[0, len(prompt) :].tolist()
 
 
 def prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
@@ -31,13 +37,18 @@ def prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.mark.parametrize("engine_args", [
-    dict(max_num_batched_tokens=8),  # chunked prefill alongside decodes
-    dict(max_num_batched_tokens=8, async_scheduling=True),
-    dict(num_gpu_blocks=12, max_num_batched_tokens=64),  # too few blocks: preemption
-], ids=["chunked", "async", "preempting"])
-def test_generate_matches_transformers_greedy(tiny_models: dict[str, TinyModel],
-                                              engine_args: dict) -> None:
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(max_num_batched_tokens=8),  # chunked prefill alongside decodes
+        dict(max_num_batched_tokens=8, async_scheduling=True),
+        dict(num_gpu_blocks=12, max_num_batched_tokens=64),  # too few blocks: preemption
+    ],
+    ids=["chunked", "async", "preempting"],
+)
+def test_generate_matches_transformers_greedy(
+    tiny_models: dict[str, TinyModel], engine_args: dict
+) -> None:
     tiny = tiny_models["v3_mtp"]
     base = prompts(1, [7, 13])[0]
     batch = [base, base + prompts(2, [5])[0], *prompts(3, [11, 4])]  # a shared prefix
@@ -56,13 +67,16 @@ def test_logprobs_and_seeded_sampling(tiny_models: dict[str, TinyModel]) -> None
     tiny = tiny_models["v2_group"]
     llm = LLM(str(tiny.path), device="cpu", dtype="float32", block_size=4)
     p = prompts(5, [9])[0]
-    sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, ignore_eos=True,
-                        logprobs=2, seq_seed=7)
+    sp = SamplingParams(
+        temperature=0.8, top_p=0.9, max_tokens=6, ignore_eos=True, logprobs=2, seq_seed=7
+    )
     a = llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0]
     others = [{"prompt_token_ids": q} for q in prompts(6, [3, 12])]
-    b = llm.generate([*others, {"prompt_token_ids": p}],
-                     [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4), sp],
-                     use_tqdm=False)[2].outputs[0]
+    b = llm.generate(
+        [*others, {"prompt_token_ids": p}],
+        [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4), sp],
+        use_tqdm=False,
+    )[2].outputs[0]
     assert a.token_ids == b.token_ids  # seq_seed: independent of the batch
     assert a.logprobs is not None and len(a.logprobs) == 6
     for tok, lps in zip(a.token_ids, a.logprobs):
@@ -73,15 +87,19 @@ def test_too_long_prompt_is_rejected_with_both_sizes(tiny_models: dict[str, Tiny
     tiny = tiny_models["v2_group"]
     llm = LLM(str(tiny.path), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=8)
     ok, too_long = prompts(8, [5, 40])
-    outs = llm.generate([{"prompt_token_ids": ok}, {"prompt_token_ids": too_long}],
-                        SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": ok}, {"prompt_token_ids": too_long}],
+        SamplingParams(max_tokens=3, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert outs[0].outputs[0].finish_reason == "length"
     assert outs[1].outputs[0].finish_reason == "rejected"
     assert "40 tokens" in outs[1].error and "8 blocks" in outs[1].error
 
 
-def test_bad_input_names_the_field_or_file(tiny_models: dict[str, TinyModel],
-                                           tmp_path: Path) -> None:
+def test_bad_input_names_the_field_or_file(
+    tiny_models: dict[str, TinyModel], tmp_path: Path
+) -> None:
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="unknown engine option"):

@@ -113,9 +113,7 @@ def test_missing_config_and_missing_weights_are_named(tmp_path: Path) -> None:
 def test_unknown_architecture_and_model_type_are_named(tiny_models: dict[str, TinyModel]) -> None:
     raw = read_hf_config(tiny_models["v3_plain"].path)
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
-        ModelConfig.from_dict(
-            {**raw, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-        )
+        ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     with pytest.raises(ValueError, match="'mystery'"):
         ModelConfig.from_dict({**raw, "architectures": [], "model_type": "mystery"})
 
@@ -143,8 +141,11 @@ def test_a_quantized_checkpoint_is_refused_by_the_executor_naming_the_file(
 ) -> None:
     raw = read_hf_config(tiny_models["v3_mtp"].path)
     (tmp_path / "config.json").write_text(
-        json.dumps({**raw, "quantization_config": {"quant_method": "fp8"}}))
-    assert ModelConfig.from_dict(json.loads((tmp_path / "config.json").read_text())).dtype_bytes == 1
+        json.dumps({**raw, "quantization_config": {"quant_method": "fp8"}})
+    )
+    assert (
+        ModelConfig.from_dict(json.loads((tmp_path / "config.json").read_text())).dtype_bytes == 1
+    )
     with pytest.raises(ValueError, match=r"config\.json: quantization_config \(fp8\)"):
         read_model_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")

@@ -38,16 +38,23 @@ def rows(*values: float) -> torch.Tensor:
 def test_penalties_match_hand_computed_values() -> None:
     """Repetition covers prompt and output; frequency and presence count output only."""
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
-    out = apply_penalties(logits, [[0]], [[1, 1, 2]], presence=rows(0.25),
-                          frequency=rows(0.5), repetition=rows(2.0))
+    out = apply_penalties(
+        logits, [[0]], [[1, 1, 2]], presence=rows(0.25), frequency=rows(0.5), repetition=rows(2.0)
+    )
     # 0: prompt only -> 2 / 2;  1: -1 * 2 - 2 * 0.5 - 0.25;  2: 0.5 / 2 - 0.5 - 0.25;  3: unseen
     assert out.tolist() == [[1.0, -3.25, -0.5, 3.0]]
 
 
 def test_default_penalties_leave_logits_bit_identical() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    out = apply_penalties(logits, [[1, 2], [3], []], [[4, 4], [], [5]], presence=rows(0, 0, 0),
-                          frequency=rows(0, 0, 0), repetition=rows(1, 1, 1))
+    out = apply_penalties(
+        logits,
+        [[1, 2], [3], []],
+        [[4, 4], [], [5]],
+        presence=rows(0, 0, 0),
+        frequency=rows(0, 0, 0),
+        repetition=rows(1, 1, 1),
+    )
     assert torch.equal(out, logits)
 
 
@@ -137,9 +144,11 @@ def test_min_tokens_with_ignore_eos_keeps_eos_allowed() -> None:
 
 def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(4))
-    states = [state(temperature=0.7, top_k=5, presence_penalty=1.0, logprobs=3, seq_seed=1),
-              state(temperature=0.0, logprobs=0),
-              state(temperature=1.0)]
+    states = [
+        state(temperature=0.7, top_k=5, presence_penalty=1.0, logprobs=3, seq_seed=1),
+        state(temperature=0.0, logprobs=0),
+        state(temperature=1.0),
+    ]
     states[0].output_token_ids = [int(logits[0].argmax())]
     out = sample_tokens(logits, states)
     raw = logits.log_softmax(-1)
@@ -167,11 +176,15 @@ def _step_logits(step: int, vocab: int = 50) -> torch.Tensor:
     return torch.randn(vocab, generator=torch.Generator().manual_seed(1000 + step))
 
 
-def _run_seeded(seq_seed: int, position: int, others: list[SamplingParams], steps: int) -> list[int]:
+def _run_seeded(
+    seq_seed: int, position: int, others: list[SamplingParams], steps: int
+) -> list[int]:
     """Sample `steps` tokens for one seeded request placed among `others`."""
     gen = torch.Generator().manual_seed(position * 7 + len(others))
-    target = SamplingState(SamplingParams(temperature=0.9, top_p=0.95, seq_seed=seq_seed,
-                                          repetition_penalty=1.1), [3, 4, 5])
+    target = SamplingState(
+        SamplingParams(temperature=0.9, top_p=0.95, seq_seed=seq_seed, repetition_penalty=1.1),
+        [3, 4, 5],
+    )
     other_states = [SamplingState(p, [1, 2]) for p in others]
     for _ in range(steps):
         batch = other_states[:position] + [target] + other_states[position:]
@@ -185,9 +198,12 @@ def _run_seeded(seq_seed: int, position: int, others: list[SamplingParams], step
 
 def test_seeded_request_is_independent_of_batch_composition_and_position() -> None:
     """Same seq_seed, same logits row => same tokens, whatever else is in the batch."""
-    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=0.5, top_k=3, min_p=0.1, seq_seed=99),
-              SamplingParams(temperature=1.2, top_p=0.5, frequency_penalty=1.0, logprobs=2)]
+    others = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.5, top_k=3, min_p=0.1, seq_seed=99),
+        SamplingParams(temperature=1.2, top_p=0.5, frequency_penalty=1.0, logprobs=2),
+    ]
     alone = _run_seeded(1234, 0, [], steps=8)
     torch.manual_seed(0)  # the global RNG must not matter either
     for position, batch in [(0, others), (2, others), (4, others), (1, others[:2])]:
@@ -201,10 +217,13 @@ def test_sampling_frequencies_follow_softmax() -> None:
     expected = (logits / 0.8).softmax(-1)
     n = 20000
     batch = logits.expand(n, -1).clone()
-    unseeded = sample_tokens(batch, [state(temperature=0.8) for _ in range(n)],
-                             torch.Generator().manual_seed(0)).token_ids
-    seeded = [sample_tokens(logits[None], [state(temperature=0.8, seq_seed=s)]).token_ids[0]
-              for s in range(4000)]
+    unseeded = sample_tokens(
+        batch, [state(temperature=0.8) for _ in range(n)], torch.Generator().manual_seed(0)
+    ).token_ids
+    seeded = [
+        sample_tokens(logits[None], [state(temperature=0.8, seq_seed=s)]).token_ids[0]
+        for s in range(4000)
+    ]
     for draws in (unseeded, seeded):
         assert _chi2_pvalue(torch.bincount(torch.tensor(draws), minlength=8), expected) > 1e-4
 
@@ -212,9 +231,11 @@ def test_sampling_frequencies_follow_softmax() -> None:
 def test_top_k_sampling_renormalises_over_the_kept_tokens() -> None:
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, 3.0, 2.0])
     n = 20000
-    draws = sample_tokens(logits.expand(n, -1).clone(),
-                          [state(temperature=1.0, top_k=3) for _ in range(n)],
-                          torch.Generator().manual_seed(1)).token_ids
+    draws = sample_tokens(
+        logits.expand(n, -1).clone(),
+        [state(temperature=1.0, top_k=3) for _ in range(n)],
+        torch.Generator().manual_seed(1),
+    ).token_ids
     counts = torch.bincount(torch.tensor(draws), minlength=6).double()
     assert counts[[1, 2, 3]].sum() == 0
     kept = torch.tensor([0, 4, 5])

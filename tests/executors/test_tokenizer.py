@@ -15,12 +15,45 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from deepinfer.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 BOS, EOS, EOT = "<|bos|>", "<|eos|>", "<|eot|>"
-WORDS = ["héllo", "wörld", "日本語", "🙂", "naïve", "café", "привет", "мир", "中文", "字符",
-         "👍🏽", "Ωmega", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog",
-         "tokens", "stream", "über", "ß", "ñandú", "한국어", "emoji😀", "x", "1234", "\n"]
-TEXTS = ["héllo wörld 日本語 🙂", "the quick brown fox jumps over the lazy dog",
-         "naïve café 中文字符 👍🏽 привет мир", "한국어 ñandú über 😀😀 Ωmega\nnew line",
-         "rare: 龘 𝄞 ∮ 🦜🦜 ǅ"]
+WORDS = [
+    "héllo",
+    "wörld",
+    "日本語",
+    "🙂",
+    "naïve",
+    "café",
+    "привет",
+    "мир",
+    "中文",
+    "字符",
+    "👍🏽",
+    "Ωmega",
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "tokens",
+    "stream",
+    "über",
+    "ß",
+    "ñandú",
+    "한국어",
+    "emoji😀",
+    "x",
+    "1234",
+    "\n",
+]
+TEXTS = [
+    "héllo wörld 日本語 🙂",
+    "the quick brown fox jumps over the lazy dog",
+    "naïve café 中文字符 👍🏽 привет мир",
+    "한국어 ñandú über 😀😀 Ωmega\nnew line",
+    "rare: 龘 𝄞 ∮ 🦜🦜 ǅ",
+]
 
 
 def _corpus(n: int = 400) -> list[str]:
@@ -32,8 +65,11 @@ def _raw_tokenizer() -> RawTokenizer:
     tok = RawTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=[BOS, EOS, EOT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=420,
+        special_tokens=[BOS, EOS, EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_corpus(), trainer)
     return tok
 
@@ -42,10 +78,15 @@ def _raw_tokenizer() -> RawTokenizer:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("tok")
     _raw_tokenizer().save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": BOS, "add_bos_token": True,
-        "eos_token": {"__type": "AddedToken", "content": EOS, "special": True},
-    }))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": BOS,
+                "add_bos_token": True,
+                "eos_token": {"__type": "AddedToken", "content": EOS, "special": True},
+            }
+        )
+    )
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
     return d
 
@@ -55,15 +96,19 @@ def tok(model_dir: Path) -> Tokenizer:
     return load_tokenizer(model_dir)
 
 
-def stream(tok: Tokenizer, ids: list[int], chunks: list[int] | None = None,
-           prompt: list[int] | None = None, **kw: bool | list[str],
-           ) -> tuple[IncrementalDetokenizer, str]:
+def stream(
+    tok: Tokenizer,
+    ids: list[int],
+    chunks: list[int] | None = None,
+    prompt: list[int] | None = None,
+    **kw: bool | list[str],
+) -> tuple[IncrementalDetokenizer, str]:
     """Feed ids (one at a time, or in the given chunk sizes); return the detokenizer and
     everything it emitted, flush included."""
     detok = IncrementalDetokenizer(tok, prompt or [], **kw)  # type: ignore[arg-type]
     emitted, i = "", 0
     for size in chunks or [1] * len(ids):
-        emitted += detok.append(ids[i:i + size])
+        emitted += detok.append(ids[i : i + size])
         i += size
     return detok, emitted + detok.flush()
 
@@ -100,9 +145,16 @@ def test_missing_tokenizer_error_names_the_directory(tmp_path: Path) -> None:
 
 def test_falls_back_to_auto_tokenizer_without_tokenizer_json(tmp_path: Path) -> None:
     _raw_tokenizer().model.save(str(tmp_path))  # vocab.json + merges.txt only
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "GPT2Tokenizer", "bos_token": BOS, "eos_token": EOS,
-         "add_bos_token": True}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "GPT2Tokenizer",
+                "bos_token": BOS,
+                "eos_token": EOS,
+                "add_bos_token": True,
+            }
+        )
+    )
     tok = load_tokenizer(tmp_path)
     ids = tok.encode(TEXTS[0])
     assert ids[0] == tok.bos_token_id == 0 and tok.eos_token_id == 1
@@ -167,8 +219,9 @@ def test_text_that_may_start_a_stop_string_is_held_back(tok: Tokenizer) -> None:
     assert emitted == "the lazy " and emitted + detok.flush() == detok.text
 
 
-unicode_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\ufffd"),
-                       max_size=40)
+unicode_text = st.text(
+    st.characters(blacklist_categories=("Cs",), blacklist_characters="\ufffd"), max_size=40
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -191,7 +244,7 @@ def test_stream_stops_at_first_occurrence_of_random_stop_string(
 ) -> None:
     """A stop string cut from the text ends the stream right before its first occurrence."""
     start = data.draw(st.integers(0, len(text) - 1))
-    stop = text[start:data.draw(st.integers(start + 1, len(text)))]
+    stop = text[start : data.draw(st.integers(start + 1, len(text)))]
     ids = tok.encode(text, add_special_tokens=False)
     detok, emitted = stream(tok, ids, stop=[stop])
     assert detok.stop_hit == stop

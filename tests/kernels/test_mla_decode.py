@@ -89,8 +89,9 @@ def test_default_launch_settings(q_lens, table_cols, device) -> None:
     splits then come from the width, and pieces past a short context stay empty."""
     gen = torch.Generator().manual_seed(len(q_lens) + sum(q_lens))
     seq = [700, 45, 260]
-    case = make_mla_case(q_lens, seq, 16, 64, 32, 64, torch.float32, device, gen,
-                         extra_table_cols=table_cols)
+    case = make_mla_case(
+        q_lens, seq, 16, 64, 32, 64, torch.float32, device, gen, extra_table_cols=table_cols
+    )
     out = torch.full((sum(q_lens), 16, 64), float("nan"), device=device)
     mla_decode(*case.args(), out=out)
     assert rel_err(out, mla_decode_ref(*case.clean_args())) < 1e-5

@@ -29,12 +29,22 @@ def _inputs(t, h, dn, lat, rope, num_blocks, page, dtype, device, seed):
 @pytest.mark.parametrize("t,h", [(1, 1), (5, 3), (9, 16)])
 def test_rope_cache_matches_reference(t, h, interleave, device) -> None:
     dn, lat, rope = 8, 32, 16
-    q, kv, w, cos, sin, cache, slots = _inputs(t, h, dn, lat, rope, 4, 4, torch.float32,
-                                               device, t * 10 + h + interleave)
+    q, kv, w, cos, sin, cache, slots = _inputs(
+        t, h, dn, lat, rope, 4, 4, torch.float32, device, t * 10 + h + interleave
+    )
     q_ref, cache_ref = q.clone().double(), cache.clone().double()
     mla_rope_cache(q[..., dn:], kv, w, 1e-6, cos, sin, cache, slots, interleave)
-    mla_rope_cache_ref(q_ref[..., dn:], kv.double(), w.double(), 1e-6, cos.double(),
-                       sin.double(), cache_ref, slots, interleave)
+    mla_rope_cache_ref(
+        q_ref[..., dn:],
+        kv.double(),
+        w.double(),
+        1e-6,
+        cos.double(),
+        sin.double(),
+        cache_ref,
+        slots,
+        interleave,
+    )
     assert rel_err(q, q_ref) < 1e-6  # q_nope untouched, q_pe rotated
     flat, flat_ref = cache.view(-1, lat + rope), cache_ref.view(-1, lat + rope)
     assert rel_err(flat[slots], flat_ref[slots]) < 1e-6
@@ -49,8 +59,9 @@ def test_rope_cache_at_deepseek_shapes_in_bf16(h) -> None:
     """Moonlight (16 heads) and DeepSeek-V3 (128): L 512, R 64, interleaved, bf16; both
     sides round the same way, so the results agree to bf16 rounding of a few elements."""
     dn, lat, rope, t = 128, 512, 64, 300
-    q, kv, w, cos, sin, cache, slots = _inputs(t, h, dn, lat, rope, 64, 64, torch.bfloat16,
-                                               torch.device("cuda"), h)
+    q, kv, w, cos, sin, cache, slots = _inputs(
+        t, h, dn, lat, rope, 64, 64, torch.bfloat16, torch.device("cuda"), h
+    )
     q_ref, cache_ref = q.clone(), cache.clone()
     mla_rope_cache(q[..., dn:], kv, w, 1e-6, cos, sin, cache, slots, True)
     mla_rope_cache_ref(q_ref[..., dn:], kv, w, 1e-6, cos, sin, cache_ref, slots, True)

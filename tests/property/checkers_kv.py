@@ -25,7 +25,8 @@ class BlockSafety(Checker):
             assert block.ref_cnt == n, f"{when}: {block} but {n} tables hold it"
         assert pool.num_free_blocks == pool.num_blocks - len(held), (
             f"{when}: {pool.num_free_blocks} free blocks, but {len(held)} of "
-            f"{pool.num_blocks} are held")
+            f"{pool.num_blocks} are held"
+        )
 
     def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
         self._check(d, f"step {out.step_id} scheduled")
@@ -68,9 +69,10 @@ class PrefixCache(Checker):
             if not decode:
                 assert a.start % d.case.config.block_size == 0, f"{where}: hit not block-aligned"
                 assert a.start <= a.num_tokens - 1, f"{where}: a hit covers {a.start} tokens"
-                assert a.table[:a.hits] == a.predicted, (
-                    f"{where}: reused blocks {a.table[:a.hits]}, the reference dict finds "
-                    f"{a.predicted}")
+                assert a.table[: a.hits] == a.predicted, (
+                    f"{where}: reused blocks {a.table[: a.hits]}, the reference dict finds "
+                    f"{a.predicted}"
+                )
         assert not self.mirror.hit_mismatches, "\n".join(self.mirror.hit_mismatches)
         self._shared(d, f"step {out.step_id} scheduled")
 
@@ -93,20 +95,25 @@ class Budgets(Checker):
             assert ndraft <= cfg.num_speculative_tokens, f"{where}: {sr.req_id} {ndraft} drafts"
             assert sr.num_tokens > ndraft, f"{where}: {sr.req_id} scheduled only drafts"
             assert sr.num_computed_tokens + sr.num_tokens <= length, (
-                f"{where}: {sr.req_id} computes past max_model_len={length}")
+                f"{where}: {sr.req_id} computes past max_model_len={length}"
+            )
         s = d.sched
         assert len(s.running) + s.waiting.num_in_progress <= cfg.max_num_seqs, f"{where}: seqs"
         self._computed(d, where, strict=False)
 
     def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         # With nothing in flight every scheduled token is known: computed <= tokens.
-        self._computed(d, f"step {out.step_id} processed",
-                       strict=not d.case.config.async_scheduling)
+        self._computed(
+            d, f"step {out.step_id} processed", strict=not d.case.config.async_scheduling
+        )
 
     def _computed(self, d: Driver, where: str, strict: bool) -> None:
         for req in d.sched.requests.values():
-            limit = req.num_tokens if strict else (
-                req.num_tokens + req.num_output_placeholders + req.num_pending_drafts)
+            limit = (
+                req.num_tokens
+                if strict
+                else (req.num_tokens + req.num_output_placeholders + req.num_pending_drafts)
+            )
             assert 0 <= req.num_computed_tokens <= limit, f"{where}: {req!r} computed > tokens"
 
 
@@ -125,7 +132,8 @@ class WatermarkNewPrompts(Checker):
             usage = 1.0 - (n - a.held_before) / n  # the core's formula, to the last bit
             assert usage <= cfg.prefill_watermark, (
                 f"step {out.step_id}: {a.req_id} started a prompt at usage {usage:.3f} > "
-                f"watermark {cfg.prefill_watermark}")
+                f"watermark {cfg.prefill_watermark}"
+            )
 
 
 class WatermarkExemption(Checker):
@@ -145,6 +153,7 @@ class WatermarkExemption(Checker):
         assert head in {sr.req_id for sr in out.scheduled}, (
             f"step {out.step_id}: in-progress prefill {head} held back with "
             f"{cfg.max_num_batched_tokens - used} tokens of budget left, usage "
-            f"{before:.3f}, watermark {cfg.prefill_watermark}")
+            f"{before:.3f}, watermark {cfg.prefill_watermark}"
+        )
         if before > cfg.prefill_watermark:
             note("an in-progress chunk continued above the watermark")

@@ -60,8 +60,10 @@ class NoIdleStep(Checker):
     def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
         if in_flight or not out.is_empty or not d.sched.has_unfinished():
             return
-        raise AssertionError(f"step {out.step_id}: unfinished requests, nothing in flight, "
-                             f"nothing scheduled\n{d.sched.diagnose()}")
+        raise AssertionError(
+            f"step {out.step_id}: unfinished requests, nothing in flight, "
+            f"nothing scheduled\n{d.sched.diagnose()}"
+        )
 
 
 class Completion(Checker):
@@ -90,8 +92,10 @@ class NeverPreemptedAlone(Checker):
         if gone:
             assert d.snap is not None
             survivors = set(d.snap.tables) - gone
-            assert survivors, (f"step {out.step_id}: preempted {sorted(gone)}, the last of "
-                               f"which held blocks alone (it fits in the cache by itself)")
+            assert survivors, (
+                f"step {out.step_id}: preempted {sorted(gone)}, the last of "
+                f"which held blocks alone (it fits in the cache by itself)"
+            )
             note("preemption")
 
 
@@ -133,14 +137,16 @@ class ComputedProgress(Checker):
             self.max_seen[rid] = m
 
     def on_step_end(self, d: Driver) -> None:
-        phi = sum(r.max_computed_tokens + r.num_output_tokens + r.is_finished
-                  for r in d.reqs.values())
+        phi = sum(
+            r.max_computed_tokens + r.num_output_tokens + r.is_finished for r in d.reqs.values()
+        )
         if phi > self.phi:
             self.phi, self.last_rise = phi, d.steps
         window = progress_window(d.case)
         assert d.steps - self.last_rise <= window, (
             f"no progress in {window} steps (steps {self.last_rise}..{d.steps})\n"
-            f"{d.sched.diagnose()}")
+            f"{d.sched.diagnose()}"
+        )
 
 
 class RequestConservation(Checker):
@@ -152,12 +158,15 @@ class RequestConservation(Checker):
 
     def _check(self, d: Driver, where: str) -> None:
         s, by = d.sched, Counter(r.status for r in d.reqs.values())
-        assert len(d.reqs) == (by[S.FINISHED] + by[S.ABORTED] + by[S.REJECTED] + len(s.waiting)
-                               + len(s.running)), f"{where}: requests not conserved: {by}"
+        assert len(d.reqs) == (
+            by[S.FINISHED] + by[S.ABORTED] + by[S.REJECTED] + len(s.waiting) + len(s.running)
+        ), f"{where}: requests not conserved: {by}"
         assert {r.request_id for r in s.waiting} == {
-            rid for rid, r in d.reqs.items() if r.status in (S.WAITING, S.PREEMPTED, S.PREFILLING)}
+            rid for rid, r in d.reqs.items() if r.status in (S.WAITING, S.PREEMPTED, S.PREFILLING)
+        }
         assert {r.request_id for r in s.running} == {
-            rid for rid, r in d.reqs.items() if r.status is S.RUNNING}
+            rid for rid, r in d.reqs.items() if r.status is S.RUNNING
+        }
         records = Counter(rec.req_id for rec in d.engine.records)
         for rid, req in d.reqs.items():
             old = self.status.get(rid)
@@ -199,14 +208,16 @@ class TokenConservation(Checker):
         req = d.reqs[rid]
         got = req.output_token_ids
         sent = [t for c in chunks for t in c]
-        assert got == sent[:len(got)], f"{where}: {rid} outputs {got} != executor's {sent}"
+        assert got == sent[: len(got)], f"{where}: {rid} outputs {got} != executor's {sent}"
         cut = len(sent) - len(got)  # tokens past a stop are dropped, in the last step only
         assert cut == 0 or (req.status is S.FINISHED and cut < len(chunks[-1])), (
-            f"{where}: {rid} ({req.status.value}) lost {cut} of the tokens it was given")
+            f"{where}: {rid} ({req.status.value}) lost {cut} of the tokens it was given"
+        )
         n = len(d.specs[rid].prompt)
         for i, t in enumerate(got):
             assert t == sim_token(rid, n + i), (
-                f"{where}: {rid} output {i} is {t}, not the token of position {n + i}")
+                f"{where}: {rid} output {i} is {t}, not the token of position {n + i}"
+            )
 
     def on_end(self, d: Driver) -> None:
         for req in d.reqs.values():

@@ -17,11 +17,21 @@ _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter
 _DB = {"database": None} if os.environ.get("CI", "").lower() == "true" else {}
 
 settings.register_profile(
-    "ci", max_examples=300, deadline=None, derandomize=True, print_blob=True,
-    suppress_health_check=_SLOW_OK, **_DB,
+    "ci",
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=_SLOW_OK,
+    **_DB,
 )
 settings.register_profile(
-    "deep", max_examples=5000, deadline=None, derandomize=False, print_blob=True,
-    suppress_health_check=_SLOW_OK, **_DB,
+    "deep",
+    max_examples=5000,
+    deadline=None,
+    derandomize=False,
+    print_blob=True,
+    suppress_health_check=_SLOW_OK,
+    **_DB,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

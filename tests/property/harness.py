@@ -102,8 +102,9 @@ def step_bound(case: EngineCase, workload: Workload) -> int:
     one step of slack) per preemption.
     """
     k, length = case.config.num_speculative_tokens, max_model_len(case)
-    work = sum(len(s.prompt) + expected_outputs(case, s) * (1 + k)
-               for s in workload if admissible(case, s))
+    work = sum(
+        len(s.prompt) + expected_outputs(case, s) * (1 + k) for s in workload if admissible(case, s)
+    )
     steps = max((s.arrival_step for s in workload), default=0) + 1
     steps += work + preemption_bound(case, workload) * (length + 1)
     return 2 * steps + 2 if case.config.async_scheduling else steps
@@ -126,8 +127,9 @@ class Driver:
         cfg = case.config
         self.case, self.workload, self.checkers = case, workload, checkers
         self.executor = SimExecutor(cfg, cfg.num_gpu_blocks, acceptance_rate=case.acceptance_rate)
-        self.engine = EngineCore(cfg, self.executor, clock=StepClock(),
-                                 check_invariants=CORE_CHECKS)
+        self.engine = EngineCore(
+            cfg, self.executor, clock=StepClock(), check_invariants=CORE_CHECKS
+        )
         self.sched = self.engine.scheduler
         self.specs = {s.req_id: s for s in workload}
         self.reqs: dict[str, Request] = {}  # every submitted request
@@ -148,8 +150,9 @@ class Driver:
 
     def run(self) -> Driver:
         arrivals = sorted(self.workload, key=lambda s: s.arrival_step)
-        aborts = sorted((s for s in self.workload if s.abort_step is not None),
-                        key=lambda s: s.abort_step)  # type: ignore[arg-type,return-value]
+        aborts = sorted(
+            (s for s in self.workload if s.abort_step is not None), key=lambda s: s.abort_step
+        )  # type: ignore[arg-type,return-value]
         while True:
             while arrivals and arrivals[0].arrival_step <= self.clock:
                 self._add(arrivals.pop(0))
@@ -161,19 +164,25 @@ class Driver:
                 self.clock = arrivals[0].arrival_step  # idle until the next arrival
                 continue
             if self.steps >= self.max_steps:
-                raise AssertionError(f"liveness: unfinished after {self.steps} steps (bound "
-                                     f"{self.max_steps})\n{self.sched.diagnose()}")
+                raise AssertionError(
+                    f"liveness: unfinished after {self.steps} steps (bound "
+                    f"{self.max_steps})\n{self.sched.diagnose()}"
+                )
             self._step()
             self.steps += 1
             self.clock += 1
             if self.sched.num_preemptions > self.max_preemptions:
-                raise AssertionError(f"livelock: {self.sched.num_preemptions} preemptions > "
-                                     f"bound {self.max_preemptions}\n{self.sched.diagnose()}")
+                raise AssertionError(
+                    f"livelock: {self.sched.num_preemptions} preemptions > "
+                    f"bound {self.max_preemptions}\n{self.sched.diagnose()}"
+                )
             if self.stalled:  # nothing changes until an arrival or an abort: skip ahead
                 events = [s.arrival_step for s in arrivals] + [s.abort_step for s in aborts]
                 if not events:
-                    raise AssertionError(f"liveness: stalled at step {self.steps}, no event "
-                                         f"left to unblock it\n{self.sched.diagnose()}")
+                    raise AssertionError(
+                        f"liveness: stalled at step {self.steps}, no event "
+                        f"left to unblock it\n{self.sched.diagnose()}"
+                    )
                 skip = max(0, min(events) - self.clock)  # type: ignore[type-var]
                 self.steps, self.clock = self.steps + skip, self.clock + skip
             for c in self.checkers:
@@ -185,15 +194,19 @@ class Driver:
 
     def _note_coverage(self) -> None:
         kv, cfg = self.sched.kv, self.case.config
-        note(f"role={cfg.role.value} async={cfg.async_scheduling} "
-             f"spec={bool(cfg.num_speculative_tokens)}")
+        note(
+            f"role={cfg.role.value} async={cfg.async_scheduling} "
+            f"spec={bool(cfg.num_speculative_tokens)}"
+        )
         for label, seen in [
             ("some request was preempted", self.sched.num_preemptions),
             ("a prefix-cache hit", kv.num_hit_tokens),
             ("a cached block was evicted", kv.pool.num_evictions),
             ("a request was rejected", self.reasons),
-            ("a request was aborted", any(r.status is RequestStatus.ABORTED
-                                          for r in self.reqs.values())),
+            (
+                "a request was aborted",
+                any(r.status is RequestStatus.ABORTED for r in self.reqs.values()),
+            ),
             ("a prompt was chunked", self.chunked),
         ]:
             if seen:
@@ -201,8 +214,9 @@ class Driver:
 
     def _add(self, spec: ReqSpec) -> None:
         params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
-        req = Request(spec.req_id, list(spec.prompt), params, float(spec.arrival_step),
-                      priority=spec.priority)
+        req = Request(
+            spec.req_id, list(spec.prompt), params, float(spec.arrival_step), priority=spec.priority
+        )
         self.reqs[spec.req_id] = req
         reason = self.engine.add_request(req)
         if reason is not None:
@@ -227,7 +241,8 @@ class Driver:
         out = self.engine.schedule()
         self.chunked = self.chunked or any(
             sr.num_computed_tokens + sr.num_tokens < self.reqs[sr.req_id].num_tokens
-            for sr in out.scheduled)
+            for sr in out.scheduled
+        )
         for c in self.checkers:
             c.on_schedule(self, out, in_flight)
         return out

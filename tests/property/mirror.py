@@ -46,7 +46,7 @@ class PrefixModel:
         out = self._pids.setdefault(req_id, [])
         for i in range(len(out), len(tokens) // self.bs):
             start = i * self.bs
-            block: tuple = tuple(tokens[start:start + self.bs])
+            block: tuple = tuple(tokens[start : start + self.bs])
             out.append(self._intern.setdefault((out[-1] if out else -1, block), len(self._intern)))
         return out
 
@@ -54,7 +54,7 @@ class PrefixModel:
         if not self.enabled:
             return []
         hits = []
-        for pid in self.pids(req_id, tokens)[:(len(tokens) - 1) // self.bs]:
+        for pid in self.pids(req_id, tokens)[: (len(tokens) - 1) // self.bs]:
             if pid not in self.cache:
                 break
             hits.append(self.cache[pid])
@@ -121,22 +121,26 @@ class KVMirror(Checker):
                 hits = len(predicted) if decode else start // bs
                 if decode and table[:hits] != predicted:
                     self.hit_mismatches.append(f"{rid}: table {table[:hits]} != dict {predicted}")
-                self.admissions.append(Admission(rid, len(held), hits, predicted, table, len(toks),
-                                                 start))
+                self.admissions.append(
+                    Admission(rid, len(held), hits, predicted, table, len(toks), start)
+                )
                 for i, b in enumerate(table[:hits]):
-                    want = dict(enumerate(toks[i * bs:(i + 1) * bs]))
+                    want = dict(enumerate(toks[i * bs : (i + 1) * bs]))
                     if self.content[b] != want:
                         self.hit_mismatches.append(
                             f"{rid}: hit block {b} at index {i} holds {self.content[b]}, "
-                            f"its tokens are {want}")
+                            f"its tokens are {want}"
+                        )
                 fresh, self.prefix.reg_upto[rid] = table[hits:], hits
             else:
                 assert rid in self.tables, f"{rid} scheduled without a table and no block_table"
                 fresh = list(sr.new_block_ids)
                 table = self.tables[rid] + fresh
             for b in fresh:
-                assert held[b] == 0, f"step {out.step_id}: block {b} handed to {rid} while " \
-                                     f"held by {[r for r, t in self.tables.items() if b in t]}"
+                assert held[b] == 0, (
+                    f"step {out.step_id}: block {b} handed to {rid} while "
+                    f"held by {[r for r, t in self.tables.items() if b in t]}"
+                )
                 self.gen[b] += 1
                 self.content[b] = {}
                 self.prefix.evict(b)
@@ -180,8 +184,9 @@ class KVMirror(Checker):
             rid = sr.req_id
             if sr.samples and rid in live and rid in self.tables and rid in d.live_before_process:
                 toks = d.tokens(rid)
-                self.prefix.register(rid, self.tables[rid], toks,
-                                     min(self.comp[rid], len(toks)) // self.bs)
+                self.prefix.register(
+                    rid, self.tables[rid], toks, min(self.comp[rid], len(toks)) // self.bs
+                )
         kv = d.sched.kv
         for rid in list(self.tables):
             if not kv.holds_blocks(rid):
@@ -189,8 +194,9 @@ class KVMirror(Checker):
                 del self.tables[rid]
                 continue
             core = kv.block_ids(rid)  # rejected draft slots are trimmed off the tail
-            assert self.tables[rid][:len(core)] == core, f"{rid}: core table {core} is not a " \
-                                                         f"prefix of {self.tables[rid]}"
+            assert self.tables[rid][: len(core)] == core, (
+                f"{rid}: core table {core} is not a prefix of {self.tables[rid]}"
+            )
             self.tables[rid] = core
         self._check_tables(d, "after process")
 
@@ -217,6 +223,8 @@ class KVMirror(Checker):
                 for slot, tok in self.content[b].items():
                     pos = i * self.bs + slot
                     if pos < len(toks) and toks[pos] != tok:
-                        errors.append(f"block {b} shared by {holders}: slot {slot} holds {tok}, "
-                                      f"{rid} has {toks[pos]} at position {pos}")
+                        errors.append(
+                            f"block {b} shared by {holders}: slot {slot} holds {tok}, "
+                            f"{rid} has {toks[pos]} at position {pos}"
+                        )
         return errors

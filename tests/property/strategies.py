@@ -55,26 +55,38 @@ class ReqSpec:
 
     def __repr__(self) -> str:  # prompts are long: show their shape, not every token
         head = ",".join(map(str, self.prompt[:3]))
-        return (f"ReqSpec({self.req_id!r}, arrive={self.arrival_step}, prompt=[{head}..]"
-                f"x{len(self.prompt)}, max_tokens={self.max_tokens}, prio={self.priority}, "
-                f"abort={self.abort_step})")
+        return (
+            f"ReqSpec({self.req_id!r}, arrive={self.arrival_step}, prompt=[{head}..]"
+            f"x{len(self.prompt)}, max_tokens={self.max_tokens}, prio={self.priority}, "
+            f"abort={self.abort_step})"
+        )
 
 
 Workload = tuple[ReqSpec, ...]
 
 
 @st.composite
-def engine_cases(draw: st.DrawFn, *, roles: tuple[EngineRole, ...] = tuple(EngineRole),
-                 allow_async: bool = True, allow_spec: bool = True,
-                 max_capacity: int = MAX_TOKENS, caching: bool | None = None) -> EngineCase:
+def engine_cases(
+    draw: st.DrawFn,
+    *,
+    roles: tuple[EngineRole, ...] = tuple(EngineRole),
+    allow_async: bool = True,
+    allow_spec: bool = True,
+    max_capacity: int = MAX_TOKENS,
+    caching: bool | None = None,
+) -> EngineCase:
     """`max_capacity` small (~100 tokens) makes contention, preemption and eviction common."""
-    block_size: int = either(draw, st.integers(1, 8), st.sampled_from([16, 32, 64, 128]),
-                             st.integers(1, 128))  # type: ignore[assignment]
+    block_size: int = either(
+        draw, st.integers(1, 8), st.sampled_from([16, 32, 64, 128]), st.integers(1, 128)
+    )  # type: ignore[assignment]
     most = max(1, max_capacity // block_size)
     # Mostly small caches (contention, preemption, eviction), sometimes thousands of blocks.
-    num_blocks: int = either(draw, st.integers(1, max(1, min(most, 96 // block_size))),
-                             st.integers(1, min(24, most)),
-                             st.integers(1, min(2048, most)))  # type: ignore[assignment]
+    num_blocks: int = either(
+        draw,
+        st.integers(1, max(1, min(most, 96 // block_size))),
+        st.integers(1, min(24, most)),
+        st.integers(1, min(2048, most)),
+    )  # type: ignore[assignment]
     capacity = block_size * num_blocks
     k = draw(st.integers(0, 4)) if allow_spec else 0
     # At least ~1/40 of the cache per step keeps a full-cache prompt at <= 40 chunks.
@@ -109,8 +121,9 @@ def _chunk_tokens(chunk: int, length: int) -> list[int]:
 
 
 @st.composite
-def prompts(draw: st.DrawFn, capacity: int, block_size: int, chunk_len: int,
-            unique: int) -> tuple[int, ...]:
+def prompts(
+    draw: st.DrawFn, capacity: int, block_size: int, chunk_len: int, unique: int
+) -> tuple[int, ...]:
     share = st.sampled_from([0.1, 0.25, 0.4, 0.6, 0.85])
     length: int = either(
         draw,
@@ -147,8 +160,9 @@ def arrivals(draw: st.DrawFn, n: int) -> list[int]:
 
 
 @st.composite
-def workloads(draw: st.DrawFn, case: EngineCase, *, max_requests: int = 10,
-              aborts: bool = True) -> Workload:
+def workloads(
+    draw: st.DrawFn, case: EngineCase, *, max_requests: int = 10, aborts: bool = True
+) -> Workload:
     bs = case.config.block_size
     n: int = either(draw, st.integers(1, max_requests), st.just(max_requests))  # type: ignore
     chunk_len = draw(st.sampled_from([bs, 2 * bs, max(1, bs // 2), bs + 1, 3]))
@@ -158,32 +172,45 @@ def workloads(draw: st.DrawFn, case: EngineCase, *, max_requests: int = 10,
         abort_after = draw(st.none() | st.integers(0, 30)) if aborts else None
         if i and draw(st.booleans()):  # repeat (a prefix of) an earlier prompt: whole hits
             src = specs[draw(st.integers(0, i - 1))].prompt
-            cut: int = either(draw, st.just(len(src)), st.integers(1, len(src)),
-                              st.integers(1, max(1, len(src) // bs)).map(lambda m: m * bs))
-            prompt = src[:max(1, cut)]
+            cut: int = either(
+                draw,
+                st.just(len(src)),
+                st.integers(1, len(src)),
+                st.integers(1, max(1, len(src) // bs)).map(lambda m: m * bs),
+            )
+            prompt = src[: max(1, cut)]
         else:
             prompt = draw(prompts(case.capacity, bs, chunk_len, i))
-        specs.append(ReqSpec(
-            req_id=f"r{i}",
-            arrival_step=t,
-            prompt=prompt,
-            max_tokens=either(draw, st.integers(1, 24),  # type: ignore[arg-type]
-                              st.integers(1, min(64, case.capacity))),
-            priority=draw(st.integers(0, 3)),
-            abort_step=None if abort_after is None else t + abort_after,
-        ))
+        specs.append(
+            ReqSpec(
+                req_id=f"r{i}",
+                arrival_step=t,
+                prompt=prompt,
+                max_tokens=either(
+                    draw,
+                    st.integers(1, 24),  # type: ignore[arg-type]
+                    st.integers(1, min(64, case.capacity)),
+                ),
+                priority=draw(st.integers(0, 3)),
+                abort_step=None if abort_after is None else t + abort_after,
+            )
+        )
     return tuple(specs)
 
 
 @st.composite
 def any_case_and_workload(draw: st.DrawFn, **case_kwargs: object) -> tuple[EngineCase, Workload]:
     """Half general engines, half small caches where preemption and eviction are common."""
-    return either(draw, cases_and_workloads(**case_kwargs),  # type: ignore[return-value]
-                  cases_and_workloads(max_capacity=64, **case_kwargs))
+    return either(
+        draw,
+        cases_and_workloads(**case_kwargs),  # type: ignore[return-value]
+        cases_and_workloads(max_capacity=64, **case_kwargs),
+    )
 
 
 @st.composite
-def cases_and_workloads(draw: st.DrawFn, *, aborts: bool = True, max_requests: int = 10,
-                        **case_kwargs: object) -> tuple[EngineCase, Workload]:
+def cases_and_workloads(
+    draw: st.DrawFn, *, aborts: bool = True, max_requests: int = 10, **case_kwargs: object
+) -> tuple[EngineCase, Workload]:
     case = draw(engine_cases(**case_kwargs))  # type: ignore[arg-type]
     return case, draw(workloads(case, aborts=aborts, max_requests=max_requests))

@@ -25,7 +25,8 @@ def _run(case: EngineCase, workload: Workload, make: type[BlockSafety]) -> Drive
 @scaled(1.0)
 @given(any_case_and_workload())
 def test_every_block_is_free_or_held_and_ref_counts_equal_holders(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """After every half step and abort: each block's ref count equals the number of
     block tables (as the outputs describe them) that hold it, never negative; the
     free blocks are exactly those no table holds; a block is never handed out fresh
@@ -37,7 +38,8 @@ def test_every_block_is_free_or_held_and_ref_counts_equal_holders(
 @scaled(1.0)
 @given(any_case_and_workload())
 def test_finished_aborted_and_preempted_requests_hold_no_blocks(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """A request that finished, was aborted or was preempted holds no blocks, in the
     core and in the tables the outputs describe."""
     case, workload = cw
@@ -47,7 +49,8 @@ def test_finished_aborted_and_preempted_requests_hold_no_blocks(
 @scaled(1.0)
 @given(any_case_and_workload())
 def test_at_the_end_every_block_is_free_or_evictable_cached(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """When the workload is done every block is free (ref count 0); a block that still
     carries a prefix hash is findable under it, i.e. cached and evictable."""
     case, workload = cw

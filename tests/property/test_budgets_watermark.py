@@ -23,7 +23,8 @@ def _run_watermark(case: EngineCase, workload: Workload, make: type[Checker]) ->
 @scaled(2.0)
 @given(any_case_and_workload())
 def test_steps_respect_token_and_sequence_budgets_and_computed_never_exceeds_tokens(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """Each step schedules <= max_num_batched_tokens tokens and <= max_num_seqs
     requests (running plus in-progress prefills never exceed max_num_seqs either),
     never past max_model_len, at most num_speculative_tokens drafts a request; a
@@ -36,7 +37,8 @@ def test_steps_respect_token_and_sequence_budgets_and_computed_never_exceeds_tok
 @scaled(1.5)
 @given(NORMAL)
 def test_a_new_prompt_starts_only_while_usage_is_at_most_the_watermark(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """In the NORMAL role a request starts (or restarts after preemption) its prompt
     only if the blocks held just before its allocation, over all blocks, are
     <= prefill_watermark; evictable cached blocks count as free."""
@@ -47,7 +49,8 @@ def test_a_new_prompt_starts_only_while_usage_is_at_most_the_watermark(
 @scaled(1.5)
 @given(NORMAL)
 def test_a_continuing_chunk_of_an_admitted_prompt_is_never_held_back_by_the_watermark(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """A chunked prefill between chunks is scheduled in every step whose running
     requests leave budget over, whatever the usage: it needs no new blocks, and
     holding it back deadlocks a prompt that needs more than the watermark (the

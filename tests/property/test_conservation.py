@@ -12,7 +12,8 @@ from tests.property.strategies import EngineCase, Workload, any_case_and_workloa
 @scaled(1.5)
 @given(any_case_and_workload())
 def test_every_submitted_request_is_in_exactly_one_place_and_changes_state_legally(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """After every add, abort and half step: submitted == finished + aborted +
     rejected + waiting + running; the waiting queue holds exactly the WAITING and
     PREEMPTED requests and `running` the RUNNING ones; each status change is legal
@@ -25,7 +26,8 @@ def test_every_submitted_request_is_in_exactly_one_place_and_changes_state_legal
 @scaled(1.5)
 @given(any_case_and_workload())
 def test_no_output_token_is_lost_or_repeated_across_preemption_and_recompute(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """A request's output tokens are exactly the tokens the executor returned for it,
     in order, cut only after the stop inside its last step; and the token at
     position p is SimExecutor's token for (request, p), so recompute after a

@@ -23,17 +23,20 @@ def _run_with_step(case: EngineCase, workload: Workload) -> dict[str, Any]:
     ex = SimExecutor(cfg, cfg.num_gpu_blocks, acceptance_rate=case.acceptance_rate)
     engine = EngineCore(cfg, ex, clock=StepClock(), check_invariants=CORE_CHECKS)
     arrivals = sorted(workload, key=lambda s: s.arrival_step)
-    aborts = sorted((s for s in workload if s.abort_step is not None),
-                    key=lambda s: s.abort_step)  # type: ignore[arg-type,return-value]
+    aborts = sorted((s for s in workload if s.abort_step is not None), key=lambda s: s.abort_step)  # type: ignore[arg-type,return-value]
     reqs: dict[str, Request] = {}
     clock = steps = 0
     stalled = None
     while True:
         while arrivals and arrivals[0].arrival_step <= clock:
             s = arrivals.pop(0)
-            reqs[s.req_id] = Request(s.req_id, list(s.prompt), SamplingParams(
-                max_tokens=s.max_tokens, ignore_eos=True), float(s.arrival_step),
-                priority=s.priority)
+            reqs[s.req_id] = Request(
+                s.req_id,
+                list(s.prompt),
+                SamplingParams(max_tokens=s.max_tokens, ignore_eos=True),
+                float(s.arrival_step),
+                priority=s.priority,
+            )
             engine.add_request(reqs[s.req_id])
         while aborts and aborts[0].abort_step <= clock:  # type: ignore[operator]
             engine.abort(aborts.pop(0).req_id)
@@ -60,15 +63,24 @@ def _run_with_step(case: EngineCase, workload: Workload) -> dict[str, Any]:
 
 def _results(records: list[dict[str, Any]], outputs: dict[str, list[int]]) -> dict[str, tuple]:
     """Per-request results without timestamps (the two drivers read the clock differently)."""
-    return {r["req_id"]: (r["status"], r["finish_reason"], r["num_output_tokens"],
-                          r["num_preemptions"], r["num_cached_tokens"], outputs[r["req_id"]])
-            for r in records}
+    return {
+        r["req_id"]: (
+            r["status"],
+            r["finish_reason"],
+            r["num_output_tokens"],
+            r["num_preemptions"],
+            r["num_cached_tokens"],
+            outputs[r["req_id"]],
+        )
+        for r in records
+    }
 
 
 @scaled(1.0)
 @given(any_case_and_workload())
 def test_the_same_seed_and_workload_give_identical_results_twice(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """Two runs of one engine configuration (seed included) over one workload give
     identical request records (timestamps included), output tokens, step records and
     draft acceptance; and driving schedule()/process() by hand gives the same
@@ -80,4 +92,5 @@ def test_the_same_seed_and_workload_give_identical_results_twice(
         d = run_case(case, workload)
         by_hand = {rid: r.output_token_ids for rid, r in d.reqs.items()}
         assert _results([r.to_dict() for r in d.engine.records], by_hand) == _results(
-            first["records"], first["outputs"])
+            first["records"], first["outputs"]
+        )

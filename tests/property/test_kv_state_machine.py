@@ -48,10 +48,13 @@ class KVCacheMachine(RuleBasedStateMachine):
         req = self.reqs[rid]
         return list(req.prompt) + req.output_token_ids
 
-    @rule(chunks=st.lists(st.integers(0, 2), max_size=3), tail=st.lists(st.integers(0, 3),
-          max_size=8), data=st.data(), reserve=st.booleans())
-    def admit(self, chunks: list[int], tail: list[int], data: st.DataObject,
-              reserve: bool) -> None:
+    @rule(
+        chunks=st.lists(st.integers(0, 2), max_size=3),
+        tail=st.lists(st.integers(0, 3), max_size=8),
+        data=st.data(),
+        reserve=st.booleans(),
+    )
+    def admit(self, chunks: list[int], tail: list[int], data: st.DataObject, reserve: bool) -> None:
         """A new request: prefix lookup, then its first chunk (optionally reserving all)."""
         tokens = [100 * c + j for c in chunks for j in range(self.bs)] + tail
         if not tokens:
@@ -64,8 +67,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         start = len(hits) * self.bs
         num_new = data.draw(st.integers(1, len(tokens) - start))
         want = max(start + num_new, len(tokens) if reserve else 0)
-        got = self.kv.allocate(req, num_new, [self.kv.pool.blocks[b] for b in hits],
-                               reserve_tokens=want if reserve else 0)
+        got = self.kv.allocate(
+            req,
+            num_new,
+            [self.kv.pool.blocks[b] for b in hits],
+            reserve_tokens=want if reserve else 0,
+        )
         if not self._take(rid, got, hits, max(cdiv(want, self.bs) - len(hits), 0)):
             del self.reqs[rid]
             return
@@ -82,14 +89,22 @@ class KVCacheMachine(RuleBasedStateMachine):
         if req.num_computed_tokens >= req.num_tokens:
             req.output_token_ids.append(token)
             self.kv.cache_computed(req)
-            self.model.register(rid, self.tables[rid], self._tokens(rid),
-                                min(req.num_computed_tokens, req.num_tokens) // self.bs)
+            self.model.register(
+                rid,
+                self.tables[rid],
+                self._tokens(rid),
+                min(req.num_computed_tokens, req.num_tokens) // self.bs,
+            )
         num_new = min(size, req.num_tokens - req.num_computed_tokens)
         need = max(cdiv(req.num_computed_tokens + num_new, self.bs) - len(self.tables[rid]), 0)
         if self._take(rid, self.kv.allocate(req, num_new), [], need):
             req.num_computed_tokens += num_new
-            self.model.register(rid, self.tables[rid], self._tokens(rid),
-                                min(req.num_computed_tokens, req.num_tokens) // self.bs)
+            self.model.register(
+                rid,
+                self.tables[rid],
+                self._tokens(rid),
+                min(req.num_computed_tokens, req.num_tokens) // self.bs,
+            )
 
     def _release(self, blocks: list[int]) -> None:
         held = {b for t in self.tables.values() for b in t}

@@ -24,7 +24,8 @@ from tests.property.strategies import (
 @scaled(1.5)
 @given(any_case_and_workload())
 def test_every_admissible_request_finishes_within_the_step_bound(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """Every request that can fit ends FINISHED with all its output tokens (or ABORTED,
     only when the workload aborts it) within harness.step_bound engine steps: the last
     arrival plus one step per token of work (each prompt, each output with its drafts,
@@ -36,7 +37,8 @@ def test_every_admissible_request_finishes_within_the_step_bound(
 @scaled(1.5)
 @given(any_case_and_workload())
 def test_a_step_with_nothing_in_flight_schedules_at_least_one_token(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """While some request is unfinished and no step is in flight, schedule() gives at
     least one token to some request (otherwise the engine has stalled)."""
     case, workload = cw
@@ -55,7 +57,8 @@ class _NeverQueued(Checker):
 @scaled(1.0)
 @given(cases_and_workloads(max_capacity=256))
 def test_a_request_that_can_never_fit_is_rejected_at_add_request(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """add_request rejects exactly the requests that can never be served (prompt + 1
     token beyond the cache or max_model_len, an empty prompt, or a prompt beyond the
     step budget without chunked prefill), with a reason naming the sizes, and such a

@@ -20,8 +20,7 @@ GROWING = any_case_and_workload(roles=(EngineRole.NORMAL, EngineRole.DECODE))
 
 @scaled(1.5)
 @given(GROWING)
-def test_a_request_holding_blocks_alone_is_never_preempted(
-        cw: tuple[EngineCase, Workload]) -> None:
+def test_a_request_holding_blocks_alone_is_never_preempted(cw: tuple[EngineCase, Workload]) -> None:
     """A running request that is the only request holding blocks is never preempted:
     it fits in the cache by itself (max_model_len <= capacity). Observed as: a step
     that preempts leaves some request that held blocks before it still holding them."""
@@ -42,7 +41,8 @@ def test_preemptions_are_bounded(cw: tuple[EngineCase, Workload]) -> None:
 @scaled(1.5)
 @given(GROWING)
 def test_max_computed_tokens_never_falls_and_progress_keeps_rising(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """Each request's max_computed_tokens (the highest num_computed_tokens it reached,
     across preemptions) never decreases and is >= num_computed_tokens; and
     phi = sum(max_computed_tokens + output tokens + ended) rises at least once every

@@ -46,7 +46,8 @@ class _HitBound(Checker):
         bs = d.case.config.block_size
         for a in self.mirror.admissions:
             assert a.hits * bs <= a.num_tokens - 1, (
-                f"{a.req_id}: {a.hits} cached blocks of {bs} cover all {a.num_tokens} tokens")
+                f"{a.req_id}: {a.hits} cached blocks of {bs} cover all {a.num_tokens} tokens"
+            )
             assert a.start < a.num_tokens, f"{a.req_id} starts with nothing left to compute"
 
 
@@ -75,8 +76,7 @@ def test_prefix_hits_equal_the_reference_dict_model(cw: tuple[EngineCase, Worklo
 
 @scaled(1.0)
 @given(CACHING)
-def test_a_prefix_hit_covers_at_most_num_tokens_minus_one(
-        cw: tuple[EngineCase, Workload]) -> None:
+def test_a_prefix_hit_covers_at_most_num_tokens_minus_one(cw: tuple[EngineCase, Workload]) -> None:
     """A prefix hit never covers the last token: the step must compute at least one
     token so that it produces logits to sample from."""
     case, workload = cw
@@ -86,7 +86,8 @@ def test_a_prefix_hit_covers_at_most_num_tokens_minus_one(
 @scaled(1.5)
 @given(CACHING)
 def test_a_block_shared_by_two_requests_holds_the_same_tokens_in_both(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """Whenever two block tables hold the same block, the tokens the outputs wrote
     into it agree with both requests' tokens at those positions; a block reused from
     the cache holds exactly the tokens of the prefix it is reused for."""
@@ -97,7 +98,8 @@ def test_a_block_shared_by_two_requests_holds_the_same_tokens_in_both(
 @scaled(1.0)
 @given(CACHING)
 def test_a_block_handed_to_one_request_is_never_reused_by_another_while_referenced(
-        cw: tuple[EngineCase, Workload]) -> None:
+    cw: tuple[EngineCase, Workload],
+) -> None:
     """A block appended fresh to a table is held by no other table at that moment
     (KVMirror asserts it for every allocation), and ref counts stay exact."""
     case, workload = cw
@@ -112,8 +114,14 @@ def test_block_theft_interleaving_in_one_step() -> None:
     the second fresh. B first: B claims the first block before C allocates, and C
     must evict around it. Either way no claimed block is handed out again and no
     block is shared by requests whose tokens differ there."""
-    cfg = EngineConfig(block_size=4, num_gpu_blocks=8, max_num_seqs=4, max_num_batched_tokens=64,
-                       prefill_watermark=1.0, enable_prefix_caching=True)
+    cfg = EngineConfig(
+        block_size=4,
+        num_gpu_blocks=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        prefill_watermark=1.0,
+        enable_prefix_caching=True,
+    )
     a = ReqSpec("a", 0, tuple(range(1, 13)) + (50,), max_tokens=1)  # blocks 0-2 full, 3 not
     b = ReqSpec("b", 3, (1, 2, 3, 4, 60), max_tokens=2)  # its first block is A's first
     c = ReqSpec("c", 3, tuple(range(100, 124)), max_tokens=2)  # needs 6 blocks

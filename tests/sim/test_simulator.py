@@ -44,8 +44,9 @@ def test_shared_prefix_blocks_produce_prefix_cache_hits() -> None:
 
 def test_an_unfittable_request_is_rejected_and_counted() -> None:
     reqs = [TraceRequest("ok", 0.0, 100, 5), TraceRequest("huge", 0.0, 10_000, 5)]
-    result = simulate(reqs, engine=EngineConfig(num_gpu_blocks=20, block_size=16),
-                      cost_model="unit")
+    result = simulate(
+        reqs, engine=EngineConfig(num_gpu_blocks=20, block_size=16), cost_model="unit"
+    )
     by_id = {r.req_id: r for r in result.requests}
     assert by_id["ok"].status == "finished"
     assert by_id["huge"].status == "rejected" and "20 blocks" in by_id["huge"].reason
@@ -54,8 +55,9 @@ def test_an_unfittable_request_is_rejected_and_counted() -> None:
 
 def test_unit_cost_model_prices_every_step_the_same() -> None:
     reqs = [TraceRequest(f"r{i}", 0.0, 10, 3) for i in range(3)]
-    result = simulate(reqs, engine=EngineConfig(num_gpu_blocks=50, block_size=4),
-                      cost_model=UnitCostModel(0.001))
+    result = simulate(
+        reqs, engine=EngineConfig(num_gpu_blocks=50, block_size=4), cost_model=UnitCostModel(0.001)
+    )
     assert result.summary["duration_s"] == pytest.approx(0.001 * len(result.steps))
 
 
@@ -79,8 +81,9 @@ def test_sim_executor_token_depends_only_on_request_and_position_under_speculati
     """Tokens are documented as a function of (request, position): speculation must not
     change them (all drafts accepted here, so every step verifies 2)."""
     cfg = make_config(num_speculative_tokens=2, num_gpu_blocks=40)
-    engine = EngineCore(cfg, SimExecutor(cfg, acceptance_rate=1.0), clock=StepClock(),
-                        check_invariants=True)
+    engine = EngineCore(
+        cfg, SimExecutor(cfg, acceptance_rate=1.0), clock=StepClock(), check_invariants=True
+    )
     r = make_request("s", 6, max_tokens=10)
     engine.add_request(r)
     run_to_completion(engine)
@@ -92,17 +95,23 @@ def test_the_simulator_runs_the_engines_own_loop(async_scheduling: bool) -> None
     """One engine loop: simulate() and EngineCore.step() over the same requests and
     executor make the very same steps; only the clock differs."""
     reqs = [TraceRequest(f"r{i}", 0.0, 7 + 5 * i, 3 + i) for i in range(6)]
-    cfg = EngineConfig(num_gpu_blocks=30, block_size=4, max_num_batched_tokens=16,
-                       async_scheduling=async_scheduling)
+    cfg = EngineConfig(
+        num_gpu_blocks=30,
+        block_size=4,
+        max_num_batched_tokens=16,
+        async_scheduling=async_scheduling,
+    )
     simulated = simulate(reqs, engine=cfg, cost_model=UnitCostModel(0.001, 0.0002))
     engine = EngineCore(cfg, SimExecutor(cfg), clock=StepClock())
     for req in build_requests(Trace("t", "test", reqs), vocab_size=32000):
         engine.add_request(req)
     run_to_completion(engine)
-    shape = [(s.num_batched_tokens, s.num_scheduled_reqs, s.num_prompt_tokens)
-             for s in simulated.steps]
-    assert shape == [(s.num_batched_tokens, s.num_scheduled_reqs, s.num_prompt_tokens)
-                     for s in engine.steps]
+    shape = [
+        (s.num_batched_tokens, s.num_scheduled_reqs, s.num_prompt_tokens) for s in simulated.steps
+    ]
+    assert shape == [
+        (s.num_batched_tokens, s.num_scheduled_reqs, s.num_prompt_tokens) for s in engine.steps
+    ]
     n = len(simulated.steps)
     end = simulated.steps[-1].time
     if async_scheduling:  # host time of step N+1 hides under step N's device time
