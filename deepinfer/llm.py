@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +20,8 @@ from deepinfer.executor import get_executor_class
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.request import FinishReason, Request
 from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 PromptInput = str | Sequence[int] | dict[str, Any]
 
@@ -46,6 +50,7 @@ class LLM:
         self.config = EngineConfig.from_dict(engine_args, source="LLM(...)")
         cls = get_executor_class(executor)
         # enforce_eager: no CUDA graphs for decode steps (vLLM's name)
+        t0 = time.perf_counter()
         self.executor = cls(
             self.config,
             model,
@@ -64,6 +69,9 @@ class LLM:
             list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
         )
         self._ids = itertools.count()
+        # Model load, KV sizing, kernel warm-up and graph capture: paid here, not by requests.
+        self.startup_seconds = time.perf_counter() - t0
+        logger.info("LLM(%s) started in %.1f s", model, self.startup_seconds)
 
     @property
     def max_model_len(self) -> int:

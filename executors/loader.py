@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -22,7 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from deepinfer import envs
-from deepinfer.model_config import ModelConfig
+from deepinfer.model_config import PRESETS_DIR, ModelConfig, known_models
 from executors.models.deepseek import DeepseekForCausalLM
 from executors.models.mtp import DeepseekMTP
 
@@ -53,6 +55,13 @@ def resolve_model_dir(model: str, *, revision: str | None = None, weights: bool 
 
     if model == DEMO_MODEL_NAME:  # the small trained model shipped with the package
         return demo_model_path()
+    if model.lower() in known_models():  # a preset: its published config.json, no weights
+        if weights:
+            raise FileNotFoundError(
+                f"model {model!r} is a preset config with no weights on this machine; pass "
+                "load_format='dummy' (random weights in its shapes) or a checkpoint directory"
+            )
+        return _preset_dir(model.lower())
     env = envs.hf_model_dir()
     if env:
         root = Path(env).expanduser()
@@ -75,6 +84,14 @@ def resolve_model_dir(model: str, *, revision: str | None = None, weights: bool 
             f"Face hub: {type(e).__name__}: {e}. The hub may be unreachable or offline mode "
             "set; pass a local checkpoint directory or set DEEPINFER_HF_MODEL_DIR."
         ) from e
+
+
+def _preset_dir(name: str) -> Path:
+    """A directory holding the preset's config.json (for dummy weights)."""
+    target = Path(tempfile.gettempdir()) / "deepinfer-presets" / name
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(PRESETS_DIR / f"{name}.json", target / "config.json")
+    return target
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutp
 from executors.kv_cache import PagedKVCache, cpu_num_blocks, cuda_num_blocks
 from executors.loader import load_model, read_model_config, resolve_dtype, resolve_model_dir
 from executors.model_runner import ModelRunner
+from executors.warmup import WarmupReport, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class TorchExecutor:
                 "executor does not propose draft tokens yet (MTP drafting is not implemented); "
                 "speculation runs in the simulator only"
             )
+        t0 = time.perf_counter()
         self.engine_config = engine_config
         self.model_dir: Path = resolve_model_dir(
             model, revision=revision, weights=load_format != "dummy"
@@ -79,15 +82,23 @@ class TorchExecutor:
         self.runner = ModelRunner(
             self.model, self.kv_cache, engine_config, first_eos, max_model_len=self.max_model_len
         )
+        # Everything a served step can need is compiled (and captured) now, not on first use.
+        self.warmup: WarmupReport | None = None
+        if self.device.type == "cuda":
+            self.warmup = warm_up(
+                self.runner, engine_config.max_num_batched_tokens, engine_config.max_num_seqs
+            )
         if use_graphs:
             self.runner.enable_cuda_graphs(cuda_graph_sizes)
+        self.startup_seconds = time.perf_counter() - t0
         logger.info(
-            "TorchExecutor: %s on %s in %s, %d KV blocks of %d tokens",
+            "TorchExecutor: %s on %s in %s, %d KV blocks of %d tokens; started in %.1f s",
             self.model_dir,
             self.device,
             self.dtype,
             num_blocks,
             engine_config.block_size,
+            self.startup_seconds,
         )
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

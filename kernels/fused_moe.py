@@ -41,7 +41,9 @@ def _block_ids(num_blocks_m, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
 
 
-@triton.jit
+# Per-step sizes are runtime arguments Triton must not specialise on (value 1, divisible
+# by 16), or a new value would compile a new kernel in the middle of serving.
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
 def _moe_gate_up_kernel(
     x_ptr,  # [T, K]
     w_ptr,  # [E, 2N, K]
@@ -95,7 +97,7 @@ def _moe_gate_up_kernel(
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
 def _moe_down_kernel(
     act_ptr,  # [num_pairs, K]
     w_ptr,  # [E, N, K]

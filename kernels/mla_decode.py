@@ -22,16 +22,18 @@ MIN_KEYS_PER_SPLIT = 128  # shorter pieces cost more in merging than they gain
 MAX_SPLITS = 64
 
 
-@triton.jit
+# Per-step integers are runtime arguments that Triton must not specialise on (value 1,
+# divisibility by 16): a new value would otherwise compile a new kernel mid-serving.
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits", "min_keys"])
 def _mla_decode_split_kernel(
     q_ptr,  # [T, H, L + R]
     kv_ptr,  # [N, PAGE, L + R], last dim contiguous
     bt_ptr,  # [B, max_blocks]
     seq_lens_ptr,  # [B]
     qsl_ptr,  # [B + 1]
-    out_ptr,  # [T, H, L] (written when NUM_SPLITS == 1)
-    part_out_ptr,  # [T, H, NUM_SPLITS, L] float32
-    part_lse_ptr,  # [T, H, NUM_SPLITS] float32, base 2
+    out_ptr,  # [T, H, L] (written when not SPLIT)
+    part_out_ptr,  # [T, H, num_splits, L] float32
+    part_lse_ptr,  # [T, H, num_splits] float32, base 2
     num_reqs,
     num_heads,
     sm_scale_log2,
@@ -42,14 +44,15 @@ def _mla_decode_split_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
+    num_splits,
+    min_keys,
     L: tl.constexpr,
     R: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     QG: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    MIN_KEYS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for the merge kernel
     PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -84,9 +87,9 @@ def _mla_decode_split_kernel(
         kv_len = (first_key + i0 + tl.minimum(QG, q_end - t)).to(tl.int32)  # any row sees
 
     # Splits come from an upper bound on the context (a CUDA graph's table width), so a
-    # short context would be cut into slivers: each piece keeps at least MIN_KEYS keys and
+    # short context would be cut into slivers: each piece keeps at least min_keys keys and
     # the splits past the context stay empty (the merge skips them).
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_KEYS)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, min_keys)
     start = split * per_split
     end = tl.minimum(start + per_split, kv_len)
 
@@ -132,7 +135,7 @@ def _mla_decode_split_kernel(
         acc = tl.dot(p.to(k_nope.dtype), k_nope, acc=acc, input_precision=PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:  # every valid row saw key 0
+    if not SPLIT:  # every valid row saw key 0
         o = acc / tl.where(row_ok, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + (tok * stride_ot + heads * stride_oh)[:, None] + offs_l
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -140,38 +143,38 @@ def _mla_decode_split_kernel(
         empty = l_i == 0.0  # a split past this row's keys
         o = acc / tl.where(empty, 1.0, l_i)[:, None]
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        row = (tok * num_heads + heads) * NUM_SPLITS + split  # [ROWS]
+        row = (tok * num_heads + heads) * num_splits + split  # [ROWS]
         tl.store(part_lse_ptr + row, lse, mask=row_ok)
         tl.store(part_out_ptr + row[:, None] * L + offs_l, o, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_merge_kernel(
-    part_out_ptr,  # [T, H, NUM_SPLITS, L] float32
-    part_lse_ptr,  # [T, H, NUM_SPLITS] float32, base 2
+    part_out_ptr,  # [T, H, num_splits, L] float32
+    part_lse_ptr,  # [T, H, num_splits] float32, base 2
     out_ptr,  # [T, H, L]
     num_heads,
     stride_ot,
     stride_oh,
+    num_splits,
     L: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_POW2: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,  # >= every num_splits: one compiled merge serves them all
 ):
     th = tl.program_id(0)  # t * num_heads + h
     t = th // num_heads
     h = th % num_heads
     offs_s = tl.arange(0, SPLITS_POW2)
     lse = tl.load(
-        part_lse_ptr + th * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf")
+        part_lse_ptr + th * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf")
     )  # [SPLITS_POW2]; split 0 always holds keys, so the max is finite
     lse_max = tl.max(lse, axis=0)
     denom = tl.sum(tl.exp2(lse - lse_max), axis=0)
     offs_l = tl.arange(0, L)
     acc = tl.zeros([L], tl.float32)
-    for s in range(NUM_SPLITS):
-        lse_s = tl.load(part_lse_ptr + th * NUM_SPLITS + s)
+    for s in range(num_splits):
+        lse_s = tl.load(part_lse_ptr + th * num_splits + s)
         if lse_s > float("-inf"):  # empty splits hold no keys: nothing to read
-            part = tl.load(part_out_ptr + (th.to(tl.int64) * NUM_SPLITS + s) * L + offs_l)
+            part = tl.load(part_out_ptr + (th.to(tl.int64) * num_splits + s) * L + offs_l)
             acc += tl.exp2(lse_s - lse_max) / denom * part
     o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_l
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
@@ -245,6 +248,7 @@ def mla_decode(
         num_splits = choose_num_splits(
             programs, max_context, _num_sms(q.device), cfg["ctas_per_sm"]
         )
+    assert 1 <= num_splits <= MAX_SPLITS, num_splits
     if num_splits > 1:
         part_out = torch.empty(t, h, num_splits, lat, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(t, h, num_splits, dtype=torch.float32, device=q.device)
@@ -256,16 +260,14 @@ def mla_decode(
         out, part_out, part_lse,
         block_tables.shape[0], h, scale * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), num_splits, min_keys,
         L=lat, R=rope, PAGE=page, BLOCK_H=block_h, QG=qg, BLOCK_N=cfg["BLOCK_N"],
-        NUM_SPLITS=num_splits, MIN_KEYS=min_keys, PRECISION=precision,
-        NUM_STAGES=cfg["num_stages"],
+        SPLIT=num_splits > 1, PRECISION=precision, NUM_STAGES=cfg["num_stages"],
         num_warps=cfg["num_warps"],
     )  # fmt: skip
     if num_splits > 1:
         _mla_decode_merge_kernel[(t * h,)](
-            part_out, part_lse, out, h, out.stride(0), out.stride(1),
-            L=lat, NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits),
-            num_warps=4,
+            part_out, part_lse, out, h, out.stride(0), out.stride(1), num_splits,
+            L=lat, SPLITS_POW2=triton.next_power_of_2(MAX_SPLITS), num_warps=4,
         )  # fmt: skip
     return out

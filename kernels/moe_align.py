@@ -31,7 +31,9 @@ def max_blocks_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
-@triton.jit
+# Per-step sizes are runtime arguments Triton must not specialise on (value 1, divisible
+# by 16), or a new value would compile a new kernel in the middle of serving.
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _moe_align_kernel(
     ids_ptr,  # [num_pairs] expert id of each pair
     sorted_ptr,  # [max_padded] int32

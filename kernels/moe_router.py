@@ -37,6 +37,10 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 _NO_GROUPS, _TOP2_SUM_NEG_INF, _MAX_ZERO = 0, 1, 2
 
 
+# Token counts at which router_config changes its launch settings (for warm-up).
+ROUTER_THRESHOLDS = (8, 2048)
+
+
 def router_config(num_tokens: int, e_pow2: int, upcast: bool) -> dict[str, int | bool]:
     """Launch settings. bf16 gate weights: 16-token tiles (tl.dot's smallest) on the tensor
     cores, a [E_POW2, BLOCK_H] weight tile of 16k elements. Float32 weights (the executor
@@ -97,7 +101,9 @@ def _logits_fma(x_ptrs, w_ptrs, t_mask, e_mask, H, BLOCK_T: tl.constexpr, E_POW2
     return tl.sum(acc, axis=2)
 
 
-@triton.jit
+# Per-step sizes are runtime arguments Triton must not specialise on (value 1, divisible
+# by 16), or a new value would compile a new kernel in the middle of serving.
+@triton.jit(do_not_specialize=["T"])
 def _moe_router_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, H] gate weight

@@ -38,6 +38,20 @@ def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
     return choice == "triton"
 
 
+def warmup_token_counts(max_tokens: int) -> list[int]:
+    """Token counts whose steps, run once each, compile every kernel variant a step of up
+    to `max_tokens` tokens can need: launch settings are step functions of the token
+    count (powers of two, and the thresholds of the kernels' config tables), so each
+    interval between thresholds is visited. Only meaningful on CUDA (imports Triton)."""
+    from kernels.fused_moe import CONFIGS
+    from kernels.moe_router import ROUTER_THRESHOLDS
+
+    edges = {1 << i for i in range(max_tokens.bit_length() + 1)}
+    edges |= {max_t for max_t, _ in CONFIGS} | set(ROUTER_THRESHOLDS)
+    counts = {n for e in edges for n in (e, e + 1)}
+    return sorted(n for n in counts if 1 <= n <= max_tokens)
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 

@@ -1,4 +1,4 @@
-"""`deepinfer simulate | generate`: the command line.
+"""`deepinfer simulate | generate | profile`: the command line.
 
 Each command lives in its own module and imports the simulator or the real
 executor inside its run function, so `deepinfer --help` stays light.
@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from deepinfer.cli.generate import add_generate_parser
+from deepinfer.cli.profile import add_profile_parser
 from deepinfer.cli.simulate import add_simulate_parser
 from deepinfer.errors import SchedulerStalled
 
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_simulate_parser(sub)
     add_generate_parser(sub)
+    add_profile_parser(sub)
     return parser
 
 
