@@ -1,0 +1,57 @@
+"""Start-up warm-up: served steps never compile a kernel (the stalls of the first minutes)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer import EngineConfig
+from deepinfer.engine import EngineCore
+from deepinfer.model_config import PRESETS_DIR
+from deepinfer.request import Request
+from deepinfer.sampling_params import SamplingParams
+from executors.warmup import warm_up
+from tests.executors.harness import load_runner
+from tests.executors.tiny_models import TinyModel
+
+
+def test_warm_up_runs_every_shape_class_and_leaves_no_state(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    runner = load_runner(tiny_models["v3_plain"].path, block_size=4, num_blocks=64)
+    report = warm_up(runner, max_num_batched_tokens=64, max_num_seqs=8)
+    # prefill buckets 1..64 (powers of two and the config tables' edges) + 3 decode steps
+    assert report.num_steps >= 8 and report.num_compiled == 0  # nothing compiles on the CPU
+    assert runner.requests == {}
+
+
+@pytest.mark.gpu
+def test_no_served_step_compiles_a_kernel_after_start_up(tmp_path: Path) -> None:
+    """Moonlight's layer shapes (two layers): a random mix of prompt lengths, chunking,
+    decode batch sizes and contexts after start-up compiles nothing new."""
+    from executors.torch_executor import TorchExecutor
+    from kernels.compile_stats import total_compiled
+
+    raw = json.loads((PRESETS_DIR / "moonlight-16b-a3b.json").read_text())
+    raw.update(num_hidden_layers=2)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = EngineConfig(block_size=64, num_gpu_blocks=3000, max_num_seqs=96,
+                       max_num_batched_tokens=4096)
+    ex = TorchExecutor(cfg, str(tmp_path), load_format="dummy")
+    assert ex.warmup is not None and ex.warmup.num_steps > 0
+    compiled = total_compiled()
+    engine = EngineCore(cfg, ex, model_max_len=ex.max_model_len)
+    rng = random.Random(0)
+    for i in range(150):
+        n = rng.choice([1, 3, 17, 64, 65, 200, 511, 1000, 3000, 7000])
+        params = SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=True)
+        engine.add_request(Request(str(i), [rng.randrange(163840) for _ in range(n)], params))
+    while engine.has_unfinished():
+        engine.step()
+    assert total_compiled() == compiled
+    torch.cuda.synchronize()
+    ex.shutdown()
