@@ -4,19 +4,23 @@ The simulator advances its clock by `step_time(out)` (GPU) and, where it
 models host overhead, `cpu_time(out)` (which async scheduling can overlap
 with the previous step's GPU time).
 
+  "profiled"  measured steps of the real executor, fitted (sim/profiled_cost_model.py);
+              the default wherever sim/data/profiles/ holds one for (model, hardware)
+  "analytic"  roofline per op group (sim/analytic_cost_model.py): uncalibrated
   "unit"      every non-empty step costs 1 ms, no CPU time: for tests
-  "analytic"  roofline per op group (sim/analytic_cost_model.py)
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from deepinfer.model_config import ModelConfig
 from sim.analytic_cost_model import AnalyticCostModel, GroupCost, expected_distinct_experts
 from sim.cost_coefficients import CostCoefficients, load_cost_coefficients
 from sim.hardware import HardwareSpec
 from sim.kv_capacity import default_activation_reserve_bytes, kv_capacity_blocks
+from sim.profiled_cost_model import ProfiledCostModel, find_profile, profile_path
 
 if TYPE_CHECKING:
     from deepinfer.outputs import SchedulerOutput
@@ -26,10 +30,12 @@ __all__ = [
     "CostCoefficients",
     "CostModel",
     "GroupCost",
+    "ProfiledCostModel",
     "UnitCostModel",
     "default_activation_reserve_bytes",
     "expected_distinct_experts",
     "get_cost_model",
+    "resolve_cost_model",
     "kv_capacity_blocks",
     "load_cost_coefficients",
 ]
@@ -77,24 +83,64 @@ class _ZeroCpuTime:
         return 0.0
 
 
-def get_cost_model(spec: str | CostModel, model: ModelConfig, hardware: HardwareSpec) -> CostModel:
-    """A cost model by name ("analytic" or "unit"), or a cost-model object passed through.
+def get_cost_model(
+    spec: str | CostModel | None,
+    model: ModelConfig,
+    hardware: HardwareSpec,
+    profile: str | Path | None = None,
+) -> CostModel:
+    """A cost model by name, or a cost-model object passed through (see resolve_cost_model)."""
+    return resolve_cost_model(spec, model, hardware, profile)[0]
 
-    An object needs `step_time(out)`; one without `cpu_time` is wrapped so its
-    host time reads as zero.
+
+def resolve_cost_model(
+    spec: str | CostModel | None,
+    model: ModelConfig,
+    hardware: HardwareSpec,
+    profile: str | Path | None = None,
+) -> tuple[CostModel, dict[str, Any]]:
+    """The cost model and what the report says of it: its name, whether it is calibrated
+    on the real executor, and the profile it fitted.
+
+    None: "profiled" when `profile` is given or a shipped profile exists for (model,
+    hardware), else "analytic" (uncalibrated). An object needs `step_time(out)`; one
+    without `cpu_time` is wrapped so its host time reads as zero.
     """
+    if spec is None:
+        spec = (
+            "profiled"
+            if profile is not None or find_profile(model.name, hardware.name)
+            else ("analytic")
+        )
     if isinstance(spec, str):
         key = spec.strip().lower()
+        if key == "profiled":
+            path = Path(profile) if profile is not None else find_profile(model.name, hardware.name)
+            if path is None:
+                raise ValueError(
+                    f"no profile of {model.name!r} on {hardware.name!r} (looked for "
+                    f"{profile_path(model.name, hardware.name)}); measure one with `deepinfer "
+                    f"profile --model {model.name} --out PROFILE.json` and pass it, or use "
+                    "cost model 'analytic'"
+                )
+            cost = ProfiledCostModel(path, model, hardware)
+            return cost, {"cost_model": "profiled", "calibrated": True, "profile": str(path)}
+        if profile is not None:
+            raise ValueError(f"a profile was given with cost model {spec!r}; use 'profiled'")
         if key == "analytic":
-            return AnalyticCostModel(model, hardware, load_cost_coefficients())
+            cost_a = AnalyticCostModel(model, hardware, load_cost_coefficients())
+            return cost_a, {"cost_model": "analytic", "calibrated": False}
         if key == "unit":
-            return UnitCostModel()
-        raise ValueError(f"unknown cost model {spec!r}; known: 'analytic', 'unit', or an object")
+            return UnitCostModel(), {"cost_model": "unit", "calibrated": False}
+        raise ValueError(
+            f"unknown cost model {spec!r}; known: 'profiled', 'analytic', 'unit', or an object"
+        )
     if not callable(getattr(spec, "step_time", None)):
         raise TypeError(
-            f"cost model {spec!r} has no step_time(out) method; pass 'analytic', 'unit' "
-            f"or an object with step_time"
+            f"cost model {spec!r} has no step_time(out) method; pass 'profiled', 'analytic', "
+            "'unit' or an object with step_time"
         )
+    meta = {"cost_model": type(spec).__name__, "calibrated": isinstance(spec, ProfiledCostModel)}
     if not callable(getattr(spec, "cpu_time", None)):
-        return _ZeroCpuTime(spec)
-    return spec
+        return _ZeroCpuTime(spec), meta
+    return spec, meta

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import simpy
@@ -22,7 +23,7 @@ from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
-from sim.cost_model import CostModel, get_cost_model, kv_capacity_blocks
+from sim.cost_model import CostModel, kv_capacity_blocks, resolve_cost_model
 from sim.hardware import HardwareSpec, get_hardware
 from sim.sim_executor import SimExecutor
 from sim.traces import SyntheticPrompt, Trace, TraceRequest
@@ -52,20 +53,25 @@ def simulate(
     model: str | ModelConfig = "moonlight-16b-a3b",
     hardware: str | HardwareSpec = "h200",
     engine: EngineConfig | None = None,
-    cost_model: str | CostModel = "analytic",
+    cost_model: str | CostModel | None = None,
     *,
+    profile: str | Path | None = None,
     slo: SLO | None = None,
     acceptance_rate: float = 0.7,
     check_invariants: bool = False,
     on_progress: Callable[[int], None] | None = None,
 ) -> SimResult:
-    """Run `trace` to completion; raises deepinfer.SchedulerStalled if the engine stalls."""
+    """Run `trace` to completion; raises deepinfer.SchedulerStalled if the engine stalls.
+
+    cost_model None: the profiled model where a profile of (model, hardware) is shipped
+    (or `profile` is given), else the analytic one, reported as uncalibrated.
+    """
     if not isinstance(trace, Trace):
         trace = Trace("requests", "python", list(trace))
     engine = engine or EngineConfig()
     spec = model if isinstance(model, ModelConfig) else load_model_config(model)
     hw = hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
-    cost = get_cost_model(cost_model, spec, hw)
+    cost, cost_meta = resolve_cost_model(cost_model, spec, hw, profile)
     num_blocks = engine.num_gpu_blocks
     if num_blocks is None:
         num_blocks = kv_capacity_blocks(spec, hw, engine.block_size, engine.gpu_memory_utilization)
@@ -91,7 +97,7 @@ def simulate(
         "num_gpu_blocks": num_blocks,
         "max_model_len": core.scheduler.max_model_len,
         "engine": _config_dict(engine),
-        "cost_model": cost_model if isinstance(cost_model, str) else type(cost_model).__name__,
+        **cost_meta,
         "num_steps": core.scheduler.step_id,
         "num_evictions": core.scheduler.kv.pool.num_evictions,
     }

@@ -15,7 +15,7 @@ def add_simulate_parser(sub: Any) -> None:
         "simulate",
         help="replay a request trace through the scheduler in simulated time",
         description="Replay a request trace through the deepinfer scheduler with a simulated "
-        "executor and an analytic cost model; print a summary, optionally write a JSON report "
+        "executor and a cost model (profiled where a profile exists, else analytic); print a summary, optionally write a JSON report "
         "and PNG plots. Exit code 2: bad input; 3: the engine stalled.",
     )
     p.add_argument(
@@ -42,9 +42,17 @@ def add_simulate_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--cost-model",
-        choices=["analytic", "unit"],
-        default="analytic",
-        help="analytic (FLOPs and bytes on the GPU) or unit (1 ms a step)",
+        choices=["profiled", "analytic", "unit"],
+        default=None,
+        help="profiled (measured steps of the real executor; the default where a profile "
+        "of the model on the hardware is shipped), analytic (FLOPs and bytes, uncalibrated; "
+        "the default elsewhere) or unit (1 ms a step)",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="a profile JSON from `deepinfer profile` (implies --cost-model profiled)",
     )
     p.add_argument(
         "--time-scale",
@@ -118,6 +126,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             args.hardware,
             engine,
             args.cost_model,
+            profile=args.profile,
             slo=slo,
             acceptance_rate=args.acceptance_rate,
             check_invariants=args.check_invariants,
@@ -130,6 +139,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         f"KV cache: {meta['num_gpu_blocks']} blocks of {engine.block_size} tokens; "
         f"max_model_len {meta['max_model_len']}; {meta['num_steps']} steps"
     )
+    print(_cost_model_line(meta))
     if args.out:
         write_report(args.out, result.summary, result.requests, result.steps, meta)
         print(f"report: {args.out}")
@@ -142,3 +152,15 @@ def run_simulate(args: argparse.Namespace) -> int:
 def default_trace() -> Path:
     """The bundled trace `deepinfer simulate` runs when given none."""
     return Path(__file__).resolve().parents[2] / "traces" / "azure_code_small.json"
+
+
+def _cost_model_line(meta: dict[str, Any]) -> str:
+    name = meta.get("cost_model", "?")
+    if meta.get("profile"):
+        return f"cost model: {name}, calibrated on {Path(meta['profile']).name}"
+    if not meta.get("calibrated"):
+        return (
+            f"cost model: {name} (uncalibrated: no profile of {meta['model']} on "
+            f"{meta['hardware']}; `deepinfer profile` measures one)"
+        )
+    return f"cost model: {name}"

@@ -39,8 +39,9 @@ def test_no_served_step_compiles_a_kernel_after_start_up(tmp_path: Path) -> None
     raw = json.loads((PRESETS_DIR / "moonlight-16b-a3b.json").read_text())
     raw.update(num_hidden_layers=2)
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    cfg = EngineConfig(block_size=64, num_gpu_blocks=3000, max_num_seqs=96,
-                       max_num_batched_tokens=4096)
+    cfg = EngineConfig(
+        block_size=64, num_gpu_blocks=3000, max_num_seqs=96, max_num_batched_tokens=4096
+    )
     ex = TorchExecutor(cfg, str(tmp_path), load_format="dummy")
     assert ex.warmup is not None and ex.warmup.num_steps > 0
     compiled = total_compiled()

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call: the GPU tests, then the shipped H200 profiles (sim/data/profiles/).
+#   bash benchmarks/device_profile.sh [tests|profiles|all]      results under $OUT
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+what=${1:-all}
+if [[ $what == all || $what == tests ]]; then
+  timeout 330 python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=15 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -30
+fi
+if [[ $what == all || $what == profiles ]]; then
+  for model in moonlight-16b-a3b deepseek-v2-lite; do
+    timeout 280 python3 -m deepinfer.cli profile --model "$model" --device cuda \
+      --num-gpu-blocks 20000 --max-num-seqs 512 --max-num-batched-tokens 16384 \
+      --out "$OUT/${model}__h200.json" 2>&1 | grep -v "profiling:" | tail -5
+  done
+fi

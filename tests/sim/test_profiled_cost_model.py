@@ -1,0 +1,84 @@
+"""The profiled cost model: fits its profile, follows the physics, says when it guesses."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from deepinfer.config import EngineConfig
+from deepinfer.model_config import load_model_config
+from sim import simulate
+from sim.hardware import get_hardware
+from sim.profiled_cost_model import PROFILES_DIR, ProfiledCostModel, shape_output
+from sim.traces import TraceRequest
+
+SHIPPED = sorted(PROFILES_DIR.glob("*__h200.json"))
+
+
+def _model(path):
+    name = path.name.split("__")[0]
+    return ProfiledCostModel(path, load_model_config(name), get_hardware("h200"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_reproduces_its_own_profile_points(path) -> None:
+    cm = _model(path)
+    points = json.loads(path.read_text())["points"]
+    for p, err in zip(points, cm.point_errors):
+        if p["kind"] == "decode":  # the measured grid itself, made monotone
+            assert abs(err) < 0.03, (p["groups"], err)
+    assert cm.fit.median_abs_err < 0.1
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_monotone_in_tokens_context_and_batch(path) -> None:
+    cm = _model(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the sweeps go past the profile on purpose
+        for ctx in (0, 1000, 5000):
+            times = [cm.step_time(shape_output([[1, n, ctx, True]])) for n in range(16, 20000, 97)]
+            assert times == sorted(times)
+        for batch in (1, 7, 60, 300):
+            times = [
+                cm.step_time(shape_output([[batch, 1, c, False]])) for c in range(1, 20000, 211)
+            ]
+            assert times == sorted(times)
+        for ctx in (10, 900, 6000):
+            times = [cm.step_time(shape_output([[b, 1, ctx, False]])) for b in range(1, 1100, 13)]
+            assert times == sorted(times)
+        mixed = [
+            cm.step_time(shape_output([[d, 1, 800, False], [1, 300, 0, True]]))
+            for d in range(1, 400, 9)
+        ]
+        assert mixed == sorted(mixed)
+
+
+def test_warns_once_when_a_step_is_beyond_the_profile() -> None:
+    cm = _model(PROFILES_DIR / "moonlight-16b-a3b__h200.json")
+    with pytest.warns(UserWarning, match="extrapolates beyond the profile"):
+        cm.step_time(shape_output([[2000, 1, 100, False]]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cm.step_time(shape_output([[3000, 1, 100, False]]))  # the same key: said once
+        cm.step_time(shape_output([[8, 1, 100, False]]))
+
+
+def test_simulate_uses_the_profile_where_one_is_shipped_and_says_so_elsewhere() -> None:
+    reqs = [TraceRequest(f"r{i}", 0.1 * i, 200, 20) for i in range(8)]
+    cfg = EngineConfig(num_gpu_blocks=400)
+    profiled = simulate(reqs, engine=cfg)
+    assert profiled.meta["cost_model"] == "profiled" and profiled.meta["calibrated"]
+    assert profiled.meta["profile"].endswith("moonlight-16b-a3b__h200.json")
+    other = simulate(reqs, hardware="h100", engine=cfg)
+    assert other.meta["cost_model"] == "analytic" and not other.meta["calibrated"]
+    with pytest.raises(ValueError, match="no profile of 'moonlight-16b-a3b' on 'h100'"):
+        simulate(reqs, hardware="h100", engine=cfg, cost_model="profiled")
+
+
+def test_host_time_grows_with_the_requests_of_a_step() -> None:
+    cm = _model(PROFILES_DIR / "moonlight-16b-a3b__h200.json")
+    small = cm.cpu_time(shape_output([[4, 1, 100, False]]))
+    big = cm.cpu_time(shape_output([[256, 1, 100, False]]))
+    assert 0 < small < big < 0.02
