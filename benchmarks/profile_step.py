@@ -34,6 +34,7 @@ def run_case(
     tag: str,
     rows: int,
     trace_dir: Path | None,
+    sort_by: str = "self_cuda_time_total",
 ) -> None:
     """Prefill `prompts` (profiled when decode_steps == 0), else profile decode steps."""
     for attempt in ("warm", "prof"):
@@ -67,9 +68,7 @@ def run_case(
             f"\n== {tag}: {n} step(s), wall {wall * 1e3:.2f} ms/step, "
             f"device busy {device_us / 1e3:.2f} ms/step ({device_us / 1e6 / wall:.0%})"
         )
-        print(
-            events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60)
-        )
+        print(events.table(sort_by=sort_by, row_limit=rows, max_name_column_width=60))
         if trace_dir is not None:
             trace_dir.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(trace_dir / f"{tag}.json"))
@@ -92,6 +91,11 @@ def main() -> None:
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--trace-dir", type=Path, default=None)
+    p.add_argument(
+        "--sort",
+        default="self_cuda_time_total",
+        help="profiler table order, e.g. self_cpu_time_total for host-bound steps",
+    )
     args = p.parse_args()
     dev = torch.device("cuda")
     cfg = EngineConfig(
@@ -112,10 +116,20 @@ def main() -> None:
             f"prefill{n}",
             args.rows,
             args.trace_dir,
+            args.sort,
         )
     for b in [int(x) for x in args.batches.split(",") if x]:
         prompts = random_prompts(b, args.context, spec.vocab_size, b)
-        run_case(ex, cfg, prompts, args.decode_steps, f"decode_b{b}", args.rows, args.trace_dir)
+        run_case(
+            ex,
+            cfg,
+            prompts,
+            args.decode_steps,
+            f"decode_b{b}",
+            args.rows,
+            args.trace_dir,
+            args.sort,
+        )
 
 
 if __name__ == "__main__":

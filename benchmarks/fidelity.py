@@ -1,0 +1,279 @@
+"""Fidelity: the same requests through the real engine and through the simulator.
+
+    python benchmarks/fidelity.py --out DIR [--model moonlight-16b-a3b] [--device cuda]
+        [--traces azure_code_small.json,mooncake_conversation_small.jsonl]
+        [--num-requests 200] [--rates 0.7,1.2] [engine options]
+
+For each bundled trace: offline (every request at t=0), then Poisson arrivals at each
+rate times the capacity the real offline run measured (requests per second). Each
+workload runs through `EngineCore` + the torch executor in wall-clock time and through
+`simulate()` with the same EngineConfig and the shipped (or --profile) profile. Reports:
+
+  per step   the cost model's prediction (host + device) of every real step against its
+             measured wall time, signed error p10/p50/p90 by kind (decode, prefill, mixed)
+  requests   TTFT, TPOT, E2E: simulated vs real p50/p90/p99 (signed) and per-request |err|
+  totals     throughput and makespan
+
+Writes DIR/fidelity.json and DIR/fidelity.png (real vs simulated CDFs), prints tables.
+The profile is fitted on a synthetic step grid; these workloads are held out from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from replay import ReplayResult, offline, poisson, replay  # noqa: E402
+
+from deepinfer.cli.engine_options import add_engine_options, engine_config_from_args  # noqa: E402
+from deepinfer.config import EngineConfig  # noqa: E402
+from deepinfer.model_config import known_models, load_model_config  # noqa: E402
+from deepinfer.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
+from deepinfer.records import RequestRecord  # noqa: E402
+from sim import load_trace, simulate  # noqa: E402
+from sim.cost_model import resolve_cost_model  # noqa: E402
+from sim.hardware import get_hardware  # noqa: E402
+from sim.traces import Trace  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+METRICS = ("ttft", "tpot", "e2e")
+
+
+def request_metrics(rec: RequestRecord) -> dict[str, float] | None:
+    if rec.status != "finished" or rec.first_token is None or rec.finish is None:
+        return None
+    n = rec.num_output_tokens
+    return {
+        "ttft": rec.first_token - rec.arrival,
+        "tpot": (rec.finish - rec.first_token) / (n - 1) if n > 1 else float("nan"),
+        "e2e": rec.finish - rec.arrival,
+    }
+
+
+def compare_requests(real: list[RequestRecord], sim: list[RequestRecord]) -> dict[str, Any]:
+    """Signed errors of the simulated percentiles, and the median per-request |error|."""
+    out: dict[str, Any] = {}
+    pairs = [(request_metrics(a), request_metrics(b)) for a, b in zip(real, sim)]
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    out["num_compared"] = len(pairs)
+    for m in METRICS:
+        r = np.array([a[m] for a, b in pairs if np.isfinite(a[m]) and np.isfinite(b[m])])
+        s = np.array([b[m] for a, b in pairs if np.isfinite(a[m]) and np.isfinite(b[m])])
+        if len(r) == 0:
+            continue
+        row: dict[str, float] = {}
+        for q in (50, 90, 99):
+            rp, sp = float(np.percentile(r, q)), float(np.percentile(s, q))
+            row[f"real_p{q}"], row[f"sim_p{q}"] = rp, sp
+            row[f"err_p{q}"] = (sp - rp) / rp if rp > 0 else float("nan")
+        with np.errstate(divide="ignore", invalid="ignore"):
+            row["per_request_abs_err_median"] = float(np.nanmedian(np.abs(s - r) / r))
+        out[m] = row
+    for name, recs in (("real", real), ("sim", sim)):
+        done = [x for x in recs if x.finish is not None]
+        start = min(x.arrival for x in recs)
+        makespan = max(x.finish for x in done) - start if done else float("nan")
+        out[f"{name}_makespan_s"] = makespan
+        out[f"{name}_throughput_tok_s"] = sum(x.num_output_tokens for x in done) / makespan
+        out[f"{name}_statuses"] = sorted({x.status for x in recs})
+    out["makespan_err"] = (out["sim_makespan_s"] - out["real_makespan_s"]) / out["real_makespan_s"]
+    out["throughput_err"] = (out["sim_throughput_tok_s"] - out["real_throughput_tok_s"]) / out[
+        "real_throughput_tok_s"
+    ]
+    return out
+
+
+def compare_steps(result: ReplayResult, cost: Any) -> dict[str, Any]:
+    """The cost model's host + device prediction of each real step against its wall time."""
+    by_kind: dict[str, list[float]] = {}
+    for s in result.steps:
+        out = SchedulerOutput(
+            0,
+            [ScheduledRequest(str(i), q, c, p, True, []) for i, (q, c, p) in enumerate(s.requests)],
+        )
+        pred = cost.cpu_time(out) + cost.step_time(out)
+        by_kind.setdefault(s.kind, []).append((pred - s.wall_s) / s.wall_s)
+    table = {}
+    for kind, errs in sorted(by_kind.items()):
+        e = np.array(errs)
+        table[kind] = {
+            "steps": len(e),
+            "p10": float(np.percentile(e, 10)),
+            "p50": float(np.percentile(e, 50)),
+            "p90": float(np.percentile(e, 90)),
+            "median_abs": float(np.median(np.abs(e))),
+            "p90_abs": float(np.percentile(np.abs(e), 90)),
+        }
+    return table
+
+
+def run_workload(
+    executor: Any,
+    cfg: EngineConfig,
+    trace: Trace,
+    model: str,
+    hardware: str,
+    profile: Path | None,
+    model_max_len: int,
+) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    real = replay(executor, cfg, trace, model_max_len=model_max_len)
+    t1 = time.perf_counter()
+    sim = simulate(trace, model, hardware, cfg, None, profile=profile)
+    spec = load_model_config(model)
+    cost, meta = resolve_cost_model(None, spec, get_hardware(hardware), profile)
+    res = {
+        "workload": trace.name,
+        "num_requests": len(trace),
+        "real_wall_s": t1 - t0,
+        "real_steps": len(real.steps),
+        "sim_steps": sim.meta["num_steps"],
+        "cost_model": meta,
+        "requests": compare_requests(real.records, sim.requests),
+        "steps": compare_steps(real, cost),
+    }
+    res["_records"] = {
+        "real": [r.to_dict() for r in real.records],
+        "sim": [r.to_dict() for r in sim.requests],
+    }
+    return res
+
+
+def print_tables(results: list[dict[str, Any]]) -> None:
+    print("\nper-step signed error of the cost model on the real steps (p10 / p50 / p90)")
+    for r in results:
+        for kind, row in r["steps"].items():
+            print(
+                f"  {r['workload'][:44]:44s} {kind:8s} n={row['steps']:5d}  "
+                f"{row['p10']:+.1%} / {row['p50']:+.1%} / {row['p90']:+.1%}"
+            )
+    print("\nrequests: simulated vs real, signed error at p50 / p99; per-request median |err|")
+    for r in results:
+        q = r["requests"]
+        cells = []
+        for m in METRICS:
+            if m in q:
+                cells.append(
+                    f"{m} {q[m]['err_p50']:+.0%}/{q[m]['err_p99']:+.0%} "
+                    f"({q[m]['per_request_abs_err_median']:.0%})"
+                )
+        print(
+            f"  {r['workload'][:44]:44s} "
+            + "  ".join(cells)
+            + f"  makespan {q['makespan_err']:+.1%}  throughput {q['throughput_err']:+.1%}"
+        )
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 3, figsize=(13, 2.6 * len(results)), squeeze=False)
+    for row, r in zip(axes, results):
+        for ax, m in zip(row, METRICS):
+            for side, style in (("real", "-"), ("sim", "--")):
+                vals = [
+                    x
+                    for x in (request_metrics(RequestRecord(**rec)) for rec in r["_records"][side])
+                    if x is not None
+                ]
+                v = np.sort([x[m] for x in vals if np.isfinite(x[m])])
+                if len(v):
+                    ax.plot(v * 1e3, np.linspace(0, 1, len(v)), style, label=side)
+            ax.set_title(f"{r['workload'][:40]}: {m}", fontsize=8)
+            ax.set_xlabel("ms", fontsize=7)
+            ax.tick_params(labelsize=7)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default="moonlight-16b-a3b")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--hardware", default=None, help="simulator hardware (default: detected)")
+    p.add_argument("--profile", type=Path, default=None, help="profile for the simulator")
+    p.add_argument("--traces", default="azure_code_small.json,mooncake_conversation_small.jsonl")
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--rates", default="0.7,1.2", help="fractions of the offline capacity")
+    p.add_argument(
+        "--max-prompt",
+        type=int,
+        default=None,
+        help="drop requests whose prompt + output exceed this (default: the model's)",
+    )
+    add_engine_options(p)
+    args = p.parse_args(argv)
+    cfg = engine_config_from_args(args)
+
+    from executors.profiler import hardware_name
+    from executors.torch_executor import TorchExecutor
+
+    load_format = "dummy" if args.model in known_models() else "auto"
+    executor = TorchExecutor(
+        cfg, args.model, device=args.device, dtype=args.dtype, load_format=load_format
+    )
+    hardware = args.hardware or hardware_name(executor.device)
+    sim_model = args.model if args.model in known_models() else str(executor.model_dir)
+    max_len = min(executor.max_model_len, executor.num_kv_blocks() * cfg.block_size)
+    limit = args.max_prompt or max_len
+    results = []
+    for name in args.traces.split(","):
+        base = load_trace(ROOT / "traces" / name)
+        reqs = [r for r in base.requests if r.prompt_len + r.output_len <= limit]
+        trace = Trace(base.name, base.source, reqs[: args.num_requests])
+        first = run_workload(
+            executor, cfg, offline(trace), sim_model, hardware, args.profile, executor.max_model_len
+        )
+        results.append(first)
+        capacity = len(trace) / first["requests"]["real_makespan_s"]
+        for frac in (float(x) for x in args.rates.split(",") if x):
+            load = poisson(trace, frac * capacity, seed=cfg.seed)
+            load.name = f"{trace.name} {frac:.0%} of capacity"
+            results.append(
+                run_workload(
+                    executor, cfg, load, sim_model, hardware, args.profile, executor.max_model_len
+                )
+            )
+        print(f"{name}: capacity {capacity:.2f} req/s", flush=True)
+    print_tables(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(results, args.out / "fidelity.png")
+    meta = {
+        "model": args.model,
+        "hardware": hardware,
+        "engine": vars(cfg) | {"role": cfg.role.value},
+        "startup_s": executor.startup_seconds,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    (args.out / "fidelity.json").write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "workloads": [{k: v for k, v in r.items() if k != "_records"} for r in results],
+            },
+            indent=1,
+            default=str,
+        )
+        + "\n"
+    )
+    executor.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Replay trace requests through the real engine in wall-clock time.
+
+Shared by `fidelity.py` and `served_trace.py`. Requests are built exactly as the
+simulator builds them (`sim.simulator.build_requests`: the trace's prefix blocks become
+identical token ids, `ignore_eos`, `max_tokens` = the trace's output length), with
+the token ids written out for the real model. Arrivals are admitted between steps once
+their time has come, as the simulator admits them; the engine sleeps when idle.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine import EngineCore, StepEventKind
+from deepinfer.outputs import SchedulerOutput
+from deepinfer.records import RequestRecord
+from deepinfer.request import Request
+from sim.simulator import build_requests
+from sim.traces import Trace, TraceRequest
+
+
+@dataclass
+class StepSample:
+    """One real step: its shape, and where its wall time went."""
+
+    requests: list[tuple[int, int, bool]]  # (tokens, context, is_prompt) per request
+    wall_s: float  # the whole round: schedule, execute, process
+    execute_s: float
+
+    @property
+    def kind(self) -> str:
+        if all(q == 1 for q, _, _ in self.requests):
+            return "decode"
+        if all(p for _, _, p in self.requests):
+            return "prefill"
+        return "mixed"
+
+
+@dataclass
+class ReplayResult:
+    records: list[RequestRecord]  # in the order of the requests given
+    steps: list[StepSample] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def materialized_requests(trace: Trace, vocab_size: int) -> list[Request]:
+    """The simulator's requests for `trace`, with their prompts as explicit token ids."""
+    out = []
+    for req in build_requests(trace, vocab_size):
+        ids = (
+            req.prompt
+            if isinstance(req.prompt, list)
+            else req.prompt.token_ids(0, req.num_prompt_tokens)
+        )
+        out.append(
+            Request(
+                req.request_id,
+                list(ids),
+                req.sampling_params,
+                req.arrival_time,
+                priority=req.priority,
+            )
+        )
+    return out
+
+
+def retimed(trace: Trace, arrivals: list[float], name: str) -> Trace:
+    """The same requests at new arrival times."""
+    reqs = [replace(r, arrival=a) for r, a in zip(trace.requests, arrivals)]
+    return Trace(name, trace.source, reqs)
+
+
+def offline(trace: Trace) -> Trace:
+    return retimed(trace, [0.0] * len(trace), f"{trace.name} offline")
+
+
+def poisson(trace: Trace, rate: float, seed: int = 0) -> Trace:
+    """The trace's requests, in order, arriving as a Poisson process of `rate` per second."""
+    import random
+
+    rng = random.Random(seed)
+    t, arrivals = 0.0, []
+    for _ in trace.requests:
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    return retimed(trace, arrivals, f"{trace.name} at {rate:.2f} req/s")
+
+
+def replay(
+    executor: Any,
+    cfg: EngineConfig,
+    trace: Trace | list[TraceRequest],
+    model_max_len: int | None = None,
+) -> ReplayResult:
+    """Run every request of `trace` through a fresh EngineCore over `executor`."""
+    if not isinstance(trace, Trace):
+        trace = Trace("requests", "python", list(trace))
+    requests = materialized_requests(trace, executor.config.vocab_size)
+    t0 = time.monotonic()
+    engine = EngineCore(
+        cfg, executor, clock=lambda: time.monotonic() - t0, model_max_len=model_max_len
+    )
+    pending = deque(sorted(requests, key=lambda r: r.arrival_time))
+    result = ReplayResult(records=[])
+    while pending or engine.has_unfinished():
+        now = engine.clock()
+        while pending and pending[0].arrival_time <= now:
+            engine.add_request(pending.popleft())
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0].arrival_time - engine.clock()))
+            continue
+        start = time.perf_counter()
+        outs: list[SchedulerOutput] = []
+        for event in engine.step_events():
+            if event.kind is StepEventKind.SCHEDULED:
+                outs.append(event.out)
+        wall = time.perf_counter() - start
+        if outs:
+            shape = [(r.num_tokens, r.num_computed_tokens, r.is_prompt) for r in outs[0].scheduled]
+            result.steps.append(StepSample(shape, wall, engine.steps[-1].duration))
+    result.wall_s = time.monotonic() - t0
+    by_id = {r.req_id: r for r in engine.records}
+    result.records = [by_id[r.request_id] for r in requests]
+    return result

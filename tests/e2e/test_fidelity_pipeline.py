@@ -1,0 +1,37 @@
+"""benchmarks/fidelity.py end to end on the CPU with the shipped demo model (no timing
+assertions: this checks the pipeline, the device run checks the numbers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity.py"
+
+
+def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("fidelity_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    code = bench.main([
+        "--out", str(tmp_path), "--model", "deepinfer-demo", "--device", "cpu",
+        "--num-requests", "5", "--traces", "example.jsonl", "--rates", "1.2",
+        "--num-gpu-blocks", "256", "--block-size", "16", "--max-num-batched-tokens", "512",
+        "--max-num-seqs", "16",
+    ])  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / "fidelity.json").read_text())
+    names = [w["workload"] for w in report["workloads"]]
+    assert names == ["example offline", "example 120% of capacity"]
+    for w in report["workloads"]:
+        assert w["cost_model"]["cost_model"] == "profiled"
+        assert w["cost_model"]["profile"].endswith("deepinfer-demo__cpu.json")
+        assert w["requests"]["num_compared"] == 5
+        for m in ("ttft", "tpot", "e2e"):
+            assert {"real_p50", "sim_p50", "err_p99", "per_request_abs_err_median"} <= set(
+                w["requests"][m]
+            )
+        assert {"decode", "prefill"} <= set(w["steps"])
+    assert (tmp_path / "fidelity.png").read_bytes()[:4] == b"\x89PNG"
