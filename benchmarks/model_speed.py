@@ -29,14 +29,14 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
-from deepinfer.model_config import load_model_config
+from deepinfer.model_config import PRESETS_DIR, load_model_config
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from executors.loader import load_state_dict_into
 from executors.torch_executor import TorchExecutor
 from sim.analytic_cost_model import expected_distinct_experts
 
-PRESETS = Path(__file__).resolve().parents[1] / "sim" / "data" / "models"
+PRESETS = PRESETS_DIR
 
 
 def ceilings(device: torch.device) -> tuple[float, float]:

@@ -30,6 +30,7 @@ class StepSample:
     requests: list[tuple[int, int, bool]]  # (tokens, context, is_prompt) per request
     wall_s: float  # the whole round: schedule, execute, process
     execute_s: float
+    idle_before_s: float  # time since the previous step ended (the engine slept)
 
     @property
     def kind(self) -> str:
@@ -106,6 +107,7 @@ def replay(
     )
     pending = deque(sorted(requests, key=lambda r: r.arrival_time))
     result = ReplayResult(records=[])
+    last_end = time.perf_counter()
     while pending or engine.has_unfinished():
         now = engine.clock()
         while pending and pending[0].arrival_time <= now:
@@ -118,10 +120,13 @@ def replay(
         for event in engine.step_events():
             if event.kind is StepEventKind.SCHEDULED:
                 outs.append(event.out)
-        wall = time.perf_counter() - start
+        end = time.perf_counter()
         if outs:
             shape = [(r.num_tokens, r.num_computed_tokens, r.is_prompt) for r in outs[0].scheduled]
-            result.steps.append(StepSample(shape, wall, engine.steps[-1].duration))
+            result.steps.append(
+                StepSample(shape, end - start, engine.steps[-1].duration, start - last_end)
+            )
+        last_end = end
     result.wall_s = time.monotonic() - t0
     by_id = {r.req_id: r for r in engine.records}
     result.records = [by_id[r.request_id] for r in requests]

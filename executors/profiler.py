@@ -24,6 +24,9 @@ from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from kernels.compile_stats import total_compiled
 
+# Replayed traces (and the fidelity benchmark) sample greedily: so do the profiled steps.
+GREEDY = SamplingParams(temperature=0.0)
+
 # (count, query tokens, context tokens, is_prompt): requests of one kind in a step
 Group = tuple[int, int, int, bool]
 
@@ -95,6 +98,7 @@ def _scheduled(
                 req_id=f"p{gi}.{i}", num_tokens=q, num_computed_tokens=ctx,
                 is_prompt=is_prompt, samples=True, new_block_ids=[], block_table=table,
                 token_ids=[rng.randrange(vocab) for _ in range(q)],
+                sampling_params=GREEDY,
                 num_prompt_tokens=ctx + q if is_prompt else ctx,
             ))  # fmt: skip
     return out
