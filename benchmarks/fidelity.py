@@ -91,8 +91,11 @@ def compare_requests(real: list[RequestRecord], sim: list[RequestRecord]) -> dic
     return out
 
 
-def compare_steps(result: ReplayResult, cost: Any) -> dict[str, Any]:
-    """The cost model's host + device prediction of each real step against its wall time."""
+def compare_steps(
+    result: ReplayResult, cost: Any, samples: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The cost model's host + device prediction of each real step against its wall time;
+    `samples` receives one compact row per step (for analysis)."""
     by_kind: dict[str, list[float]] = {}
     for s in result.steps:
         out = SchedulerOutput(
@@ -101,6 +104,14 @@ def compare_steps(result: ReplayResult, cost: Any) -> dict[str, Any]:
         )
         pred = cost.cpu_time(out) + cost.step_time(out)
         by_kind.setdefault(s.kind, []).append((pred - s.wall_s) / s.wall_s)
+        if samples is not None:
+            samples.append({
+                "kind": s.kind, "reqs": len(s.requests), "tokens": out.num_batched_tokens,
+                "prompts": sum(p for _, _, p in s.requests),
+                "ctx_sum": sum(c for _, c, _ in s.requests),
+                "ctx_max": max(c for _, c, _ in s.requests), "wall_s": s.wall_s,
+                "execute_s": s.execute_s, "idle_before_s": s.idle_before_s, "pred_s": pred,
+            })  # fmt: skip
     table = {}
     for kind, errs in sorted(by_kind.items()):
         e = np.array(errs)
@@ -138,7 +149,8 @@ def run_workload(
         "sim_steps": sim.meta["num_steps"],
         "cost_model": meta,
         "requests": compare_requests(real.records, sim.requests),
-        "steps": compare_steps(real, cost),
+        "steps": compare_steps(real, cost, samples := []),
+        "step_samples": samples,
     }
     res["_records"] = {
         "real": [r.to_dict() for r in real.records],

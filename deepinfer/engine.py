@@ -165,7 +165,8 @@ class EngineCore:
         return changed
 
     def _launch(self, out: SchedulerOutput) -> StepEvent:
-        self._in_flight = (out, self.executor.execute_async(out), self.clock())
+        start = self.clock()  # before the call: a synchronous executor returns when done
+        self._in_flight = (out, self.executor.execute_async(out), start)
         return StepEvent(StepEventKind.LAUNCHED, out)
 
     def _step_record(self, out: SchedulerOutput, now: float, duration: float) -> StepRecord:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.config import EngineRole
+from deepinfer.engine import EngineCore
 from deepinfer.errors import SchedulerStalled
 from deepinfer.request import RequestStatus
 from tests.factories import make_config, make_engine, make_request, run_to_completion
@@ -170,3 +171,23 @@ def test_config_rejects_bad_values_naming_the_field() -> None:
         make_config(prefill_watermark=1.5)
     with pytest.raises(ValueError, match="unknown engine option"):
         type(make_config()).from_dict({"blok_size": 4})
+
+
+def test_a_step_record_times_the_executor_even_when_it_runs_synchronously() -> None:
+    """execute_async of a synchronous executor returns when the step is done: the step's
+    duration starts before the call, not after it."""
+    from tests.factories import ScriptedExecutor, StepClock
+
+    clock = StepClock()  # 1 ms a reading
+
+    class Slow(ScriptedExecutor):
+        def execute(self, out):  # type: ignore[no-untyped-def]
+            for _ in range(50):  # 50 ms of "work" on the injected clock
+                clock()
+            return super().execute(out)
+
+    cfg = make_config()
+    engine = EngineCore(cfg, Slow(cfg.num_gpu_blocks or 0), clock=clock)
+    engine.add_request(make_request("a", 3, max_tokens=1))
+    engine.step()
+    assert engine.steps[-1].duration >= 0.050
