@@ -1,0 +1,57 @@
+"""Does a step run slower after the engine sat idle? (GPU clocks drop when idle.)
+
+    python benchmarks/idle_penalty.py [--model moonlight-16b-a3b] [--batch 8]
+
+Times one decode step (a CUDA graph) and one prefill step after sleeping 0 to 500 ms,
+and prints the median of each against the back-to-back time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deepinfer.config import EngineConfig  # noqa: E402
+from deepinfer.outputs import SchedulerOutput  # noqa: E402
+from executors.profiler import StepShape, _scheduled, _steady  # noqa: E402
+from executors.torch_executor import TorchExecutor  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="moonlight-16b-a3b")
+    p.add_argument("--batch", type=int, default=8)
+    args = p.parse_args()
+    cfg = EngineConfig(num_gpu_blocks=4000, max_num_seqs=64, max_num_batched_tokens=2048)
+    ex = TorchExecutor(cfg, args.model, load_format="dummy")
+    rng = random.Random(0)
+    for shape in (
+        StepShape("decode", ((args.batch, 1, 1024, False),)),
+        StepShape("prefill", ((1, 512, 0, True),)),
+    ):
+        first = _scheduled(shape, 64, ex.num_kv_blocks(), ex.config.vocab_size, rng)
+        ex.execute(SchedulerOutput(-1, first))
+        steady = [_steady(s) for s in first]
+        for idle in (0.0, 0.001, 0.005, 0.02, 0.1, 0.5):
+            times = []
+            for _ in range(7):
+                time.sleep(idle)
+                t0 = time.perf_counter()
+                ex.execute(SchedulerOutput(-1, steady))
+                times.append(time.perf_counter() - t0)
+            print(
+                f"{shape.kind:8s} idle {idle * 1e3:6.1f} ms: step {statistics.median(times) * 1e3:7.2f}"
+                f" ms (min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f})",
+                flush=True,
+            )
+        ex.execute(SchedulerOutput(-1, [], finished_req_ids={s.req_id for s in first}))
+
+
+if __name__ == "__main__":
+    main()
