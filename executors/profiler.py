@@ -56,14 +56,20 @@ def default_grid(
     if quick:
         batches, contexts = [1, 4, 16], [64, 256]
         chunks, priors = [16, 64, 256], [0, 128]
-        mixes = [(4, 64)]
+        mixes = [(4, 64, 256)]
         shorts = [4]
     else:
         batches = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-        contexts = [256, 1024, 4096, 7168]
+        # Up to the model's context: long-context models decode at 16k-64k in real traces.
+        contexts = [256, 1024, 4096, 7168] + [c for c in (16384, 32768, 65536) if c < max_len]
         chunks = [16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384]
         priors = [0, 1024, 4096]
-        mixes = [(d, p) for d in (4, 16, 64, 240) for p in (256, 512, 2048, 7680)]
+        mixes = [
+            (d, p, c)
+            for d in (4, 16, 64, 240)
+            for p in (256, 512, 2048, 7680)
+            for c in (1024, 4096)
+        ]
         shorts = [8, 32, 96]
     grid: list[StepShape] = []
     for b in batches:
@@ -72,8 +78,7 @@ def default_grid(
     for p in chunks:
         for c in priors:
             grid.append(StepShape("prefill", ((1, p, c, True),)))
-    for d, p in mixes:
-        ctx = contexts[min(1, len(contexts) - 1)]
+    for d, p, ctx in mixes:
         grid.append(StepShape("mixed", ((d, 1, ctx, False), (1, p, 0, True))))
     for k in shorts:
         grid.append(StepShape("short_prompts", ((k, 64, 0, True),)))
