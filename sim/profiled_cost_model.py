@@ -50,6 +50,7 @@ FEATURES = ("graph", "eager", "mixed", "reqs", "prompt_reqs", "tokens", "decode_
             "dense", "experts", "attn_pre", "attn_dec", "lm_head")  # fmt: skip
 _GROUPS = FEATURES[7:]
 _EXTRAPOLATION_MARGIN = 1.1
+_ONE_WAVE_BATCH = 256  # decode batches up to this many requests run as one wave of splits
 
 
 def profile_path(model: str, hardware: str) -> Path:
@@ -223,8 +224,13 @@ class _DecodeSurface:
 
     @staticmethod
     def _coords(out: SchedulerOutput) -> tuple[float, float]:
+        """(batch, effective context). Split-KV decode cuts every request into as many
+        pieces as fill one wave of the GPU, so while the batch fits one wave the step
+        waits for the longest request: its context counts. Beyond, the mean does."""
         n = len(out.scheduled)
-        return float(n), max(1.0, sum(r.num_computed_tokens for r in out.scheduled) / n)
+        ctx = [r.num_computed_tokens for r in out.scheduled]
+        effective = max(ctx) if n <= _ONE_WAVE_BATCH else sum(ctx) / n
+        return float(n), max(1.0, float(effective))
 
     def _synthetic(self, batch: float, context: float) -> SchedulerOutput:
         return shape_output([[round(batch), 1, round(context), False]])
