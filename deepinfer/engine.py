@@ -12,11 +12,10 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Generator
-from concurrent.futures import Future
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from deepinfer.config import EngineConfig
-from deepinfer.executor import Executor
+from deepinfer.executor import Executor, StepHandle
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import FinishReason, Request
@@ -29,8 +28,7 @@ class StepEventKind(enum.Enum):
     AWAIT = "await"  # the loop now waits for `out`'s results
 
 
-@dataclass(frozen=True)
-class StepEvent:
+class StepEvent(NamedTuple):
     kind: StepEventKind
     out: SchedulerOutput
 
@@ -59,7 +57,7 @@ class EngineCore:
         self.record_steps = record_steps
         self.records: list[RequestRecord] = []  # one per request that reached a terminal state
         self.steps: list[StepRecord] = []
-        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput], float] | None = None
+        self._in_flight: tuple[SchedulerOutput, StepHandle, float] | None = None
         self._last_step_end: float | None = None
 
     # ---- requests --------------------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
@@ -28,7 +27,7 @@ class Executor(Protocol):
         """Compute the step and return the sampled tokens (blocking)."""
         ...
 
-    def execute_async(self, out: SchedulerOutput) -> Future[ModelRunnerOutput]:
+    def execute_async(self, out: SchedulerOutput) -> StepHandle:
         """Start the step and return a handle; `.result()` blocks for it."""
         ...
 
@@ -39,11 +38,31 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-def completed(result: ModelRunnerOutput) -> Future[ModelRunnerOutput]:
-    """A handle already holding its result, for executors with no real overlap."""
-    fut: Future[ModelRunnerOutput] = Future()
-    fut.set_result(result)
-    return fut
+class StepHandle(Protocol):
+    """What `execute_async` returns: a `concurrent.futures.Future` fits, or `Done`."""
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput: ...
+
+
+class Done:
+    """A handle already holding its result, for executors with no real overlap (a Future
+    would do, but costs a lock per step that the simulator pays a hundred thousand times)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: ModelRunnerOutput) -> None:
+        self._value = value
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        return self._value
+
+    def done(self) -> bool:
+        return True
+
+
+def completed(result: ModelRunnerOutput) -> Done:
+    """A handle already holding its result."""
+    return Done(result)
 
 
 # name -> "module:attribute" of a factory taking (engine_config, **kwargs)

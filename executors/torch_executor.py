@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 from deepinfer import envs
 from deepinfer.config import EngineConfig
-from deepinfer.executor import completed
+from deepinfer.executor import Done, completed
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from executors.kv_cache import PagedKVCache, cpu_num_blocks, cuda_num_blocks
 from executors.loader import load_model, read_model_config, resolve_dtype, resolve_model_dir
@@ -104,7 +103,7 @@ class TorchExecutor:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
 
-    def execute_async(self, out: SchedulerOutput) -> Future[ModelRunnerOutput]:
+    def execute_async(self, out: SchedulerOutput) -> Done:
         """Runs synchronously; the handle is already complete."""
         return completed(self.execute(out))
 

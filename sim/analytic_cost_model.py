@@ -144,7 +144,19 @@ class AnalyticCostModel:
 
     # --- pricing ------------------------------------------------------------
 
-    def _price(self, out: SchedulerOutput, detail: dict[str, GroupCost] | None) -> float:
+    def group_seconds(self, out: SchedulerOutput) -> list[float]:
+        """Seconds of dense, experts, attn_pre, attn_dec, lm_head (0.0 where absent): the
+        profiled cost model's features, without building the breakdown's records."""
+        sink = [0.0] * 5
+        self._price(out, None, sink)
+        return sink
+
+    def _price(
+        self,
+        out: SchedulerOutput,
+        detail: dict[str, GroupCost] | None,
+        sink: list[float] | None = None,
+    ) -> float:
         n_tok = 0  # tokens computed this step
         n_logits = 0  # positions whose logits are computed (sampled + drafts to verify)
         pre_q = pre_pairs = pre_keys = pre_ctx = 0  # prefill form
@@ -183,6 +195,8 @@ class AnalyticCostModel:
         total += t
         if detail is not None:
             detail["dense"] = GroupCost(f, b, t)
+        if sink is not None:
+            sink[0] = t
 
         if self._has_moe:
             distinct = expected_distinct_experts(n_tok, self._num_experts, self._top_k)
@@ -192,6 +206,8 @@ class AnalyticCostModel:
             total += t
             if detail is not None:
                 detail["experts"] = GroupCost(f, b, t)
+            if sink is not None:
+                sink[1] = t
 
         if pre_q:
             f = pre_pairs * self._pre_flops_per_pair
@@ -200,6 +216,8 @@ class AnalyticCostModel:
             total += t
             if detail is not None:
                 detail["attn_pre"] = GroupCost(f, b, t)
+            if sink is not None:
+                sink[2] = t
 
         if dec_q:
             f = dec_pairs * self._dec_flops_per_pair
@@ -208,6 +226,8 @@ class AnalyticCostModel:
             total += t
             if detail is not None:
                 detail["attn_dec"] = GroupCost(f, b, t)
+            if sink is not None:
+                sink[3] = t
 
         f = n_logits * self._head_flops_per_tok
         b = n_tok * self._embed_bytes_per_tok
@@ -218,4 +238,6 @@ class AnalyticCostModel:
         if detail is not None:
             detail["lm_head"] = GroupCost(f, b, t)
             detail["overhead"] = GroupCost(0.0, 0.0, self._fixed)
+        if sink is not None:
+            sink[4] = t
         return total

@@ -30,7 +30,9 @@ profile's host samples as a + b * requests + c * tokens.
 
 from __future__ import annotations
 
+import bisect
 import json
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,6 +115,7 @@ class ProfiledCostModel:
         y = np.array([p["median_s"] for p in data["points"]], dtype=float)
         x = np.array([self.features(o) for o in outs])
         self.coef = _nnls_relative(x, y)
+        self._coef = [float(c) for c in self.coef]  # plain floats: the per-step path
         graph = [i for i, o in enumerate(outs) if not self._eager(o)]
         self._decode = _DecodeSurface([outs[i] for i in graph], y[graph], self._physics)
         self._limits = {"tokens": 1 << 62, "reqs": 1 << 62, "context": 1 << 62}
@@ -125,6 +128,7 @@ class ProfiledCostModel:
         hx = np.array([[1.0, h["num_reqs"], h["num_tokens"]] for h in host], dtype=float)
         hy = np.array([h["schedule_s"] + h["process_s"] for h in host], dtype=float)
         self.host_coef = _nnls_relative(hx, hy) if len(host) else np.zeros(3)
+        self._host = tuple(float(c) for c in self.host_coef)
         self._limits = {
             "tokens": max(o.num_batched_tokens for o in outs),
             "reqs": max(len(o.scheduled) for o in outs),
@@ -144,7 +148,7 @@ class ProfiledCostModel:
         return self._physics(out)
 
     def _physics(self, out: SchedulerOutput) -> float:
-        return float(np.dot(self.features(out), self.coef))
+        return sum(f * c for f, c in zip(self.features(out), self._coef))
 
     @staticmethod
     def _eager(out: SchedulerOutput) -> bool:
@@ -154,37 +158,45 @@ class ProfiledCostModel:
     def cpu_time(self, out: SchedulerOutput) -> float:
         if not out.scheduled:
             return 0.0
-        a, b, c = self.host_coef
-        return float(a + b * len(out.scheduled) + c * out.num_batched_tokens)
+        a, b, c = self._host
+        return a + b * len(out.scheduled) + c * out.num_batched_tokens
 
     # --- features ----------------------------------------------------------------
 
     def features(self, out: SchedulerOutput) -> list[float]:
-        """The FEATURES of a step, in order."""
-        groups = self._analytic.breakdown(out)
-        eager = self._eager(out)
-        has_decode = any(r.num_tokens == 1 for r in out.scheduled)
-        prompts = sum(1 for r in out.scheduled if r.is_prompt)
-        dec_ctx = max(
-            (r.num_computed_tokens for r in out.scheduled if r.num_tokens == 1), default=0
-        )
+        """The FEATURES of a step, in order (one pass over its requests: this runs for
+        every simulated step)."""
+        eager = has_decode = False
+        prompts = tokens = dec_ctx = 0
+        for r in out.scheduled:
+            q = r.num_tokens
+            tokens += q
+            if q > 1:
+                eager = True
+            else:
+                has_decode = True
+                if r.num_computed_tokens > dec_ctx:
+                    dec_ctx = r.num_computed_tokens
+            if r.is_prompt:
+                prompts += 1
         head = [
-            float(not eager),
-            float(eager),
-            float(eager and has_decode),
+            0.0 if eager else 1.0,
+            1.0 if eager else 0.0,
+            1.0 if eager and has_decode else 0.0,
             float(len(out.scheduled)),
             float(prompts),
-            float(out.num_batched_tokens),
+            float(tokens),
             float(dec_ctx),
         ]
-        return head + [groups[g].seconds if g in groups else 0.0 for g in _GROUPS]
+        return head + self._analytic.group_seconds(out)
 
     def _check_range(self, out: SchedulerOutput) -> None:
-        seen = {
-            "tokens": out.num_batched_tokens,
-            "reqs": len(out.scheduled),
-            "context": max(r.num_computed_tokens + r.num_tokens for r in out.scheduled),
-        }
+        lim, m = self._limits, _EXTRAPOLATION_MARGIN
+        tokens, reqs = out.num_batched_tokens, len(out.scheduled)
+        ctx = max(r.num_computed_tokens + r.num_tokens for r in out.scheduled)
+        if tokens <= lim["tokens"] * m and reqs <= lim["reqs"] * m and ctx <= lim["context"] * m:
+            return
+        seen = {"tokens": tokens, "reqs": reqs, "context": ctx}
         for key, value in seen.items():
             limit = self._limits[key]
             if value > limit * _EXTRAPOLATION_MARGIN and key not in self._warned:
@@ -221,6 +233,15 @@ class _DecodeSurface:
                 if np.isnan(grid[i, j]):
                     grid[i, j] = self._scaled(grid, i, j, b, c)
         self.grid = _monotone(_monotone(grid, axis=0), axis=1)
+        self._grid = self.grid.tolist()
+        self._log_batches = [math.log2(b) for b in self.batches]
+        self._log_contexts = [math.log2(c) for c in self.contexts]
+        self._bounds = (
+            float(self.batches[0]),
+            float(self.batches[-1]),
+            float(self.contexts[0]),
+            float(self.contexts[-1]),
+        )
 
     @staticmethod
     def _coords(out: SchedulerOutput) -> tuple[float, float]:
@@ -248,26 +269,27 @@ class _DecodeSurface:
 
     def predict(self, out: SchedulerOutput) -> float:
         b, c = self._coords(out)
-        bc = float(np.clip(b, self.batches[0], self.batches[-1]))
-        cc = float(np.clip(c, self.contexts[0], self.contexts[-1]))
+        b_lo, b_hi, c_lo, c_hi = self._bounds
+        bc = b_lo if b < b_lo else b_hi if b > b_hi else b
+        cc = c_lo if c < c_lo else c_hi if c > c_hi else c
         value = self._interpolate(bc, cc)
         if (bc, cc) != (b, c):  # beyond the grid: the physics of the excess
             value *= self._physics(out) / self._physics(self._synthetic(bc, cc))
         return value
 
     def _interpolate(self, b: float, c: float) -> float:
-        xb, xc = np.log2(self.batches), np.log2(self.contexts)
-        lb, lc = np.log2(b), np.log2(c)
-        i = int(np.clip(np.searchsorted(xb, lb) - 1, 0, len(xb) - 2))
-        j = int(np.clip(np.searchsorted(xc, lc) - 1, 0, len(xc) - 2))
+        xb, xc = self._log_batches, self._log_contexts
+        lb, lc = math.log2(b), math.log2(c)
+        i = min(max(bisect.bisect_left(xb, lb) - 1, 0), len(xb) - 2)
+        j = min(max(bisect.bisect_left(xc, lc) - 1, 0), len(xc) - 2)
         u = (lb - xb[i]) / (xb[i + 1] - xb[i])
         v = (lc - xc[j]) / (xc[j + 1] - xc[j])
-        g = self.grid
-        return float(
-            (1 - u) * (1 - v) * g[i, j]
-            + u * (1 - v) * g[i + 1, j]
-            + (1 - u) * v * g[i, j + 1]
-            + u * v * g[i + 1, j + 1]
+        g = self._grid
+        return (
+            (1 - u) * (1 - v) * g[i][j]
+            + u * (1 - v) * g[i + 1][j]
+            + (1 - u) * v * g[i][j + 1]
+            + u * v * g[i + 1][j + 1]
         )
 
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import random
 import zlib
-from concurrent.futures import Future
 
 from deepinfer.config import EngineConfig
-from deepinfer.executor import completed
+from deepinfer.executor import Done, completed
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 
 # Placeholder tokens stay clear of id 0 so a user's EOS id is never produced.
@@ -68,7 +67,7 @@ class SimExecutor:
                 ]
         return res
 
-    def execute_async(self, out: SchedulerOutput) -> Future[ModelRunnerOutput]:
+    def execute_async(self, out: SchedulerOutput) -> Done:
         return completed(self.execute(out))
 
     def shutdown(self) -> None:

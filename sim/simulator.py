@@ -116,8 +116,12 @@ def _serve(
 ) -> Generator[simpy.events.Event, Any, None]:
     """Admit arrivals and drive the engine's own loop (`EngineCore.step_events`) in
     simulated time: host time after each schedule, the cost model's device time from
-    each launch; async scheduling overlaps the two exactly as the real loop does."""
+    each launch; async scheduling overlaps the two exactly as the real loop does.
+
+    One simpy timeout per step: the host's work is booked on `host_free` (when the host
+    is next idle) and a launch starts once it is done, so only an await has to wait."""
     ready_at: dict[int, float] = {}  # step id -> simulated time its results are back
+    host_free = 0.0
     reported = 0
     while pending or core.has_unfinished():
         while pending and pending[0].arrival_time <= env.now:
@@ -125,20 +129,25 @@ def _serve(
         if not core.has_unfinished():
             yield env.timeout(pending[0].arrival_time - env.now)
             continue
-        for event in core.step_events():
-            if event.kind is StepEventKind.SCHEDULED:
-                cpu = cost.cpu_time(event.out)
-                if cpu > 0:
-                    yield env.timeout(cpu)
-            elif event.kind is StepEventKind.LAUNCHED:
-                ready_at[event.out.step_id] = env.now + cost.step_time(event.out)
+        for kind, out in core.step_events():
+            now = env.now
+            if kind is SCHEDULED:
+                host_free = (host_free if host_free > now else now) + cost.cpu_time(out)
+            elif kind is LAUNCHED:
+                ready_at[out.step_id] = (host_free if host_free > now else now) + (
+                    cost.step_time(out)
+                )
             else:
-                wait = ready_at.pop(event.out.step_id) - env.now
+                done = ready_at.pop(out.step_id)
+                wait = (done if done > host_free else host_free) - now
                 if wait > 0:
                     yield env.timeout(wait)
         if on_progress is not None and len(core.records) != reported:
             on_progress(len(core.records) - reported)
             reported = len(core.records)
+
+
+SCHEDULED, LAUNCHED = StepEventKind.SCHEDULED, StepEventKind.LAUNCHED
 
 
 def _config_dict(cfg: EngineConfig) -> dict[str, Any]:

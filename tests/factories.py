@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from concurrent.futures import Future
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
-from deepinfer.executor import completed
+from deepinfer.executor import Done, completed
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
@@ -70,7 +69,7 @@ class ScriptedExecutor:
                 res.draft_token_ids[sr.req_id] = [1000 + nxt + j for j in range(self.k)]
         return res
 
-    def execute_async(self, out: SchedulerOutput) -> Future[ModelRunnerOutput]:
+    def execute_async(self, out: SchedulerOutput) -> Done:
         return completed(self.execute(out))
 
     def shutdown(self) -> None:
