@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Generator
-from typing import NamedTuple
 
 from deepinfer.config import EngineConfig
 from deepinfer.executor import Executor, StepHandle
@@ -28,9 +27,9 @@ class StepEventKind(enum.Enum):
     AWAIT = "await"  # the loop now waits for `out`'s results
 
 
-class StepEvent(NamedTuple):
-    kind: StepEventKind
-    out: SchedulerOutput
+# (kind, the step it concerns): a plain tuple, made three times per step.
+StepEvent = tuple[StepEventKind, SchedulerOutput]
+_SCHEDULED, _LAUNCHED, _AWAIT = StepEventKind.SCHEDULED, StepEventKind.LAUNCHED, StepEventKind.AWAIT
 
 
 class EngineCore:
@@ -146,26 +145,27 @@ class EngineCore:
                 if self.scheduler.has_unfinished():
                     self.scheduler.raise_stalled()
                 return []
-            yield StepEvent(StepEventKind.SCHEDULED, out)
-            yield self._launch(out)
+            yield _SCHEDULED, out
+            self._launch(out)
+            yield _LAUNCHED, out
         next_out = None
         if self.config.async_scheduling:
             next_out = self.schedule()
             if not next_out.is_empty:
-                yield StepEvent(StepEventKind.SCHEDULED, next_out)
+                yield _SCHEDULED, next_out
         assert self._in_flight is not None
         out, handle, start = self._in_flight
-        yield StepEvent(StepEventKind.AWAIT, out)
+        yield _AWAIT, out
         self._in_flight = None
         changed = self.process(out, handle.result(), self.clock() - start)
         if next_out is not None and not next_out.is_empty:
-            yield self._launch(next_out)
+            self._launch(next_out)
+            yield _LAUNCHED, next_out
         return changed
 
-    def _launch(self, out: SchedulerOutput) -> StepEvent:
+    def _launch(self, out: SchedulerOutput) -> None:
         start = self.clock()  # before the call: a synchronous executor returns when done
         self._in_flight = (out, self.executor.execute_async(out), start)
-        return StepEvent(StepEventKind.LAUNCHED, out)
 
     def _step_record(self, out: SchedulerOutput, now: float, duration: float) -> StepRecord:
         s = self.scheduler

@@ -129,7 +129,11 @@ class Scheduler(SchedulerChecks):
                     break
             if blocks is None:
                 break
-            step.add(self._schedule_one(req, num_new, blocks, drafts[:num_drafts], False))
+            # inlined step.add: this loop runs once per running request per step
+            step.scheduled.append(
+                self._schedule_one(req, num_new, blocks, drafts[:num_drafts], False)
+            )
+            step.budget -= num_new
             i += 1
 
     def _schedule_waiting(self, step: _StepPlan) -> None:

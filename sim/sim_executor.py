@@ -12,7 +12,7 @@ import random
 import zlib
 
 from deepinfer.config import EngineConfig
-from deepinfer.executor import Done, completed
+from deepinfer.executor import Done
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 
 # Placeholder tokens stay clear of id 0 so a user's EOS id is never produced.
@@ -68,7 +68,7 @@ class SimExecutor:
         return res
 
     def execute_async(self, out: SchedulerOutput) -> Done:
-        return completed(self.execute(out))
+        return Done(self.execute(out))
 
     def shutdown(self) -> None:
         pass
