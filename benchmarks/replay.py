@@ -117,9 +117,9 @@ def replay(
             continue
         start = time.perf_counter()
         outs: list[SchedulerOutput] = []
-        for event in engine.step_events():
-            if event.kind is StepEventKind.SCHEDULED:
-                outs.append(event.out)
+        for kind, out in engine.step_events():
+            if kind is StepEventKind.SCHEDULED:
+                outs.append(out)
         end = time.perf_counter()
         if outs:
             shape = [(r.num_tokens, r.num_computed_tokens, r.is_prompt) for r in outs[0].scheduled]
