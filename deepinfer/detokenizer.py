@@ -44,9 +44,20 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        spaces_between_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        # Special tokens kept in the text are joined to their neighbours by a space
+        # (vLLM's spaces_between_special_tokens), when the tokenizer says which they are.
+        specials = getattr(tokenizer, "special_ids", None)
+        self._specials: frozenset[int] = (
+            frozenset(specials)
+            if specials and not skip_special_tokens and spaces_between_special_tokens
+            else frozenset()
+        )
+        self._min_tokens = min_tokens  # a stop string counts from this many tokens on
         self._stop = [s for s in (stop or []) if s]
         self._include_stop = include_stop_str_in_output
         self._max_stop = max((len(s) for s in self._stop), default=0)
@@ -73,7 +84,8 @@ class IncrementalDetokenizer:
         if len(self._decoded) == before:
             return ""
         self.text = self._decoded
-        self._find_stop(before)
+        if len(self.token_ids) >= self._min_tokens:
+            self._find_stop(before)
         end = len(self.text) if self.stop_hit is not None else len(self.text) - self._hold
         if end <= self._emitted:
             return ""
@@ -90,14 +102,29 @@ class IncrementalDetokenizer:
     def _decode_new(self) -> str:
         """Text the tokens past the read offset add, once it ends on a whole character."""
         window = self._ids[self._prefix :]
-        seen = self._tokenizer.decode(
-            self._ids[self._prefix : self._read], skip_special_tokens=self._skip_special
-        )
-        full = self._tokenizer.decode(window, skip_special_tokens=self._skip_special)
+        seen = self._decode(self._ids[self._prefix : self._read])
+        full = self._decode(window)
         if len(full) <= len(seen) or full.endswith(_REPLACEMENT):
             return ""  # nothing new yet, or a character still incomplete
         self._prefix, self._read = self._read, len(self._ids)
         return full[len(seen) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        if not self._specials or not any(i in self._specials for i in ids):
+            return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        parts: list[str] = []
+        run: list[int] = []
+        for i in ids:  # ordinary runs decode together; each special token stands alone
+            if i in self._specials:
+                if run:
+                    parts.append(self._tokenizer.decode(run, skip_special_tokens=False))
+                    run = []
+                parts.append(self._tokenizer.decode([i], skip_special_tokens=False))
+            else:
+                run.append(i)
+        if run:
+            parts.append(self._tokenizer.decode(run, skip_special_tokens=False))
+        return " ".join(parts)
 
     def _find_stop(self, before: int) -> None:
         """Cut `text` at the earliest stop string that ends in the new text."""

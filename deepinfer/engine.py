@@ -10,15 +10,19 @@ time, the simulator drives the same coroutine in simulated time.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import Callable, Generator
 
 from deepinfer.config import EngineConfig
+from deepinfer.errors import RequestFailed
 from deepinfer.executor import Executor, StepHandle
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import FinishReason, Request
 from deepinfer.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 
 class StepEventKind(enum.Enum):
@@ -51,6 +55,7 @@ class EngineCore:
             executor.num_kv_blocks(),
             model_max_len=model_max_len,
             emit_token_ids=executor.needs_token_ids,
+            vocab_size=getattr(executor, "vocab_size", None),
         )
         self.check = check_invariants
         self.record_steps = record_steps
@@ -78,6 +83,11 @@ class EngineCore:
             req.times.finish = self.clock()
             self.records.append(_record(req))
         return req
+
+    def discard_in_flight(self) -> None:
+        """Forget a launched step whose results will never be applied (its requests were
+        aborted: an interrupted `generate`)."""
+        self._in_flight = None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -146,7 +156,10 @@ class EngineCore:
                     self.scheduler.raise_stalled()
                 return []
             yield _SCHEDULED, out
-            self._launch(out)
+            try:
+                self._launch(out)
+            except Exception as exc:  # one request's bad work must not stop the engine
+                return self._fail([out], exc)
             yield _LAUNCHED, out
         next_out = None
         if self.config.async_scheduling:
@@ -157,11 +170,42 @@ class EngineCore:
         out, handle, start = self._in_flight
         yield _AWAIT, out
         self._in_flight = None
-        changed = self.process(out, handle.result(), self.clock() - start)
+        try:
+            res = handle.result()
+        except Exception as exc:
+            return self._fail([out] if next_out is None else [out, next_out], exc)
+        changed = self.process(out, res, self.clock() - start)
         if next_out is not None and not next_out.is_empty:
-            self._launch(next_out)
+            try:
+                self._launch(next_out)
+            except Exception as exc:
+                return changed + self._fail([next_out], exc)
             yield _LAUNCHED, next_out
         return changed
+
+    def _fail(self, outs: list[SchedulerOutput], exc: Exception) -> list[Request]:
+        """The executor raised: abort the requests it names (RequestFailed) or, when it
+        names none, every request of the failed step; requeue the rest; go on."""
+        self._in_flight = None
+        if isinstance(exc, RequestFailed):
+            errors = exc.reasons
+            logger.warning("step %d: %s", outs[0].step_id, exc)
+        else:
+            errors = {sr.req_id: f"{type(exc).__name__}: {exc}" for sr in outs[0].scheduled}
+            logger.error(
+                "step %d failed; aborting its %d requests",
+                outs[0].step_id,
+                len(errors),
+                exc_info=exc,
+            )
+        aborted = self.scheduler.fail_step(outs, errors)
+        now = self.clock()
+        for req in aborted:
+            req.times.finish = now
+            self.records.append(_record(req))
+        if self.check:
+            self.scheduler.check_invariants()
+        return aborted
 
     def _launch(self, out: SchedulerOutput) -> None:
         start = self.clock()  # before the call: a synchronous executor returns when done

@@ -17,7 +17,8 @@ from typing import Any
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
 from deepinfer.executor import get_executor_class
-from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.output_processor import TrackedCompletion, TrackedPrompt
+from deepinfer.outputs import RequestOutput
 from deepinfer.request import FinishReason, Request
 from deepinfer.sampling_params import SamplingParams
 
@@ -84,19 +85,27 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the prompts' order."""
+        """Generate for every prompt; outputs come back in the prompts' order.
+
+        Every prompt is checked before any is queued (a bad one is a ValueError naming
+        it). An interrupted call (Ctrl-C) aborts its requests, so the LLM stays usable.
+        """
         batch = _as_list(prompts)
         params = _params_for(batch, sampling_params)
-        tracked: dict[str, _Tracked] = {}
-        order: list[str] = []
-        for prompt, sp in zip(batch, params):
-            text, token_ids = self._tokenize(prompt)
-            req = self._make_request(token_ids, sp)
-            order.append(req.request_id)
-            tracked[req.request_id] = _Tracked(req, text, self._detokenizer(token_ids, sp))
-            self.engine.add_request(req)
-        self._run(tracked, use_tqdm)
-        return [tracked[rid].output() for rid in order]
+        encoded = [self._tokenize(p) for p in batch]
+        for i, (_, ids) in enumerate(encoded):
+            self._check_prompt(i, ids)
+        tracked = [self._track(text, ids, sp) for (text, ids), sp in zip(encoded, params)]
+        completions = {c.req.request_id: c for t in tracked for c in t.completions}
+        try:
+            self._run(completions, use_tqdm)
+        except BaseException:
+            for c in completions.values():
+                if not c.req.is_finished:
+                    self.engine.abort(c.req.request_id)
+            self.engine.discard_in_flight()
+            raise
+        return [t.output(self.tokenizer) for t in tracked]
 
     # ---- internals -------------------------------------------------------------------
 
@@ -114,88 +123,70 @@ class LLM:
             return prompt, self.tokenizer.encode(prompt)
         return None, [int(t) for t in prompt]
 
-    def _make_request(self, token_ids: list[int], sp: SamplingParams) -> Request:
+    def _check_prompt(self, index: int, token_ids: list[int]) -> None:
+        vocab = getattr(self.executor, "vocab_size", None)
+        if vocab is None:
+            return
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"prompt {index}: token id {bad} is outside the model's vocabulary [0, {vocab})"
+            )
+
+    def _track(self, text: str | None, token_ids: list[int], sp: SamplingParams) -> TrackedPrompt:
+        """Queue the prompt's n completions (one engine request each)."""
+        rid = str(next(self._ids))
+        tracked = TrackedPrompt(rid, text, token_ids)
+        for k in range(sp.n):
+            sub = sp
+            if sp.n > 1:  # each completion samples on its own (seed + k when seeded)
+                seed = None if sp.seed is None else sp.seed + k
+                sub = dataclasses.replace(sp, n=1, best_of=None, seed=seed, seq_seed=seed)
+            req = self._make_request(rid if sp.n == 1 else f"{rid}#{k}", token_ids, sub)
+            tracked.completions.append(TrackedCompletion(req, k, self._detokenizer(token_ids, sub)))
+            self.engine.add_request(req)
+        return tracked
+
+    def _make_request(self, req_id: str, token_ids: list[int], sp: SamplingParams) -> Request:
         eos = self._eos_ids[0] if self._eos_ids else None
         extra = [t for t in self._eos_ids[1:] if t not in sp.stop_token_ids]
         if extra and not sp.ignore_eos:  # generation_config's other end tokens stop too
             sp = dataclasses.replace(sp, stop_token_ids=list(sp.stop_token_ids) + extra)
-        return Request(str(next(self._ids)), token_ids, sp, self.engine.clock(), eos_token_id=eos)
+        return Request(req_id, token_ids, sp, self.engine.clock(), eos_token_id=eos)
 
     def _detokenizer(self, token_ids: list[int], sp: SamplingParams) -> Any:
         if self.tokenizer is None:
             return None
         from deepinfer.detokenizer import IncrementalDetokenizer
 
-        return IncrementalDetokenizer(self.tokenizer, token_ids, stop=list(sp.stop))
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            token_ids,
+            stop=list(sp.stop),
+            skip_special_tokens=sp.skip_special_tokens,
+            include_stop_str_in_output=sp.include_stop_str_in_output,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+            min_tokens=sp.min_tokens,
+        )
 
-    def _run(self, tracked: dict[str, _Tracked], use_tqdm: bool) -> None:
+    def _run(self, completions: dict[str, TrackedCompletion], use_tqdm: bool) -> None:
         from tqdm import tqdm
 
-        live = {rid for rid, t in tracked.items() if not t.req.is_finished}
-        with tqdm(
-            total=len(tracked),
-            desc="generating",
-            unit="req",
-            disable=not use_tqdm,
-            initial=len(tracked) - len(live),
-            leave=False,
-        ) as bar:
+        live = {rid for rid, c in completions.items() if not c.req.is_finished}
+        with tqdm(total=len(completions), desc="generating", unit="req", disable=not use_tqdm,
+                  initial=len(completions) - len(live), leave=False) as bar:  # fmt: skip
             while live:
                 for req in self.engine.step():
-                    t = tracked.get(req.request_id)
-                    if t is None:
+                    c = completions.get(req.request_id)
+                    if c is None:
                         continue
-                    if t.feed() and not req.is_finished:
+                    if c.feed() and not req.is_finished:
                         self.engine.finish(req.request_id, FinishReason.STOP)
                     if req.is_finished and req.request_id in live:
                         live.discard(req.request_id)
                         bar.update(1)
                 if not self.engine.has_unfinished():
                     break
-
-
-@dataclasses.dataclass
-class _Tracked:
-    req: Request
-    prompt: str | None
-    detok: Any  # IncrementalDetokenizer or None
-    num_fed: int = 0
-
-    def feed(self) -> bool:
-        """Detokenize new tokens; True once a stop string appeared."""
-        new = self.req.output_token_ids[self.num_fed :]
-        self.num_fed += len(new)
-        if self.detok is None or not new:
-            return False
-        self.detok.append(new)
-        return self.detok.stop_hit is not None
-
-    def output(self) -> RequestOutput:
-        req = self.req
-        if self.detok is not None:
-            self.detok.flush()
-        text = self.detok.text if self.detok is not None else ""
-        reason = req.finish_reason.value if req.finish_reason is not None else None
-        stop_reason = self.detok.stop_hit if self.detok is not None else None
-        if stop_reason is None and reason == "stop" and req.output_token_ids:
-            stop_reason = req.output_token_ids[-1]
-        completion = CompletionOutput(
-            0,
-            text,
-            list(req.output_token_ids),
-            reason,
-            logprobs=req.logprobs or None,
-            stop_reason=stop_reason,
-        )
-        return RequestOutput(
-            req.request_id,
-            self.prompt,
-            req.token_ids(0, req.num_prompt_tokens),
-            [completion],
-            req.is_finished,
-            max(req.num_cached_tokens, 0),
-            error=req.reject_reason,
-        )
 
 
 def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

@@ -57,7 +57,9 @@ class SchedulerOutput:
 
 
 @dataclass
-class Logprob:
+class TokenLogprob:
+    """A token's logprob as the executor reports it (rank 1: the most likely token)."""
+
     token_id: int
     logprob: float
     rank: int
@@ -71,7 +73,40 @@ class ModelRunnerOutput:
     # req_id -> next draft proposal (speculation).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> per sampled token: the chosen token's logprob plus the top ones.
-    logprobs: dict[str, list[list[Logprob]]] | None = None
+    logprobs: dict[str, list[list[TokenLogprob]]] | None = None
+
+
+# ---- user-facing outputs (vLLM's names and shapes) -----------------------------------
+
+
+@dataclass
+class Logprob:
+    """One token's entry in a position's logprobs dict (vLLM's `Logprob`)."""
+
+    logprob: float
+    rank: int | None = None  # 1: the most likely token
+    decoded_token: str | None = None
+
+
+# Per output position: token id -> Logprob (the sampled token plus the top ones).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class RequestMetrics:
+    """When things happened to a request, on the engine's clock (seconds)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
 
 @dataclass
@@ -79,9 +114,13 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None  # sum of the sampled tokens' logprobs (with logprobs)
+    logprobs: SampleLogprobs | None
     finish_reason: str | None  # "stop", "length", "abort", "rejected" or None while running
-    logprobs: list[list[Logprob]] | None = None
-    stop_reason: int | str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -89,7 +128,9 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+    metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    error: str | None = None  # the rejection reason, when rejected
+    error: str | None = None  # why it was rejected, or the error that aborted it

@@ -27,7 +27,7 @@ class RequestRecord:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "rejected"
-    reason: str | None = None  # why it was rejected
+    reason: str | None = None  # why it was rejected, or the error that aborted it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

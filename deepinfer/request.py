@@ -101,7 +101,7 @@ class Request:
         self.num_pending_drafts = 0  # drafts scheduled whose verification is not back yet
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
-        self.reject_reason: str | None = None
+        self.reject_reason: str | None = None  # why rejected, or the error that aborted it
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
         self.max_computed_tokens = 0  # highest num_computed_tokens ever reached

@@ -30,12 +30,14 @@ class Scheduler(SchedulerChecks):
         *,
         model_max_len: int | None = None,
         emit_token_ids: bool = False,
+        vocab_size: int | None = None,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
         self.kv = KVCacheManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching)
         self.max_model_len = _effective_max_model_len(config, num_gpu_blocks, model_max_len)
         self.emit_token_ids = emit_token_ids  # the executor needs token ids (a real model)
+        self.vocab_size = vocab_size  # prompts' token ids are checked against it
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests
@@ -67,6 +69,10 @@ class Scheduler(SchedulerChecks):
                 f"prompt of {n} tokens plus one output token exceeds max_model_len="
                 f"{self.max_model_len}"
             )
+        if self.vocab_size is not None and isinstance(req.prompt, (list, tuple)):
+            bad = next((t for t in req.prompt if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                return f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
         if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
             return (
                 f"prompt of {n} tokens exceeds max_num_batched_tokens="
@@ -251,6 +257,32 @@ class Scheduler(SchedulerChecks):
         self.num_preemptions += 1
         self.waiting.add_preempted(req)
         self._preempted_since_last.add(req.request_id)
+
+    def fail_step(self, outs: list[SchedulerOutput], errors: dict[str, str]) -> list[Request]:
+        """Undo steps whose work the executor could not run (`outs`: the failed step, and
+        the one scheduled after it under async scheduling). Requests in `errors` end as
+        aborted with that reason; the steps' other requests are requeued for recompute
+        (their blocks freed, as a preemption), so no bookkeeping of the failed steps
+        remains. Returns the aborted requests."""
+        aborted = []
+        for req_id in {sr.req_id for out in outs for sr in out.scheduled}:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue  # ended meanwhile
+            if req_id in errors:
+                req.reject_reason = errors[req_id]
+                self._end(req, RequestStatus.ABORTED, FinishReason.ABORT)
+                aborted.append(req)
+            elif req.status is RequestStatus.RUNNING:
+                self._preempt(req)
+            elif req.status is RequestStatus.PREFILLING:  # mid-chunk: start over
+                self.waiting.remove(req)
+                self.kv.free(req)
+                req.status = RequestStatus.PREEMPTED
+                req.num_computed_tokens = 0
+                self.waiting.add_preempted(req)
+                self._preempted_since_last.add(req_id)
+        return aborted
 
     # ---- results ---------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.config import EngineConfig
+from deepinfer.errors import RequestFailed
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.sampling_params import SamplingParams
 from executors.attention import AttentionMetadata, build_attention_metadata
@@ -79,6 +80,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = next(model.parameters()).device
         self.eos_token_id = eos_token_id
+        self.vocab_size = model.config.vocab_size
         # Queries this short (a decode token plus drafts) take the absorbed MLA path.
         self.decode_max_query_len = 1 + engine_config.num_speculative_tokens
         self.max_num_seqs = engine_config.max_num_seqs
@@ -179,15 +181,13 @@ class ModelRunner:
             num_decode=sum(r.num_tokens <= self.decode_max_query_len for r in ordered),
             logits_indices=[],
         )  # fmt: skip
+        failed = self._check(ordered)
+        if failed:  # before any device work: the engine aborts these and requeues the rest
+            raise RequestFailed(failed)
         for sr in ordered:
             state = self.requests[sr.req_id]
             tokens = self._step_tokens(sr, state)
             start, end = sr.num_computed_tokens, sr.num_computed_tokens + sr.num_tokens
-            if len(state.block_table) * self.block_size < end:
-                raise ValueError(
-                    f"request {sr.req_id!r}: {len(state.block_table)} blocks of "
-                    f"{self.block_size} cannot hold {end} tokens"
-                )
             self._record_history(state, start, tokens[: len(tokens) - len(sr.draft_token_ids)])
             if sr.samples:
                 n = 1 + len(sr.draft_token_ids)
@@ -201,6 +201,24 @@ class ModelRunner:
             host.input_ids.extend(tokens)
             host.positions.extend(range(start, end))
         return host
+
+    def _check(self, scheduled: list[ScheduledRequest]) -> dict[str, str]:
+        """Why each request's work cannot run (bad token ids, a table too short), so that
+        one request's bad input fails before the model (where it could poison the device
+        for every request) and ends that request alone."""
+        vocab = self.vocab_size
+        failed = {}
+        for sr in scheduled:
+            state = self.requests[sr.req_id]
+            end = sr.num_computed_tokens + sr.num_tokens
+            if len(state.block_table) * self.block_size < end:
+                failed[sr.req_id] = (
+                    f"{len(state.block_table)} blocks of {self.block_size} cannot hold {end} tokens"
+                )
+            bad = [t for t in sr.token_ids or () if not 0 <= t < vocab]
+            if bad:
+                failed[sr.req_id] = f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
+        return failed
 
     def to_device(self, host: HostBatch) -> Batch:
         md = build_attention_metadata(

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.outputs import Logprob
+from deepinfer.outputs import TokenLogprob
 from deepinfer.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -62,7 +62,7 @@ class SamplerOutput:
     token_ids: list[int]  # one per row
     # Per row: [chosen token, then the top-`logprobs` tokens (ranks 1..n)]; an
     # empty list for a row that asked for none. None when no row asked.
-    logprobs: list[list[Logprob]] | None = None
+    logprobs: list[list[TokenLogprob]] | None = None
 
 
 def _mix_seed(seed: int, step: int) -> int:
@@ -253,7 +253,7 @@ def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
 
 def _gather_logprobs(
     logprobs: torch.Tensor | None, token_ids: torch.Tensor, params: list[SamplingParams]
-) -> list[list[Logprob]]:
+) -> list[list[TokenLogprob]]:
     """Per row: the chosen token, ranked by how many tokens are at least as likely
     (1: the most likely; vLLM's count), then the top-n tokens with ranks 1..n.
     logprobs: [num_reqs, vocab]; token_ids: [num_reqs]."""
@@ -265,13 +265,13 @@ def _gather_logprobs(
     top_vals, top_ids = logprobs.topk(n_max, dim=-1)  # [num_reqs, n_max]
     ids, chosen_l = token_ids.tolist(), chosen[:, 0].tolist()
     top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-    out: list[list[Logprob]] = []
+    out: list[list[TokenLogprob]] = []
     for i, p in enumerate(params):
         if p.logprobs is None:
             out.append([])
             continue
-        row = [Logprob(ids[i], chosen_l[i], ranks[i])]
+        row = [TokenLogprob(ids[i], chosen_l[i], ranks[i])]
         n = min(p.logprobs, vocab)
-        row += [Logprob(top_ids_l[i][j], top_vals_l[i][j], j + 1) for j in range(n)]
+        row += [TokenLogprob(top_ids_l[i][j], top_vals_l[i][j], j + 1) for j in range(n)]
         out.append(row)
     return out

@@ -52,6 +52,7 @@ class TorchExecutor:
             model, revision=revision, weights=load_format != "dummy"
         )
         self.config = read_model_config(self.model_dir)
+        self.vocab_size = self.config.vocab_size  # the engine checks prompts against it
         self.device = torch.device(device) if device else _default_device()
         self.dtype = resolve_dtype(self.config, dtype, self.device)
         self.max_model_len = engine_config.max_model_len or self.config.max_position_embeddings

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from deepinfer.cli.engine_options import add_engine_options, engine_config_from_args
+from deepinfer.cli.sampling_options import add_sampling_options, sampling_params_from_args
 
 
 def add_generate_parser(sub: Any) -> None:
@@ -17,17 +18,6 @@ def add_generate_parser(sub: Any) -> None:
         default="deepinfer-demo",
         help="checkpoint directory or hub id (default: %(default)s)",
     )
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument(
-        "--seq-seed",
-        dest="seq_seed",
-        type=int,
-        default=None,
-        help="per-request sampling seed (deterministic sampling)",
-    )
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: detected)")
     p.add_argument(
@@ -35,13 +25,13 @@ def add_generate_parser(sub: Any) -> None:
         action="store_true",
         help="no CUDA graphs for decode steps (they are on by default on CUDA)",
     )
+    add_sampling_options(p)
     add_engine_options(p)
     p.set_defaults(func=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from deepinfer.llm import LLM
-    from deepinfer.sampling_params import SamplingParams
 
     engine = engine_config_from_args(args)
     try:
@@ -54,14 +44,9 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     except (RuntimeError, OSError) as e:  # unreachable hub, unreadable checkpoint
         raise ValueError(f"cannot load model {args.model!r}: {e}") from e
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seq_seed=args.seq_seed,
-    )
+    params = sampling_params_from_args(args)
     for out in llm.generate(list(args.prompt), params):
         print(f"--- {out.request_id} ({out.outputs[0].finish_reason})")
-        print((out.prompt or "") + out.outputs[0].text)
+        for c in out.outputs:
+            print((out.prompt or "") + c.text)
     return 0

@@ -79,8 +79,13 @@ def test_logprobs_and_seeded_sampling(tiny_models: dict[str, TinyModel]) -> None
     )[2].outputs[0]
     assert a.token_ids == b.token_ids  # seq_seed: independent of the batch
     assert a.logprobs is not None and len(a.logprobs) == 6
-    for tok, lps in zip(a.token_ids, a.logprobs):
-        assert lps[0].token_id == tok and lps[0].logprob <= 0.0 and len(lps) == 3
+    for tok, lps in zip(a.token_ids, a.logprobs):  # vLLM's shape: {token_id: Logprob}
+        assert tok in lps and lps[tok].logprob <= 0.0 and 2 <= len(lps) <= 3
+        ranks = sorted(lp.rank for t, lp in lps.items() if t != tok or lp.rank <= 2)
+        assert ranks[:2] == [1, 2]
+    assert a.cumulative_logprob == pytest.approx(
+        sum(lps[t].logprob for t, lps in zip(a.token_ids, a.logprobs))
+    )
 
 
 def test_too_long_prompt_is_rejected_with_both_sizes(tiny_models: dict[str, TinyModel]) -> None:

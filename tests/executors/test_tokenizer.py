@@ -101,7 +101,7 @@ def stream(
     ids: list[int],
     chunks: list[int] | None = None,
     prompt: list[int] | None = None,
-    **kw: bool | list[str],
+    **kw: bool | int | list[str],
 ) -> tuple[IncrementalDetokenizer, str]:
     """Feed ids (one at a time, or in the given chunk sizes); return the detokenizer and
     everything it emitted, flush included."""
@@ -190,7 +190,20 @@ def test_prompt_context_and_eos(tok: Tokenizer) -> None:
     detok, emitted = stream(tok, out, prompt=prompt)
     assert emitted == detok.text == " brown 日本語"
     detok, _ = stream(tok, out, prompt=prompt, skip_special_tokens=False)
+    assert detok.text == " brown 日本語 " + EOS  # spaces_between_special_tokens (default)
+    detok, _ = stream(
+        tok, out, prompt=prompt, skip_special_tokens=False, spaces_between_special_tokens=False
+    )
     assert detok.text == " brown 日本語" + EOS
+
+
+def test_a_stop_string_before_min_tokens_does_not_stop(tok: Tokenizer) -> None:
+    ids = tok.encode("ab ab ab ab", add_special_tokens=False)
+    first_ab = next(k for k in range(len(ids)) if "ab" in tok.decode(ids[: k + 1]))
+    detok, _ = stream(tok, ids, stop=["ab"], min_tokens=first_ab + 2)
+    assert detok.stop_hit == "ab" and len(detok.token_ids) > first_ab + 1
+    detok, _ = stream(tok, ids, stop=["ab"])
+    assert len(detok.token_ids) == first_ab + 1
 
 
 def test_stop_string_spanning_tokens_is_cut(tok: Tokenizer) -> None:

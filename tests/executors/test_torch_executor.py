@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deepinfer.config import EngineConfig
+from deepinfer.errors import RequestFailed
 from deepinfer.executor import Executor, get_executor_class
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 from deepinfer.sampling_params import SamplingParams
@@ -106,7 +107,7 @@ def test_runner_state_lifecycle(tiny_models: dict[str, TinyModel]) -> None:
     assert "a" not in runner.requests
     with pytest.raises(ValueError, match="no block_table"):
         runner.execute(SchedulerOutput(4, [_decode_step("a", 6, 1)]))
-    with pytest.raises(ValueError, match="cannot hold"):
+    with pytest.raises(RequestFailed, match="cannot hold"):
         runner.execute(SchedulerOutput(5, [_prompt_step("b", [1] * 5, [2])]))
 
 

@@ -1,0 +1,103 @@
+"""From engine requests to what `LLM.generate` returns: text, logprobs, metrics.
+
+One `TrackedPrompt` per prompt holds its `n` completions (one engine request each).
+Each completion detokenizes incrementally (stop strings, held back until `min_tokens`)
+and, once finished, becomes a vLLM-shaped `CompletionOutput`: text, token ids, the
+cumulative logprob, per-position `{token_id: Logprob}` dicts and the stop reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from deepinfer.request import Request
+
+
+@dataclass
+class TrackedCompletion:
+    req: Request
+    index: int
+    detok: Any  # IncrementalDetokenizer, or None without a tokenizer
+    num_fed: int = 0
+
+    def feed(self) -> bool:
+        """Detokenize new tokens; True once a stop string ended the text."""
+        new = self.req.output_token_ids[self.num_fed :]
+        self.num_fed += len(new)
+        if self.detok is None or not new:
+            return False
+        self.detok.append(new)
+        return self.detok.stop_hit is not None
+
+    def output(self, tokenizer: Any) -> CompletionOutput:
+        req = self.req
+        text = ""
+        if self.detok is not None:
+            self.detok.flush()
+            text = self.detok.text
+        reason = req.finish_reason.value if req.finish_reason is not None else None
+        stop_reason: int | str | None = self.detok.stop_hit if self.detok is not None else None
+        if stop_reason is None and reason == "stop" and req.output_token_ids:
+            stop_reason = req.output_token_ids[-1]
+        logprobs = cumulative = None
+        if req.sampling_params.logprobs is not None:
+            logprobs = [_position(row, tokenizer) for row in req.logprobs]
+            cumulative = sum(row[0].logprob for row in req.logprobs if row)
+        return CompletionOutput(
+            self.index, text, list(req.output_token_ids), cumulative, logprobs, reason, stop_reason
+        )
+
+
+@dataclass
+class TrackedPrompt:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[TrackedCompletion] = field(default_factory=list)
+
+    def output(self, tokenizer: Any) -> RequestOutput:
+        reqs = [c.req for c in self.completions]
+        errors = [r.reject_reason for r in reqs if r.reject_reason]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            prompt_logprobs=None,
+            outputs=[c.output(tokenizer) for c in self.completions],
+            finished=all(r.is_finished for r in reqs),
+            metrics=_metrics(reqs),
+            num_cached_tokens=max(reqs[0].num_cached_tokens, 0),
+            error=errors[0] if errors else None,
+        )
+
+
+def _position(row: list[Any], tokenizer: Any) -> dict[int, Logprob]:
+    """One position's [chosen, top 1..k] TokenLogprobs as vLLM's {token_id: Logprob}."""
+    out: dict[int, Logprob] = {}
+    for lp in row:
+        if lp.token_id not in out:
+            decoded = tokenizer.decode([lp.token_id]) if tokenizer is not None else None
+            out[lp.token_id] = Logprob(lp.logprob, lp.rank, decoded)
+    return out
+
+
+def _metrics(reqs: list[Request]) -> RequestMetrics:
+    times = [r.times for r in reqs]
+
+    def first(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return min(known) if known else None
+
+    def last(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return max(known) if known else None
+
+    return RequestMetrics(
+        arrival_time=min(t.arrival for t in times),
+        first_scheduled_time=first([t.first_scheduled for t in times]),
+        first_token_time=first([t.first_token for t in times]),
+        last_token_time=last([t.token_times[-1] if t.token_times else None for t in times]),
+        finished_time=last([t.finish for t in times]) if all(r.is_finished for r in reqs) else None,
+    )

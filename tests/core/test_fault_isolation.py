@@ -1,0 +1,106 @@
+"""Fault isolation: an executor failure for one request's work ends that request (aborted,
+with the reason) and the engine serves every other request as if nothing happened."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer.errors import RequestFailed
+from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
+from deepinfer.request import RequestStatus
+from tests.factories import ScriptedExecutor, make_config, make_engine, make_request
+
+
+class FaultyExecutor(ScriptedExecutor):
+    """Raises at chosen (step number, request) pairs: a RequestFailed naming the request,
+    or, for `generic`, a plain error that names nobody."""
+
+    def __init__(self, num_blocks: int, faults: dict[int, str], generic: bool) -> None:
+        super().__init__(num_blocks)
+        self.faults, self.generic, self.calls = faults, generic, 0
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.calls += 1
+        victim = self.faults.get(self.calls)
+        if victim is not None and any(sr.req_id == victim for sr in out.scheduled):
+            if self.generic:
+                raise IndexError("index out of range in self")
+            raise RequestFailed({victim: "token id 10**9 is out of the vocabulary"})
+        return super().execute(out)
+
+
+def _run(cfg, executor, specs):  # type: ignore[no-untyped-def]
+    engine = make_engine(cfg)
+    engine.executor = executor
+    reqs = [make_request(rid, n, max_tokens=m) for rid, n, m in specs]
+    for r in reqs:
+        engine.add_request(r)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        assert steps < 2000, engine.scheduler.diagnose()
+    return engine, reqs
+
+
+workloads = st.lists(st.tuples(st.integers(1, 30), st.integers(1, 6)), min_size=1, max_size=6).map(
+    lambda xs: [(f"r{i}", n, m) for i, (n, m) in enumerate(xs)]
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(workloads, st.integers(1, 12), st.integers(0, 5), st.booleans(), st.booleans())
+def test_a_failing_request_is_aborted_and_every_other_finishes_unchanged(
+    specs, fault_step, victim_index, async_scheduling, generic
+) -> None:
+    cfg = make_config(num_gpu_blocks=40, async_scheduling=async_scheduling)
+    victim = specs[victim_index % len(specs)][0]
+    _, clean = _run(cfg, ScriptedExecutor(40), specs)
+    faulty_ex = FaultyExecutor(40, {fault_step: victim}, generic)
+    engine, reqs = _run(cfg, faulty_ex, specs)
+    engine.scheduler.check_invariants()
+    assert engine.scheduler.kv.pool.num_free_blocks == 40  # nothing leaked
+    by_id = {r.request_id: r for r in reqs}
+    failed = [r for r in reqs if r.status is RequestStatus.ABORTED]
+    for r in reqs:
+        assert r.is_finished and sum(rec.req_id == r.request_id for rec in engine.records) == 1
+    if not generic:
+        assert all(r.request_id == victim for r in failed)
+        if failed:
+            assert "out of the vocabulary" in (by_id[victim].reject_reason or "")
+    for r, c in zip(reqs, clean):
+        if r.status is RequestStatus.FINISHED:
+            assert r.output_token_ids == c.output_token_ids, r.request_id
+        else:
+            assert r.reject_reason  # aborted with the reason, never silently
+
+
+def test_abort_of_a_waiting_running_or_prefilling_request_frees_its_blocks() -> None:
+    engine = make_engine(make_config(num_gpu_blocks=20, max_num_batched_tokens=8))
+    a, b, c = (
+        make_request("a", 3, max_tokens=50),
+        make_request("b", 20, max_tokens=5),
+        make_request("c", 4, max_tokens=5),
+    )
+    for r in (a, b, c):
+        engine.add_request(r)
+    engine.step()  # a runs, b is mid-prefill (chunked), c waits
+    assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.PREFILLING
+    assert c.status is RequestStatus.WAITING
+    for r in (a, b, c):
+        engine.abort(r.request_id)
+        assert not engine.scheduler.kv.holds_blocks(r.request_id)
+    engine.scheduler.check_invariants()
+    assert engine.scheduler.kv.pool.num_free_blocks == 20 and not engine.has_unfinished()
+
+
+def test_the_first_step_failing_for_one_of_two_requests() -> None:
+    specs = [("good", 5, 3), ("bad", 4, 3)]
+    engine, (good, bad) = _run(
+        make_config(num_gpu_blocks=40), FaultyExecutor(40, {1: "bad"}, generic=False), specs
+    )
+    assert bad.status is RequestStatus.ABORTED and "vocabulary" in (bad.reject_reason or "")
+    assert good.status is RequestStatus.FINISHED and good.output_token_ids == [1005, 1006, 1007]
+    rec = next(r for r in engine.records if r.req_id == "bad")
+    assert rec.status == "aborted" and "vocabulary" in (rec.reason or "")
