@@ -62,6 +62,12 @@ def enable_mtp_varlen() -> bool:
     return _flag("DEEPINFER_ENABLE_MTP_VARLEN", False)
 
 
+def allow_long_max_model_len() -> bool:
+    """DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN: accept max_model_len beyond the model's positions
+    (RoPE-scaled models only; vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+    return _flag("DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN", False)
+
+
 def kernel_backend() -> str:
     """DEEPINFER_KERNEL_BACKEND: auto (Triton kernels on CUDA), torch (the torch twins
     everywhere: turns the kernels off) or triton."""

@@ -11,11 +11,15 @@ byte sizes (what cost models price) come from `ModelSizes`.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from deepinfer import envs
 from deepinfer.model_sizes import ModelSizes
+
+logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
@@ -207,6 +211,30 @@ class ModelConfig(ModelSizes):
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a JSON object")
         return cls.from_dict(raw, source=str(path), name=name)
+
+    def check_max_model_len(self, requested: int | None) -> None:
+        """Refuse a max_model_len beyond the positions the model was trained on, unless the
+        user insists (DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1) and its RoPE is scaled (YaRN)."""
+        limit = self.max_position_embeddings
+        if requested is None or requested <= limit:
+            return
+        if not envs.allow_long_max_model_len():
+            raise ValueError(
+                f"max_model_len={requested} exceeds {self.name}'s max_position_embeddings="
+                f"{limit}; positions past it were never trained (set "
+                f"DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1 to insist, with a RoPE-scaled model)"
+            )
+        if self.rope.type == "default":
+            raise ValueError(
+                f"max_model_len={requested} exceeds max_position_embeddings={limit} and "
+                f"{self.name} has no RoPE scaling to extend it"
+            )
+        logger.warning(
+            "max_model_len=%d exceeds max_position_embeddings=%d (allowed by "
+            "DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN)",
+            requested,
+            limit,
+        )
 
     def replace(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes)

@@ -398,6 +398,16 @@ def _effective_max_model_len(config: EngineConfig, num_blocks: int, model_max: i
     wanted = config.max_model_len or model_max
     if wanted is None:
         return capacity
+    budget_caps = not config.enable_chunked_prefill and config.max_num_batched_tokens < min(
+        wanted, num_blocks * config.block_size
+    )
+    if budget_caps and config.max_model_len is None:
+        logger.warning(
+            "max_model_len capped at max_num_batched_tokens=%d (the model allows "
+            "%d): without chunked prefill a longer prompt could never be scheduled",
+            config.max_num_batched_tokens,
+            wanted,
+        )
     if wanted > capacity:
         if config.max_model_len is not None:
             logger.warning(

@@ -8,6 +8,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,9 +54,12 @@ class TorchExecutor:
         )
         self.config = read_model_config(self.model_dir)
         self.vocab_size = self.config.vocab_size  # the engine checks prompts against it
-        self.device = torch.device(device) if device else _default_device()
+        self.device = _device(device) if device else _default_device()
         self.dtype = resolve_dtype(self.config, dtype, self.device)
+        self.config.check_max_model_len(engine_config.max_model_len)
         self.max_model_len = engine_config.max_model_len or self.config.max_position_embeddings
+        if self.device.type == "cuda":
+            _check_fits(self.config, self.dtype, self.device, engine_config)
         self.eos_token_id = self._eos_token_id()
         self.model = load_model(
             self.model_dir,
@@ -161,6 +165,46 @@ class TorchExecutor:
         )
         runner.execute(SchedulerOutput(step_id=-1, scheduled=[req]))
         del runner, cache
+
+
+def _device(name: str) -> torch.device:
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device={name!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={name!r}: this torch ({torch.__version__}) sees no CUDA device; install a "
+            "CUDA build of torch on a machine with a GPU, or use device='cpu'"
+        )
+    return dev
+
+
+def _check_fits(cfg: Any, dtype: torch.dtype, device: torch.device, engine: EngineConfig) -> None:
+    """Weights (and an explicit KV cache) must fit the device: ValueError naming both."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = total * engine.gpu_memory_utilization
+    weights = (cfg.total_params + cfg.mtp_params) * dtype.itemsize
+    kv = 0
+    if engine.num_gpu_blocks is not None:
+        kv = (
+            engine.num_gpu_blocks
+            * engine.block_size
+            * cfg.kv_entry_dim
+            * (cfg.num_hidden_layers * dtype.itemsize)
+        )
+    if weights + kv > budget:
+        gb = 1e9
+        raise ValueError(
+            f"{cfg.name} needs {weights / gb:.1f} GB of weights in {dtype}"
+            + (
+                f" plus {kv / gb:.1f} GB of KV cache (num_gpu_blocks={engine.num_gpu_blocks})"
+                if kv
+                else ""
+            )
+            + f", more than the {budget / gb:.1f} GB usable on {torch.cuda.get_device_name(device)}"
+            f" ({total / gb:.1f} GB x gpu_memory_utilization {engine.gpu_memory_utilization})"
+        )
 
 
 def _default_device() -> torch.device:

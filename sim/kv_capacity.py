@@ -62,8 +62,8 @@ def kv_capacity_blocks(
             f"{model.name} weights need {weights / gb:.1f} GB in {dtype} but one {hardware.name} "
             f"offers {budget / gb:.1f} GB ({hardware.memory_bytes / gb:.1f} GB x "
             f"gpu_memory_utilization {gpu_memory_utilization}): the model does not fit on one "
-            f"{hardware.name}. Multi-GPU sharding is not modelled; pass --num-gpu-blocks to "
-            f"size the KV cache directly."
+            f"{hardware.name}. Multi-GPU sharding is not modelled yet: pick a GPU with more "
+            f"memory or a smaller model."
         )
     block_bytes = block_size * model.kv_bytes_per_token
     free = budget - weights - activation_reserve_bytes
@@ -76,3 +76,24 @@ def kv_capacity_blocks(
             f"pass --num-gpu-blocks."
         )
     return free // block_bytes
+
+
+def check_blocks_fit(
+    model: ModelConfig,
+    hardware: HardwareSpec,
+    num_blocks: int,
+    block_size: int,
+    gpu_memory_utilization: float,
+) -> None:
+    """An explicit KV cache size must fit beside the weights: ValueError naming both."""
+    budget = int(hardware.memory_bytes * gpu_memory_utilization)
+    kv = num_blocks * block_size * model.kv_bytes_per_token
+    if model.weight_bytes + kv > budget:
+        gb = 1e9
+        raise ValueError(
+            f"{model.name} on one {hardware.name}: weights {model.weight_bytes / gb:.1f} GB plus "
+            f"num_gpu_blocks={num_blocks} x {block_size} tokens of KV cache "
+            f"({kv / gb:.1f} GB) exceed the {budget / gb:.1f} GB usable "
+            f"({hardware.memory_bytes / gb:.1f} GB x gpu_memory_utilization "
+            f"{gpu_memory_utilization})"
+        )

@@ -25,6 +25,7 @@ from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from sim.cost_model import CostModel, kv_capacity_blocks, resolve_cost_model
 from sim.hardware import HardwareSpec, get_hardware
+from sim.kv_capacity import check_blocks_fit
 from sim.sim_executor import SimExecutor
 from sim.traces import SyntheticPrompt, Trace, TraceRequest
 
@@ -75,6 +76,14 @@ def simulate(
     num_blocks = engine.num_gpu_blocks
     if num_blocks is None:
         num_blocks = kv_capacity_blocks(spec, hw, engine.block_size, engine.gpu_memory_utilization)
+    elif cost_model != "unit":  # the unit model prices no hardware: any cache is a test case
+        check_blocks_fit(spec, hw, num_blocks, engine.block_size, engine.gpu_memory_utilization)
+    spec.check_max_model_len(engine.max_model_len)
+    if engine.num_speculative_tokens and not spec.num_nextn_predict_layers:
+        raise ValueError(
+            f"num_speculative_tokens={engine.num_speculative_tokens}: drafts come from the "
+            f"model's MTP layers and {spec.name} has none (num_nextn_predict_layers=0)"
+        )
     executor = SimExecutor(engine, num_blocks, acceptance_rate=acceptance_rate)
     env = simpy.Environment()
     core = EngineCore(

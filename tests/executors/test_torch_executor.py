@@ -227,3 +227,26 @@ def test_speculation_is_refused_until_the_executor_drafts(
     cfg = EngineConfig(num_speculative_tokens=2, num_gpu_blocks=16, block_size=4)
     with pytest.raises(ValueError, match="num_speculative_tokens=2: the torch executor"):
         TorchExecutor(cfg, str(tiny_models["v3_mtp"].path), device="cpu")
+
+
+def test_cuda_asked_of_a_torch_without_cuda_is_a_clear_error(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    from executors.torch_executor import TorchExecutor
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=r"device='cuda': this torch .* sees no CUDA device"):
+        TorchExecutor(
+            EngineConfig(num_gpu_blocks=16), str(tiny_models["v3_mtp"].path), device="cuda"
+        )
+
+
+def test_max_model_len_past_the_models_positions_is_refused(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    from executors.torch_executor import TorchExecutor
+
+    cfg = EngineConfig(num_gpu_blocks=16, max_model_len=10**6)
+    with pytest.raises(ValueError, match="max_model_len=1000000 exceeds"):
+        TorchExecutor(cfg, str(tiny_models["v3_mtp"].path), device="cpu")

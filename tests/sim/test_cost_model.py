@@ -7,8 +7,10 @@ import time
 
 import pytest
 
+from deepinfer.config import EngineConfig
 from deepinfer.model_config import PRESETS_DIR, ModelConfig, load_model_config
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
+from sim import simulate
 from sim.cost_model import (
     AnalyticCostModel,
     UnitCostModel,
@@ -18,6 +20,7 @@ from sim.cost_model import (
     load_cost_coefficients,
 )
 from sim.hardware import get_hardware, known_hardware
+from sim.traces import TraceRequest
 
 
 def _req(i: int, q: int, ctx: int, prompt: bool, samples: bool = True, drafts: int = 0):
@@ -159,8 +162,18 @@ def test_kv_capacity_raises_when_deepseek_v3_does_not_fit(dtype_bytes: int | Non
     with pytest.raises(ValueError, match="does not fit") as e:
         kv_capacity_blocks(v3, get_hardware("h200"), 64, 0.9)
     msg = str(e.value)
-    assert "--num-gpu-blocks" in msg and "GB" in msg
+    assert "--num-gpu-blocks" not in msg and "GB" in msg  # no way around it: it cannot fit
     assert ("bf16" if dtype_bytes == 2 else "fp8") in msg
+
+
+def test_an_explicit_kv_cache_beside_weights_that_do_not_fit_is_refused() -> None:
+    """DeepSeek-V3 on one H200 with --num-gpu-blocks was accepted: its weights alone
+    exceed the memory."""
+    reqs = [TraceRequest("a", 0.0, 10, 2)]
+    with pytest.raises(ValueError, match=r"weights 672\.9 GB plus num_gpu_blocks=100"):
+        simulate(reqs, model="deepseek-v3", engine=EngineConfig(num_gpu_blocks=100))
+    with pytest.raises(ValueError, match="exceed the .* GB usable"):
+        simulate(reqs, engine=EngineConfig(num_gpu_blocks=2_000_000))  # Moonlight: KV too big
 
 
 # --- cost models -------------------------------------------------------------------------

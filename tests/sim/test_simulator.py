@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
+from deepinfer.model_config import PRESETS_DIR
 from sim import load_trace, simulate
 from sim.cost_model import UnitCostModel
 from sim.sim_executor import SimExecutor
@@ -35,8 +37,13 @@ def test_bundled_trace_runs_with_the_analytic_cost_model() -> None:
 def test_shared_prefix_blocks_produce_prefix_cache_hits() -> None:
     trace = load_trace(TRACES / "mooncake_conversation_small.jsonl", max_requests=80)
     cfg = EngineConfig(num_gpu_blocks=3000, max_model_len=32768)
-    on = simulate(trace, engine=cfg, cost_model="unit")
-    off = simulate(trace, engine=cfg.replace(enable_prefix_caching=False), cost_model="unit")
+    on = simulate(trace, "deepseek-v2-lite", engine=cfg, cost_model="unit")
+    off = simulate(
+        trace,
+        "deepseek-v2-lite",
+        engine=cfg.replace(enable_prefix_caching=False),
+        cost_model="unit",
+    )
     assert on.summary["prefix_cache_hit_rate"] > 0.02
     assert off.summary["prefix_cache_hit_rate"] == 0.0
     assert on.summary["total_input_tokens"] == off.summary["total_input_tokens"]
@@ -61,11 +68,21 @@ def test_unit_cost_model_prices_every_step_the_same() -> None:
     assert result.summary["duration_s"] == pytest.approx(0.001 * len(result.steps))
 
 
-def test_same_trace_same_results_twice() -> None:
+def mtp_model(tmp_path: Path) -> str:
+    """Moonlight's shapes with one MTP layer and a 32k context (speculation needs MTP)."""
+    raw = json.loads((PRESETS_DIR / "moonlight-16b-a3b.json").read_text())
+    raw.update(num_nextn_predict_layers=1, max_position_embeddings=32768)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+def test_same_trace_same_results_twice(tmp_path: Path) -> None:
     trace = load_trace(TRACES / "mooncake_conversation_small.jsonl", max_requests=40)
     cfg = EngineConfig(num_gpu_blocks=600, max_model_len=32768, num_speculative_tokens=2)
-    a = simulate(trace, engine=cfg)
-    b = simulate(trace, engine=cfg)
+    model = mtp_model(tmp_path)
+    a = simulate(trace, model, engine=cfg)
+    b = simulate(trace, model, engine=cfg)
     assert [r.to_dict() for r in a.requests] == [r.to_dict() for r in b.requests]
 
 
@@ -118,3 +135,11 @@ def test_the_simulator_runs_the_engines_own_loop(async_scheduling: bool) -> None
         assert end == pytest.approx(0.0002 + 0.001 * n)
     else:
         assert end == pytest.approx(0.0012 * n)
+
+
+def test_speculation_without_mtp_layers_and_a_context_past_the_models_are_refused() -> None:
+    reqs = [TraceRequest("a", 0.0, 10, 2)]
+    with pytest.raises(ValueError, match="moonlight-16b-a3b has none"):
+        simulate(reqs, engine=EngineConfig(num_gpu_blocks=100, num_speculative_tokens=2))
+    with pytest.raises(ValueError, match="max_model_len=32768 exceeds"):
+        simulate(reqs, engine=EngineConfig(num_gpu_blocks=1000, max_model_len=32768))
