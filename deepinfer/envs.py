@@ -62,6 +62,16 @@ def enable_mtp_varlen() -> bool:
     return _flag("DEEPINFER_ENABLE_MTP_VARLEN", False)
 
 
+def cpu_threads() -> int:
+    """DEEPINFER_CPU_THREADS: torch threads of the CPU executor. Default 1: the models run on
+    the CPU here are small, and threads that spin-wait for each other made steps 7-50x
+    slower than one thread on a busy machine (and 6x on this one, measured)."""
+    n = _int("DEEPINFER_CPU_THREADS", 1)
+    if n < 1:
+        raise ValueError(f"DEEPINFER_CPU_THREADS={n}: expected a positive integer")
+    return n
+
+
 def allow_long_max_model_len() -> bool:
     """DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN: accept max_model_len beyond the model's positions
     (RoPE-scaled models only; vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""

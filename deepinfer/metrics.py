@@ -49,7 +49,6 @@ _PERCENTILES = {"p50": 50.0, "p90": 90.0, "p99": 99.0}
 # Rejection reasons carry sizes ("prompt of 40000 tokens ..."); more distinct
 # templates than this are folded into "other" so the summary stays readable.
 MAX_REASON_GROUPS = 8
-_MAX_REASON_LEN = 80
 
 
 @dataclass(frozen=True)
@@ -120,16 +119,30 @@ def _stats(samples_s: list[float], prefix: str) -> dict[str, float | None]:
 
 
 def _reason_template(reason: str | None) -> str:
-    """Group rejection reasons that differ only in their numbers."""
+    """The key that groups rejection reasons differing only in their numbers."""
     if not reason:
         return "unspecified"
-    text = re.sub(r"\d+(\.\d+)?", "N", reason.strip())
-    return text if len(text) <= _MAX_REASON_LEN else text[: _MAX_REASON_LEN - 3] + "..."
+    return re.sub(r"\d+(\.\d+)?", "N", reason.strip())
 
 
 def _group_reasons(records: list[RequestRecord]) -> dict[str, int]:
-    counts = Counter(_reason_template(r.reason) for r in records)
-    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))  # deterministic order
+    """Reasons that differ only in their numbers counted together, each group shown by its
+    first reason in full (numbers and all), marked when others differ in their numbers."""
+    counts: Counter[str] = Counter()
+    example: dict[str, str] = {}
+    variants: dict[str, set[str]] = {}
+    for r in records:
+        key = _reason_template(r.reason)
+        counts[key] += 1
+        example.setdefault(key, (r.reason or "unspecified").strip())
+        variants.setdefault(key, set()).add(r.reason or "")
+    shown = {
+        key: example[key] + (" (and others like it)" if len(variants[key]) > 1 else "")
+        for key in counts
+    }
+    ranked = sorted(
+        ((shown[k], n) for k, n in counts.items()), key=lambda kv: (-kv[1], kv[0])
+    )  # deterministic order
     if len(ranked) <= MAX_REASON_GROUPS:
         return dict(ranked)
     head = dict(ranked[: MAX_REASON_GROUPS - 1])

@@ -55,6 +55,8 @@ class TorchExecutor:
         self.config = read_model_config(self.model_dir)
         self.vocab_size = self.config.vocab_size  # the engine checks prompts against it
         self.device = _device(device) if device else _default_device()
+        if self.device.type == "cpu":  # process-wide: see envs.cpu_threads
+            torch.set_num_threads(envs.cpu_threads())
         self.dtype = resolve_dtype(self.config, dtype, self.device)
         self.config.check_max_model_len(engine_config.max_model_len)
         self.max_model_len = engine_config.max_model_len or self.config.max_position_embeddings

@@ -222,13 +222,14 @@ def plot_report(
         if r.finish is not None and r.first_token is not None and r.num_output_tokens > 1
     ]
     all_steps = steps or []
-    sampled = downsample(all_steps, max_points)
+    picked = downsample(list(range(len(all_steps))), max_points)
+    sampled = [all_steps[i] for i in picked]
     note = (
         f" (sampled {len(sampled)} of {len(all_steps)} steps)"
         if len(sampled) < len(all_steps)
         else ""
     )
-    t = [s.time for s in sampled]
+    t = timeline_with_breaks(all_steps, picked)
 
     fig = Figure(figsize=(14, 13), layout="constrained")
     FigureCanvasAgg(fig)
@@ -246,26 +247,40 @@ def plot_report(
         if not sampled:
             _no_data(ax)
     if sampled:
-        a_kv.plot(t, [s.kv_usage * 100 for s in sampled], lw=0.8)
-        a_kv.set_ylim(0, 105)
-        a_queue.plot(t, [s.num_running for s in sampled], lw=0.8, label="running")
-        a_queue.plot(t, [s.num_waiting for s in sampled], lw=0.8, label="waiting")
+        usage = [s.kv_usage * 100 for s in sampled]
+        a_kv.plot(t, _gapped(usage, t), lw=0.8)
+        # Scaled to the run's peak: a large cache used at 0.3% is not a flat line at zero.
+        peak = max(usage)
+        a_kv.set_ylim(0, max(peak * 1.1, 1.0))
+        a_kv.axhline(peak, color="grey", lw=0.5, ls=":")
+        a_kv.text(
+            0.99,
+            0.97,
+            f"peak {peak:.2f}%",
+            transform=a_kv.transAxes,
+            ha="right",
+            va="top",
+            fontsize=8,
+        )
+        a_queue.plot(t, _gapped([s.num_running for s in sampled], t), lw=0.8, label="running")
+        a_queue.plot(t, _gapped([s.num_waiting for s in sampled], t), lw=0.8, label="waiting")
         a_queue.legend(loc="upper right")
-        a_batch.plot(t, [s.num_batched_tokens for s in sampled], lw=0.8, label="total")
-        a_batch.plot(t, [s.num_prompt_tokens for s in sampled], lw=0.8, label="prompt")
+        a_batch.plot(t, _gapped([s.num_batched_tokens for s in sampled], t), lw=0.8, label="total")
+        a_batch.plot(t, _gapped([s.num_prompt_tokens for s in sampled], t), lw=0.8, label="prompt")
         a_batch.legend(loc="upper right")
     a_kv.set_ylabel("blocks held by requests (%)")
     a_queue.set_ylabel("requests")
     a_batch.set_ylabel("batched tokens")
 
     # Arrivals against completions: the gap between the curves is the backlog.
-    a_prog.set_title("Requests arrived vs finished")
+    a_prog.set_title("Requests arrived vs ended")
     a_prog.set_xlabel("time (s)")
     a_prog.set_ylabel("cumulative requests")
     a_prog.grid(True, alpha=0.3)
-    arrivals = sorted(r.arrival for r in records)
-    finishes = sorted(r.finish for r in done if r.finish is not None)
-    for times, label in ((arrivals, "arrived"), (finishes, "finished (completed)")):
+    arrivals, ended = progress_curves(records)
+    rejected = sum(r.status == "rejected" for r in records)
+    ended_label = "ended" + (f" (incl. {rejected} rejected)" if rejected else "")
+    for times, label in ((arrivals, "arrived"), (ended, ended_label)):
         if times:
             x, y = _cumulative(times, max_points)
             a_prog.step(x, y, where="post", label=label)
@@ -279,6 +294,43 @@ def plot_report(
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
+
+
+def progress_curves(records: list[RequestRecord]) -> tuple[list[float], list[float]]:
+    """Sorted arrival times, and sorted end times of every request that ended: finished,
+    aborted, or rejected (a rejected request ends when it arrives)."""
+    arrivals = sorted(r.arrival for r in records)
+    ended = sorted(
+        r.finish if r.finish is not None else r.arrival
+        for r in records
+        if r.status in ("finished", "aborted", "rejected")
+    )
+    return arrivals, ended
+
+
+def timeline_with_breaks(steps: list[StepRecord], picked: list[int]) -> list[float]:
+    """The times of the picked steps, with a NaN wherever the engine sat idle between two
+    of them, so that a timeline breaks there instead of drawing a line across the gap."""
+    idle_seen, count = [], 0
+    for i, st in enumerate(steps):  # idle before step i: it started after step i - 1 ended
+        if i and st.time - st.duration > steps[i - 1].time + 1e-9:
+            count += 1
+        idle_seen.append(count)
+    out: list[float] = []
+    for k, i in enumerate(picked):
+        if k and idle_seen[i] > idle_seen[picked[k - 1]]:
+            out.append(float("nan"))
+        out.append(steps[i].time)
+    return out
+
+
+def _gapped(values: list[Any], times: list[float]) -> list[Any]:
+    """`values` aligned with `timeline_with_breaks` times (NaN at the breaks)."""
+    out: list[Any] = []
+    it = iter(values)
+    for t in times:
+        out.append(float("nan") if t != t else next(it))
+    return out
 
 
 def _cumulative(times: list[float], max_points: int) -> tuple[list[float], list[int]]:

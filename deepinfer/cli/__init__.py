@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from deepinfer import __version__
 from deepinfer.cli.generate import add_generate_parser
 from deepinfer.cli.profile import add_profile_parser
 from deepinfer.cli.simulate import add_simulate_parser
@@ -18,12 +19,19 @@ from deepinfer.errors import SchedulerStalled
 
 EXIT_BAD_INPUT = 2
 EXIT_STALLED = 3
+EXIT_INTERNAL = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deepinfer",
         description="Inference engine and scheduler simulator for DeepSeek-architecture models.",
+    )
+    parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the full traceback of an error (before the command)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     add_simulate_parser(sub)
@@ -39,6 +47,23 @@ def main(argv: list[str] | None = None) -> int:
     except SchedulerStalled as e:
         print(f"deepinfer: the engine stalled:\n{e}", file=sys.stderr)
         return EXIT_STALLED
-    except (ValueError, FileNotFoundError) as e:
-        print(f"deepinfer: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # bad input: a file, a line, a field, a flag
+        if args.debug:
+            raise
+        print(f"deepinfer: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Exception as e:  # a bug: one line, the traceback on request
+        if args.debug:
+            raise
+        print(
+            f"deepinfer: internal error: {type(e).__name__}: {_one_line(e)} (run with "
+            "--debug for the traceback, and please report it)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{e.filename}: {e.strerror or e}"
+    return " ".join(str(e).split())

@@ -10,11 +10,11 @@ from deepinfer.config import EngineConfig
 
 _ENGINE_HELP = {
     "block_size": "tokens per KV block",
-    "num_gpu_blocks": "KV blocks in the cache (default: derived from GPU memory minus weights)",
+    "num_gpu_blocks": "KV blocks in the cache",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
     "max_num_seqs": "most requests in one step",
     "max_num_batched_tokens": "most tokens in one step",
-    "max_model_len": "longest request (prompt + output); capped by the cache",
+    "max_model_len": "longest request (prompt + output)",
     "enable_chunked_prefill": "split long prompts across steps",
     "prefill_watermark": "KV usage above which no new prompt starts (GPU_CACHE_PREFILL_WATERMARK)",
     "enable_prefix_caching": "reuse cached KV blocks of equal prefixes",
@@ -24,6 +24,13 @@ _ENGINE_HELP = {
     "async_scheduling": "schedule step N+1 while step N runs",
     "policy": "fcfs or priority",
     "seed": "seed for everything random",
+}
+
+
+# Defaults that are computed, described rather than shown as None.
+_DEFAULT_TEXT = {
+    "num_gpu_blocks": "derived from GPU memory minus weights",
+    "max_model_len": "the model's, capped by what the cache holds",
 }
 
 
@@ -53,7 +60,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
             type=kind,
             default=None,
             metavar=f.name.split("_")[-1].upper(),
-            help=f"{_ENGINE_HELP.get(f.name, '')} (default: {shown})",
+            help=f"{_ENGINE_HELP.get(f.name, '')} (default: {_DEFAULT_TEXT.get(f.name, shown)})",
         )
 
 

@@ -60,7 +60,14 @@ def add_simulate_parser(sub: Any) -> None:
         default=1.0,
         help="multiply arrival times (0.5 replays twice as fast)",
     )
-    p.add_argument("--max-requests", type=int, default=None, help="take only the first N requests")
+    p.add_argument(
+        "--max-requests",
+        "--num-requests",
+        dest="max_requests",
+        type=int,
+        default=None,
+        help="take only the first N requests",
+    )
     p.add_argument(
         "--start", type=float, default=None, help="keep requests arriving at or after START seconds"
     )

@@ -42,7 +42,7 @@ def detect_format(path: str | Path) -> str:
         raise TraceError(
             path,
             f"cannot detect the trace format from the first object's keys "
-            f"{sorted(obj) if isinstance(obj, dict) else obj!r}; pass format=",
+            f"{sorted(obj) if isinstance(obj, dict) else obj!r}; pass format= (--format on the command line)",
         )
     header = {h.strip() for h in next(csv.reader([first]), [])}
     for name, columns in _CSV_FORMATS:
@@ -51,7 +51,7 @@ def detect_format(path: str | Path) -> str:
     raise TraceError(
         path,
         f"cannot detect the trace format from its first line "
-        f"{first[:120]!r}; pass format= (native, azure, mooncake, burstgpt, vidur)",
+        f"{first[:120]!r}; pass format= (--format on the command line): native, azure, mooncake, burstgpt or vidur",
     )
 
 

@@ -45,3 +45,15 @@ def test_structured_outputs_are_refused_until_they_exist() -> None:
 def test_unknown_engine_option_is_named() -> None:
     with pytest.raises(ValueError, match="max_num_seq"):
         EngineConfig.from_dict({"max_num_seq": 4})
+
+
+def test_cpu_threads_default_to_one_and_are_overridable(monkeypatch) -> None:
+    from deepinfer import envs
+
+    monkeypatch.delenv("DEEPINFER_CPU_THREADS", raising=False)
+    assert envs.cpu_threads() == 1
+    monkeypatch.setenv("DEEPINFER_CPU_THREADS", "4")
+    assert envs.cpu_threads() == 4
+    monkeypatch.setenv("DEEPINFER_CPU_THREADS", "0")
+    with pytest.raises(ValueError, match="DEEPINFER_CPU_THREADS"):
+        envs.cpu_threads()

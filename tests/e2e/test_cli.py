@@ -87,3 +87,34 @@ def test_help_explains_every_engine_option() -> None:
     ):
         assert flag in proc.stdout
     assert SchedulerStalled.__name__  # the error type the CLI maps to exit code 3
+
+
+def test_version_and_one_line_errors_exit_2_without_a_traceback(tmp_path) -> None:
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("deepinfer ")
+    proc = run_cli("simulate", str(tmp_path), "--no-progress")  # a directory, not a trace
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and str(tmp_path) in proc.stderr
+    proc = run_cli("--debug", "simulate", str(tmp_path), "--no-progress")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_an_internal_error_is_one_line_exit_1_unless_debug(monkeypatch, capsys) -> None:
+    def broken(*args, **kwargs):  # a bug deep inside
+        raise KeyError("oops")
+
+    monkeypatch.setattr("sim.simulator.simulate", broken)
+    assert cli.main(["simulate", "traces/example.jsonl", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "internal error: KeyError" in err and "--debug" in err and "Traceback" not in err
+    with pytest.raises(KeyError):
+        cli.main(["--debug", "simulate", "traces/example.jsonl", "--no-progress"])
+
+
+def test_num_requests_and_each_default_shown_once() -> None:
+    proc = run_cli("simulate", "--num-requests", "5", "--no-progress", "--out", "/dev/null")
+    assert proc.returncode == 0 and "Submitted requests:                      5" in proc.stdout
+    for command in ("simulate", "generate", "profile"):
+        text = " ".join(run_cli(command, "--help").stdout.split())
+        for option in text.split(" --")[1:]:
+            assert option.count("(default") <= 1, option

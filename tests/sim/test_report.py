@@ -55,7 +55,7 @@ def test_print_summary_prints_the_key_figures() -> None:
     for needle in (
         "sim run",
         "Rejected requests:                       1",
-        "prompt of N tokens [cap N] exceeds the cache",  # brackets survive: markup is off
+        "prompt of 99999 tokens [cap 4096] exceeds the cache",  # brackets and numbers survive
         "Benchmark duration (s):                  1.90",
         "Request throughput (req/s):              1.05",
         "Request goodput (req/s):                 0.53",
@@ -141,3 +141,30 @@ def test_plot_report_handles_no_requests(tmp_path: Path) -> None:
     path = tmp_path / "empty.png"
     plot_report(path, [], None, "empty")
     assert path.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_timelines_break_across_idle_gaps_and_not_between_busy_steps() -> None:
+    from deepinfer.records import StepRecord
+    from sim.report import timeline_with_breaks
+
+    def step(i: int, end: float, dur: float) -> StepRecord:
+        return StepRecord(i, end, dur, 1, 0, 10, 0, 1, 0.5, 0)
+
+    busy = [step(0, 1.0, 1.0), step(1, 2.0, 1.0), step(2, 3.0, 1.0)]
+    assert timeline_with_breaks(busy, [0, 1, 2]) == [1.0, 2.0, 3.0]
+    idle = [step(0, 1.0, 1.0), step(1, 11.0, 1.0), step(2, 12.0, 1.0)]  # idle from 1 to 10
+    t = timeline_with_breaks(idle, [0, 1, 2])
+    assert t[0] == 1.0 and t[1] != t[1] and t[2:] == [11.0, 12.0]
+    assert timeline_with_breaks(idle, [0, 2])[1] != timeline_with_breaks(idle, [0, 2])[1]
+
+
+def test_the_progress_panel_counts_rejected_requests_as_ended(tmp_path) -> None:
+    from sim.report import progress_curves
+
+    recs = make_records()
+    assert any(r.status == "rejected" for r in recs)
+    arrivals, ended = progress_curves(recs)
+    assert len(arrivals) == len(ended) == len(recs)  # the curves meet once all have ended
+    rejected = next(r for r in recs if r.status == "rejected")
+    assert rejected.arrival in ended
+    plot_report(tmp_path / "p.png", recs, make_steps(10), "t")
