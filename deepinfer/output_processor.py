@@ -64,7 +64,7 @@ class TrackedPrompt:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=list(self.prompt_token_ids),
-            prompt_logprobs=None,
+            prompt_logprobs=_prompt_logprobs(reqs[0], len(self.prompt_token_ids), tokenizer),
             outputs=[c.output(tokenizer) for c in self.completions],
             finished=all(r.is_finished for r in reqs),
             metrics=_metrics(reqs),
@@ -81,6 +81,17 @@ def _position(row: list[Any], tokenizer: Any) -> dict[int, Logprob]:
             decoded = tokenizer.decode([lp.token_id]) if tokenizer is not None else None
             out[lp.token_id] = Logprob(lp.logprob, lp.rank, decoded)
     return out
+
+
+def _prompt_logprobs(
+    req: Request, n: int, tokenizer: Any
+) -> list[dict[int, Logprob] | None] | None:
+    """vLLM's shape: None for the first prompt token (nothing predicts it), then one
+    {token_id: Logprob} per position."""
+    if req.sampling_params.prompt_logprobs is None:
+        return None
+    rows = req.prompt_logprobs
+    return [None] + [_position(rows[p], tokenizer) if p in rows else None for p in range(1, n)]
 
 
 def _metrics(reqs: list[Request]) -> RequestMetrics:

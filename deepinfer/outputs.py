@@ -35,6 +35,9 @@ class ScheduledRequest:
     # that need token ids: a resumed request's prefix-cache hit skips tokens whose ids the
     # sampler still needs (penalties, seeded sampling).
     prior_token_ids: list[int] | None = None
+    # The whole prompt, sent with block_table to requests that asked for prompt logprobs
+    # (a chunk's last row predicts the next chunk's first token).
+    prompt_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
 
 
@@ -74,6 +77,8 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> per sampled token: the chosen token's logprob plus the top ones.
     logprobs: dict[str, list[list[TokenLogprob]]] | None = None
+    # req_id -> prompt position -> [that prompt token's logprob, then the top ones]
+    prompt_logprobs: dict[str, dict[int, list[TokenLogprob]]] | None = None
 
 
 # ---- user-facing outputs (vLLM's names and shapes) -----------------------------------

@@ -107,6 +107,7 @@ class Request:
         self.max_computed_tokens = 0  # highest num_computed_tokens ever reached
         self.block_hashes: list[int] = []  # chain hashes of its full blocks, grown lazily
         self.logprobs: list[Any] = []  # per output token, when sampling_params.logprobs is set
+        self.prompt_logprobs: dict[int, Any] = {}  # prompt position -> its logprob rows
         self.times = RequestTimes(arrival=arrival_time)
 
     @property

@@ -111,12 +111,6 @@ class SamplingParams:
                 value,
                 f"must be an integer in [0, {MAX_LOGPROBS}]",
             )
-        _check(
-            self.prompt_logprobs is None,
-            "prompt_logprobs",
-            self.prompt_logprobs,
-            "is not implemented yet by any executor; leave it unset",
-        )
         for s in self.stop:
             _check(isinstance(s, str) and s != "", "stop", s, "entries must be non-empty strings")
         for t in self.stop_token_ids:

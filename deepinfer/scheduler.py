@@ -177,7 +177,9 @@ class Scheduler(SchedulerChecks):
             return False
         if cfg.role is EngineRole.NORMAL and self.kv.usage > cfg.prefill_watermark:
             return False
-        cached = self.kv.find_cached_prefix(req)
+        # Prompt logprobs need every prompt token computed: no prefix-cache hit (as vLLM).
+        wants_prompt_logprobs = req.sampling_params.prompt_logprobs is not None
+        cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(req)
         num_computed = len(cached) * self.block_size
         if cfg.role is EngineRole.DECODE:
             num_computed = req.num_tokens - 1  # its prompt's KV arrived with it
@@ -217,11 +219,13 @@ class Scheduler(SchedulerChecks):
     ) -> ScheduledRequest:
         start = req.num_computed_tokens
         table = self.kv.block_ids(req.request_id) if resumed else None
-        token_ids = prior = None
+        token_ids = prior = prompt = None
         if self.emit_token_ids:
             token_ids = req.token_ids(start, min(start + num_new, req.num_tokens)) + drafts
             if resumed:
                 prior = req.token_ids(0, start)
+                if req.sampling_params.prompt_logprobs is not None:
+                    prompt = req.token_ids(0, req.num_prompt_tokens)
         req.num_computed_tokens = start + num_new
         req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
         samples = req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders
@@ -241,6 +245,7 @@ class Scheduler(SchedulerChecks):
             draft_token_ids=list(drafts),
             sampling_params=req.sampling_params if resumed else None,
             prior_token_ids=prior,
+            prompt_token_ids=prompt,
             num_prompt_tokens=req.num_prompt_tokens,
         )
 
@@ -291,6 +296,8 @@ class Scheduler(SchedulerChecks):
         changed: list[Request] = []
         for sr in out.scheduled:
             req = self.requests.get(sr.req_id)
+            if req is not None and res.prompt_logprobs and sr.req_id in res.prompt_logprobs:
+                req.prompt_logprobs.update(res.prompt_logprobs[sr.req_id])
             if req is None or not sr.samples:
                 continue  # ended while the step was in flight, or a partial prompt chunk
             preempted_meanwhile = req.status is not RequestStatus.RUNNING

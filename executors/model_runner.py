@@ -17,6 +17,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.errors import RequestFailed
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.sampling_params import SamplingParams
+from executors import prompt_logprobs
 from executors.attention import AttentionMetadata, build_attention_metadata
 from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
 from executors.kv_cache import PagedKVCache
@@ -30,6 +31,7 @@ class RequestState:
     sampling: SamplingState
     num_prompt_tokens: int
     last_token: int | None = None  # last sampled token (used when async scheduling omits it)
+    prompt_ids: list[int] | None = None  # the whole prompt, when prompt logprobs are wanted
 
 
 @dataclass
@@ -46,6 +48,7 @@ class HostBatch:
     logits_indices: list[int]  # [N] batch rows whose logits are sampled
     # req_id -> (first row in logits_indices, number of rows, drafts to verify)
     sample_rows: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
+    prompt_rows: list[prompt_logprobs.PromptRow] = field(default_factory=list)
 
 
 @dataclass
@@ -139,7 +142,12 @@ class ModelRunner:
         batch = self.to_device(host)
         hidden = self.model(batch.input_ids, batch.positions, batch.md, self.kv_cache.layers)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab]
-        return self._sample(batch.sample_rows, logits)
+        result = self._sample(batch.sample_rows, logits)
+        if host.prompt_rows:
+            result.output.prompt_logprobs = prompt_logprobs.compute(
+                self.model, hidden, host.prompt_rows
+            )
+        return result
 
     def _graph_eligible(self, host: HostBatch) -> bool:
         """Pure decode (one token per request) of a batch some graph holds."""
@@ -162,6 +170,8 @@ class ModelRunner:
                 )
                 if sr.prior_token_ids:
                     self._record_history(self.requests[sr.req_id], 0, sr.prior_token_ids)
+                if sr.prompt_token_ids is not None:
+                    self.requests[sr.req_id].prompt_ids = list(sr.prompt_token_ids)
             elif sr.req_id not in self.requests:
                 raise ValueError(
                     f"request {sr.req_id!r}: no block_table and no state held "
@@ -198,6 +208,11 @@ class ModelRunner:
                 )
                 last = len(host.input_ids) + len(tokens)
                 host.logits_indices.extend(range(last - n, last))
+            params = state.sampling.params
+            if state.prompt_ids is not None and params.prompt_logprobs is not None:
+                host.prompt_rows += prompt_logprobs.chunk_rows(
+                    sr.req_id, state.prompt_ids, start, end, len(host.input_ids),
+                    params.prompt_logprobs)  # fmt: skip
             host.input_ids.extend(tokens)
             host.positions.extend(range(start, end))
         return host

@@ -103,10 +103,35 @@ def test_n_completions_seeds_and_metrics(llm: LLM) -> None:
 def test_unsupported_vllm_options_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="best_of"):
         SamplingParams(n=1, best_of=4)
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=1)
+    with pytest.raises(ValueError, match="prompt_logprobs=21"):
+        SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="logprobs=21"):
         SamplingParams(logprobs=21)
     with pytest.raises(ValueError, match="seed=1 and seq_seed=2"):
         SamplingParams(seed=1, seq_seed=2)
     assert SamplingParams(seq_seed=5).seed == 5 and SamplingParams(seed=5).seq_seed == 5
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_cache_hits(
+    llm: LLM, tiny_models: dict[str, TinyModel]
+) -> None:
+    """Every prompt position p > 0 gets log P(token p | tokens < p), also where a chunk
+    boundary falls between them (16-token chunks) and when the prompt is cached."""
+    import torch
+
+    tiny = tiny_models["v2_group"]
+    prompt = prompts(9, [37])[0]
+    with torch.no_grad():
+        ref = tiny.hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)  # [37, vocab]
+    sp = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3, ignore_eos=True)
+    for _ in range(2):  # the second time the prompt is in the prefix cache
+        out = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+        lps = out.prompt_logprobs
+        assert lps is not None and len(lps) == len(prompt) and lps[0] is None
+        for p in range(1, len(prompt)):
+            row = lps[p]
+            assert row is not None and prompt[p] in row and len(row) <= 4
+            assert row[prompt[p]].logprob == pytest.approx(ref[p - 1, prompt[p]].item(), abs=1e-4)
+            top = max(row.values(), key=lambda lp: lp.logprob)
+            assert top.rank == 1
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].prompt_logprobs is None
