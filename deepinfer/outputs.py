@@ -21,6 +21,9 @@ class ScheduledRequest:
     is_prompt: bool  # the step computes prompt tokens (a prefill chunk)
     samples: bool  # the step ends at the request's last known token, so a token is sampled
     new_block_ids: list[int]  # blocks appended to the request's block table this step
+    # Length of the request's table before new_block_ids (None: unchanged since the last
+    # step). Shorter than the executor's copy after rejected drafts' slots were freed.
+    num_prior_blocks: int | None = None
     # Whole block table, sent when the executor holds no state for the request
     # (first schedule, or resumed after preemption); None otherwise.
     block_table: list[int] | None = None
@@ -75,6 +78,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> next draft proposal (speculation).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> the drafter's probability of each draft (its confidence).
+    draft_confidences: dict[str, list[float]] = field(default_factory=dict)
     # req_id -> per sampled token: the chosen token's logprob plus the top ones.
     logprobs: dict[str, list[list[TokenLogprob]]] | None = None
     # req_id -> prompt position -> [that prompt token's logprob, then the top ones]

@@ -47,6 +47,10 @@ class Scheduler(SchedulerChecks):
         self.num_aborted = 0
         self.num_rejected = 0
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # drafts verified (speculation)
+        self.num_accepted_drafts = 0
+        # acceptance by draft position: [drafts verified at position j, of them accepted]
+        self.draft_position_stats: list[list[int]] = []
         self._finished_since_last: set[str] = set()
         self._preempted_since_last: set[str] = set()
 
@@ -127,7 +131,12 @@ class Scheduler(SchedulerChecks):
                 i += 1
                 continue
             num_drafts = max(0, min(len(drafts), num_new - (num_known - req.num_computed_tokens)))
-            while (blocks := self.kv.allocate(req, num_new, num_draft_tokens=num_drafts)) is None:
+            lookahead = self._lookahead(req.num_computed_tokens + num_new)
+            while (
+                blocks := self.kv.allocate(
+                    req, num_new, num_draft_tokens=num_drafts, num_lookahead_tokens=lookahead
+                )
+            ) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 step.num_preempted += 1
@@ -160,7 +169,8 @@ class Scheduler(SchedulerChecks):
         request preempted itself for its room.
         """
         num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
-        blocks = self.kv.allocate(req, num_new, reserve_tokens=req.num_tokens)
+        reserve = req.num_tokens + self._lookahead(req.num_tokens)
+        blocks = self.kv.allocate(req, num_new, reserve_tokens=reserve)
         if blocks is None:
             return False
         self.waiting.pop()
@@ -188,7 +198,8 @@ class Scheduler(SchedulerChecks):
             return False
         num_new = min(num_new, step.budget)
         # The first chunk reserves the blocks of the whole prompt.
-        blocks = self.kv.allocate(req, num_new, cached, reserve_tokens=req.num_tokens)
+        reserve = req.num_tokens + self._lookahead(req.num_tokens)
+        blocks = self.kv.allocate(req, num_new, cached, reserve_tokens=reserve)
         if blocks is None:
             return False
         self.waiting.pop()
@@ -199,6 +210,12 @@ class Scheduler(SchedulerChecks):
         step.add(self._schedule_one(req, num_new, blocks, [], is_prompt, resumed=True))
         self._after_prompt_chunk(req)
         return True
+
+    def _lookahead(self, num_tokens: int) -> int:
+        """Slots past a step ending at `num_tokens` tokens that the MTP drafter writes: the
+        KV of drafts 1..k-1, chained (never past max_model_len)."""
+        k = self.config.num_speculative_tokens
+        return max(0, min(k - 1, self.max_model_len - num_tokens))
 
     def _after_prompt_chunk(self, req: Request) -> None:
         if req.num_computed_tokens < req.num_tokens:
@@ -240,6 +257,7 @@ class Scheduler(SchedulerChecks):
             is_prompt=is_prompt,
             samples=samples,
             new_block_ids=[b.block_id for b in blocks],
+            num_prior_blocks=len(self.kv.req_blocks[req.request_id]) - len(blocks),
             block_table=table,
             token_ids=token_ids,
             draft_token_ids=list(drafts),
@@ -315,6 +333,7 @@ class Scheduler(SchedulerChecks):
                     f"executor returned {len(tokens)} tokens for {sr.req_id!r} "
                     f"with only {len(sr.draft_token_ids)} drafts to verify"
                 )
+            self._count_acceptance(len(sr.draft_token_ids), len(tokens) - 1)
             if not preempted_meanwhile:
                 req.num_computed_tokens -= num_rejected
                 req.num_pending_drafts = 0
@@ -338,8 +357,19 @@ class Scheduler(SchedulerChecks):
                 req.spec_token_ids = list(res.draft_token_ids.get(sr.req_id, ()))[:k]
                 self.kv.cache_computed(req)
                 if num_rejected:
-                    self.kv.trim(req, req.num_tokens + req.num_output_placeholders)
+                    end = max(req.num_computed_tokens, req.num_tokens + req.num_output_placeholders)
+                    self.kv.trim(req, end + self._lookahead(end))
         return changed
+
+    def _count_acceptance(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_drafts += num_accepted
+        stats = self.draft_position_stats
+        while len(stats) < num_drafts:
+            stats.append([0, 0])
+        for j in range(num_drafts):
+            stats[j][0] += 1
+            stats[j][1] += j < num_accepted
 
     def finish_request(self, req_id: str, reason: FinishReason) -> Request | None:
         """End a live request from outside (a stop string, a client abort)."""

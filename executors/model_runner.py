@@ -5,6 +5,11 @@ sampled token). A request's whole block table arrives when the runner holds no
 state for it (first schedule, or resumed after preemption: the state is then
 rebuilt); afterwards only `new_block_ids` are appended. State is dropped for
 finished and preempted requests.
+
+Speculation: a request scheduled with k drafts is scored on 1 + k rows and verified
+by executors/spec_decode.py (greedy prefix match, or lossless rejection sampling);
+afterwards the model's MTP layer proposes the next drafts (executors/mtp_drafter.py),
+which go back in ModelRunnerOutput with their confidences.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from executors.attention import AttentionMetadata, build_attention_metadata
 from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
 from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
+from executors.mtp_drafter import DraftInput, Drafts, MTPDrafter
 from executors.sampler import SamplingState, sample_tokens
+from executors.spec_decode import VerifyRequest, verify
 
 
 @dataclass
@@ -32,6 +39,9 @@ class RequestState:
     num_prompt_tokens: int
     last_token: int | None = None  # last sampled token (used when async scheduling omits it)
     prompt_ids: list[int] | None = None  # the whole prompt, when prompt logprobs are wanted
+    # MTP: the target's hidden state at the position before this step's first one, whose
+    # next token was unknown when it was computed (a prompt chunk's last position).
+    mtp_pending: tuple[int, torch.Tensor] | None = None
 
 
 @dataclass
@@ -95,6 +105,14 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(engine_config.seed)
         self.requests: dict[str, RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
+        # Drafts come from the MTP layer when the cache holds its KV; without one the
+        # runner still verifies drafts it is given.
+        self.drafter: MTPDrafter | None = None
+        if engine_config.num_speculative_tokens and kv_cache.mtp_layers:
+            self.drafter = MTPDrafter(
+                model, kv_cache.mtp_layers[0], engine_config.num_speculative_tokens,
+                self.block_size, self.decode_max_query_len,
+            )  # fmt: skip
 
     def enable_cuda_graphs(self, sizes: list[int] | None = None, capture: bool = True) -> None:
         """Serve pure-decode steps through DecodeGraphs; the KV cache must hold a scratch
@@ -129,7 +147,7 @@ class ModelRunner:
         if out.is_empty:
             return StepResult(ModelRunnerOutput(), {})
         host = self.collect(out.scheduled)
-        if self._graph_eligible(host):
+        if self.drafter is None and self._graph_eligible(host):
             assert self.graphs is not None
             all_logits = self.graphs.run(host.input_ids, host.positions, host.block_tables)
             # A copy: the graph's output buffer is overwritten by the next replay.
@@ -143,6 +161,8 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, batch.md, self.kv_cache.layers)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab]
         result = self._sample(batch.sample_rows, logits)
+        if self.drafter is not None:
+            self._draft(host, hidden, result.output)
         if host.prompt_rows:
             result.output.prompt_logprobs = prompt_logprobs.compute(
                 self.model, hidden, host.prompt_rows
@@ -178,7 +198,10 @@ class ModelRunner:
                     "(first schedule and resumes must send the whole table)"
                 )
             else:
-                self.requests[sr.req_id].block_table.extend(sr.new_block_ids)
+                table = self.requests[sr.req_id].block_table
+                if sr.num_prior_blocks is not None:  # slots of rejected drafts were freed
+                    del table[sr.num_prior_blocks :]
+                table.extend(sr.new_block_ids)
 
     def collect(self, scheduled: list[ScheduledRequest]) -> HostBatch:
         """Order decode-first, check the block tables, record history, flatten to lists."""
@@ -286,25 +309,63 @@ class ModelRunner:
     def _sample(
         self, sample_rows: dict[str, tuple[int, int, list[int]]], logits: torch.Tensor
     ) -> StepResult:
+        """Sample every request's token; requests with drafts verify them (1 + k rows)."""
         rows = sorted(sample_rows.items(), key=lambda kv: kv[1][0])
-        states = [self.requests[rid].sampling for rid, (_, n, _) in rows for _ in range(n)]
-        result = sample_tokens(logits, states, self.generator) if states else None
-        sampled = result.token_ids if result else []
         out = ModelRunnerOutput()
-        if result is not None and result.logprobs is not None:
+        if not rows:
+            return StepResult(out, {})
+        if any(drafts for _, (_, _, drafts) in rows):
+            reqs = [
+                VerifyRequest(first, drafts, self.requests[rid].sampling)
+                for rid, (first, _, drafts) in rows
+            ]
+            verified = verify(logits, reqs, self.generator)
+            tokens, logprobs = verified.tokens, verified.logprobs
+        else:
+            states = [self.requests[rid].sampling for rid, _ in rows]
+            result = sample_tokens(logits, states, self.generator)
+            tokens, logprobs = [[t] for t in result.token_ids], result.logprobs
+        if logprobs is not None:
             out.logprobs = {}
         per_req: dict[str, torch.Tensor] = {}
-        for req_id, (first, n, drafts) in rows:
-            toks = sampled[first : first + n]
-            accepted = 0
-            while accepted < len(drafts) and toks[accepted] == drafts[accepted]:
-                accepted += 1
-            toks = toks[: accepted + 1]
+        for (req_id, (first, n, _)), toks in zip(rows, tokens):
             state = self.requests[req_id]
             state.sampling.output_token_ids.extend(toks)
             state.last_token = toks[-1]
             out.sampled_token_ids[req_id] = toks
-            if out.logprobs is not None and result is not None and result.logprobs is not None:
-                out.logprobs[req_id] = result.logprobs[first : first + len(toks)]
+            if out.logprobs is not None and logprobs is not None:
+                out.logprobs[req_id] = logprobs[first : first + len(toks)]
             per_req[req_id] = logits[first : first + n]
         return StepResult(out, per_req)
+
+    def _draft(self, host: HostBatch, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """The MTP layer's next drafts for every request that sampled (mtp_drafter.py);
+        a prompt chunk that ends before its prompt leaves its last position pending."""
+        assert self.drafter is not None
+        inputs = []
+        offset = 0
+        for rid, start, n in zip(host.req_ids, host.context_lens, host.query_lens):
+            state = self.requests[rid]
+            rows = hidden[offset : offset + n]  # [n, hidden]: positions start..start + n - 1
+            ids = host.input_ids[offset + 1 : offset + n]  # next tokens of start..start + n - 2
+            first_token = host.input_ids[offset]
+            offset += n
+            sampled = out.sampled_token_ids.get(rid)
+            pending, state.mtp_pending = state.mtp_pending, None
+            if sampled is not None:  # rows up to the newest token: accepted drafts, then it
+                keep = n - len(host.sample_rows[rid][2]) + len(sampled) - 1  # rejected: dropped
+                rows, ids = rows[:keep], ids[: keep - 1] + [sampled[-1]]
+            else:  # the last position's next token comes with the next chunk
+                state.mtp_pending = (start + n - 1, rows[-1].clone())
+                rows = rows[:-1]
+            first = start
+            if pending is not None and pending[0] == start - 1:
+                first, rows, ids = (
+                    start - 1,
+                    torch.cat([pending[1][None], rows]),
+                    [first_token] + ids,
+                )
+            inputs.append(DraftInput(rid, first, rows, ids, state.block_table, sampled is not None))
+        drafts: Drafts = self.drafter.propose(inputs)
+        out.draft_token_ids = drafts.tokens
+        out.draft_confidences = drafts.confidences

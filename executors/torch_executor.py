@@ -16,7 +16,13 @@ from deepinfer import envs
 from deepinfer.config import EngineConfig
 from deepinfer.executor import Done, completed
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from executors.kv_cache import PagedKVCache, cpu_num_blocks, cuda_num_blocks
+from executors.kv_cache import (
+    PagedKVCache,
+    cpu_num_blocks,
+    cuda_num_blocks,
+    num_kv_layers,
+    num_mtp_kv_layers,
+)
 from executors.loader import load_model, read_model_config, resolve_dtype, resolve_model_dir
 from executors.model_runner import ModelRunner
 from executors.warmup import WarmupReport, warm_up
@@ -41,12 +47,6 @@ class TorchExecutor:
     ) -> None:
         """enforce_eager: no CUDA graphs (they capture decode steps on CUDA by default);
         cuda_graph_sizes: the batch sizes captured (default: default_capture_sizes)."""
-        if engine_config.num_speculative_tokens:
-            raise ValueError(
-                f"num_speculative_tokens={engine_config.num_speculative_tokens}: the torch "
-                "executor does not propose draft tokens yet (MTP drafting is not implemented); "
-                "speculation runs in the simulator only"
-            )
         t0 = time.perf_counter()
         self.engine_config = engine_config
         self.model_dir: Path = resolve_model_dir(
@@ -59,6 +59,12 @@ class TorchExecutor:
             torch.set_num_threads(envs.cpu_threads())
         self.dtype = resolve_dtype(self.config, dtype, self.device)
         self.config.check_max_model_len(engine_config.max_model_len)
+        k = engine_config.num_speculative_tokens
+        if k and not self.config.num_nextn_predict_layers:
+            raise ValueError(
+                f"num_speculative_tokens={k}: drafts come from the model's MTP layers and "
+                f"{self.config.name} has none (num_nextn_predict_layers=0)"
+            )
         self.max_model_len = engine_config.max_model_len or self.config.max_position_embeddings
         if self.device.type == "cuda":
             _check_fits(self.config, self.dtype, self.device, engine_config)
@@ -71,8 +77,15 @@ class TorchExecutor:
             load_format=load_format,
             seed=engine_config.seed,
         )
+        if k and self.model.mtp is None:
+            raise ValueError(
+                f"num_speculative_tokens={k}: the checkpoint in {self.model_dir} has no MTP "
+                f"weights (layer {self.config.num_hidden_layers}); drafts need them"
+            )
         num_blocks = self._num_blocks()
-        use_graphs = self.device.type == "cuda" and not enforce_eager
+        # Graphs capture one-token decode steps and return no hidden states; the MTP
+        # drafter needs those, and verify steps have 1 + k tokens: speculation runs eager.
+        use_graphs = self.device.type == "cuda" and not enforce_eager and not k
         self.kv_cache = PagedKVCache(
             self.config.num_hidden_layers,
             num_blocks,
@@ -81,6 +94,7 @@ class TorchExecutor:
             self.dtype,
             self.device,
             scratch_block=use_graphs,
+            num_mtp_layers=num_mtp_kv_layers(self.config, engine_config),
         )
         first_eos = (
             self.eos_token_id[0] if isinstance(self.eos_token_id, list) else self.eos_token_id
@@ -152,6 +166,7 @@ class TorchExecutor:
             self.config.kv_entry_dim,
             self.dtype,
             self.device,
+            num_mtp_layers=num_mtp_kv_layers(self.config, self.engine_config),
         )
         runner = ModelRunner(self.model, cache, self.engine_config)
         req = ScheduledRequest(
@@ -193,7 +208,7 @@ def _check_fits(cfg: Any, dtype: torch.dtype, device: torch.device, engine: Engi
             engine.num_gpu_blocks
             * engine.block_size
             * cfg.kv_entry_dim
-            * (cfg.num_hidden_layers * dtype.itemsize)
+            * (num_kv_layers(cfg, engine) * dtype.itemsize)
         )
     if weights + kv > budget:
         gb = 1e9

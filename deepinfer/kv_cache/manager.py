@@ -70,13 +70,15 @@ class KVCacheManager:
         *,
         reserve_tokens: int = 0,
         num_draft_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVBlock] | None:
         """Give `request` the blocks to compute `num_new_tokens` more tokens.
 
         `cached`: prefix-cache hits to take first (the request then starts at
         `len(cached) * block_size` computed tokens). `reserve_tokens`: hold
         blocks for at least this many tokens (a chunked prefill reserves its
-        whole prompt with its first chunk). Returns the blocks appended to the
+        whole prompt with its first chunk). `num_lookahead_tokens`: slots past the
+        step's tokens that the drafter writes (chained MTP drafts' KV). Returns the blocks appended to the
         request's table (hits first), or None, having changed nothing, when
         the free blocks do not suffice or a hit no longer holds the content the
         lookup found (another allocation evicted it in between: look up again).
@@ -88,7 +90,7 @@ class KVCacheManager:
         held = self.req_blocks.get(request.request_id)
         num_held = len(held) if held else 0
         num_computed = request.num_computed_tokens + len(cached) * self.block_size
-        need_tokens = max(num_computed + num_new_tokens, reserve_tokens)
+        need_tokens = max(num_computed + num_new_tokens + num_lookahead_tokens, reserve_tokens)
         num_needed = max(cdiv(need_tokens, self.block_size) - num_held - len(cached), 0)
         # Hits that sit in the free list stop being allocatable once touched.
         num_free_hits = sum(1 for b in cached if b.ref_cnt == 0)

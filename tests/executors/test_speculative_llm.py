@@ -1,0 +1,138 @@
+"""Speculative decoding on the real executor (CPU): MTP drafts verified in one step leave
+greedy output token-for-token unchanged, keep the sampling distribution, stay
+deterministic when seeded, and never overrun max_tokens.
+
+Acceptance needs a drafter that predicts the target: the trained demo model (its MTP
+layer agrees with the target about 70% of the time) serves those tests; the tiny
+random-weight V3 checks the MTP layer against transformers'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.outputs import SchedulerOutput
+from executors.demo import DEMO_MODEL_DIR
+from tests.executors.harness import load_runner
+from tests.executors.test_llm import prompts
+from tests.executors.test_torch_executor import _prompt_step
+from tests.executors.tiny_models import TinyModel
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+CODE = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\nclass ",
+    '    def __repr__(self):\n        return "<%s ',
+    "for i in range(10):\n    ",
+]
+needs_demo = pytest.mark.skipif(
+    not (DEMO_MODEL_DIR / "model.safetensors").is_file(), reason="demo checkpoint not built"
+)
+
+
+def _generate(
+    model: str, batch: list[list[int]] | list[str], params: SamplingParams | list, **engine
+) -> LLM:
+    engine.setdefault("block_size", 4)
+    llm = LLM(model, device="cpu", dtype="float32", **engine)
+    inputs = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in batch]
+    llm.outs = llm.generate(inputs, params, use_tqdm=False)  # type: ignore[attr-defined]
+    return llm
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(num_speculative_tokens=1),
+        dict(num_speculative_tokens=3, max_num_batched_tokens=8),  # chunked prefill
+        dict(num_speculative_tokens=2, num_gpu_blocks=20, max_num_batched_tokens=64),
+    ],
+    ids=["k1", "k3-chunked", "k2-preempting"],
+)
+@needs_demo
+def test_greedy_output_is_identical_with_speculation(engine_args: dict) -> None:
+    """Token for token what the engine gives without speculation, and drafts were really
+    verified (some accepted, some rejected)."""
+    spec_free = {k: v for k, v in engine_args.items() if k != "num_speculative_tokens"}
+    plain = _generate(str(DEMO_MODEL_DIR), CODE, GREEDY, **spec_free)
+    spec = _generate(str(DEMO_MODEL_DIR), CODE, GREEDY, **engine_args)
+    for a, b in zip(plain.outs, spec.outs):  # type: ignore[attr-defined]
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert len(b.outputs[0].token_ids) == GREEDY.max_tokens
+    sched = spec.engine.scheduler
+    assert 0 < sched.num_accepted_drafts < sched.num_draft_tokens
+    if "num_gpu_blocks" in engine_args:
+        assert sched.num_preemptions > 0
+
+
+@needs_demo
+def test_no_request_exceeds_max_tokens() -> None:
+    """Accepted drafts past max_tokens (or a stop token) are dropped."""
+    for n in (1, 2, 3, 5, 7):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        llm = _generate(str(DEMO_MODEL_DIR), CODE[:3], params, num_speculative_tokens=3)
+        assert [len(o.outputs[0].token_ids) for o in llm.outs] == [n] * 3  # type: ignore[attr-defined]
+
+
+def test_mtp_draft_is_the_reference_mtp_argmax(tiny_models: dict[str, TinyModel]) -> None:
+    """The first draft after a prompt is the argmax of transformers' MtpModel at the last
+    prompt position, fed the token just sampled; its confidence is that probability."""
+    tiny = tiny_models["v3_mtp"]
+    prompt = prompts(7, [9])[0]
+    runner = load_runner(tiny.path, num_blocks=16, num_speculative_tokens=2)
+    out = runner.execute(SchedulerOutput(1, [_prompt_step("a", prompt, [0, 1, 2])]))
+    first = out.sampled_token_ids["a"][0]
+    with torch.no_grad():
+        hidden = tiny.hf.model(torch.tensor([prompt])).last_hidden_state  # [1, n, hidden]
+        tokens = torch.tensor([prompt[1:] + [first]])
+        ref = tiny.mtp._project_to_logits(
+            tiny.mtp.forward_layer(
+                0, hidden, torch.arange(1, len(prompt) + 1)[None], None, input_ids=tokens
+            )
+        )[0, -1].softmax(-1)
+    assert out.draft_token_ids["a"][0] == int(ref.argmax())
+    assert out.draft_confidences["a"][0] == pytest.approx(float(ref.max()), rel=1e-4)
+    assert len(out.draft_token_ids["a"]) == 2
+
+
+def test_seeded_sampling_with_speculation_is_deterministic(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    """A seeded request gives the same tokens alone and amid other requests."""
+    tiny = tiny_models["v3_mtp"]
+    prompt = prompts(8, [6])[0]
+    seeded = SamplingParams(temperature=0.9, seed=123, max_tokens=12, ignore_eos=True)
+    alone = _generate(str(tiny.path), [prompt], seeded, num_speculative_tokens=2)
+    llm = LLM(str(tiny.path), device="cpu", dtype="float32", block_size=4, num_speculative_tokens=2)
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    batch = prompts(9, [4, 7]) + [prompt]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in batch], [others, others, seeded], use_tqdm=False
+    )
+    assert outs[2].outputs[0].token_ids == alone.outs[0].outputs[0].token_ids  # type: ignore[attr-defined]
+
+
+@needs_demo
+def test_speculative_sampling_matches_plain_sampling() -> None:
+    """At temperature 1 the second output token (an accepted draft or a token sampled
+    after a rejection) has the distribution it has without speculation (chi-square,
+    two samples)."""
+    n = 800
+    params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+    counts = []
+    for k in (0, 2):
+        llm = _generate(
+            str(DEMO_MODEL_DIR), [CODE[3]] * n, params, num_speculative_tokens=k,
+            max_num_seqs=n, max_num_batched_tokens=16 * n, block_size=16, seed=k,
+        )  # fmt: skip
+        second = [o.outputs[0].token_ids[1] for o in llm.outs]  # type: ignore[attr-defined]
+        counts.append(torch.bincount(torch.tensor(second), minlength=8192))
+        if k:
+            assert llm.engine.scheduler.num_accepted_drafts > 0
+    table = torch.stack(counts)  # [2, vocab]
+    common = table.sum(0) >= 20
+    merged = torch.cat([table[:, common], table[:, ~common].sum(1, keepdim=True)], dim=1)
+    assert merged.shape[1] > 5
+    assert chi2_contingency(merged.numpy()).pvalue > 1e-3
