@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 from deepinfer.sampling_params import SamplingParams
 
+# A draft the scheduler cannot know yet (async scheduling: the step that proposes it is
+# still in flight); the executor verifies its own latest proposal in its place.
+DRAFT_PLACEHOLDER = -1
+
 
 @dataclass
 class ScheduledRequest:
@@ -32,7 +36,11 @@ class ScheduledRequest:
     # async scheduling the last output token may be unknown yet: it is then
     # omitted and the executor uses the token it sampled itself.
     token_ids: list[int] | None = None
-    draft_token_ids: list[int] = field(default_factory=list)  # drafts to verify (end of the step)
+    # Drafts to verify (end of the step); DRAFT_PLACEHOLDER entries (async scheduling) are
+    # the executor's own proposals from the step in flight, and are not in token_ids.
+    # Such a step's num_computed_tokens assumes every draft in flight is accepted: the
+    # executor starts it after the tokens it really accepted.
+    draft_token_ids: list[int] = field(default_factory=list)
     sampling_params: SamplingParams | None = None  # sent with block_table
     # Token ids of positions [0, num_computed_tokens), sent with block_table to executors
     # that need token ids: a resumed request's prefix-cache hit skips tokens whose ids the

@@ -98,6 +98,7 @@ class Request:
         # Tokens scheduled whose sampled value is not known yet (async scheduling).
         self.num_output_placeholders = 0
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step
+        self.spec_confidences: list[float] = []  # the drafter's probability of each
         self.num_pending_drafts = 0  # drafts scheduled whose verification is not back yet
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -13,10 +13,16 @@ from dataclasses import dataclass, field
 
 from deepinfer.config import EngineConfig, EngineRole
 from deepinfer.kv_cache.manager import KVCacheManager, cdiv
-from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer.outputs import (
+    DRAFT_PLACEHOLDER,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.request_queue import WaitingQueue
 from deepinfer.scheduler_checks import SchedulerChecks
+from deepinfer.spec_policy import draft_lengths
 from deepinfer.stop_checker import check_stop
 
 logger = logging.getLogger(__name__)
@@ -47,9 +53,11 @@ class Scheduler(SchedulerChecks):
         self.num_aborted = 0
         self.num_rejected = 0
         self.num_preemptions = 0
+        self._draft_len: dict[str, int] | None = None  # varlen: this step's draft lengths
         self.num_draft_tokens = 0  # drafts verified (speculation)
         self.num_accepted_drafts = 0
-        # acceptance by draft position: [drafts verified at position j, of them accepted]
+        # By draft position j: [verified drafts at j whose drafts before j were all
+        # accepted, of them accepted] (conditional acceptance: sim/acceptance.py)
         self.draft_position_stats: list[list[int]] = []
         self._finished_since_last: set[str] = set()
         self._preempted_since_last: set[str] = set()
@@ -104,6 +112,12 @@ class Scheduler(SchedulerChecks):
 
     def schedule(self) -> SchedulerOutput:
         step = _StepPlan(self.config.max_num_batched_tokens)
+        self._draft_len = None
+        if self.config.enable_mtp_varlen and self.config.num_speculative_tokens:
+            # Each request's draft length from its latest confidences (under async
+            # scheduling those of the step before the one in flight).
+            conf = {r.request_id: r.spec_confidences for r in self.running}
+            self._draft_len = draft_lengths(conf, self.config.num_speculative_tokens)
         self._schedule_running(step)
         self._schedule_waiting(step)
         self.step_id += 1
@@ -120,8 +134,16 @@ class Scheduler(SchedulerChecks):
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            num_known = req.num_tokens + req.num_output_placeholders
-            drafts = req.spec_token_ids if req.num_output_placeholders == 0 else []
+            # With steps in flight, assume all their drafts are accepted (the executor
+            # knows the truth and shifts; update_from_output corrects the count).
+            num_known = req.num_tokens + req.num_output_placeholders + req.num_pending_drafts
+            k = self.config.num_speculative_tokens
+            if self._draft_len is not None:
+                k = self._draft_len.get(req.request_id, 0)
+            drafts = req.spec_token_ids[:k]
+            if req.num_output_placeholders and k:
+                # The step in flight proposes this step's drafts: the executor fills them.
+                drafts = [DRAFT_PLACEHOLDER] * k
             num_new = min(
                 num_known + len(drafts) - req.num_computed_tokens,
                 step.budget,
@@ -238,7 +260,9 @@ class Scheduler(SchedulerChecks):
         table = self.kv.block_ids(req.request_id) if resumed else None
         token_ids = prior = prompt = None
         if self.emit_token_ids:
-            token_ids = req.token_ids(start, min(start + num_new, req.num_tokens)) + drafts
+            token_ids = req.token_ids(start, min(start + num_new, req.num_tokens))
+            if drafts[:1] != [DRAFT_PLACEHOLDER]:
+                token_ids += drafts
             if resumed:
                 prior = req.token_ids(0, start)
                 if req.sampling_params.prompt_logprobs is not None:
@@ -249,7 +273,7 @@ class Scheduler(SchedulerChecks):
         if samples:
             req.num_output_placeholders += 1
         req.spec_token_ids = []
-        req.num_pending_drafts = len(drafts)
+        req.num_pending_drafts += len(drafts)
         return ScheduledRequest(
             req_id=req.request_id,
             num_tokens=num_new,
@@ -276,6 +300,7 @@ class Scheduler(SchedulerChecks):
         req.num_output_placeholders = 0
         req.num_pending_drafts = 0
         req.spec_token_ids = []
+        req.spec_confidences = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(req)
@@ -336,7 +361,7 @@ class Scheduler(SchedulerChecks):
             self._count_acceptance(len(sr.draft_token_ids), len(tokens) - 1)
             if not preempted_meanwhile:
                 req.num_computed_tokens -= num_rejected
-                req.num_pending_drafts = 0
+                req.num_pending_drafts -= len(sr.draft_token_ids)
             reason = None
             logprobs = res.logprobs.get(sr.req_id) if res.logprobs else None
             for j, t in enumerate(tokens):
@@ -355,6 +380,7 @@ class Scheduler(SchedulerChecks):
             if not preempted_meanwhile:
                 k = self.config.num_speculative_tokens
                 req.spec_token_ids = list(res.draft_token_ids.get(sr.req_id, ()))[:k]
+                req.spec_confidences = list(res.draft_confidences.get(sr.req_id, ()))[:k]
                 self.kv.cache_computed(req)
                 if num_rejected:
                     end = max(req.num_computed_tokens, req.num_tokens + req.num_output_placeholders)
@@ -367,7 +393,7 @@ class Scheduler(SchedulerChecks):
         stats = self.draft_position_stats
         while len(stats) < num_drafts:
             stats.append([0, 0])
-        for j in range(num_drafts):
+        for j in range(min(num_drafts, num_accepted + 1)):
             stats[j][0] += 1
             stats[j][1] += j < num_accepted
 

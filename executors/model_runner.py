@@ -20,7 +20,12 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.errors import RequestFailed
-from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer.outputs import (
+    DRAFT_PLACEHOLDER,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from deepinfer.sampling_params import SamplingParams
 from executors import prompt_logprobs
 from executors.attention import AttentionMetadata, build_attention_metadata
@@ -42,6 +47,8 @@ class RequestState:
     # MTP: the target's hidden state at the position before this step's first one, whose
     # next token was unknown when it was computed (a prompt chunk's last position).
     mtp_pending: tuple[int, torch.Tensor] | None = None
+    num_computed: int = 0  # tokens in the KV cache (the scheduler's count may run ahead)
+    drafts: list[int] = field(default_factory=list)  # the drafter's latest proposal
 
 
 @dataclass
@@ -97,6 +104,7 @@ class ModelRunner:
         # Queries this short (a decode token plus drafts) take the absorbed MLA path.
         self.decode_max_query_len = 1 + engine_config.num_speculative_tokens
         self.max_num_seqs = engine_config.max_num_seqs
+        self.max_drafts = engine_config.num_speculative_tokens
         # Longest sequence a graph's block table must hold.
         self.max_model_len = min(
             max_model_len or engine_config.max_model_len or 1 << 62,
@@ -186,8 +194,9 @@ class ModelRunner:
                 params = sr.sampling_params or SamplingParams()
                 state = SamplingState(params, [], eos_token_id=self.eos_token_id)
                 self.requests[sr.req_id] = RequestState(
-                    list(sr.block_table), state, sr.num_prompt_tokens
-                )
+                    list(sr.block_table), state, sr.num_prompt_tokens,
+                    num_computed=sr.num_computed_tokens,
+                )  # fmt: skip
                 if sr.prior_token_ids:
                     self._record_history(self.requests[sr.req_id], 0, sr.prior_token_ids)
                 if sr.prompt_token_ids is not None:
@@ -206,10 +215,11 @@ class ModelRunner:
     def collect(self, scheduled: list[ScheduledRequest]) -> HostBatch:
         """Order decode-first, check the block tables, record history, flatten to lists."""
         ordered = sorted(scheduled, key=lambda r: r.num_tokens > self.decode_max_query_len)
+        starts = {r.req_id: self._start(r) for r in ordered}
         host = HostBatch(
             req_ids=[r.req_id for r in ordered], input_ids=[], positions=[],
             query_lens=[r.num_tokens for r in ordered],
-            context_lens=[r.num_computed_tokens for r in ordered],
+            context_lens=[starts[r.req_id] for r in ordered],
             block_tables=[self.requests[r.req_id].block_table for r in ordered],
             num_decode=sum(r.num_tokens <= self.decode_max_query_len for r in ordered),
             logits_indices=[],
@@ -219,16 +229,15 @@ class ModelRunner:
             raise RequestFailed(failed)
         for sr in ordered:
             state = self.requests[sr.req_id]
-            tokens = self._step_tokens(sr, state)
-            start, end = sr.num_computed_tokens, sr.num_computed_tokens + sr.num_tokens
-            self._record_history(state, start, tokens[: len(tokens) - len(sr.draft_token_ids)])
+            drafts = self._drafts(sr, state)
+            tokens = self._step_tokens(sr, state, drafts)
+            start = starts[sr.req_id]
+            end = start + sr.num_tokens
+            state.num_computed = end  # less the rejected drafts, once verified
+            self._record_history(state, start, tokens[: len(tokens) - len(drafts)])
             if sr.samples:
-                n = 1 + len(sr.draft_token_ids)
-                host.sample_rows[sr.req_id] = (
-                    len(host.logits_indices),
-                    n,
-                    list(sr.draft_token_ids),
-                )
+                host.sample_rows[sr.req_id] = (len(host.logits_indices), 1 + len(drafts), drafts)
+                n = 1 + len(drafts)
                 last = len(host.input_ids) + len(tokens)
                 host.logits_indices.extend(range(last - n, last))
             params = state.sampling.params
@@ -272,16 +281,41 @@ class ModelRunner:
             sample_rows=host.sample_rows,
         )
 
+    def _start(self, sr: ScheduledRequest) -> int:
+        """Where the step's tokens start. Under async scheduling the scheduler assumed the
+        drafts of the step in flight were all accepted; the runner knows how many were."""
+        state = self.requests[sr.req_id]
+        ahead = sr.num_computed_tokens - state.num_computed
+        if not 0 <= ahead <= self.max_drafts:  # at most the drafts of the step in flight
+            raise ValueError(
+                f"request {sr.req_id!r}: scheduled at {sr.num_computed_tokens} computed "
+                f"tokens, but {state.num_computed} are in the cache"
+            )
+        return state.num_computed
+
     @staticmethod
-    def _step_tokens(sr: ScheduledRequest, state: RequestState) -> list[int]:
-        """Token ids of positions [num_computed, num_computed + num_tokens), drafts last.
+    def _drafts(sr: ScheduledRequest, state: RequestState) -> list[int]:
+        """The drafts to verify: placeholders are the runner's own latest proposal (padded
+        with its last token when it proposed fewer: any draft keeps verification exact)."""
+        drafts = list(sr.draft_token_ids)
+        if drafts and drafts[0] == DRAFT_PLACEHOLDER:
+            pad = state.last_token if state.last_token is not None else 0
+            own = state.drafts[: len(drafts)]
+            drafts = own + [pad] * (len(drafts) - len(own))
+        return drafts
+
+    @staticmethod
+    def _step_tokens(sr: ScheduledRequest, state: RequestState, drafts: list[int]) -> list[int]:
+        """Token ids of the step's positions, drafts last.
 
         Under async scheduling the newest sampled token may be unknown to the scheduler:
         it is then missing just before the drafts and the runner's own sample fills in.
         """
         tokens = list(sr.token_ids or [])
+        if sr.draft_token_ids[:1] == [DRAFT_PLACEHOLDER]:
+            tokens += drafts  # the scheduler sent none of them
         if len(tokens) == sr.num_tokens - 1 and state.last_token is not None:
-            tokens.insert(len(tokens) - len(sr.draft_token_ids), state.last_token)
+            tokens.insert(len(tokens) - len(drafts), state.last_token)
         if len(tokens) != sr.num_tokens:
             raise ValueError(
                 f"request {sr.req_id!r}: {sr.num_tokens} tokens scheduled but "
@@ -332,6 +366,7 @@ class ModelRunner:
             state = self.requests[req_id]
             state.sampling.output_token_ids.extend(toks)
             state.last_token = toks[-1]
+            state.num_computed -= n - len(toks)  # rejected drafts' KV is overwritten later
             out.sampled_token_ids[req_id] = toks
             if out.logprobs is not None and logprobs is not None:
                 out.logprobs[req_id] = logprobs[first : first + len(toks)]
@@ -367,5 +402,7 @@ class ModelRunner:
                 )
             inputs.append(DraftInput(rid, first, rows, ids, state.block_table, sampled is not None))
         drafts: Drafts = self.drafter.propose(inputs)
+        for rid, toks in drafts.tokens.items():
+            self.requests[rid].drafts = toks
         out.draft_token_ids = drafts.tokens
         out.draft_confidences = drafts.confidences

@@ -23,6 +23,7 @@ from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
+from sim.acceptance import AcceptanceModel
 from sim.cost_model import CostModel, kv_capacity_blocks, resolve_cost_model
 from sim.hardware import HardwareSpec, get_hardware
 from sim.kv_capacity import check_blocks_fit
@@ -58,7 +59,7 @@ def simulate(
     *,
     profile: str | Path | None = None,
     slo: SLO | None = None,
-    acceptance_rate: float = 0.7,
+    acceptance_rate: float | str | Path | AcceptanceModel = 0.7,
     check_invariants: bool = False,
     on_progress: Callable[[int], None] | None = None,
 ) -> SimResult:
@@ -66,6 +67,9 @@ def simulate(
 
     cost_model None: the profiled model where a profile of (model, hardware) is shipped
     (or `profile` is given), else the analytic one, reported as uncalibrated.
+    acceptance_rate: draft acceptance when speculating: one probability for every
+    position, an AcceptanceModel, or an acceptance file (path or name under
+    sim/data/acceptance/, written by `deepinfer measure-acceptance`).
     """
     if not isinstance(trace, Trace):
         trace = Trace("requests", "python", list(trace))
@@ -84,7 +88,10 @@ def simulate(
             f"num_speculative_tokens={engine.num_speculative_tokens}: drafts come from the "
             f"model's MTP layers and {spec.name} has none (num_nextn_predict_layers=0)"
         )
-    executor = SimExecutor(engine, num_blocks, acceptance_rate=acceptance_rate)
+    acceptance = acceptance_rate
+    if isinstance(acceptance, (str, Path)):
+        acceptance = AcceptanceModel.load(acceptance)
+    executor = SimExecutor(engine, num_blocks, acceptance_rate=acceptance)
     env = simpy.Environment()
     core = EngineCore(
         engine,
@@ -113,6 +120,8 @@ def simulate(
     if engine.num_speculative_tokens:
         drafts = executor.num_draft_tokens
         meta["draft_acceptance_rate"] = executor.num_accepted_tokens / drafts if drafts else None
+        meta["acceptance_model"] = executor.acceptance.source
+        meta["acceptance_per_position"] = list(executor.acceptance.per_position)
     return SimResult(records, core.steps, summarize(records, core.steps, slo), meta)
 
 
@@ -136,7 +145,8 @@ def _serve(
         while pending and pending[0].arrival_time <= env.now:
             core.add_request(pending.popleft())
         if not core.has_unfinished():
-            yield env.timeout(pending[0].arrival_time - env.now)
+            if pending:  # (none left: every arrival so far was rejected, and that was all)
+                yield env.timeout(pending[0].arrival_time - env.now)
             continue
         for kind, out in core.step_events():
             now = env.now

@@ -13,6 +13,7 @@ import sys
 
 from deepinfer import __version__
 from deepinfer.cli.generate import add_generate_parser
+from deepinfer.cli.measure_acceptance import add_measure_acceptance_parser
 from deepinfer.cli.profile import add_profile_parser
 from deepinfer.cli.simulate import add_simulate_parser
 from deepinfer.errors import SchedulerStalled
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_parser(sub)
     add_generate_parser(sub)
     add_profile_parser(sub)
+    add_measure_acceptance_parser(sub)
     return parser
 
 

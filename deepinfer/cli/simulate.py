@@ -77,9 +77,11 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft:2000,tpot:100")
     p.add_argument(
         "--acceptance-rate",
-        type=float,
+        type=_acceptance,
         default=0.7,
-        help="per-draft-token acceptance probability when speculating",
+        help="draft acceptance when speculating: one probability for every draft position, "
+        "or an acceptance file (path, or a name under sim/data/acceptance/) written by "
+        "`deepinfer measure-acceptance` (default: %(default)s)",
     )
     p.add_argument(
         "--out", type=Path, default=None, help="write a JSON report with per-request records"
@@ -98,6 +100,13 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_engine_options(p)
     p.set_defaults(func=run_simulate)
+
+
+def _acceptance(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def run_simulate(args: argparse.Namespace) -> int:

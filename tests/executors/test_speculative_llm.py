@@ -8,6 +8,9 @@ random-weight V3 checks the MTP layer against transformers'."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from scipy.stats import chi2_contingency
@@ -48,14 +51,35 @@ def _generate(
         dict(num_speculative_tokens=1),
         dict(num_speculative_tokens=3, max_num_batched_tokens=8),  # chunked prefill
         dict(num_speculative_tokens=2, num_gpu_blocks=20, max_num_batched_tokens=64),
+        dict(num_speculative_tokens=3, async_scheduling=True, max_num_batched_tokens=8),
+        dict(
+            num_speculative_tokens=2,
+            async_scheduling=True,
+            num_gpu_blocks=20,
+            max_num_batched_tokens=64,
+        ),
+        dict(enable_mtp_varlen=True, num_speculative_tokens=5),
+        dict(enable_mtp_varlen=True, num_speculative_tokens=4, async_scheduling=True),
     ],
-    ids=["k1", "k3-chunked", "k2-preempting"],
+    ids=[
+        "k1",
+        "k3-chunked",
+        "k2-preempting",
+        "k3-async-chunked",
+        "k2-async-preempting",
+        "varlen5",
+        "varlen4-async",
+    ],
 )
 @needs_demo
 def test_greedy_output_is_identical_with_speculation(engine_args: dict) -> None:
     """Token for token what the engine gives without speculation, and drafts were really
     verified (some accepted, some rejected)."""
-    spec_free = {k: v for k, v in engine_args.items() if k != "num_speculative_tokens"}
+    spec_free = {
+        k: v
+        for k, v in engine_args.items()
+        if k not in ("num_speculative_tokens", "enable_mtp_varlen")
+    }
     plain = _generate(str(DEMO_MODEL_DIR), CODE, GREEDY, **spec_free)
     spec = _generate(str(DEMO_MODEL_DIR), CODE, GREEDY, **engine_args)
     for a, b in zip(plain.outs, spec.outs):  # type: ignore[attr-defined]
@@ -136,3 +160,41 @@ def test_speculative_sampling_matches_plain_sampling() -> None:
     merged = torch.cat([table[:, common], table[:, ~common].sum(1, keepdim=True)], dim=1)
     assert merged.shape[1] > 5
     assert chi2_contingency(merged.numpy()).pvalue > 1e-3
+
+
+@needs_demo
+def test_measure_acceptance_writes_the_file_the_simulator_reads(tmp_path: Path) -> None:
+    from deepinfer.cli import main
+    from sim.acceptance import AcceptanceModel
+
+    out = tmp_path / "acc.json"
+    argv = [
+        "measure-acceptance", "--device", "cpu", "--dtype", "float32", "--num-prompts", "2",
+        "--max-tokens", "12", "--prompt-chars", "120", "--num-speculative-tokens", "2",
+        "--block-size", "16", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["num_speculative_tokens"] == 2 and data["reached"][0] > 0
+    model = AcceptanceModel.load(out)
+    assert 0 < model.per_position[0] <= 1 and list(model.per_position) == data["per_position"]
+
+
+@pytest.mark.gpu
+@needs_demo
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bf16_greedy_output_is_identical_with_speculation_on_cuda(async_scheduling: bool) -> None:
+    """In bf16 on the device (Triton kernels; the plain run replays CUDA graphs, the
+    speculative one runs eager), token for token, and most drafts accepted."""
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    outs = {}
+    for k in (0, 3):
+        llm = LLM(
+            str(DEMO_MODEL_DIR), device="cuda", dtype="bfloat16", block_size=16,
+            num_speculative_tokens=k, async_scheduling=async_scheduling,
+        )  # fmt: skip
+        outs[k] = [o.outputs[0].token_ids for o in llm.generate(CODE, params, use_tqdm=False)]
+        if k:
+            sched = llm.engine.scheduler
+            assert sched.num_accepted_drafts > 0.4 * sched.num_draft_tokens
+    assert outs[3] == outs[0]

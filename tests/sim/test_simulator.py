@@ -107,6 +107,19 @@ def test_sim_executor_token_depends_only_on_request_and_position_under_speculati
     assert r.output_token_ids == [sim_token("s", 6 + i) for i in range(10)]
 
 
+def test_simulated_async_scheduling_keeps_speculating() -> None:
+    """With async scheduling drafts are still verified (placeholders the executor fills),
+    and tokens stay the SimExecutor tokens of their positions."""
+    cfg = make_config(num_speculative_tokens=2, num_gpu_blocks=40, async_scheduling=True)
+    ex = SimExecutor(cfg, acceptance_rate=0.7)
+    engine = EngineCore(cfg, ex, clock=StepClock(), check_invariants=True)
+    r = make_request("s", 6, max_tokens=30)
+    engine.add_request(r)
+    run_to_completion(engine)
+    assert ex.num_draft_tokens > 20 and 0 < ex.num_accepted_tokens < ex.num_draft_tokens
+    assert r.output_token_ids == [sim_token("s", 6 + i) for i in range(30)]
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_simulator_runs_the_engines_own_loop(async_scheduling: bool) -> None:
     """One engine loop: simulate() and EngineCore.step() over the same requests and
