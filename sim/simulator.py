@@ -79,9 +79,15 @@ def simulate(
     cost, cost_meta = resolve_cost_model(cost_model, spec, hw, profile)
     num_blocks = engine.num_gpu_blocks
     if num_blocks is None:
-        num_blocks = kv_capacity_blocks(spec, hw, engine.block_size, engine.gpu_memory_utilization)
+        num_blocks = kv_capacity_blocks(
+            spec, hw, engine.block_size, engine.gpu_memory_utilization,
+            speculative=engine.num_speculative_tokens > 0,
+        )  # fmt: skip
     elif cost_model != "unit":  # the unit model prices no hardware: any cache is a test case
-        check_blocks_fit(spec, hw, num_blocks, engine.block_size, engine.gpu_memory_utilization)
+        check_blocks_fit(
+            spec, hw, num_blocks, engine.block_size, engine.gpu_memory_utilization,
+            speculative=engine.num_speculative_tokens > 0,
+        )  # fmt: skip
     spec.check_max_model_len(engine.max_model_len)
     if engine.num_speculative_tokens and not spec.num_nextn_predict_layers:
         raise ValueError(

@@ -78,3 +78,18 @@ def test_varlen_drafts_follow_confidence_and_fade_under_load() -> None:
 
     alone, crowd = mean_drafts(1), mean_drafts(600)
     assert alone > 3 and crowd < 0.4 * alone
+
+
+def test_speculation_sizes_the_cache_with_the_mtp_layer() -> None:
+    """As the torch executor: the MTP layer's weights and its KV (one more layer per
+    block) leave fewer blocks."""
+    from deepinfer.model_config import load_model_config
+    from sim.hardware import get_hardware
+    from sim.kv_capacity import kv_capacity_blocks
+
+    model = load_model_config("executors/demo/deepinfer-demo/config.json")
+    h200 = get_hardware("h200")
+    plain = kv_capacity_blocks(model, h200, 64, 0.9)
+    spec = kv_capacity_blocks(model, h200, 64, 0.9, speculative=True)
+    layers = model.num_hidden_layers
+    assert spec < plain and spec == pytest.approx(plain * layers / (layers + 1), rel=0.01)
