@@ -26,7 +26,7 @@ PROMPTS = [
 def run(model: str, device: str | None, k: int, max_tokens: int) -> tuple[list[str], LLM, float]:
     llm = LLM(model, device=device, num_speculative_tokens=k, max_num_seqs=8)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4))  # warm up
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
     start = time.perf_counter()
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     return [o.outputs[0].text for o in outs], llm, time.perf_counter() - start

@@ -113,6 +113,7 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(engine_config.seed)
         self.requests: dict[str, RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
+        self.verify_graphs: DecodeGraphs | None = None  # 1 + k tokens a request (speculation)
         # Drafts come from the MTP layer when the cache holds its KV; without one the
         # runner still verifies drafts it is given.
         self.drafter: MTPDrafter | None = None
@@ -123,24 +124,29 @@ class ModelRunner:
             )  # fmt: skip
 
     def enable_cuda_graphs(self, sizes: list[int] | None = None, capture: bool = True) -> None:
-        """Serve pure-decode steps through DecodeGraphs; the KV cache must hold a scratch
+        """Serve pure-decode steps through DecodeGraphs, and when speculating the verify
+        steps whose requests all score 1 + k tokens; the KV cache must hold a scratch
         block. capture=False (the CPU tests) runs their padded buffers eagerly."""
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
         if self.kv_cache.scratch_block is None:
             raise ValueError("CUDA graphs need a KV cache built with a scratch block")
         max_blocks = -(-self.max_model_len // self.block_size)
-        graphs = DecodeGraphs(
-            self.model,
-            self.kv_cache.layers,
-            self.block_size,
-            max_blocks,
-            self.kv_cache.scratch_block,
-            sizes or default_capture_sizes(self.max_num_seqs),
-        )
-        if capture:
-            graphs.capture()
-        self.graphs = graphs
+        sizes = sizes or default_capture_sizes(self.max_num_seqs)
+        query_lens = [1]
+        if self.max_drafts and 1 + self.max_drafts <= self.block_size:  # padding: one block
+            query_lens.append(1 + self.max_drafts)
+        for q in query_lens:
+            graphs = DecodeGraphs(
+                self.model, self.kv_cache.layers, self.block_size, max_blocks,
+                self.kv_cache.scratch_block, sizes, query_len=q,
+            )  # fmt: skip
+            if capture:
+                graphs.capture()
+            if q == 1:
+                self.graphs = graphs
+            else:
+                self.verify_graphs = graphs
 
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
@@ -155,16 +161,20 @@ class ModelRunner:
         if out.is_empty:
             return StepResult(ModelRunnerOutput(), {})
         host = self.collect(out.scheduled)
-        if self.drafter is None and self._graph_eligible(host):
-            assert self.graphs is not None
-            all_logits = self.graphs.run(host.input_ids, host.positions, host.block_tables)
+        graphs = self._graphs_for(host)
+        if graphs is not None:
+            all_logits = graphs.run(host.input_ids, host.positions, host.block_tables)
             # A copy: the graph's output buffer is overwritten by the next replay.
             n = len(host.logits_indices)
             if host.logits_indices == list(range(n)):
                 logits = all_logits[:n].clone()
             else:
                 logits = all_logits[torch.tensor(host.logits_indices, device=self.device)]
-            return self._sample(host.sample_rows, logits)
+            result = self._sample(host.sample_rows, logits)
+            if self.drafter is not None:
+                assert graphs.last_hidden is not None
+                self._draft(host, graphs.last_hidden[: len(host.input_ids)], result.output)
+            return result
         batch = self.to_device(host)
         hidden = self.model(batch.input_ids, batch.positions, batch.md, self.kv_cache.layers)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab]
@@ -177,14 +187,22 @@ class ModelRunner:
             )
         return result
 
-    def _graph_eligible(self, host: HostBatch) -> bool:
-        """Pure decode (one token per request) of a batch some graph holds."""
-        return (
-            self.graphs is not None
-            and len(host.input_ids) == len(host.req_ids) <= self.graphs.max_size
-            and host.num_decode == len(host.req_ids)
-            and max(map(len, host.block_tables)) <= self.graphs.max_blocks_per_seq
-        )
+    def _graphs_for(self, host: HostBatch) -> DecodeGraphs | None:
+        """The graphs of the step's query length when every request has that many tokens
+        (one, or 1 + k when verifying) and some graph holds the batch; else None."""
+        q = host.query_lens[0]
+        graphs = self.graphs if q == 1 else self.verify_graphs
+        if (
+            graphs is None
+            or graphs.query_len != q
+            or host.prompt_rows
+            or host.num_decode != len(host.req_ids)
+            or any(n != q for n in host.query_lens)
+            or len(host.req_ids) > graphs.max_size
+            or max(map(len, host.block_tables)) > graphs.max_blocks_per_seq
+        ):
+            return None
+        return graphs
 
     def update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids | out.preempted_req_ids:

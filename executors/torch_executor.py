@@ -83,9 +83,7 @@ class TorchExecutor:
                 f"weights (layer {self.config.num_hidden_layers}); drafts need them"
             )
         num_blocks = self._num_blocks()
-        # Graphs capture one-token decode steps and return no hidden states; the MTP
-        # drafter needs those, and verify steps have 1 + k tokens: speculation runs eager.
-        use_graphs = self.device.type == "cuda" and not enforce_eager and not k
+        use_graphs = self.device.type == "cuda" and not enforce_eager
         self.kv_cache = PagedKVCache(
             self.config.num_hidden_layers,
             num_blocks,
