@@ -23,13 +23,25 @@ class TrackedCompletion:
     num_fed: int = 0
 
     def feed(self) -> bool:
-        """Detokenize new tokens; True once a stop string ended the text."""
-        new = self.req.output_token_ids[self.num_fed :]
-        self.num_fed += len(new)
+        """Detokenize new tokens; True once a stop string ended the text.
+
+        Token by token: a speculative step can add several, and the ones after the token
+        that completes a stop string (accepted drafts) are dropped, as for a stop token.
+        """
+        req = self.req
+        new = req.output_token_ids[self.num_fed :]
         if self.detok is None or not new:
+            self.num_fed += len(new)
             return False
-        self.detok.append(new)
-        return self.detok.stop_hit is not None
+        for i, t in enumerate(new):
+            self.detok.append([t])
+            if self.detok.stop_hit is not None:
+                self.num_fed += i + 1
+                del req.output_token_ids[self.num_fed :]
+                del req.logprobs[self.num_fed :]
+                return True
+        self.num_fed += len(new)
+        return False
 
     def output(self, tokenizer: Any) -> CompletionOutput:
         req = self.req

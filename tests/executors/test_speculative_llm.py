@@ -100,6 +100,19 @@ def test_greedy_output_is_identical_with_speculation(engine_args: dict) -> None:
 
 
 @needs_demo
+def test_tokens_after_a_stop_string_are_dropped() -> None:
+    """Accepted drafts past the token that completes a stop string are not output: ids,
+    text and logprobs equal plain decoding's."""
+    params = SamplingParams(temperature=0.0, max_tokens=60, stop=["\n\n", ":"], logprobs=1)
+    plain = _generate(str(DEMO_MODEL_DIR), CODE, params, block_size=16)
+    spec = _generate(str(DEMO_MODEL_DIR), CODE, params, block_size=16, num_speculative_tokens=3)
+    for a, b in zip(plain.outs, spec.outs):  # type: ignore[attr-defined]
+        x, y = a.outputs[0], b.outputs[0]
+        assert (y.token_ids, y.text, y.finish_reason) == (x.token_ids, x.text, x.finish_reason)
+        assert len(y.logprobs) == len(y.token_ids)
+
+
+@needs_demo
 def test_no_request_exceeds_max_tokens() -> None:
     """Accepted drafts past max_tokens (or a stop token) are dropped."""
     for n in (1, 2, 3, 5, 7):
