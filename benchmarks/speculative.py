@@ -18,6 +18,10 @@ tokens each) it reports decode tokens/s (output tokens after each request's firs
 over the time of the steps that compute no prompt tokens) without speculation and
 with k drafts at acceptance a, the speed-up, and the simulator's predicted speed-up
 for the same workload (same k, per-position acceptance a, default cost model).
+Each invocation builds one executor per k (Moonlight: about a minute each with graph
+capture) and first runs the plain baseline; the whole default sweep outlasts a 10-minute
+device call, so split it: `bash benchmarks/run_device.sh spec --ks 1,2 --acceptance
+0.6,0.8,0.9`, then `--ks 3,5`, then `--ks varlen`, each with its own `--json`.
 `--ks varlen` runs confidence-scheduled drafts (DEEPINFER_ENABLE_MTP_VARLEN) of at
 most --varlen-max drafts.
 """
@@ -25,6 +29,7 @@ most --varlen-max drafts.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import tempfile
@@ -142,7 +147,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batches", default="1,8,32,128,256")
     p.add_argument("--acceptance", default="0.6,0.8,0.9")
-    p.add_argument("--ks", default="1,2,3,5,varlen")
+    p.add_argument("--ks", default="1,2,3,5,varlen", help="draft counts, or varlen")
     p.add_argument("--varlen-max", type=int, default=5)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -179,6 +184,7 @@ def main() -> None:
         print(f"batch {b}: {rate:.0f} decode tok/s without speculation", flush=True)
     plain.shutdown()
     del plain
+    gc.collect()
     for k in ks:
         ex = executor(k)
         inner = ex.runner.drafter
@@ -205,7 +211,10 @@ def main() -> None:
                     flush=True,
                 )
         ex.shutdown()
-        del ex
+        del ex, inner, drafter  # the drafters hold the model: free it before the next
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "rows": rows}, indent=1) + "\n")
 

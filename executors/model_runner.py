@@ -32,7 +32,7 @@ from executors.attention import AttentionMetadata, build_attention_metadata
 from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
 from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
-from executors.mtp_drafter import DraftInput, Drafts, MTPDrafter
+from executors.mtp_drafter import Drafts, MTPDrafter
 from executors.sampler import SamplingState, sample_tokens
 from executors.spec_decode import VerifyRequest, verify
 
@@ -44,9 +44,6 @@ class RequestState:
     num_prompt_tokens: int
     last_token: int | None = None  # last sampled token (used when async scheduling omits it)
     prompt_ids: list[int] | None = None  # the whole prompt, when prompt logprobs are wanted
-    # MTP: the target's hidden state at the position before this step's first one, whose
-    # next token was unknown when it was computed (a prompt chunk's last position).
-    mtp_pending: tuple[int, torch.Tensor] | None = None
     num_computed: int = 0  # tokens in the KV cache (the scheduler's count may run ahead)
     drafts: list[int] = field(default_factory=list)  # the drafter's latest proposal
 
@@ -207,8 +204,12 @@ class ModelRunner:
     def update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             self.requests.pop(req_id, None)
+            if self.drafter is not None:
+                self.drafter.pending.pop(req_id, None)
         for sr in out.scheduled:
             if sr.block_table is not None:
+                if self.drafter is not None:  # (re)started: nothing of its past is pending
+                    self.drafter.pending.pop(sr.req_id, None)
                 params = sr.sampling_params or SamplingParams()
                 state = SamplingState(params, [], eos_token_id=self.eos_token_id)
                 self.requests[sr.req_id] = RequestState(
@@ -392,33 +393,14 @@ class ModelRunner:
         return StepResult(out, per_req)
 
     def _draft(self, host: HostBatch, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
-        """The MTP layer's next drafts for every request that sampled (mtp_drafter.py);
-        a prompt chunk that ends before its prompt leaves its last position pending."""
+        """The MTP layer's next drafts for every request that sampled (mtp_drafter.py)."""
         assert self.drafter is not None
-        inputs = []
-        offset = 0
-        for rid, start, n in zip(host.req_ids, host.context_lens, host.query_lens):
-            state = self.requests[rid]
-            rows = hidden[offset : offset + n]  # [n, hidden]: positions start..start + n - 1
-            ids = host.input_ids[offset + 1 : offset + n]  # next tokens of start..start + n - 2
-            first_token = host.input_ids[offset]
-            offset += n
-            sampled = out.sampled_token_ids.get(rid)
-            pending, state.mtp_pending = state.mtp_pending, None
-            if sampled is not None:  # rows up to the newest token: accepted drafts, then it
-                keep = n - len(host.sample_rows[rid][2]) + len(sampled) - 1  # rejected: dropped
-                rows, ids = rows[:keep], ids[: keep - 1] + [sampled[-1]]
-            else:  # the last position's next token comes with the next chunk
-                state.mtp_pending = (start + n - 1, rows[-1].clone())
-                rows = rows[:-1]
-            first = start
-            if pending is not None and pending[0] == start - 1:
-                first, rows, ids = (
-                    start - 1,
-                    torch.cat([pending[1][None], rows]),
-                    [first_token] + ids,
-                )
-            inputs.append(DraftInput(rid, first, rows, ids, state.block_table, sampled is not None))
+        inputs = self.drafter.step_inputs(
+            host.req_ids, host.context_lens, host.query_lens, host.input_ids, hidden,
+            out.sampled_token_ids,
+            {rid: len(drafts) for rid, (_, _, drafts) in host.sample_rows.items()},
+            {rid: self.requests[rid].block_table for rid in host.req_ids},
+        )  # fmt: skip
         drafts: Drafts = self.drafter.propose(inputs)
         for rid, toks in drafts.tokens.items():
             self.requests[rid].drafts = toks

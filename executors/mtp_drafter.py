@@ -19,7 +19,7 @@ keys up to the query's own position, written in the same pass). The scheduler ho
 k - 1 lookahead slots for those chained positions.
 
 A prompt chunk that ends before the prompt does leaves its last position pending (its
-next token arrives with the next chunk): the runner keeps that hidden state, and the
+next token arrives with the next chunk): the drafter keeps that hidden state, and the
 next chunk's pass 1 starts one position earlier.
 
 Drafts are the MTP layer's argmax (verification treats them as deterministic, so
@@ -28,6 +28,7 @@ sampling stays lossless); a draft's confidence is its softmax probability.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,50 @@ class MTPDrafter:
         self.block_size = block_size
         self.decode_max_query_len = decode_max_query_len
         self.device = next(model.parameters()).device
+        # req_id -> (position, the target's hidden state there [hidden]) of a prompt
+        # chunk's last position, whose next token comes with the next chunk.
+        self.pending: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def step_inputs(
+        self,
+        req_ids: Sequence[str],
+        starts: Sequence[int],
+        query_lens: Sequence[int],
+        input_ids: Sequence[int],
+        hidden: torch.Tensor,
+        sampled: Mapping[str, list[int]],
+        num_drafts: Mapping[str, int],
+        block_tables: Mapping[str, list[int]],
+    ) -> list[DraftInput]:
+        """Pass 1's rows from a target step: requests in batch order, each `query_lens`
+        tokens from position `starts` (input_ids, hidden: [T] and [T, hidden]); `sampled`:
+        the tokens each sampling request got (accepted drafts, then the new token) of the
+        `num_drafts` it verified. Rows of rejected drafts are left out; a request that did
+        not sample leaves its last position pending, which its next step's rows start at."""
+        inputs = []
+        offset = 0
+        for rid, start, n in zip(req_ids, starts, query_lens):
+            rows = hidden[offset : offset + n]  # [n, hidden]: positions start..start + n - 1
+            ids = list(input_ids[offset + 1 : offset + n])  # next tokens of start..start + n - 2
+            first_token = input_ids[offset]
+            offset += n
+            toks = sampled.get(rid)
+            pending = self.pending.pop(rid, None)
+            if toks is not None:  # rows up to the newest token: accepted drafts, then it
+                keep = n - num_drafts.get(rid, 0) + len(toks) - 1
+                rows, ids = rows[:keep], ids[: keep - 1] + [toks[-1]]
+            else:  # the last position's next token comes with the next chunk
+                self.pending[rid] = (start + n - 1, rows[-1].clone())
+                rows = rows[:-1]
+            first = start
+            if pending is not None and pending[0] == start - 1:
+                first, rows, ids = (
+                    start - 1,
+                    torch.cat([pending[1][None], rows]),
+                    [first_token] + ids,
+                )
+            inputs.append(DraftInput(rid, first, rows, ids, block_tables[rid], toks is not None))
+        return inputs
 
     def propose(self, inputs: list[DraftInput]) -> Drafts:
         out = Drafts({}, {})
