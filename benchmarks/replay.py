@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.config import EngineConfig
@@ -20,7 +20,9 @@ from deepinfer.outputs import SchedulerOutput
 from deepinfer.records import RequestRecord
 from deepinfer.request import Request
 from sim.simulator import build_requests
-from sim.traces import Trace, TraceRequest
+from sim.traces import Trace, TraceRequest, offline, poisson, retimed
+
+__all__ = ["ReplayResult", "StepSample", "offline", "poisson", "replay", "retimed"]
 
 
 @dataclass
@@ -67,28 +69,6 @@ def materialized_requests(trace: Trace, vocab_size: int) -> list[Request]:
             )
         )
     return out
-
-
-def retimed(trace: Trace, arrivals: list[float], name: str) -> Trace:
-    """The same requests at new arrival times."""
-    reqs = [replace(r, arrival=a) for r, a in zip(trace.requests, arrivals)]
-    return Trace(name, trace.source, reqs)
-
-
-def offline(trace: Trace) -> Trace:
-    return retimed(trace, [0.0] * len(trace), f"{trace.name} offline")
-
-
-def poisson(trace: Trace, rate: float, seed: int = 0) -> Trace:
-    """The trace's requests, in order, arriving as a Poisson process of `rate` per second."""
-    import random
-
-    rng = random.Random(seed)
-    t, arrivals = 0.0, []
-    for _ in trace.requests:
-        arrivals.append(t)
-        t += rng.expovariate(rate)
-    return retimed(trace, arrivals, f"{trace.name} at {rate:.2f} req/s")
 
 
 def replay(

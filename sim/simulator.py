@@ -136,7 +136,8 @@ def _serve(
         while pending and pending[0].arrival_time <= env.now:
             core.add_request(pending.popleft())
         if not core.has_unfinished():
-            yield env.timeout(pending[0].arrival_time - env.now)
+            if pending:  # else the last arrivals were all rejected: the run is over
+                yield env.timeout(pending[0].arrival_time - env.now)
             continue
         for kind, out in core.step_events():
             now = env.now
