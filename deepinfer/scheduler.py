@@ -294,8 +294,11 @@ class Scheduler(SchedulerChecks):
     def update_from_output(self, out: SchedulerOutput, res: ModelRunnerOutput) -> list[Request]:
         """Apply a step's sampled tokens; returns the requests that gained tokens or ended."""
         changed: list[Request] = []
+        live, sampled = self.requests, res.sampled_token_ids
+        is_prefill_role = self.config.role is EngineRole.PREFILL
+        k = self.config.num_speculative_tokens
         for sr in out.scheduled:
-            req = self.requests.get(sr.req_id)
+            req = live.get(sr.req_id)
             if req is not None and res.prompt_logprobs and sr.req_id in res.prompt_logprobs:
                 req.prompt_logprobs.update(res.prompt_logprobs[sr.req_id])
             if req is None or not sr.samples:
@@ -303,7 +306,7 @@ class Scheduler(SchedulerChecks):
             preempted_meanwhile = req.status is not RequestStatus.RUNNING
             if not preempted_meanwhile:
                 req.num_output_placeholders -= 1
-            tokens = res.sampled_token_ids.get(sr.req_id) or []
+            tokens = sampled.get(sr.req_id) or []
             if not tokens:
                 raise RuntimeError(
                     f"executor returned no token for {sr.req_id!r} in step "
@@ -325,7 +328,7 @@ class Scheduler(SchedulerChecks):
                 if logprobs is not None and j < len(logprobs):
                     req.logprobs.append(logprobs[j])
                 reason = check_stop(req, self.max_model_len)
-                if reason is None and self.config.role is EngineRole.PREFILL:
+                if reason is None and is_prefill_role:
                     reason = FinishReason.LENGTH  # a prefill engine hands over after one token
                 if reason is not None:
                     break
@@ -334,8 +337,7 @@ class Scheduler(SchedulerChecks):
                 self._end(req, RequestStatus.FINISHED, reason)
                 continue
             if not preempted_meanwhile:
-                k = self.config.num_speculative_tokens
-                req.spec_token_ids = list(res.draft_token_ids.get(sr.req_id, ()))[:k]
+                req.spec_token_ids = list(res.draft_token_ids.get(sr.req_id, ()))[:k] if k else []
                 self.kv.cache_computed(req)
                 if num_rejected:
                     self.kv.trim(req, req.num_tokens + req.num_output_placeholders)

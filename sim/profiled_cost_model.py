@@ -140,11 +140,31 @@ class ProfiledCostModel:
     # --- the CostModel protocol -------------------------------------------------
 
     def step_time(self, out: SchedulerOutput) -> float:
-        if not out.scheduled:
+        scheduled = out.scheduled
+        if not scheduled:
             return 0.0
-        self._check_range(out)
-        if not self._eager(out) and self._decode.ready:
-            return self._decode.predict(out)
+        # One pass for what the range check and the decode surface read (this runs for
+        # every simulated step): tokens, the longest context, decode contexts.
+        tokens = longest = ctx_max = ctx_sum = 0
+        eager = False
+        for r in scheduled:
+            q, c = r.num_tokens, r.num_computed_tokens
+            tokens += q
+            if q > 1:
+                eager = True
+            if c + q > longest:
+                longest = c + q
+            if c > ctx_max:
+                ctx_max = c
+            ctx_sum += c
+        lim = self._limits
+        m = _EXTRAPOLATION_MARGIN
+        n = len(scheduled)
+        if tokens > lim["tokens"] * m or n > lim["reqs"] * m or longest > lim["context"] * m:
+            self._warn_range(tokens, n, longest)
+        if not eager and self._decode.ready:
+            effective = ctx_max if n <= _ONE_WAVE_BATCH else ctx_sum / n
+            return self._decode.predict_at(float(n), max(1.0, float(effective)), out)
         return self._physics(out)
 
     def _physics(self, out: SchedulerOutput) -> float:
@@ -196,6 +216,9 @@ class ProfiledCostModel:
         ctx = max(r.num_computed_tokens + r.num_tokens for r in out.scheduled)
         if tokens <= lim["tokens"] * m and reqs <= lim["reqs"] * m and ctx <= lim["context"] * m:
             return
+        self._warn_range(tokens, reqs, ctx)
+
+    def _warn_range(self, tokens: int, reqs: int, ctx: int) -> None:
         seen = {"tokens": tokens, "reqs": reqs, "context": ctx}
         for key, value in seen.items():
             limit = self._limits[key]
@@ -269,6 +292,10 @@ class _DecodeSurface:
 
     def predict(self, out: SchedulerOutput) -> float:
         b, c = self._coords(out)
+        return self.predict_at(b, c, out)
+
+    def predict_at(self, b: float, c: float, out: SchedulerOutput) -> float:
+        """`predict` with the step's (batch, effective context) already known."""
         b_lo, b_hi, c_lo, c_hi = self._bounds
         bc = b_lo if b < b_lo else b_hi if b > b_hi else b
         cc = c_lo if c < c_lo else c_hi if c > c_hi else c

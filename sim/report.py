@@ -152,12 +152,12 @@ def write_report(
     long outputs). `timeline` is at most `max_timeline_points` step records,
     sampled evenly by step index.
     """
-    requests = []
-    for r in records:
-        d = r.to_dict()
-        if not include_token_times:
-            d.pop("token_times", None)
-        requests.append(d)
+    # Field by field rather than asdict(), which deep-copies each record's token_times
+    # (most of a record) only for it to be dropped.
+    names = [f.name for f in dataclasses.fields(RequestRecord)]
+    if not include_token_times:
+        names.remove("token_times")
+    requests = [{k: getattr(r, k) for k in names} for r in records]
     timeline = [dataclasses.asdict(s) for s in downsample(steps or [], max_timeline_points)]
     doc = {
         "version": 1,

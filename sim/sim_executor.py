@@ -36,6 +36,8 @@ class SimExecutor:
         self._rng = random.Random(config.seed)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # crc32 of each request id, computed once: it salts every token of the request.
+        self._salts: dict[str, int] = {}
 
     def num_kv_blocks(self) -> int:
         return self._num_blocks
@@ -43,8 +45,18 @@ class SimExecutor:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         res = ModelRunnerOutput()
         rng = self._rng
+        sampled = res.sampled_token_ids
+        salts = self._salts
         for sr in out.scheduled:
             if not sr.samples:
+                continue
+            salt = salts.get(sr.req_id)
+            if salt is None:
+                salt = salts[sr.req_id] = zlib.crc32(sr.req_id.encode())
+            if not self.k and not sr.draft_token_ids:
+                # The same token as below with accepted = 0: one per step, no rng draw.
+                pos = sr.num_computed_tokens + sr.num_tokens
+                sampled[sr.req_id] = [1 + ((salt + pos * 2654435761) % (_VOCAB - 1))]
                 continue
             accepted = 0
             for _ in sr.draft_token_ids:  # verification stops at the first rejection
@@ -54,7 +66,6 @@ class SimExecutor:
             self.num_draft_tokens += len(sr.draft_token_ids)
             self.num_accepted_tokens += accepted
             # A deterministic function of (request, position): repeatable across runs.
-            salt = zlib.crc32(sr.req_id.encode())
             # Position of the first sampled token: right after the last known token
             # (the draft slots being verified come after it).
             pos = sr.num_computed_tokens + sr.num_tokens - len(sr.draft_token_ids)
