@@ -70,8 +70,9 @@ def _run_in_worker(task: PointTask) -> dict[str, Any]:
 
 class PoolBackend:
     """Local worker processes. A worker that dies (killed, out of memory) breaks the
-    pool: it is rebuilt and the points in flight run again; a point that breaks it twice
-    becomes an error row."""
+    whole pool, and which of the points in flight killed it is unknown: each of them
+    runs again alone in a fresh process, the one that dies alone becomes an error row,
+    and the pool is rebuilt."""
 
     name = "local"
 
@@ -81,45 +82,43 @@ class PoolBackend:
         # fork: workers inherit the imported simulator instead of importing it again.
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
         self._mp = multiprocessing.get_context(method)
-        self._pool = self._new_pool()
+        self._pool = self._new_pool(workers)
         self._futures: dict[Future[dict[str, Any]], PointTask] = {}
-        self._tries: dict[tuple[str, float], int] = {}
         self._ready: deque[dict[str, Any]] = deque()
 
-    def _new_pool(self) -> ProcessPoolExecutor:
+    def _new_pool(self, workers: int) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(
-            self.workers, mp_context=self._mp, initializer=_init_worker, initargs=(self.ctx,)
+            workers, mp_context=self._mp, initializer=_init_worker, initargs=(self.ctx,)
         )
 
     def submit(self, task: PointTask) -> None:
-        key = (task.config.key, task.rate)
-        self._tries[key] = self._tries.get(key, 0) + 1
         self._futures[self._pool.submit(_run_in_worker, task)] = task
 
     def next_done(self) -> dict[str, Any]:
         while not self._ready:
             done, _ = wait(list(self._futures), return_when=FIRST_COMPLETED)
-            broken = []
+            broken = False
             for fut in sorted(done, key=lambda f: _order(self._futures[f])):
-                task = self._futures.pop(fut)
                 try:
                     self._ready.append(fut.result())
+                    del self._futures[fut]
                 except BrokenProcessPool:
-                    broken.append(task)
+                    broken = True
             if broken:
-                self._recover(broken)
+                self._recover()
         return self._ready.popleft()
 
-    def _recover(self, broken: list[PointTask]) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._pool = self._new_pool()
-        retry = broken + list(self._futures.values())
+    def _recover(self) -> None:
+        suspects = sorted(self._futures.values(), key=_order)
         self._futures.clear()
-        for task in sorted(retry, key=_order):
-            if self._tries[(task.config.key, task.rate)] >= 2:
-                self._ready.append(_died(task))
-            else:
-                self.submit(task)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for task in suspects:
+            with self._new_pool(1) as alone:
+                try:
+                    self._ready.append(alone.submit(_run_in_worker, task).result())
+                except BrokenProcessPool:
+                    self._ready.append(_died(task))
+        self._pool = self._new_pool(self.workers)
 
     def in_flight(self) -> int:
         return len(self._futures) + len(self._ready)

@@ -22,7 +22,7 @@ from deepinfer.config import EngineConfig
 
 SIM_KEYS = ("model", "hardware", "cost_model", "acceptance_rate")
 RATE_KEY = "rate"
-_DEFAULTS: dict[str, Any] = {
+DEFAULTS: dict[str, Any] = {
     "model": "moonlight-16b-a3b",
     "hardware": "h200",
     "cost_model": None,  # what simulate() picks: profiled where a profile exists, else analytic
@@ -142,7 +142,7 @@ def build_grid(raw: Mapping[str, Any], source: str = "grid") -> Grid:
         except ValueError as e:  # a combination of valid values that does not go together
             invalid.append((chosen, str(e)))
             continue
-        sim = _DEFAULTS | {k: v for k, v in chosen.items() if k in SIM_KEYS}
+        sim = DEFAULTS | {k: v for k, v in chosen.items() if k in SIM_KEYS}
         configs.append(SweepConfig(**sim, engine=engine, varied=varied))
     if not configs and not invalid:
         raise ValueError(f"{source}: the grid has no config")

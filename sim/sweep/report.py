@@ -51,7 +51,7 @@ def print_table(configs: list[dict[str, Any]], title: str, console: Any = None) 
             _num(r.get("kv_usage_max"), "{:.0%}"),
             cost_model_text(r),
             str(r.get("points", 0)),
-            r["status"] if r["status"] != "ok" else (r.get("note") or ""),
+            _note(r),
         )
     (console or Console(width=160)).print(table)
 
@@ -107,6 +107,13 @@ def plot_sweep(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _note(row: dict[str, Any]) -> str:
+    note, status = row.get("note") or "", row["status"]
+    if status == "ok" or note.startswith(status):
+        return note
+    return f"{status}: {note}" if note else status
 
 
 def _num(v: Any, fmt: str = "{:.1f}") -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sim.sweep.backends import Backend
-from sim.sweep.grid import Grid, SweepConfig
+from sim.sweep.grid import DEFAULTS, Grid, SweepConfig
 from sim.sweep.point import METRICS, PointTask, SweepContext
 from sim.sweep.results import ResultStore
 from sim.sweep.search import RateSearch
@@ -152,8 +152,8 @@ def _invalid_row(combo: dict[str, Any], why: str, grid: Grid) -> dict[str, Any]:
     label = " ".join(f"{k}={combo[k]}" for k in grid.varied if k in combo)
     return {
         "config": label,
-        "model": combo.get("model"),
-        "hardware": combo.get("hardware"),
+        "model": combo.get("model", DEFAULTS["model"]),
+        "hardware": combo.get("hardware", DEFAULTS["hardware"]),
         **{k: combo.get(k) for k in grid.varied if k not in ("model", "hardware")},
         "max_rate": None,
         "status": "invalid",

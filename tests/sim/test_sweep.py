@@ -236,6 +236,27 @@ def test_a_results_file_of_another_sweep_is_refused(tmp_path: Path, capsys):
     assert sweep(tmp_path, "o", *argv, "--fresh") == 0
 
 
+def test_a_worker_that_dies_is_an_error_row_and_the_other_points_run(tmp_path, monkeypatch):
+    import sim.sweep.backends as backends
+
+    real = backends.run_point
+
+    def dies_at_4(task: PointTask, ctx: SweepContext) -> dict[str, Any]:
+        if task.rate == 4.0:
+            os._exit(1)  # as a worker killed for its memory would
+        return real(task, ctx)
+
+    monkeypatch.setattr(backends, "run_point", dies_at_4)  # forked workers inherit it
+    grid = build_grid({"cost_model": "unit", "max_num_seqs": [1, 2], "rate": [1, 2, 4, 8]})
+    ctx = SweepContext(tiny_trace(20), parse_sweep_slo("ttft_p99:1000"), 0)
+    store = ResultStore(tmp_path, sweep_header(ctx))
+    out = run_sweep(grid, ctx, backends.PoolBackend(ctx, 2), store)
+    status = {(p["max_num_seqs"], p["rate"]): p["status"] for p in out.points}
+    assert status == {
+        (n, r): "error" if r == 4.0 else "ok" for n in (1, 2) for r in (1.0, 2.0, 4.0, 8.0)
+    }
+
+
 def test_rejected_and_invalid_configs_are_rows_not_crashes(tmp_path: Path, capsys):
     # Without chunked prefill: 64 tokens reject every prompt; 16384 exceeds the batch
     # budget (an invalid combination); the model's own limit serves all 60 requests.
