@@ -61,6 +61,14 @@ def add_simulate_parser(sub: Any) -> None:
         help="multiply arrival times (0.5 replays twice as fast)",
     )
     p.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        metavar="R",
+        help="replace the trace's arrival times with a Poisson process of R requests/s "
+        "seeded by --seed, keeping its sizes (inf: all at time 0, an offline batch)",
+    )
+    p.add_argument(
         "--max-requests",
         "--num-requests",
         dest="max_requests",
@@ -118,6 +126,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         end=args.end,
     )
     engine = engine_config_from_args(args)
+    if args.request_rate is not None:
+        trace = _retime(trace, args.request_rate, engine.seed, args.time_scale)
     slo = parse_slo(args.slo) if args.slo else None
     with tqdm(
         total=len(trace),
@@ -154,6 +164,23 @@ def run_simulate(args: argparse.Namespace) -> int:
         plot_report(args.plot, result.requests, result.steps, title)
         print(f"plots: {args.plot}")
     return 0
+
+
+def _retime(trace: Any, rate: float, seed: int, time_scale: float) -> Any:
+    """The trace's requests (after --max-requests, --start, --end) at new arrivals."""
+    from sim.traces.retime import offline, poisson
+
+    if time_scale != 1.0:
+        raise ValueError(
+            "--request-rate replaces the trace's arrival times, so --time-scale "
+            f"({time_scale}) would have nothing to scale: give one of them"
+        )
+    if rate == float("inf"):
+        return offline(trace)
+    try:
+        return poisson(trace, rate, seed)
+    except ValueError as e:
+        raise ValueError(f"--request-rate {rate}: {e}") from None
 
 
 def default_trace() -> Path:
