@@ -156,6 +156,14 @@ def run_workload(
         "real": [r.to_dict() for r in real.records],
         "sim": [r.to_dict() for r in sim.requests],
     }
+    # Both step logs, one row each: (time, duration, tokens, prompt tokens, requests).
+    res["_timelines"] = {
+        side: [
+            (s.time, s.duration, s.num_batched_tokens, s.num_prompt_tokens, s.num_scheduled_reqs)
+            for s in steps
+        ]
+        for side, steps in (("real", real.engine_steps), ("sim", sim.steps))
+    }
     return res
 
 
@@ -276,11 +284,21 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "meta": meta,
-                "workloads": [{k: v for k, v in r.items() if k != "_records"} for r in results],
+                "workloads": [{k: v for k, v in r.items() if k[0] != "_"} for r in results],
             },
             indent=1,
             default=str,
         )
+        + "\n"
+    )
+    # For analysis beside fidelity.json: every request record and both step logs.
+    (args.out / "fidelity_records.json").write_text(
+        json.dumps(
+            [
+                {"workload": r["workload"]} | r["_records"] | {"timelines": r["_timelines"]}
+                for r in results
+            ]
+        )  # fmt: skip
         + "\n"
     )
     executor.shutdown()

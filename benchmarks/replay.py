@@ -17,7 +17,7 @@ from typing import Any
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore, StepEventKind
 from deepinfer.outputs import SchedulerOutput
-from deepinfer.records import RequestRecord
+from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
 from sim.simulator import build_requests
 from sim.traces import Trace, TraceRequest, offline, poisson, retimed
@@ -48,6 +48,7 @@ class ReplayResult:
     records: list[RequestRecord]  # in the order of the requests given
     steps: list[StepSample] = field(default_factory=list)
     wall_s: float = 0.0
+    engine_steps: list[StepRecord] = field(default_factory=list)  # the engine's own log
 
 
 def materialized_requests(trace: Trace, vocab_size: int) -> list[Request]:
@@ -108,6 +109,7 @@ def replay(
             )
         last_end = end
     result.wall_s = time.monotonic() - t0
+    result.engine_steps = list(engine.steps)
     by_id = {r.req_id: r for r in engine.records}
     result.records = [by_id[r.request_id] for r in requests]
     return result
