@@ -45,9 +45,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="moonlight-16b-a3b")
     p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     args = p.parse_args()
     cfg = EngineConfig(num_gpu_blocks=20000, max_num_seqs=256, max_num_batched_tokens=8192)
-    ex = TorchExecutor(cfg, args.model, load_format="dummy")
+    ex = TorchExecutor(cfg, args.model, load_format="dummy", enforce_eager=args.enforce_eager)
+    print(f"start-up {ex.startup_seconds:.1f} s, graphs {'off' if args.enforce_eager else 'on'}")
     rng = random.Random(0)
     n_blocks, vocab = ex.num_kv_blocks(), ex.config.vocab_size
     for decodes, prompt, ctx in (

@@ -22,6 +22,7 @@ from executors.attention import AttentionMetadata, build_attention_metadata
 from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
 from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
+from executors.piecewise_graphs import PiecewiseGraphs, default_token_buckets
 from executors.sampler import SamplingState, sample_tokens
 
 
@@ -87,6 +88,7 @@ class ModelRunner:
         # Queries this short (a decode token plus drafts) take the absorbed MLA path.
         self.decode_max_query_len = 1 + engine_config.num_speculative_tokens
         self.max_num_seqs = engine_config.max_num_seqs
+        self.max_num_batched_tokens = engine_config.max_num_batched_tokens
         # Longest sequence a graph's block table must hold.
         self.max_model_len = min(
             max_model_len or engine_config.max_model_len or 1 << 62,
@@ -95,10 +97,17 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(engine_config.seed)
         self.requests: dict[str, RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
+        self.piecewise: PiecewiseGraphs | None = None  # set by enable_cuda_graphs
 
-    def enable_cuda_graphs(self, sizes: list[int] | None = None, capture: bool = True) -> None:
-        """Serve pure-decode steps through DecodeGraphs; the KV cache must hold a scratch
-        block. capture=False (the CPU tests) runs their padded buffers eagerly."""
+    def enable_cuda_graphs(
+        self,
+        sizes: list[int] | None = None,
+        capture: bool = True,
+        token_buckets: list[int] | None = None,
+    ) -> None:
+        """Serve pure-decode steps through DecodeGraphs and other steps up to the largest
+        token bucket through PiecewiseGraphs; the KV cache must hold a scratch block.
+        capture=False (the CPU tests) runs their padded buffers eagerly."""
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
         if self.kv_cache.scratch_block is None:
@@ -112,9 +121,18 @@ class ModelRunner:
             self.kv_cache.scratch_block,
             sizes or default_capture_sizes(self.max_num_seqs),
         )
+        piecewise = PiecewiseGraphs(
+            self.model,
+            self.kv_cache.layers,
+            self.block_size,
+            self.kv_cache.scratch_block,
+            token_buckets or default_token_buckets(self.max_num_batched_tokens),
+        )
         if capture:
             graphs.capture()
+            piecewise.capture()
         self.graphs = graphs
+        self.piecewise = piecewise
 
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
@@ -139,10 +157,17 @@ class ModelRunner:
             else:
                 logits = all_logits[torch.tensor(host.logits_indices, device=self.device)]
             return self._sample(host.sample_rows, logits)
-        batch = self.to_device(host)
-        hidden = self.model(batch.input_ids, batch.positions, batch.md, self.kv_cache.layers)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab]
-        result = self._sample(batch.sample_rows, logits)
+        if self.piecewise is not None and len(host.input_ids) <= self.piecewise.max_size:
+            md_host = self._metadata(host, torch.device("cpu"))
+            md = md_host.to(self.device)
+            hidden = self.piecewise.run(host.input_ids, host.positions, md_host.slot_mapping, md)
+            indices = torch.tensor(host.logits_indices, dtype=torch.int64).to(self.device)
+        else:
+            batch = self.to_device(host)
+            hidden = self.model(batch.input_ids, batch.positions, batch.md, self.kv_cache.layers)
+            indices = batch.logits_indices
+        logits = self.model.compute_logits(hidden[indices])  # [N, vocab]
+        result = self._sample(host.sample_rows, logits)
         if host.prompt_rows:
             result.output.prompt_logprobs = prompt_logprobs.compute(
                 self.model, hidden, host.prompt_rows
@@ -235,11 +260,14 @@ class ModelRunner:
                 failed[sr.req_id] = f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
         return failed
 
-    def to_device(self, host: HostBatch) -> Batch:
-        md = build_attention_metadata(
+    def _metadata(self, host: HostBatch, device: torch.device) -> AttentionMetadata:
+        return build_attention_metadata(
             host.query_lens, host.context_lens, host.block_tables, self.block_size,
-            host.num_decode, self.device,
+            host.num_decode, device,
         )  # fmt: skip
+
+    def to_device(self, host: HostBatch) -> Batch:
+        md = self._metadata(host, self.device)
         return Batch(
             req_ids=host.req_ids,
             input_ids=torch.tensor(host.input_ids, dtype=torch.int64).to(self.device),

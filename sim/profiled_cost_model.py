@@ -4,9 +4,11 @@ A profile (`deepinfer profile`, shipped under sim/data/profiles/) holds whole en
 steps of the real executor. A step is predicted as a non-negative combination of
 features that follow its physics:
 
-  graph, eager, mixed   fixed costs of a step replayed as a CUDA graph (pure decode), run
-                        eagerly (any prompt chunk or multi-token query), and an eager step
-                        that also carries decodes (the absorbed-attention path's launches)
+  graph, piecewise,     fixed costs of a step replayed as a CUDA graph (pure decode), as
+  eager, mixed          piecewise graphs (any prompt chunk or multi-token query, up to the
+                        profile's `piecewise_max_tokens`), run eagerly (larger steps), and
+                        of a non-decode step that also carries decodes (the absorbed
+                        attention path's launches)
   reqs, prompt_reqs     per-request host work (inputs, block tables, sampler state)
   tokens                per-token work the groups below do not price
   decode_max_context    the longest decode context: split-KV decode attention is bound by
@@ -48,9 +50,9 @@ from sim.cost_coefficients import load_cost_coefficients
 from sim.hardware import HardwareSpec
 
 PROFILES_DIR = Path(__file__).parent / "data" / "profiles"
-FEATURES = ("graph", "eager", "mixed", "reqs", "prompt_reqs", "tokens", "decode_max_context",
-            "dense", "experts", "attn_pre", "attn_dec", "lm_head")  # fmt: skip
-_GROUPS = FEATURES[7:]
+FEATURES = ("graph", "piecewise", "eager", "mixed", "reqs", "prompt_reqs", "tokens",
+            "decode_max_context", "dense", "experts", "attn_pre", "attn_dec", "lm_head")  # fmt: skip
+_GROUPS = FEATURES[8:]
 _EXTRAPOLATION_MARGIN = 1.1
 _ONE_WAVE_BATCH = 256  # decode batches up to this many requests run as one wave of splits
 
@@ -110,6 +112,8 @@ class ProfiledCostModel:
         data = profile if isinstance(profile, dict) else load_profile(profile)
         self.profile_name = Path(data.get("_path", "profile")).name
         self.meta = data["meta"]
+        # Profiles measured before piecewise graphs ran every non-decode step eagerly.
+        self._piecewise_max = int(self.meta.get("piecewise_max_tokens", 0))
         self._analytic = AnalyticCostModel(model, hardware, load_cost_coefficients())
         outs = [shape_output(p["groups"]) for p in data["points"]]
         y = np.array([p["median_s"] for p in data["points"]], dtype=float)
@@ -199,9 +203,11 @@ class ProfiledCostModel:
                     dec_ctx = r.num_computed_tokens
             if r.is_prompt:
                 prompts += 1
+        piecewise = eager and tokens <= self._piecewise_max
         head = [
             0.0 if eager else 1.0,
-            1.0 if eager else 0.0,
+            1.0 if piecewise else 0.0,
+            1.0 if eager and not piecewise else 0.0,
             1.0 if eager and has_decode else 0.0,
             float(len(out.scheduled)),
             float(prompts),
