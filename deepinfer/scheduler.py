@@ -247,6 +247,7 @@ class Scheduler(SchedulerChecks):
             prior_token_ids=prior,
             prompt_token_ids=prompt,
             num_prompt_tokens=req.num_prompt_tokens,
+            structured=req.structured,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -297,6 +298,7 @@ class Scheduler(SchedulerChecks):
         live, sampled = self.requests, res.sampled_token_ids
         is_prefill_role = self.config.role is EngineRole.PREFILL
         k = self.config.num_speculative_tokens
+        completed = res.completed_req_ids
         for sr in out.scheduled:
             req = live.get(sr.req_id)
             if req is not None and res.prompt_logprobs and sr.req_id in res.prompt_logprobs:
@@ -328,6 +330,8 @@ class Scheduler(SchedulerChecks):
                 if logprobs is not None and j < len(logprobs):
                     req.logprobs.append(logprobs[j])
                 reason = check_stop(req, self.max_model_len)
+                if reason is None and completed and j == len(tokens) - 1 and sr.req_id in completed:
+                    reason = FinishReason.STOP  # its grammar allows nothing more
                 if reason is None and is_prefill_role:
                     reason = FinishReason.LENGTH  # a prefill engine hands over after one token
                 if reason is not None:
@@ -355,6 +359,18 @@ class Scheduler(SchedulerChecks):
     def abort(self, req_id: str) -> Request | None:
         return self.finish_request(req_id, FinishReason.ABORT)
 
+    def reject(self, req_id: str, reason: str) -> Request | None:
+        """Reject a request that waits and was never scheduled (its grammar failed to
+        compile): it ends as if `add_request` had refused it."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        if req.num_computed_tokens or req.status is not RequestStatus.WAITING:
+            raise ValueError(f"reject({req_id!r}): only a request never scheduled can be rejected")
+        req.reject_reason = reason
+        self._end(req, RequestStatus.REJECTED, FinishReason.REJECTED)
+        return req
+
     def _end(self, req: Request, status: RequestStatus, reason: FinishReason) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
@@ -367,6 +383,8 @@ class Scheduler(SchedulerChecks):
         del self.requests[req.request_id]
         if status is RequestStatus.ABORTED:
             self.num_aborted += 1
+        elif status is RequestStatus.REJECTED:
+            self.num_rejected += 1
         else:
             self.num_finished += 1
         self._finished_since_last.add(req.request_id)

@@ -4,7 +4,8 @@ Keeps per-request state keyed by req_id (block table, sampling state, the last
 sampled token). A request's whole block table arrives when the runner holds no
 state for it (first schedule, or resumed after preemption: the state is then
 rebuilt); afterwards only `new_block_ids` are appended. State is dropped for
-finished and preempted requests.
+finished and preempted requests. A structured request (so_args) also holds a grammar
+matcher: its mask is applied to its logits before sampling (executors/structured_outputs.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
 from executors.piecewise_graphs import PiecewiseGraphs, default_token_buckets
 from executors.sampler import SamplingState, sample_tokens
+from executors.structured_outputs import (
+    GrammarCompiler,
+    GrammarState,
+    GrammarViolation,
+    TokenMasks,
+)
 
 
 @dataclass
@@ -33,6 +40,7 @@ class RequestState:
     num_prompt_tokens: int
     last_token: int | None = None  # last sampled token (used when async scheduling omits it)
     prompt_ids: list[int] | None = None  # the whole prompt, when prompt logprobs are wanted
+    grammar: GrammarState | None = None  # its so_args matcher
 
 
 @dataclass
@@ -98,6 +106,8 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
         self.piecewise: PiecewiseGraphs | None = None  # set by enable_cuda_graphs
+        self.grammars: GrammarCompiler | None = None  # set by the executor for so_args
+        self.masks = TokenMasks(self.vocab_size, self.device)
 
     def enable_cuda_graphs(
         self,
@@ -197,6 +207,8 @@ class ModelRunner:
                     self._record_history(self.requests[sr.req_id], 0, sr.prior_token_ids)
                 if sr.prompt_token_ids is not None:
                     self.requests[sr.req_id].prompt_ids = list(sr.prompt_token_ids)
+                if params.so_args is not None:
+                    self.requests[sr.req_id].grammar = self._grammar(sr.req_id, params.so_args)
             elif sr.req_id not in self.requests:
                 raise ValueError(
                     f"request {sr.req_id!r}: no block_table and no state held "
@@ -204,6 +216,15 @@ class ModelRunner:
                 )
             else:
                 self.requests[sr.req_id].block_table.extend(sr.new_block_ids)
+
+    def _grammar(self, req_id: str, so_args: dict) -> GrammarState:
+        """A fresh matcher (a resumed request catches up with its history in collect)."""
+        if self.grammars is None:
+            raise RequestFailed({req_id: "so_args: this model runner has no grammar compiler"})
+        try:
+            return GrammarState(self.grammars.compiled(so_args))
+        except Exception as e:  # the engine schedules a request once its compile succeeded
+            raise RequestFailed({req_id: f"so_args: {e}"}) from e
 
     def collect(self, scheduled: list[ScheduledRequest]) -> HostBatch:
         """Order decode-first, check the block tables, record history, flatten to lists."""
@@ -224,6 +245,13 @@ class ModelRunner:
             tokens = self._step_tokens(sr, state)
             start, end = sr.num_computed_tokens, sr.num_computed_tokens + sr.num_tokens
             self._record_history(state, start, tokens[: len(tokens) - len(sr.draft_token_ids)])
+            if sr.samples and state.grammar is not None:
+                # Outputs before the sampled position (drafts aside): the matcher has them.
+                n_out = max(0, end - len(sr.draft_token_ids) - state.num_prompt_tokens)
+                try:
+                    state.grammar.catch_up(state.sampling.output_token_ids[:n_out])
+                except GrammarViolation as e:
+                    raise RequestFailed({sr.req_id: str(e)}) from None
             if sr.samples:
                 n = 1 + len(sr.draft_token_ids)
                 host.sample_rows[sr.req_id] = (
@@ -316,6 +344,14 @@ class ModelRunner:
     ) -> StepResult:
         rows = sorted(sample_rows.items(), key=lambda kv: kv[1][0])
         states = [self.requests[rid].sampling for rid, (_, n, _) in rows for _ in range(n)]
+        grammars = [
+            (first, g, drafts)
+            for rid, (first, _, drafts) in rows
+            if (g := self.requests[rid].grammar) is not None
+        ]
+        if grammars:  # filled on the CPU now: the device may still be running the forward
+            logits = logits.float()
+            self.masks.apply(logits, grammars)
         result = sample_tokens(logits, states, self.generator) if states else None
         sampled = result.token_ids if result else []
         out = ModelRunnerOutput()
@@ -329,6 +365,13 @@ class ModelRunner:
                 accepted += 1
             toks = toks[: accepted + 1]
             state = self.requests[req_id]
+            if state.grammar is not None and not state.grammar.done:
+                try:  # those past the grammar's end (a draft ended it) are dropped
+                    toks = toks[: state.grammar.accept(toks)]
+                except GrammarViolation as e:
+                    raise RequestFailed({req_id: str(e)}) from None
+                if state.grammar.done:
+                    out.completed_req_ids.add(req_id)
             state.sampling.output_token_ids.extend(toks)
             state.last_token = toks[-1]
             out.sampled_token_ids[req_id] = toks

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutp
 from executors.kv_cache import PagedKVCache, cpu_num_blocks, cuda_num_blocks
 from executors.loader import load_model, read_model_config, resolve_dtype, resolve_model_dir
 from executors.model_runner import ModelRunner
+from executors.structured_outputs import GrammarCompiler
 from executors.warmup import WarmupReport, warm_up
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,12 @@ class TorchExecutor:
             )
         if use_graphs:
             self.runner.enable_cuda_graphs(cuda_graph_sizes)
+        eos = self.eos_token_id
+        self.runner.grammars = GrammarCompiler(  # loads xgrammar at the first so_args
+            self.model_dir,
+            self.vocab_size,
+            list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),
+        )
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
             "TorchExecutor: %s on %s in %s, %d KV blocks of %d tokens; started in %.1f s",
@@ -110,6 +118,12 @@ class TorchExecutor:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
 
+    def prepare_grammar(self, so_args: dict[str, Any]) -> Future[Any]:
+        """Start compiling `so_args`'s grammar in a worker (cached by schema); ValueError
+        when structured outputs cannot work here (no xgrammar, no tokenizer)."""
+        assert self.runner.grammars is not None
+        return self.runner.grammars.submit(so_args)
+
     def execute_async(self, out: SchedulerOutput) -> Done:
         """Runs synchronously; the handle is already complete."""
         return completed(self.execute(out))
@@ -118,6 +132,8 @@ class TorchExecutor:
         return self.kv_cache.num_blocks
 
     def shutdown(self) -> None:
+        if self.runner.grammars is not None:
+            self.runner.grammars.shutdown()
         self.runner.requests.clear()
         self.kv_cache.layers.clear()
         if self.device.type == "cuda":

@@ -185,6 +185,11 @@ class ProfiledCostModel:
         a, b, c = self._host
         return a + b * len(out.scheduled) + c * out.num_batched_tokens
 
+    @property
+    def grammar_mask_per_token_s(self) -> float:
+        """The profile's steps had no grammars: their masks cost what the coefficients say."""
+        return self._analytic.grammar_mask_per_token_s
+
     # --- features ----------------------------------------------------------------
 
     def features(self, out: SchedulerOutput) -> list[float]:

@@ -23,7 +23,7 @@ from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
-from sim.cost_model import CostModel, kv_capacity_blocks, resolve_cost_model
+from sim.cost_model import CostModel, kv_capacity_blocks, mask_time, resolve_cost_model
 from sim.hardware import HardwareSpec, get_hardware
 from sim.kv_capacity import check_blocks_fit
 from sim.sim_executor import SimExecutor
@@ -40,12 +40,18 @@ class SimResult:
 
 def build_requests(trace: Trace, vocab_size: int) -> list[Request]:
     """Engine requests for a trace: synthetic prompts that share content where
-    the trace's prefix blocks say so; each stops after its trace output_len."""
+    the trace's prefix blocks say so; each stops after its trace output_len. A
+    `structured` request carries no schema (no tokens here): its grammar masks are
+    priced by the cost model's host time."""
     out = []
     for i, tr in enumerate(trace.requests):
         params = SamplingParams(temperature=0.0, max_tokens=tr.output_len, ignore_eos=True)
         prompt = SyntheticPrompt.for_request(tr, salt=i, vocab_size=vocab_size)
-        out.append(Request(tr.id, prompt, params, tr.arrival, priority=tr.priority))
+        out.append(
+            Request(
+                tr.id, prompt, params, tr.arrival, priority=tr.priority, structured=tr.structured
+            )
+        )
     return out
 
 
@@ -61,11 +67,14 @@ def simulate(
     acceptance_rate: float = 0.7,
     check_invariants: bool = False,
     on_progress: Callable[[int], None] | None = None,
+    grammar_mask_per_token_s: float | None = None,
 ) -> SimResult:
     """Run `trace` to completion; raises deepinfer.SchedulerStalled if the engine stalls.
 
     cost_model None: the profiled model where a profile of (model, hardware) is shipped
     (or `profile` is given), else the analytic one, reported as uncalibrated.
+    grammar_mask_per_token_s: host seconds per token mask of a `structured` request
+    (None: the cost model's `grammar_mask_per_token_s`, 0 where it has none).
     """
     if not isinstance(trace, Trace):
         trace = Trace("requests", "python", list(trace))
@@ -73,6 +82,10 @@ def simulate(
     spec = model if isinstance(model, ModelConfig) else load_model_config(model)
     hw = hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
     cost, cost_meta = resolve_cost_model(cost_model, spec, hw, profile)
+    if grammar_mask_per_token_s is None:
+        grammar_mask_per_token_s = getattr(cost, "grammar_mask_per_token_s", 0.0)
+    if not grammar_mask_per_token_s >= 0:
+        raise ValueError(f"grammar_mask_per_token_s={grammar_mask_per_token_s}: must be >= 0")
     num_blocks = engine.num_gpu_blocks
     if num_blocks is None:
         num_blocks = kv_capacity_blocks(spec, hw, engine.block_size, engine.gpu_memory_utilization)
@@ -94,7 +107,8 @@ def simulate(
         check_invariants=check_invariants,
     )
     requests = build_requests(trace, spec.vocab_size)
-    env.process(_serve(env, core, deque(requests), cost, on_progress))
+    mask_s = float(grammar_mask_per_token_s)
+    env.process(_serve(env, core, deque(requests), cost, mask_s, on_progress))
     env.run()
     by_id = {r.req_id: r for r in core.records}
     records = [by_id[r.request_id] for r in requests]
@@ -109,6 +123,7 @@ def simulate(
         **cost_meta,
         "num_steps": core.scheduler.step_id,
         "num_evictions": core.scheduler.kv.pool.num_evictions,
+        "grammar_mask_per_token_s": mask_s,
     }
     if engine.num_speculative_tokens:
         drafts = executor.num_draft_tokens
@@ -121,11 +136,15 @@ def _serve(
     core: EngineCore,
     pending: deque[Request],
     cost: CostModel,
+    mask_per_token_s: float,
     on_progress: Callable[[int], None] | None,
 ) -> Generator[simpy.events.Event, Any, None]:
     """Admit arrivals and drive the engine's own loop (`EngineCore.step_events`) in
     simulated time: host time after each schedule, the cost model's device time from
     each launch; async scheduling overlaps the two exactly as the real loop does.
+    Structured requests' token masks are host work from the launch on, beside the
+    device's forward (the real runner fills them before it first synchronises): the
+    step's results are back when both are done, and the host is busy meanwhile.
 
     One simpy timeout per step: the host's work is booked on `host_free` (when the host
     is next idle) and a launch starts once it is done, so only an await has to wait."""
@@ -144,9 +163,10 @@ def _serve(
             if kind is SCHEDULED:
                 host_free = (host_free if host_free > now else now) + cost.cpu_time(out)
             elif kind is LAUNCHED:
-                ready_at[out.step_id] = (host_free if host_free > now else now) + (
-                    cost.step_time(out)
-                )
+                start = host_free if host_free > now else now
+                masks = mask_time(out, mask_per_token_s) if mask_per_token_s else 0.0
+                host_free = start + masks
+                ready_at[out.step_id] = start + max(cost.step_time(out), masks)
             else:
                 done = ready_at.pop(out.step_id)
                 wait = (done if done > host_free else host_free) - now

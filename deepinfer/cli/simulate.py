@@ -103,6 +103,18 @@ def add_simulate_parser(sub: Any) -> None:
         action="store_true",
         help="check scheduler invariants after every step (slow)",
     )
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="treat every request as structured output (so_args): price its token masks",
+    )
+    p.add_argument(
+        "--grammar-mask-us",
+        type=float,
+        default=None,
+        help="host microseconds to fill one structured request's token mask (default: the "
+        "cost model's cpu_grammar_mask_per_token_s)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_engine_options(p)
     p.set_defaults(func=run_simulate)
@@ -125,10 +137,13 @@ def run_simulate(args: argparse.Namespace) -> int:
         start=args.start,
         end=args.end,
     )
+    if args.structured:
+        trace = trace.with_all_structured()
     engine = engine_config_from_args(args)
     if args.request_rate is not None:
         trace = _retime(trace, args.request_rate, engine.seed, args.time_scale)
     slo = parse_slo(args.slo) if args.slo else None
+    mask_us = args.grammar_mask_us
     with tqdm(
         total=len(trace),
         desc="simulating",
@@ -148,6 +163,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             acceptance_rate=args.acceptance_rate,
             check_invariants=args.check_invariants,
             on_progress=bar.update,
+            grammar_mask_per_token_s=None if mask_us is None else mask_us * 1e-6,
         )
     meta = dict(result.meta, trace_path=str(path))
     title = f"{trace.name}: {meta['model']} on {meta['hardware']}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer import EngineConfig, SamplingParams
+from deepinfer import EngineConfig
 
 
 @pytest.mark.parametrize(
@@ -33,13 +33,6 @@ def test_variable_length_drafts_are_refused_until_they_exist(monkeypatch) -> Non
     assert EngineConfig().enable_mtp_varlen  # without speculation it changes nothing
     monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
     assert EngineConfig(num_speculative_tokens=2).num_speculative_tokens == 2
-
-
-def test_structured_outputs_are_refused_until_they_exist() -> None:
-    with pytest.raises(ValueError, match="so_args: structured outputs are not implemented"):
-        SamplingParams(so_args={"schema_type": "regex", "schema": "[0-9]{3}"})
-    with pytest.raises(ValueError, match="so_args.schema_type"):
-        SamplingParams(so_args={"schema_type": "yaml", "schema": "x"})
 
 
 def test_unknown_engine_option_is_named() -> None:
