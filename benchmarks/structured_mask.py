@@ -142,7 +142,7 @@ def gpu(args: argparse.Namespace) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).parent))
     from model_speed import build, random_prompts
 
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
     cfg = EngineConfig(
         block_size=64,
         num_gpu_blocks=4096,
@@ -206,9 +206,14 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=163840, help="vocabulary of --mask-only")
     p.add_argument("--tokenizer", default=None, help="a directory with a real tokenizer.json")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument(
+        "--device",
+        default="cuda",
+        help="cpu: a smoke test of the step benchmark (with a small --model config.json)",
+    )
     args = p.parse_args()
     args.batch_sizes = [int(x) for x in args.batches.split(",") if x]
-    if not args.mask_only and not torch.cuda.is_available():
+    if not args.mask_only and args.device == "cuda" and not torch.cuda.is_available():
         p.error("the step benchmark needs CUDA; --mask-only times the mask fill on the CPU")
     rows = mask_only(args) if args.mask_only else gpu(args)
     if args.json is not None:

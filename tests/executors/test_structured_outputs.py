@@ -432,3 +432,18 @@ def test_drafts_are_checked_against_the_grammar_and_the_matcher_rolled_back(
         SchedulerOutput(2, [_step("a", len(prompt) + split, ref[split : split + 1], drafts)])
     )
     assert res.sampled_token_ids["a"] == ref[split + 1 :] and res.completed_req_ids == {"a"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_on_cuda_with_decode_graphs_every_output_obeys_its_grammar(async_scheduling: bool) -> None:
+    """The CUDA path: decode steps replay graphs, the bitmask goes through a pinned
+    buffer to the device and the logits are masked there."""
+    llm = LLM("deepinfer-demo", device="cuda", async_scheduling=async_scheduling)
+    assert llm.executor.runner.graphs is not None
+    so_args = [{"schema_type": "json", "schema": s} for s in SCHEMAS.values() for _ in range(8)]
+    so_args += [{"schema_type": "regex", "schema": r} for r in REGEXES for _ in range(4)]
+    so_args += [{"schema_type": "ebnf", "schema": ARITH}] * 8
+    outs = _generate(llm, so_args)
+    assert [(a["schema"], o.text) for a, o in zip(so_args, outs) if not valid(a, o.text)] == []
+    assert {o.finish_reason for o in outs} == {"stop"}
