@@ -60,6 +60,7 @@ class LLM:
             load_format=load_format,
             revision=revision,
             enforce_eager=enforce_eager,
+            trust_remote_code=trust_remote_code,
         )
         self.tokenizer = _maybe_tokenizer(self.executor.model_dir, trust_remote_code)
         self.engine = EngineCore(

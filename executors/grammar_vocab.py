@@ -19,17 +19,24 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_ids: list[int]) -
     Special tokens (BOS, padding, ...) and ids past the tokenizer's end are given no text,
     so no grammar ever allows them; `stop_ids` are allowed where the grammar may end.
     Added tokens are stored as plain text: in a byte-level vocabulary they are re-encoded
-    as byte-level strings, so xgrammar decodes them to their real bytes.
+    as byte-level strings, so xgrammar decodes them to their real bytes. A checkpoint
+    without tokenizer.json (tiktoken or sentencepiece files, as Moonlight ships) goes
+    through xgrammar's own reader of transformers' tokenizer.
     """
     import xgrammar as xgr
 
+    stop = [t for t in stop_ids if 0 <= t < vocab_size] or None
     serialized = tokenizer.serialized()
-    if serialized is not None:  # tokenizer.json: its decoder says how tokens encode bytes
-        meta = xgr.TokenizerInfo._detect_metadata_from_hf(serialized)
-        vocab_type, add_prefix_space = meta["vocab_type"], meta["add_prefix_space"]
-    else:
+    if serialized is None:  # xgrammar decodes it; its bytes kept, special tokens dropped
         base = xgr.TokenizerInfo.from_huggingface(tokenizer.hf_tokenizer, vocab_size=vocab_size)
-        vocab_type, add_prefix_space = base.vocab_type, base.add_prefix_space
+        never = tokenizer.special_ids | set(base.special_token_ids)
+        decoded = [b"" if i in never else t for i, t in enumerate(base.decoded_vocab)]
+        return xgr.TokenizerInfo(
+            decoded[:vocab_size], xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop
+        )
+    # tokenizer.json: its decoder says how tokens encode bytes
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(serialized)
+    vocab_type, add_prefix_space = meta["vocab_type"], meta["add_prefix_space"]
     added, special = tokenizer.added_token_ids(), tokenizer.special_ids
     encoded = [""] * vocab_size  # "": xgrammar never allows the id
     for token, i in tokenizer.vocab().items():
@@ -42,7 +49,7 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_ids: list[int]) -
         encoded,
         vocab_type,
         vocab_size=vocab_size,
-        stop_token_ids=[t for t in stop_ids if 0 <= t < vocab_size] or None,
+        stop_token_ids=stop,
         add_prefix_space=add_prefix_space,
     )
 

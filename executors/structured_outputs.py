@@ -40,9 +40,15 @@ class GrammarCompiler:
     """
 
     def __init__(
-        self, model_dir: Path, vocab_size: int, stop_ids: list[int], max_cached: int = 256
+        self,
+        model_dir: Path,
+        vocab_size: int,
+        stop_ids: list[int],
+        max_cached: int = 256,
+        trust_remote_code: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self.trust_remote_code = trust_remote_code
         self.vocab_size = vocab_size
         self.stop_ids = stop_ids
         self.max_cached = max_cached
@@ -89,7 +95,7 @@ class GrammarCompiler:
                 "(pip install 'deepinfer[torch]' or pip install xgrammar)"
             ) from None
         try:
-            tokenizer = load_tokenizer(self.model_dir)
+            tokenizer = load_tokenizer(self.model_dir, self.trust_remote_code)
         except FileNotFoundError as e:
             raise ValueError(
                 f"SamplingParams.so_args: structured outputs need the model's tokenizer: {e}"

@@ -40,9 +40,11 @@ class TorchExecutor:
         revision: str | None = None,
         enforce_eager: bool = False,
         cuda_graph_sizes: list[int] | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         """enforce_eager: no CUDA graphs (they capture decode steps on CUDA by default);
-        cuda_graph_sizes: the batch sizes captured (default: default_capture_sizes)."""
+        cuda_graph_sizes: the batch sizes captured (default: default_capture_sizes);
+        trust_remote_code: the tokenizer's own class may load (structured outputs)."""
         if engine_config.num_speculative_tokens:
             raise ValueError(
                 f"num_speculative_tokens={engine_config.num_speculative_tokens}: the torch "
@@ -103,6 +105,7 @@ class TorchExecutor:
             self.model_dir,
             self.vocab_size,
             list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),
+            trust_remote_code=trust_remote_code,
         )
         self.startup_seconds = time.perf_counter() - t0
         logger.info(

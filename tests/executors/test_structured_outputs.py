@@ -447,3 +447,22 @@ def test_on_cuda_with_decode_graphs_every_output_obeys_its_grammar(async_schedul
     outs = _generate(llm, so_args)
     assert [(a["schema"], o.text) for a, o in zip(so_args, outs) if not valid(a, o.text)] == []
     assert {o.finish_reason for o in outs} == {"stop"}
+
+
+def test_a_checkpoint_without_tokenizer_json_gets_the_same_vocabulary(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """vocab.json + merges.txt (transformers' AutoTokenizer, as tiktoken or sentencepiece
+    checkpoints load): xgrammar reads it, special tokens still never allowed."""
+    raw = json.loads((DEMO_MODEL_DIR / "tokenizer.json").read_text())
+    (tmp_path / "vocab.json").write_text(json.dumps(raw["model"]["vocab"]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in raw["model"]["merges"]]
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    config = json.loads((DEMO_MODEL_DIR / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    legacy = load_tokenizer(tmp_path)
+    assert legacy.serialized() is None  # not the tokenizer.json path
+    size = 8192 + 64
+    got = tokenizer_info(legacy, size, [1])
+    want = tokenizer_info(demo_tokenizer(), size, [1])
+    assert got.decoded_vocab == want.decoded_vocab and got.stop_token_ids == [1]
+    assert got.decoded_vocab[:3] == [b"", b"", b""] and got.decoded_vocab[300] == b" p"
