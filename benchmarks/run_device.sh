@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one device call; logs and JSON land in $OUT.
-#   bash benchmarks/run_device.sh [tests|model|kernels|profile|all]   (default: all)
+#   bash benchmarks/run_device.sh [tests|model|kernels|profile|structured|all]   (default: all)
 #   bash benchmarks/run_device.sh spec [ARGS of benchmarks/speculative.py]   (not in all: the
 #     whole sweep takes longer than one device call; e.g. spec --ks 3 --acceptance 0.85)
 # The model sweep's JSON plots here with benchmarks/plot_model_speed.py (matplotlib).
@@ -36,6 +36,17 @@ if [[ $what == all || $what == profile ]]; then
   python3 benchmarks/profile_step.py --prefill 16384 --batches 1,64 --rows 20 2>&1 \
     | grep -v "^-" | cut -c1-60,100-240 > "$OUT/profile.log"
   grep "^==" "$OUT/profile.log"
+fi
+# The grammar mask's cost (so_args): needs xgrammar and its dependencies, as wheels in .whl/.
+if [[ $what == all || $what == structured ]]; then
+  if python3 -c "import xgrammar" 2>/dev/null; then
+    python3 benchmarks/structured_mask.py --batches 1,64 --json "$OUT/structured_mask.json" 2>&1 \
+      | grep -v Warning | tee "$OUT/structured_mask.log" | tail -5
+    python3 benchmarks/structured_mask.py --mask-only --batches 1,64,256 2>&1 \
+      | grep -v Warning | tee -a "$OUT/structured_mask.log" | tail -4
+  else
+    echo "structured: xgrammar is not installed (put its wheels in .whl/)" | tee "$OUT/structured_mask.log"
+  fi
 fi
 if [[ $what == spec ]]; then
   # Speculation: decode tok/s with over without, Moonlight shapes + an MTP layer, the

@@ -51,8 +51,10 @@ class TrackedCompletion:
             text = self.detok.text
         reason = req.finish_reason.value if req.finish_reason is not None else None
         stop_reason: int | str | None = self.detok.stop_hit if self.detok is not None else None
-        if stop_reason is None and reason == "stop" and req.output_token_ids:
-            stop_reason = req.output_token_ids[-1]
+        last = req.output_token_ids[-1] if req.output_token_ids else None
+        ends = {req.eos_token_id, *req.sampling_params.stop_token_ids}
+        if stop_reason is None and reason == "stop" and last in ends:
+            stop_reason = last  # (a structured output that ended with its grammar has none)
         logprobs = cumulative = None
         if req.sampling_params.logprobs is not None:
             logprobs = [_position(row, tokenizer) for row in req.logprobs]

@@ -50,6 +50,8 @@ class ScheduledRequest:
     # (a chunk's last row predicts the next chunk's first token).
     prompt_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
+    # Its sampling is constrained by a grammar (so_args): the simulator prices the mask.
+    structured: bool = False
 
 
 @dataclass
@@ -92,6 +94,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[list[TokenLogprob]]] | None = None
     # req_id -> prompt position -> [that prompt token's logprob, then the top ones]
     prompt_logprobs: dict[str, dict[int, list[TokenLogprob]]] | None = None
+    # Structured outputs whose grammar is complete after this step's tokens: it accepts
+    # them and allows nothing more (they finish with reason "stop").
+    completed_req_ids: set[str] = field(default_factory=set)
 
 
 # ---- user-facing outputs (vLLM's names and shapes) -----------------------------------

@@ -289,6 +289,7 @@ class Scheduler(SchedulerChecks):
             prior_token_ids=prior,
             prompt_token_ids=prompt,
             num_prompt_tokens=req.num_prompt_tokens,
+            structured=req.structured,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -337,8 +338,12 @@ class Scheduler(SchedulerChecks):
     def update_from_output(self, out: SchedulerOutput, res: ModelRunnerOutput) -> list[Request]:
         """Apply a step's sampled tokens; returns the requests that gained tokens or ended."""
         changed: list[Request] = []
+        live, sampled = self.requests, res.sampled_token_ids
+        is_prefill_role = self.config.role is EngineRole.PREFILL
+        k = self.config.num_speculative_tokens
+        completed = res.completed_req_ids
         for sr in out.scheduled:
-            req = self.requests.get(sr.req_id)
+            req = live.get(sr.req_id)
             if req is not None and res.prompt_logprobs and sr.req_id in res.prompt_logprobs:
                 req.prompt_logprobs.update(res.prompt_logprobs[sr.req_id])
             if req is None or not sr.samples:
@@ -346,7 +351,7 @@ class Scheduler(SchedulerChecks):
             preempted_meanwhile = req.status is not RequestStatus.RUNNING
             if not preempted_meanwhile:
                 req.num_output_placeholders -= 1
-            tokens = res.sampled_token_ids.get(sr.req_id) or []
+            tokens = sampled.get(sr.req_id) or []
             if not tokens:
                 raise RuntimeError(
                     f"executor returned no token for {sr.req_id!r} in step "
@@ -369,7 +374,9 @@ class Scheduler(SchedulerChecks):
                 if logprobs is not None and j < len(logprobs):
                     req.logprobs.append(logprobs[j])
                 reason = check_stop(req, self.max_model_len)
-                if reason is None and self.config.role is EngineRole.PREFILL:
+                if reason is None and completed and j == len(tokens) - 1 and sr.req_id in completed:
+                    reason = FinishReason.STOP  # its grammar allows nothing more
+                if reason is None and is_prefill_role:
                     reason = FinishReason.LENGTH  # a prefill engine hands over after one token
                 if reason is not None:
                     break
@@ -378,9 +385,9 @@ class Scheduler(SchedulerChecks):
                 self._end(req, RequestStatus.FINISHED, reason)
                 continue
             if not preempted_meanwhile:
-                k = self.config.num_speculative_tokens
-                req.spec_token_ids = list(res.draft_token_ids.get(sr.req_id, ()))[:k]
-                req.spec_confidences = list(res.draft_confidences.get(sr.req_id, ()))[:k]
+                if k:
+                    req.spec_token_ids = list(res.draft_token_ids.get(sr.req_id, ()))[:k]
+                    req.spec_confidences = list(res.draft_confidences.get(sr.req_id, ()))[:k]
                 self.kv.cache_computed(req)
                 if num_rejected:
                     end = max(req.num_computed_tokens, req.num_tokens + req.num_output_placeholders)
@@ -409,6 +416,18 @@ class Scheduler(SchedulerChecks):
     def abort(self, req_id: str) -> Request | None:
         return self.finish_request(req_id, FinishReason.ABORT)
 
+    def reject(self, req_id: str, reason: str) -> Request | None:
+        """Reject a request that waits and was never scheduled (its grammar failed to
+        compile): it ends as if `add_request` had refused it."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        if req.num_computed_tokens or req.status is not RequestStatus.WAITING:
+            raise ValueError(f"reject({req_id!r}): only a request never scheduled can be rejected")
+        req.reject_reason = reason
+        self._end(req, RequestStatus.REJECTED, FinishReason.REJECTED)
+        return req
+
     def _end(self, req: Request, status: RequestStatus, reason: FinishReason) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
@@ -421,6 +440,8 @@ class Scheduler(SchedulerChecks):
         del self.requests[req.request_id]
         if status is RequestStatus.ABORTED:
             self.num_aborted += 1
+        elif status is RequestStatus.REJECTED:
+            self.num_rejected += 1
         else:
             self.num_finished += 1
         self._finished_since_last.add(req.request_id)

@@ -4,7 +4,8 @@ Keeps per-request state keyed by req_id (block table, sampling state, the last
 sampled token). A request's whole block table arrives when the runner holds no
 state for it (first schedule, or resumed after preemption: the state is then
 rebuilt); afterwards only `new_block_ids` are appended. State is dropped for
-finished and preempted requests.
+finished and preempted requests. A structured request (so_args) also holds a grammar
+matcher: its mask is applied to its logits before sampling (executors/structured_outputs.py).
 
 Speculation: a request scheduled with k drafts is scored on 1 + k rows and verified
 by executors/spec_decode.py (greedy prefix match, or lossless rejection sampling);
@@ -33,8 +34,15 @@ from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
 from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
 from executors.mtp_drafter import Drafts, MTPDrafter
+from executors.piecewise_graphs import PiecewiseGraphs, default_token_buckets
 from executors.sampler import SamplingState, sample_tokens
 from executors.spec_decode import VerifyRequest, verify
+from executors.structured_outputs import (
+    GrammarCompiler,
+    GrammarState,
+    GrammarViolation,
+    TokenMasks,
+)
 
 
 @dataclass
@@ -46,6 +54,7 @@ class RequestState:
     prompt_ids: list[int] | None = None  # the whole prompt, when prompt logprobs are wanted
     num_computed: int = 0  # tokens in the KV cache (the scheduler's count may run ahead)
     drafts: list[int] = field(default_factory=list)  # the drafter's latest proposal
+    grammar: GrammarState | None = None  # its so_args matcher
 
 
 @dataclass
@@ -102,6 +111,7 @@ class ModelRunner:
         self.decode_max_query_len = 1 + engine_config.num_speculative_tokens
         self.max_num_seqs = engine_config.max_num_seqs
         self.max_drafts = engine_config.num_speculative_tokens
+        self.max_num_batched_tokens = engine_config.max_num_batched_tokens
         # Longest sequence a graph's block table must hold.
         self.max_model_len = min(
             max_model_len or engine_config.max_model_len or 1 << 62,
@@ -111,6 +121,9 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
         self.verify_graphs: DecodeGraphs | None = None  # 1 + k tokens a request (speculation)
+        self.piecewise: PiecewiseGraphs | None = None  # set by enable_cuda_graphs
+        self.grammars: GrammarCompiler | None = None  # set by the executor for so_args
+        self.masks = TokenMasks(self.vocab_size, self.device)
         # Drafts come from the MTP layer when the cache holds its KV; without one the
         # runner still verifies drafts it is given.
         self.drafter: MTPDrafter | None = None
@@ -120,10 +133,16 @@ class ModelRunner:
                 self.block_size, self.decode_max_query_len,
             )  # fmt: skip
 
-    def enable_cuda_graphs(self, sizes: list[int] | None = None, capture: bool = True) -> None:
-        """Serve pure-decode steps through DecodeGraphs, and when speculating the verify
-        steps whose requests all score 1 + k tokens; the KV cache must hold a scratch
-        block. capture=False (the CPU tests) runs their padded buffers eagerly."""
+    def enable_cuda_graphs(
+        self,
+        sizes: list[int] | None = None,
+        capture: bool = True,
+        token_buckets: list[int] | None = None,
+    ) -> None:
+        """Serve pure-decode steps through DecodeGraphs (and, when speculating, verify steps
+        whose requests all score 1 + k tokens), other steps up to the largest token bucket
+        through PiecewiseGraphs; the KV cache must hold a scratch block.
+        capture=False (the CPU tests) runs their padded buffers eagerly."""
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
         if self.kv_cache.scratch_block is None:
@@ -144,6 +163,16 @@ class ModelRunner:
                 self.graphs = graphs
             else:
                 self.verify_graphs = graphs
+        piecewise = PiecewiseGraphs(
+            self.model,
+            self.kv_cache.layers,
+            self.block_size,
+            self.kv_cache.scratch_block,
+            token_buckets or default_token_buckets(self.max_num_batched_tokens),
+        )
+        if capture:
+            piecewise.capture()
+        self.piecewise = piecewise
 
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
@@ -172,10 +201,17 @@ class ModelRunner:
                 assert graphs.last_hidden is not None
                 self._draft(host, graphs.last_hidden[: len(host.input_ids)], result.output)
             return result
-        batch = self.to_device(host)
-        hidden = self.model(batch.input_ids, batch.positions, batch.md, self.kv_cache.layers)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab]
-        result = self._sample(batch.sample_rows, logits)
+        if self.piecewise is not None and len(host.input_ids) <= self.piecewise.max_size:
+            md_host = self._metadata(host, torch.device("cpu"))
+            md = md_host.to(self.device)
+            hidden = self.piecewise.run(host.input_ids, host.positions, md_host.slot_mapping, md)
+            indices = torch.tensor(host.logits_indices, dtype=torch.int64).to(self.device)
+        else:
+            batch = self.to_device(host)
+            hidden = self.model(batch.input_ids, batch.positions, batch.md, self.kv_cache.layers)
+            indices = batch.logits_indices
+        logits = self.model.compute_logits(hidden[indices])  # [N, vocab]
+        result = self._sample(host.sample_rows, logits)
         if self.drafter is not None:
             self._draft(host, hidden, result.output)
         if host.prompt_rows:
@@ -220,6 +256,8 @@ class ModelRunner:
                     self._record_history(self.requests[sr.req_id], 0, sr.prior_token_ids)
                 if sr.prompt_token_ids is not None:
                     self.requests[sr.req_id].prompt_ids = list(sr.prompt_token_ids)
+                if params.so_args is not None:
+                    self.requests[sr.req_id].grammar = self._grammar(sr.req_id, params.so_args)
             elif sr.req_id not in self.requests:
                 raise ValueError(
                     f"request {sr.req_id!r}: no block_table and no state held "
@@ -230,6 +268,15 @@ class ModelRunner:
                 if sr.num_prior_blocks is not None:  # slots of rejected drafts were freed
                     del table[sr.num_prior_blocks :]
                 table.extend(sr.new_block_ids)
+
+    def _grammar(self, req_id: str, so_args: dict) -> GrammarState:
+        """A fresh matcher (a resumed request catches up with its history in collect)."""
+        if self.grammars is None:
+            raise RequestFailed({req_id: "so_args: this model runner has no grammar compiler"})
+        try:
+            return GrammarState(self.grammars.compiled(so_args))
+        except Exception as e:  # the engine schedules a request once its compile succeeded
+            raise RequestFailed({req_id: f"so_args: {e}"}) from e
 
     def collect(self, scheduled: list[ScheduledRequest]) -> HostBatch:
         """Order decode-first, check the block tables, record history, flatten to lists."""
@@ -254,6 +301,13 @@ class ModelRunner:
             end = start + sr.num_tokens
             state.num_computed = end  # less the rejected drafts, once verified
             self._record_history(state, start, tokens[: len(tokens) - len(drafts)])
+            if sr.samples and state.grammar is not None:
+                # Outputs before the sampled position (drafts aside): the matcher has them.
+                n_out = max(0, end - len(drafts) - state.num_prompt_tokens)
+                try:
+                    state.grammar.catch_up(state.sampling.output_token_ids[:n_out])
+                except GrammarViolation as e:
+                    raise RequestFailed({sr.req_id: str(e)}) from None
             if sr.samples:
                 host.sample_rows[sr.req_id] = (len(host.logits_indices), 1 + len(drafts), drafts)
                 n = 1 + len(drafts)
@@ -286,11 +340,14 @@ class ModelRunner:
                 failed[sr.req_id] = f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
         return failed
 
-    def to_device(self, host: HostBatch) -> Batch:
-        md = build_attention_metadata(
+    def _metadata(self, host: HostBatch, device: torch.device) -> AttentionMetadata:
+        return build_attention_metadata(
             host.query_lens, host.context_lens, host.block_tables, self.block_size,
-            host.num_decode, self.device,
+            host.num_decode, device,
         )  # fmt: skip
+
+    def to_device(self, host: HostBatch) -> Batch:
+        md = self._metadata(host, self.device)
         return Batch(
             req_ids=host.req_ids,
             input_ids=torch.tensor(host.input_ids, dtype=torch.int64).to(self.device),
@@ -364,6 +421,14 @@ class ModelRunner:
     ) -> StepResult:
         """Sample every request's token; requests with drafts verify them (1 + k rows)."""
         rows = sorted(sample_rows.items(), key=lambda kv: kv[1][0])
+        grammars = [
+            (first, g, drafts)
+            for rid, (first, _, drafts) in rows
+            if (g := self.requests[rid].grammar) is not None
+        ]
+        if grammars:  # filled on the CPU now: the device may still be running the forward
+            logits = logits.float()
+            self.masks.apply(logits, grammars)
         out = ModelRunnerOutput()
         if not rows:
             return StepResult(out, {})
@@ -383,6 +448,13 @@ class ModelRunner:
         per_req: dict[str, torch.Tensor] = {}
         for (req_id, (first, n, _)), toks in zip(rows, tokens):
             state = self.requests[req_id]
+            if state.grammar is not None and not state.grammar.done:
+                try:  # those past the grammar's end (a draft ended it) are dropped
+                    toks = toks[: state.grammar.accept(toks)]
+                except GrammarViolation as e:
+                    raise RequestFailed({req_id: str(e)}) from None
+                if state.grammar.done:
+                    out.completed_req_ids.add(req_id)
             state.sampling.output_token_ids.extend(toks)
             state.last_token = toks[-1]
             state.num_computed -= n - len(toks)  # rejected drafts' KV is overwritten later

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from executors.kv_cache import (
 )
 from executors.loader import load_model, read_model_config, resolve_dtype, resolve_model_dir
 from executors.model_runner import ModelRunner
+from executors.structured_outputs import GrammarCompiler
 from executors.warmup import WarmupReport, warm_up
 
 logger = logging.getLogger(__name__)
@@ -44,9 +46,11 @@ class TorchExecutor:
         revision: str | None = None,
         enforce_eager: bool = False,
         cuda_graph_sizes: list[int] | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         """enforce_eager: no CUDA graphs (they capture decode steps on CUDA by default);
-        cuda_graph_sizes: the batch sizes captured (default: default_capture_sizes)."""
+        cuda_graph_sizes: the batch sizes captured (default: default_capture_sizes);
+        trust_remote_code: the tokenizer's own class may load (structured outputs)."""
         t0 = time.perf_counter()
         self.engine_config = engine_config
         self.model_dir: Path = resolve_model_dir(
@@ -108,6 +112,13 @@ class TorchExecutor:
             )
         if use_graphs:
             self.runner.enable_cuda_graphs(cuda_graph_sizes)
+        eos = self.eos_token_id
+        self.runner.grammars = GrammarCompiler(  # loads xgrammar at the first so_args
+            self.model_dir,
+            self.vocab_size,
+            list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),
+            trust_remote_code=trust_remote_code,
+        )
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
             "TorchExecutor: %s on %s in %s, %d KV blocks of %d tokens; started in %.1f s",
@@ -122,6 +133,12 @@ class TorchExecutor:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
 
+    def prepare_grammar(self, so_args: dict[str, Any]) -> Future[Any]:
+        """Start compiling `so_args`'s grammar in a worker (cached by schema); ValueError
+        when structured outputs cannot work here (no xgrammar, no tokenizer)."""
+        assert self.runner.grammars is not None
+        return self.runner.grammars.submit(so_args)
+
     def execute_async(self, out: SchedulerOutput) -> Done:
         """Runs synchronously; the handle is already complete."""
         return completed(self.execute(out))
@@ -130,6 +147,8 @@ class TorchExecutor:
         return self.kv_cache.num_blocks
 
     def shutdown(self) -> None:
+        if self.runner.grammars is not None:
+            self.runner.grammars.shutdown()
         self.runner.requests.clear()
         self.kv_cache.layers.clear()
         if self.device.type == "cuda":

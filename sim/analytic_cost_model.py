@@ -141,6 +141,11 @@ class AnalyticCostModel:
             return 0.0
         return self.coeffs.cpu_step_overhead_s + self.coeffs.cpu_per_request_s * n
 
+    @property
+    def grammar_mask_per_token_s(self) -> float:
+        """Host seconds to fill one structured request's token mask (sim.cost_model.mask_time)."""
+        return self.coeffs.cpu_grammar_mask_per_token_s
+
     def breakdown(self, out: SchedulerOutput) -> dict[str, GroupCost]:
         """Per op group FLOPs, bytes and seconds, plus "overhead"; sums to step_time."""
         detail: dict[str, GroupCost] = {}

@@ -45,8 +45,11 @@ class SimExecutor:
         self._rng = random.Random(config.seed)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        # req_id -> tokens in its (modelled) KV cache: under async scheduling a step's
-        # num_computed_tokens assumes the drafts in flight were all accepted.
+        # crc32 of each request id, computed once: it salts every token of the request.
+        self._salts: dict[str, int] = {}
+        # When speculating, req_id -> tokens in its (modelled) KV cache: under async
+        # scheduling a step's num_computed_tokens assumes the drafts in flight were all
+        # accepted.
         self._computed: dict[str, int] = {}
         # Varlen: each draft gets a confidence ~ Beta with mean the position's acceptance,
         # and is accepted with that probability (a calibrated drafter).
@@ -59,16 +62,32 @@ class SimExecutor:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         res = ModelRunnerOutput()
         rng = self._rng
-        for rid in out.finished_req_ids | out.preempted_req_ids:
-            self._computed.pop(rid, None)
-            self._confidences.pop(rid, None)
+        sampled = res.sampled_token_ids
+        salts = self._salts
+        if self.k:
+            for rid in out.finished_req_ids | out.preempted_req_ids:
+                self._computed.pop(rid, None)
+                self._confidences.pop(rid, None)
         for sr in out.scheduled:
+            if not self.k and not sr.draft_token_ids:
+                if not sr.samples:
+                    continue
+                salt = salts.get(sr.req_id)
+                if salt is None:
+                    salt = salts[sr.req_id] = zlib.crc32(sr.req_id.encode())
+                # The same token as below with accepted = 0: one per step, no rng draw.
+                pos = sr.num_computed_tokens + sr.num_tokens
+                sampled[sr.req_id] = [1 + ((salt + pos * 2654435761) % (_VOCAB - 1))]
+                continue
             start = sr.num_computed_tokens
             if sr.block_table is None and sr.req_id in self._computed:
                 start = self._computed[sr.req_id]
             self._computed[sr.req_id] = start + sr.num_tokens
             if not sr.samples:
                 continue
+            salt = salts.get(sr.req_id)
+            if salt is None:
+                salt = salts[sr.req_id] = zlib.crc32(sr.req_id.encode())
             accepted = 0
             conf = self._confidences.get(sr.req_id, [])
             for j in range(1, len(sr.draft_token_ids) + 1):  # stops at the first rejection
@@ -84,7 +103,6 @@ class SimExecutor:
             self.num_accepted_tokens += accepted
             self._computed[sr.req_id] -= len(sr.draft_token_ids) - accepted
             # A deterministic function of (request, position): repeatable across runs.
-            salt = zlib.crc32(sr.req_id.encode())
             # Position of the first sampled token: right after the last known token
             # (the draft slots being verified come after it).
             pos = start + sr.num_tokens - len(sr.draft_token_ids)

@@ -24,7 +24,7 @@ from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from sim.acceptance import AcceptanceModel
-from sim.cost_model import CostModel, kv_capacity_blocks, resolve_cost_model
+from sim.cost_model import CostModel, kv_capacity_blocks, mask_time, resolve_cost_model
 from sim.hardware import HardwareSpec, get_hardware
 from sim.kv_capacity import check_blocks_fit
 from sim.sim_executor import SimExecutor
@@ -41,12 +41,18 @@ class SimResult:
 
 def build_requests(trace: Trace, vocab_size: int) -> list[Request]:
     """Engine requests for a trace: synthetic prompts that share content where
-    the trace's prefix blocks say so; each stops after its trace output_len."""
+    the trace's prefix blocks say so; each stops after its trace output_len. A
+    `structured` request carries no schema (no tokens here): its grammar masks are
+    priced by the cost model's host time."""
     out = []
     for i, tr in enumerate(trace.requests):
         params = SamplingParams(temperature=0.0, max_tokens=tr.output_len, ignore_eos=True)
         prompt = SyntheticPrompt.for_request(tr, salt=i, vocab_size=vocab_size)
-        out.append(Request(tr.id, prompt, params, tr.arrival, priority=tr.priority))
+        out.append(
+            Request(
+                tr.id, prompt, params, tr.arrival, priority=tr.priority, structured=tr.structured
+            )
+        )
     return out
 
 
@@ -62,6 +68,7 @@ def simulate(
     acceptance_rate: float | str | Path | AcceptanceModel = 0.7,
     check_invariants: bool = False,
     on_progress: Callable[[int], None] | None = None,
+    grammar_mask_per_token_s: float | None = None,
 ) -> SimResult:
     """Run `trace` to completion; raises deepinfer.SchedulerStalled if the engine stalls.
 
@@ -70,6 +77,8 @@ def simulate(
     acceptance_rate: draft acceptance when speculating: one probability for every
     position, an AcceptanceModel, or an acceptance file (path or name under
     sim/data/acceptance/, written by `deepinfer measure-acceptance`).
+    grammar_mask_per_token_s: host seconds per token mask of a `structured` request
+    (None: the cost model's `grammar_mask_per_token_s`, 0 where it has none).
     """
     if not isinstance(trace, Trace):
         trace = Trace("requests", "python", list(trace))
@@ -77,6 +86,10 @@ def simulate(
     spec = model if isinstance(model, ModelConfig) else load_model_config(model)
     hw = hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
     cost, cost_meta = resolve_cost_model(cost_model, spec, hw, profile)
+    if grammar_mask_per_token_s is None:
+        grammar_mask_per_token_s = getattr(cost, "grammar_mask_per_token_s", 0.0)
+    if not grammar_mask_per_token_s >= 0:
+        raise ValueError(f"grammar_mask_per_token_s={grammar_mask_per_token_s}: must be >= 0")
     num_blocks = engine.num_gpu_blocks
     if num_blocks is None:
         num_blocks = kv_capacity_blocks(
@@ -107,7 +120,8 @@ def simulate(
         check_invariants=check_invariants,
     )
     requests = build_requests(trace, spec.vocab_size)
-    env.process(_serve(env, core, deque(requests), cost, on_progress))
+    mask_s = float(grammar_mask_per_token_s)
+    env.process(_serve(env, core, deque(requests), cost, mask_s, on_progress))
     env.run()
     by_id = {r.req_id: r for r in core.records}
     records = [by_id[r.request_id] for r in requests]
@@ -122,6 +136,7 @@ def simulate(
         **cost_meta,
         "num_steps": core.scheduler.step_id,
         "num_evictions": core.scheduler.kv.pool.num_evictions,
+        "grammar_mask_per_token_s": mask_s,
     }
     if engine.num_speculative_tokens:
         drafts = executor.num_draft_tokens
@@ -136,11 +151,15 @@ def _serve(
     core: EngineCore,
     pending: deque[Request],
     cost: CostModel,
+    mask_per_token_s: float,
     on_progress: Callable[[int], None] | None,
 ) -> Generator[simpy.events.Event, Any, None]:
     """Admit arrivals and drive the engine's own loop (`EngineCore.step_events`) in
     simulated time: host time after each schedule, the cost model's device time from
     each launch; async scheduling overlaps the two exactly as the real loop does.
+    Structured requests' token masks are host work from the launch on, beside the
+    device's forward (the real runner fills them before it first synchronises): the
+    step's results are back when both are done, and the host is busy meanwhile.
 
     One simpy timeout per step: the host's work is booked on `host_free` (when the host
     is next idle) and a launch starts once it is done, so only an await has to wait."""
@@ -151,7 +170,7 @@ def _serve(
         while pending and pending[0].arrival_time <= env.now:
             core.add_request(pending.popleft())
         if not core.has_unfinished():
-            if pending:  # (none left: every arrival so far was rejected, and that was all)
+            if pending:  # else the last arrivals were all rejected: the run is over
                 yield env.timeout(pending[0].arrival_time - env.now)
             continue
         for kind, out in core.step_events():
@@ -159,9 +178,10 @@ def _serve(
             if kind is SCHEDULED:
                 host_free = (host_free if host_free > now else now) + cost.cpu_time(out)
             elif kind is LAUNCHED:
-                ready_at[out.step_id] = (host_free if host_free > now else now) + (
-                    cost.step_time(out)
-                )
+                start = host_free if host_free > now else now
+                masks = mask_time(out, mask_per_token_s) if mask_per_token_s else 0.0
+                host_free = start + masks
+                ready_at[out.step_id] = start + max(cost.step_time(out), masks)
             else:
                 done = ready_at.pop(out.step_id)
                 wait = (done if done > host_free else host_free) - now

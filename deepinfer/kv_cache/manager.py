@@ -93,18 +93,20 @@ class KVCacheManager:
         need_tokens = max(num_computed + num_new_tokens + num_lookahead_tokens, reserve_tokens)
         num_needed = max(cdiv(need_tokens, self.block_size) - num_held - len(cached), 0)
         # Hits that sit in the free list stop being allocatable once touched.
-        num_free_hits = sum(1 for b in cached if b.ref_cnt == 0)
+        num_free_hits = sum(1 for b in cached if b.ref_cnt == 0) if cached else 0
         if num_needed > self.pool.num_free_blocks - num_free_hits:
             return None
         if held is None:
             held = self.req_blocks[request.request_id] = []
             self._num_cached[request.request_id] = 0
-        self.pool.touch(cached)
-        new = list(cached)
-        new.extend(self.pool.allocate(num_needed))
-        held.extend(new)
         if cached:
+            self.pool.touch(cached)
+            new = list(cached)
+            new.extend(self.pool.allocate(num_needed))
             self._num_cached[request.request_id] = len(cached)
+        else:  # most calls: a decode token, in a block already held or one new block
+            new = self.pool.allocate(num_needed) if num_needed else []
+        held.extend(new)
         # Drafts may be rejected: never cache blocks whose content is a guess.
         self._cache_full_blocks(request, num_computed + num_new_tokens - num_draft_tokens)
         return new

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer import EngineConfig, SamplingParams
+from deepinfer import EngineConfig
 
 
 @pytest.mark.parametrize(
@@ -39,13 +39,6 @@ def test_variable_length_drafts_turn_speculation_on_up_to_the_nextn_length(monke
     monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE")
     assert EngineConfig().num_speculative_tokens == 0
     assert EngineConfig(enable_mtp_varlen=True).num_speculative_tokens == 5
-
-
-def test_structured_outputs_are_refused_until_they_exist() -> None:
-    with pytest.raises(ValueError, match="so_args: structured outputs are not implemented"):
-        SamplingParams(so_args={"schema_type": "regex", "schema": "[0-9]{3}"})
-    with pytest.raises(ValueError, match="so_args.schema_type"):
-        SamplingParams(so_args={"schema_type": "yaml", "schema": "x"})
 
 
 def test_unknown_engine_option_is_named() -> None:
