@@ -95,23 +95,45 @@ def compare_steps(
     result: ReplayResult, cost: Any, samples: list[dict[str, Any]] | None = None
 ) -> dict[str, Any]:
     """The cost model's host + device prediction of each real step against its wall time;
-    `samples` receives one compact row per step (for analysis)."""
-    by_kind: dict[str, list[float]] = {}
-    for s in result.steps:
-        out = SchedulerOutput(
-            0,
-            [ScheduledRequest(str(i), q, c, p, True, []) for i, (q, c, p) in enumerate(s.requests)],
-        )
-        pred = cost.cpu_time(out) + cost.step_time(out)
-        by_kind.setdefault(s.kind, []).append((pred - s.wall_s) / s.wall_s)
-        if samples is not None:
+    `samples` receives one compact row per step (for analysis, and for `--real`)."""
+    predicted = _predicted([(s.kind, s.requests, s.wall_s) for s in result.steps], cost)
+    table = _error_table(predicted)
+    if samples is not None:
+        for s, (_, _, _, pred) in zip(result.steps, predicted):
             samples.append({
-                "kind": s.kind, "reqs": len(s.requests), "tokens": out.num_batched_tokens,
+                "kind": s.kind, "reqs": len(s.requests),
+                "tokens": sum(q for q, _, _ in s.requests),
                 "prompts": sum(p for _, _, p in s.requests),
                 "ctx_sum": sum(c for _, c, _ in s.requests),
                 "ctx_max": max(c for _, c, _ in s.requests), "wall_s": s.wall_s,
                 "execute_s": s.execute_s, "idle_before_s": s.idle_before_s, "pred_s": pred,
+                "shape": [list(r) for r in s.requests],  # (tokens, context, is_prompt) each
             })  # fmt: skip
+    return table
+
+
+def _predicted(
+    steps: list[tuple[str, list[Any], float]], cost: Any
+) -> list[tuple[str, list[Any], float, float]]:
+    """(kind, shape, wall, the cost model's host + device prediction) per step."""
+    out = []
+    for kind, shape, wall in steps:
+        so = SchedulerOutput(
+            0, [ScheduledRequest(str(i), q, c, p, True, []) for i, (q, c, p) in enumerate(shape)]
+        )
+        out.append((kind, shape, wall, cost.cpu_time(so) + cost.step_time(so)))
+    return out
+
+
+def step_errors(steps: list[tuple[str, list[Any], float]], cost: Any) -> dict[str, Any]:
+    """Signed relative error of the prediction by step kind: p10/p50/p90, median |err|."""
+    return _error_table(_predicted(steps, cost))
+
+
+def _error_table(predicted: list[tuple[str, list[Any], float, float]]) -> dict[str, Any]:
+    by_kind: dict[str, list[float]] = {}
+    for kind, _, wall, pred in predicted:
+        by_kind.setdefault(kind, []).append((pred - wall) / wall)
     table = {}
     for kind, errs in sorted(by_kind.items()):
         e = np.array(errs)
@@ -239,6 +261,8 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
         spec.max_position_embeddings, (cfg.num_gpu_blocks or 1 << 40) * cfg.block_size
     )
     real = {w["workload"]: [RequestRecord(**r) for r in w["real"]] for w in recorded}
+    # Step shapes are recorded since the piecewise-graph change; older runs have none.
+    recorded_steps = {w["workload"]: w.get("step_samples", []) for w in doc["workloads"]}
     results = []
     traces = meta.get("traces", "azure_code_small.json").split(",")
     for name in traces:
@@ -252,7 +276,12 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
         ]:
             sim = simulate(load, model, meta["hardware"], cfg, None, profile=profile)
             q = compare_requests(real[wname], sim.requests)
-            results.append({"workload": wname, "requests": q, "steps": {}})
+            cost, _ = resolve_cost_model(None, spec, get_hardware(meta["hardware"]), profile)
+            samples = recorded_steps.get(wname, [])
+            steps = step_errors(
+                [(x["kind"], x["shape"], x["wall_s"]) for x in samples if "shape" in x], cost
+            )
+            results.append({"workload": wname, "requests": q, "steps": steps})
     print_tables(results)
     out.mkdir(parents=True, exist_ok=True)
     (out / "resimulated.json").write_text(json.dumps(results, indent=1, default=str) + "\n")

@@ -47,3 +47,9 @@ def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
     for w in report["workloads"]:
         for m in ("ttft", "tpot", "e2e"):
             assert redone[w["workload"]][m]["err_p50"] == w["requests"][m]["err_p50"]
+    # ... and the same per-step errors, from the recorded step shapes.
+    steps = {
+        w["workload"]: w["steps"] for w in json.loads((again / "resimulated.json").read_text())
+    }
+    for w in report["workloads"]:
+        assert steps[w["workload"]] == w["steps"]
