@@ -18,7 +18,7 @@ from tests.property.strategies import EngineCase, Workload, any_case_and_workloa
 GROWING = any_case_and_workload(roles=(EngineRole.NORMAL, EngineRole.DECODE))
 
 
-@scaled(1.5)
+@scaled(1.0)
 @given(GROWING)
 def test_a_request_holding_blocks_alone_is_never_preempted(cw: tuple[EngineCase, Workload]) -> None:
     """A running request that is the only request holding blocks is never preempted:
@@ -28,7 +28,7 @@ def test_a_request_holding_blocks_alone_is_never_preempted(cw: tuple[EngineCase,
     run_case(case, workload, NeverPreemptedAlone())
 
 
-@scaled(1.5)
+@scaled(1.0)
 @given(GROWING)
 def test_preemptions_are_bounded(cw: tuple[EngineCase, Workload]) -> None:
     """A run preempts at most harness.preemption_bound times: admitted requests times
@@ -38,7 +38,7 @@ def test_preemptions_are_bounded(cw: tuple[EngineCase, Workload]) -> None:
     run_case(case, workload, BoundedPreemptions())
 
 
-@scaled(1.5)
+@scaled(1.0)
 @given(GROWING)
 def test_max_computed_tokens_never_falls_and_progress_keeps_rising(
     cw: tuple[EngineCase, Workload],
