@@ -95,13 +95,29 @@ class NeverPreemptedAlone(Checker):
 
 
 class BoundedPreemptions(Checker):
+    """Preemptions, as the outputs announce them, stay within preemption_bound; the
+    counts the engine reports (Scheduler.num_preemptions, each request's
+    num_preemptions: the simulator's preemption metrics) equal them."""
+
     def __init__(self) -> None:
         self.preemptions = 0
+        self.per_request: Counter[str] = Counter()
 
     def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
         self.preemptions += len(out.preempted_req_ids)
+        self.per_request.update(out.preempted_req_ids)
         bound = preemption_bound(d.case, d.workload)
         assert self.preemptions <= bound, f"{self.preemptions} preemptions > bound {bound}"
+        where = f"step {out.step_id}"
+        assert d.sched.num_preemptions == self.preemptions, (
+            f"{where}: Scheduler.num_preemptions={d.sched.num_preemptions}, the outputs "
+            f"announced {self.preemptions} preemptions"
+        )
+        for rid, req in d.reqs.items():
+            assert req.num_preemptions == self.per_request[rid], (
+                f"{where}: {rid}.num_preemptions={req.num_preemptions}, the outputs "
+                f"announced {self.per_request[rid]}"
+            )
 
 
 class ComputedProgress(Checker):

@@ -37,7 +37,8 @@ PREEMPT = "preemption happens only when an allocation failed, newest running fir
 HEAD = "the head of waiting is started when the rules allow it"
 FCFS = "waiting requests are served in queue order"
 PREFIX = "a cached prefix is hit"
-RULES = (RUNNING, CHUNK, PREEMPT, HEAD, FCFS, PREFIX)
+BLOCKS = "a request holds the blocks its tokens need, no more"
+RULES = (RUNNING, CHUNK, PREEMPT, HEAD, FCFS, PREFIX, BLOCKS)
 
 
 class WorkConservation(Checker):
@@ -55,9 +56,31 @@ class WorkConservation(Checker):
         snap = d.snap
         assert snap is not None
         got = {sr.req_id: sr for sr in out.scheduled}
+        self._blocks(d, out)
         budget = self._running_phase(d, snap, out, got)
         if budget is not None:
             self._waiting_phase(d, snap, out, got, budget)
+
+    def _blocks(self, d: Driver, out: SchedulerOutput) -> None:
+        """After the allocations, a scheduled request's table covers the tokens computed
+        once the step is done, or its whole prompt while that is being prefilled (the
+        first chunk reserves it), and not one block more."""
+        bs = d.case.config.block_size
+        for sr in out.scheduled:
+            req = d.reqs[sr.req_id]
+            reserve = req.num_tokens if sr.is_prompt else 0
+            want = cdiv(max(sr.num_computed_tokens + sr.num_tokens, reserve), bs)
+            table = self.mirror.tables[sr.req_id]
+            if len(table) != want:
+                self._fail(
+                    BLOCKS,
+                    out,
+                    sr.req_id,
+                    f"holds {len(table)} blocks of {bs} tokens after computing "
+                    f"{sr.num_computed_tokens} + {sr.num_tokens} (reserving {reserve}): "
+                    f"want {want}",
+                )
+                return
 
     # ---- running requests ------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 `ci` (the default) keeps the whole of tests/property within about three minutes
 on two cores and is derandomized, so a CI failure reproduces exactly;
 `HYPOTHESIS_PROFILE=deep` runs many more examples from fresh random seeds;
-`mutation` (derandomized, a tenth of ci's examples) is what mutmut runs for each
+`mutation` (derandomized, 10 examples a test before scaling) is what mutmut runs for each
 mutant (tests/property/MUTATION.md).
 Under CI=true no example database is written: failing seeds stay local, and
 the shrunk examples worth keeping live on as tests in tests/core/test_regressions.py.
@@ -38,7 +38,7 @@ settings.register_profile(
 )
 settings.register_profile(
     "mutation",
-    max_examples=30,
+    max_examples=10,
     deadline=None,
     derandomize=True,
     print_blob=False,

@@ -74,11 +74,15 @@ def test_preemption_happens_only_when_an_allocation_fails_and_a_cached_prefix_is
     out, newest first (the allocating request itself last), and none when the free
     blocks cover each running request's new blocks; a request that starts its prompt
     starts after exactly the cached blocks the reference dict finds for its tokens
-    (never fewer: a cached prefix is hit).
+    (never fewer: a cached prefix is hit); and no request holds a block its tokens do
+    not need (its whole prompt while prefilling, else the tokens computed).
 
     Broken copies that fail it (each with this test's rules' messages):
     `KVCacheManager.allocate` refusing unless one block more than needed is free
     (`num_needed + 1 > ...`: needless preemptions); `victim = self.running[0]` (the
-    oldest preempted); in `_start`, `find_cached_prefix(req)[:-1]` (a hit dropped)."""
+    oldest preempted); in `_start`, `find_cached_prefix(req)[:-1]` (a hit dropped);
+    `req.num_computed_tokens = 1` in `_preempt` (a restarted request whose tokens fill
+    whole blocks takes one block too many: mutmut's surviving mutant
+    `_preempt__mutmut_5`, tests/property/MUTATION.md)."""
     case, workload = cw
-    _run(case, workload, W.PREEMPT, W.PREFIX)
+    _run(case, workload, W.PREEMPT, W.PREFIX, W.BLOCKS)
