@@ -156,6 +156,14 @@ def run_workload(
         "real": [r.to_dict() for r in real.records],
         "sim": [r.to_dict() for r in sim.requests],
     }
+    # Both step logs, one row each: (time, duration, tokens, prompt tokens, requests).
+    res["_timelines"] = {
+        side: [
+            (s.time, s.duration, s.num_batched_tokens, s.num_prompt_tokens, s.num_scheduled_reqs)
+            for s in steps
+        ]
+        for side, steps in (("real", real.engine_steps), ("sim", sim.steps))
+    }
     return res
 
 
@@ -211,6 +219,46 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def workloads(base: Trace, limit: int, num_requests: int) -> Trace:
+    """The trace's first `num_requests` requests that fit `limit` tokens."""
+    reqs = [r for r in base.requests if r.prompt_len + r.output_len <= limit]
+    return Trace(base.name, base.source, reqs[:num_requests])
+
+
+def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
+    """The simulated side again, against the real records of an earlier run: what a
+    cost-model change does to the request-level errors, without a GPU."""
+    doc = json.loads((real_dir / "fidelity.json").read_text())
+    recorded = json.loads((real_dir / "fidelity_records.json").read_text())
+    meta = doc["meta"]
+    engine = {k: v for k, v in meta["engine"].items() if k != "role"}
+    cfg = EngineConfig(**engine)
+    model = meta.get("sim_model", meta["model"])
+    spec = load_model_config(model)
+    limit = meta.get("max_prompt") or min(
+        spec.max_position_embeddings, (cfg.num_gpu_blocks or 1 << 40) * cfg.block_size
+    )
+    real = {w["workload"]: [RequestRecord(**r) for r in w["real"]] for w in recorded}
+    results = []
+    traces = meta.get("traces", "azure_code_small.json").split(",")
+    for name in traces:
+        trace = workloads(load_trace(ROOT / "traces" / name), limit, meta.get("num_requests", 200))
+        first = real[f"{trace.name} offline"]
+        capacity = len(trace) / compare_requests(first, first)["real_makespan_s"]
+        for wname, load in [(f"{trace.name} offline", offline(trace))] + [
+            (w, poisson(trace, float(w.split()[-3].rstrip("%")) / 100 * capacity, cfg.seed))
+            for w in real
+            if w.startswith(trace.name) and w.endswith("of capacity")
+        ]:
+            sim = simulate(load, model, meta["hardware"], cfg, None, profile=profile)
+            q = compare_requests(real[wname], sim.requests)
+            results.append({"workload": wname, "requests": q, "steps": {}})
+    print_tables(results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "resimulated.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -228,8 +276,17 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="drop requests whose prompt + output exceed this (default: the model's)",
     )
+    p.add_argument(
+        "--real",
+        type=Path,
+        default=None,
+        help="no GPU: simulate again against the real runs recorded in DIR (its "
+        "fidelity.json and fidelity_records.json), with the current cost model",
+    )
     add_engine_options(p)
     args = p.parse_args(argv)
+    if args.real is not None:
+        return resimulate(args.real, args.profile, args.out)
     cfg = engine_config_from_args(args)
 
     from executors.profiler import hardware_name
@@ -245,9 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     limit = args.max_prompt or max_len
     results = []
     for name in args.traces.split(","):
-        base = load_trace(ROOT / "traces" / name)
-        reqs = [r for r in base.requests if r.prompt_len + r.output_len <= limit]
-        trace = Trace(base.name, base.source, reqs[: args.num_requests])
+        trace = workloads(load_trace(ROOT / "traces" / name), limit, args.num_requests)
         first = run_workload(
             executor, cfg, offline(trace), sim_model, hardware, args.profile, executor.max_model_len
         )
@@ -267,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, args.out / "fidelity.png")
     meta = {
         "model": args.model,
+        "sim_model": sim_model,
+        "max_prompt": limit,
+        "num_requests": args.num_requests,
+        "traces": args.traces,
         "hardware": hardware,
         "engine": vars(cfg) | {"role": cfg.role.value},
         "startup_s": executor.startup_seconds,
@@ -276,11 +335,21 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "meta": meta,
-                "workloads": [{k: v for k, v in r.items() if k != "_records"} for r in results],
+                "workloads": [{k: v for k, v in r.items() if k[0] != "_"} for r in results],
             },
             indent=1,
             default=str,
         )
+        + "\n"
+    )
+    # For analysis beside fidelity.json: every request record and both step logs.
+    (args.out / "fidelity_records.json").write_text(
+        json.dumps(
+            [
+                {"workload": r["workload"]} | r["_records"] | {"timelines": r["_timelines"]}
+                for r in results
+            ]
+        )  # fmt: skip
         + "\n"
     )
     executor.shutdown()

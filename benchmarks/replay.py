@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore, StepEventKind
 from deepinfer.outputs import SchedulerOutput
-from deepinfer.records import RequestRecord
+from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
 from sim.simulator import build_requests
-from sim.traces import Trace, TraceRequest
+from sim.traces import Trace, TraceRequest, offline, poisson, retimed
+
+__all__ = ["ReplayResult", "StepSample", "offline", "poisson", "replay", "retimed"]
 
 
 @dataclass
@@ -46,6 +48,7 @@ class ReplayResult:
     records: list[RequestRecord]  # in the order of the requests given
     steps: list[StepSample] = field(default_factory=list)
     wall_s: float = 0.0
+    engine_steps: list[StepRecord] = field(default_factory=list)  # the engine's own log
 
 
 def materialized_requests(trace: Trace, vocab_size: int) -> list[Request]:
@@ -67,28 +70,6 @@ def materialized_requests(trace: Trace, vocab_size: int) -> list[Request]:
             )
         )
     return out
-
-
-def retimed(trace: Trace, arrivals: list[float], name: str) -> Trace:
-    """The same requests at new arrival times."""
-    reqs = [replace(r, arrival=a) for r, a in zip(trace.requests, arrivals)]
-    return Trace(name, trace.source, reqs)
-
-
-def offline(trace: Trace) -> Trace:
-    return retimed(trace, [0.0] * len(trace), f"{trace.name} offline")
-
-
-def poisson(trace: Trace, rate: float, seed: int = 0) -> Trace:
-    """The trace's requests, in order, arriving as a Poisson process of `rate` per second."""
-    import random
-
-    rng = random.Random(seed)
-    t, arrivals = 0.0, []
-    for _ in trace.requests:
-        arrivals.append(t)
-        t += rng.expovariate(rate)
-    return retimed(trace, arrivals, f"{trace.name} at {rate:.2f} req/s")
 
 
 def replay(
@@ -128,6 +109,7 @@ def replay(
             )
         last_end = end
     result.wall_s = time.monotonic() - t0
+    result.engine_steps = list(engine.steps)
     by_id = {r.req_id: r for r in engine.records}
     result.records = [by_id[r.request_id] for r in requests]
     return result

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one device call; logs and JSON land in $OUT.
-#   bash benchmarks/run_device.sh [tests|model|kernels|profile|all]   (default: all)
+#   bash benchmarks/run_device.sh [tests|model|kernels|profile|structured|all]   (default: all)
+#   bash benchmarks/run_device.sh spec [ARGS of benchmarks/speculative.py]   (not in all: the
+#     whole sweep takes longer than one device call; e.g. spec --ks 3 --acceptance 0.85)
 # The model sweep's JSON plots here with benchmarks/plot_model_speed.py (matplotlib).
 # Missing pure-Python packages (simpy) travel as wheels in .whl/.
 set -uo pipefail
@@ -13,6 +15,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 what=${1:-all}
+shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
@@ -33,5 +36,22 @@ if [[ $what == all || $what == profile ]]; then
   python3 benchmarks/profile_step.py --prefill 16384 --batches 1,64 --rows 20 2>&1 \
     | grep -v "^-" | cut -c1-60,100-240 > "$OUT/profile.log"
   grep "^==" "$OUT/profile.log"
+fi
+# The grammar mask's cost (so_args): needs xgrammar and its dependencies, as wheels in .whl/.
+if [[ $what == all || $what == structured ]]; then
+  if python3 -c "import xgrammar" 2>/dev/null; then
+    python3 benchmarks/structured_mask.py --batches 1,64 --json "$OUT/structured_mask.json" 2>&1 \
+      | grep -v Warning | tee "$OUT/structured_mask.log" | tail -5
+    python3 benchmarks/structured_mask.py --mask-only --batches 1,64,256 2>&1 \
+      | grep -v Warning | tee -a "$OUT/structured_mask.log" | tail -4
+  else
+    echo "structured: xgrammar is not installed (put its wheels in .whl/)" | tee "$OUT/structured_mask.log"
+  fi
+fi
+if [[ $what == spec ]]; then
+  # Speculation: decode tok/s with over without, Moonlight shapes + an MTP layer, the
+  # benchmark-only corrupted-greedy drafter; the simulator's prediction beside.
+  python3 benchmarks/speculative.py --json "$OUT/speculative.json" "$@" 2>&1 \
+    | grep -v Warning | tee "$OUT/speculative.log" | tail -70
 fi
 exit $status

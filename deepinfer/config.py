@@ -67,18 +67,15 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if not 0.0 < self.prefill_watermark <= 1.0:
             raise ValueError(f"prefill_watermark={self.prefill_watermark}: must be in (0, 1]")
+        if self.enable_mtp_varlen and self.num_speculative_tokens == 0:
+            # Variable-length drafts up to DEEPINFER_USE_NEXTN_DECODE (the reference's name).
+            object.__setattr__(self, "num_speculative_tokens", envs.use_nextn_decode())
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: must be >= 0")
         if self.num_speculative_tokens >= self.max_num_batched_tokens:
             raise ValueError(
                 "num_speculative_tokens must be smaller than max_num_batched_tokens "
                 "so a verification step fits in one batch"
-            )
-        if self.enable_mtp_varlen and self.num_speculative_tokens > 0:
-            raise ValueError(
-                "enable_mtp_varlen=True: confidence-scheduled variable-length drafts are not "
-                "implemented yet; use fixed-length drafts (enable_mtp_varlen=False, "
-                "DEEPINFER_ENABLE_MTP_VARLEN=0)"
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy={self.policy!r}: expected 'fcfs' or 'priority'")

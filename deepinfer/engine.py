@@ -13,6 +13,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable, Generator
+from concurrent import futures
 
 from deepinfer.config import EngineConfig
 from deepinfer.errors import RequestFailed
@@ -63,15 +64,67 @@ class EngineCore:
         self.steps: list[StepRecord] = []
         self._in_flight: tuple[SchedulerOutput, StepHandle, float] | None = None
         self._last_step_end: float | None = None
+        # Structured requests whose grammar is compiling (req_id -> request, its compile),
+        # and those rejected since the last step() because it failed.
+        self._compiling: dict[str, tuple[Request, futures.Future]] = {}
+        self._grammar_rejected: list[Request] = []
 
     # ---- requests --------------------------------------------------------------------
 
     def add_request(self, req: Request) -> str | None:
-        """Queue `req`; returns the rejection reason if it can never be served."""
+        """Queue `req`; returns the rejection reason if it can never be served.
+
+        A structured request (so_args) on an executor that samples real tokens has its
+        grammar compiled by the executor in a worker (`prepare_grammar`, cached by
+        schema); until it is ready the request waits and the scheduler passes it over.
+        The simulator's executor samples no tokens: there a request is only priced.
+        """
         reason = self.scheduler.add_request(req)
+        if reason is None and req.structured and self.executor.needs_token_ids:
+            reason = self._prepare_grammar(req)
         if reason is not None:
             self.records.append(_record(req))
         return reason
+
+    def _prepare_grammar(self, req: Request) -> str | None:
+        prepare = getattr(self.executor, "prepare_grammar", None)
+        try:
+            if prepare is None:
+                raise ValueError(
+                    f"SamplingParams.so_args: the {type(self.executor).__name__} executor "
+                    "does not support structured outputs"
+                )
+            compile_ = prepare(req.sampling_params.so_args)
+        except ValueError as e:
+            self.scheduler.reject(req.request_id, str(e))
+            return str(e)
+        if not compile_.done():
+            req.awaiting_grammar = True
+            self._compiling[req.request_id] = (req, compile_)
+            return None
+        error = _compile_error(compile_)  # cached: ready (or failed) at once
+        if error is not None:
+            self.scheduler.reject(req.request_id, error)
+        return error
+
+    def _poll_grammars(self) -> None:
+        """Settle finished compiles: the request may start, or is rejected with the error."""
+        for req_id, (req, compile_) in list(self._compiling.items()):
+            if not compile_.done():
+                continue
+            del self._compiling[req_id]
+            req.awaiting_grammar = False
+            error = _compile_error(compile_)
+            if error is not None and not req.is_finished:  # (not aborted meanwhile)
+                self.scheduler.reject(req_id, error)
+                req.times.finish = self.clock()
+                self.records.append(_record(req))
+                self._grammar_rejected.append(req)
+
+    def _wait_for_a_grammar(self) -> None:
+        """Nothing else can run: block until some compile ends (it runs in a worker)."""
+        futures.wait([c for _, c in self._compiling.values()], return_when=futures.FIRST_COMPLETED)
+        self._poll_grammars()
 
     def abort(self, req_id: str) -> Request | None:
         return self.finish(req_id, FinishReason.ABORT)
@@ -132,13 +185,17 @@ class EngineCore:
         return changed
 
     def step(self) -> list[Request]:
-        """One round of the engine loop in wall-clock time; returns requests that changed."""
+        """One round of the engine loop in wall-clock time; returns requests that changed
+        (with those rejected meanwhile because their grammar failed to compile)."""
         events = self.step_events()
         while True:
             try:
                 next(events)  # a real executor's handle blocks in .result(): nothing to wait for
             except StopIteration as done:
-                return done.value
+                if not self._grammar_rejected:
+                    return done.value
+                rejected, self._grammar_rejected = self._grammar_rejected, []
+                return rejected + done.value
 
     def step_events(self) -> Generator[StepEvent, None, list[Request]]:
         """One round of the engine loop, as a coroutine that yields at its time points.
@@ -149,10 +206,14 @@ class EngineCore:
         `LAUNCHED`, and it resumes an `AWAIT` once that time has passed. With async
         scheduling step N+1 is scheduled while step N runs, so its host time overlaps.
         """
+        if self._compiling:
+            self._poll_grammars()
         if self._in_flight is None:
             out = self.schedule()
             if out.is_empty:
-                if self.scheduler.has_unfinished():
+                if self._compiling:  # idle until a grammar is ready: not a stall
+                    self._wait_for_a_grammar()
+                elif self.scheduler.has_unfinished():
                     self.scheduler.raise_stalled()
                 return []
             yield _SCHEDULED, out
@@ -225,6 +286,11 @@ class EngineCore:
             kv_usage=s.kv.usage,
             num_preempted=len(out.preempted_req_ids),
         )
+
+
+def _compile_error(compile_: futures.Future) -> str | None:
+    error = compile_.exception()
+    return None if error is None else f"so_args: the grammar failed to compile: {error}"
 
 
 def _record(req: Request) -> RequestRecord:

@@ -57,9 +57,19 @@ def prefill_watermark() -> float:
 
 
 def enable_mtp_varlen() -> bool:
-    """DEEPINFER_ENABLE_MTP_VARLEN: confidence-scheduled variable-length drafts (off until
-    they are implemented; EngineConfig refuses them together with speculation)."""
+    """DEEPINFER_ENABLE_MTP_VARLEN: confidence-scheduled variable-length drafts
+    (deepinfer/spec_policy.py); turns speculation on with up to use_nextn_decode() drafts
+    when num_speculative_tokens is not set. Off by default here (DESIGN.md's table says
+    1, the reference engine's default: on, it would speculate for every model)."""
     return _flag("DEEPINFER_ENABLE_MTP_VARLEN", False)
+
+
+def use_nextn_decode() -> int:
+    """DEEPINFER_USE_NEXTN_DECODE: the maximum length of variable-length drafts."""
+    n = _int("DEEPINFER_USE_NEXTN_DECODE", 5)
+    if n < 1:
+        raise ValueError(f"DEEPINFER_USE_NEXTN_DECODE={n}: expected a positive integer")
+    return n
 
 
 def cpu_threads() -> int:
@@ -90,7 +100,6 @@ def kernel_backend() -> str:
 # Reference-engine variables whose feature is not implemented yet: set, they are an
 # error naming the variable rather than a setting that silently does nothing.
 _UNIMPLEMENTED = {
-    "DEEPINFER_USE_NEXTN_DECODE": "the maximum length of variable-length drafts",
     "DEEPINFER_BATCH_INVARIANT": "batch-invariant kernels",
     "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "YOCO prefill truncation",
     "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "YOCO prefill truncation",

@@ -60,6 +60,7 @@ class LLM:
             load_format=load_format,
             revision=revision,
             enforce_eager=enforce_eager,
+            trust_remote_code=trust_remote_code,
         )
         self.tokenizer = _maybe_tokenizer(self.executor.model_dir, trust_remote_code)
         self.engine = EngineCore(
@@ -88,13 +89,18 @@ class LLM:
         """Generate for every prompt; outputs come back in the prompts' order.
 
         Every prompt is checked before any is queued (a bad one is a ValueError naming
-        it). An interrupted call (Ctrl-C) aborts its requests, so the LLM stays usable.
+        it), and so is every `so_args` this executor cannot serve; their grammars start
+        compiling here. An interrupted call (Ctrl-C) aborts its requests, so the LLM stays
+        usable.
         """
         batch = _as_list(prompts)
         params = _params_for(batch, sampling_params)
         encoded = [self._tokenize(p) for p in batch]
         for i, (_, ids) in enumerate(encoded):
             self._check_prompt(i, ids)
+        for sp in params:
+            if sp.so_args is not None:
+                self._prepare_grammar(sp.so_args)
         tracked = [self._track(text, ids, sp) for (text, ids), sp in zip(encoded, params)]
         completions = {c.req.request_id: c for t in tracked for c in t.completions}
         try:
@@ -132,6 +138,16 @@ class LLM:
             raise ValueError(
                 f"prompt {index}: token id {bad} is outside the model's vocabulary [0, {vocab})"
             )
+
+    def _prepare_grammar(self, so_args: dict[str, Any]) -> None:
+        """Start compiling (cached); ValueError when the executor cannot serve it."""
+        prepare = getattr(self.executor, "prepare_grammar", None)
+        if prepare is None:
+            raise ValueError(
+                f"SamplingParams.so_args: the {type(self.executor).__name__} executor does "
+                "not support structured outputs"
+            )
+        prepare(so_args)
 
     def _track(self, text: str | None, token_ids: list[int], sp: SamplingParams) -> TrackedPrompt:
         """Queue the prompt's n completions (one engine request each)."""

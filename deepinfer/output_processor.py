@@ -23,13 +23,25 @@ class TrackedCompletion:
     num_fed: int = 0
 
     def feed(self) -> bool:
-        """Detokenize new tokens; True once a stop string ended the text."""
-        new = self.req.output_token_ids[self.num_fed :]
-        self.num_fed += len(new)
+        """Detokenize new tokens; True once a stop string ended the text.
+
+        Token by token: a speculative step can add several, and the ones after the token
+        that completes a stop string (accepted drafts) are dropped, as for a stop token.
+        """
+        req = self.req
+        new = req.output_token_ids[self.num_fed :]
         if self.detok is None or not new:
+            self.num_fed += len(new)
             return False
-        self.detok.append(new)
-        return self.detok.stop_hit is not None
+        for i, t in enumerate(new):
+            self.detok.append([t])
+            if self.detok.stop_hit is not None:
+                self.num_fed += i + 1
+                del req.output_token_ids[self.num_fed :]
+                del req.logprobs[self.num_fed :]
+                return True
+        self.num_fed += len(new)
+        return False
 
     def output(self, tokenizer: Any) -> CompletionOutput:
         req = self.req
@@ -39,8 +51,10 @@ class TrackedCompletion:
             text = self.detok.text
         reason = req.finish_reason.value if req.finish_reason is not None else None
         stop_reason: int | str | None = self.detok.stop_hit if self.detok is not None else None
-        if stop_reason is None and reason == "stop" and req.output_token_ids:
-            stop_reason = req.output_token_ids[-1]
+        last = req.output_token_ids[-1] if req.output_token_ids else None
+        ends = {req.eos_token_id, *req.sampling_params.stop_token_ids}
+        if stop_reason is None and reason == "stop" and last in ends:
+            stop_reason = last  # (a structured output that ended with its grammar has none)
         logprobs = cumulative = None
         if req.sampling_params.logprobs is not None:
             logprobs = [_position(row, tokenizer) for row in req.logprobs]

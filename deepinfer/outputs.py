@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 from deepinfer.sampling_params import SamplingParams
 
+# A draft the scheduler cannot know yet (async scheduling: the step that proposes it is
+# still in flight); the executor verifies its own latest proposal in its place.
+DRAFT_PLACEHOLDER = -1
+
 
 @dataclass
 class ScheduledRequest:
@@ -21,6 +25,9 @@ class ScheduledRequest:
     is_prompt: bool  # the step computes prompt tokens (a prefill chunk)
     samples: bool  # the step ends at the request's last known token, so a token is sampled
     new_block_ids: list[int]  # blocks appended to the request's block table this step
+    # Length of the request's table before new_block_ids (None: unchanged since the last
+    # step). Shorter than the executor's copy after rejected drafts' slots were freed.
+    num_prior_blocks: int | None = None
     # Whole block table, sent when the executor holds no state for the request
     # (first schedule, or resumed after preemption); None otherwise.
     block_table: list[int] | None = None
@@ -29,7 +36,11 @@ class ScheduledRequest:
     # async scheduling the last output token may be unknown yet: it is then
     # omitted and the executor uses the token it sampled itself.
     token_ids: list[int] | None = None
-    draft_token_ids: list[int] = field(default_factory=list)  # drafts to verify (end of the step)
+    # Drafts to verify (end of the step); DRAFT_PLACEHOLDER entries (async scheduling) are
+    # the executor's own proposals from the step in flight, and are not in token_ids.
+    # Such a step's num_computed_tokens assumes every draft in flight is accepted: the
+    # executor starts it after the tokens it really accepted.
+    draft_token_ids: list[int] = field(default_factory=list)
     sampling_params: SamplingParams | None = None  # sent with block_table
     # Token ids of positions [0, num_computed_tokens), sent with block_table to executors
     # that need token ids: a resumed request's prefix-cache hit skips tokens whose ids the
@@ -39,6 +50,8 @@ class ScheduledRequest:
     # (a chunk's last row predicts the next chunk's first token).
     prompt_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
+    # Its sampling is constrained by a grammar (so_args): the simulator prices the mask.
+    structured: bool = False
 
 
 @dataclass
@@ -75,10 +88,15 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> next draft proposal (speculation).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> the drafter's probability of each draft (its confidence).
+    draft_confidences: dict[str, list[float]] = field(default_factory=dict)
     # req_id -> per sampled token: the chosen token's logprob plus the top ones.
     logprobs: dict[str, list[list[TokenLogprob]]] | None = None
     # req_id -> prompt position -> [that prompt token's logprob, then the top ones]
     prompt_logprobs: dict[str, dict[int, list[TokenLogprob]]] | None = None
+    # Structured outputs whose grammar is complete after this step's tokens: it accepts
+    # them and allows nothing more (they finish with reason "stop").
+    completed_req_ids: set[str] = field(default_factory=set)
 
 
 # ---- user-facing outputs (vLLM's names and shapes) -----------------------------------

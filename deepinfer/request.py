@@ -84,6 +84,7 @@ class Request:
         priority: int = 0,
         eos_token_id: int | None = None,
         cache_salt: str | None = None,
+        structured: bool | None = None,
     ) -> None:
         self.request_id = request_id
         self.uid = next(_uid)  # tie-breaker for priority ordering
@@ -93,11 +94,20 @@ class Request:
         self.priority = priority
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
+        # Sampling is constrained by a grammar (so_args); the simulator sets it from a
+        # trace to price the mask without any schema.
+        self.structured = (
+            self.sampling_params.so_args is not None if structured is None else structured
+        )
+        # Its grammar is still compiling: it stays in waiting and the scheduler passes it
+        # over (EngineCore clears this when the compile is done).
+        self.awaiting_grammar = False
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         # Tokens scheduled whose sampled value is not known yet (async scheduling).
         self.num_output_placeholders = 0
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step
+        self.spec_confidences: list[float] = []  # the drafter's probability of each
         self.num_pending_drafts = 0  # drafts scheduled whose verification is not back yet
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -4,6 +4,10 @@ A chunked prefill between chunks holds the blocks of its whole prompt, so it
 must stay at the very front: nothing that arrives or is preempted later may
 get ahead of it (otherwise its reserved blocks could keep the engine above the
 prefill watermark while the request in front of it waits for room forever).
+
+A request whose grammar is still compiling (`awaiting_grammar`) keeps its place but
+is passed over by `peek` and `pop`: the requests behind it start meanwhile, and it
+starts, from where it stands, once its grammar is ready.
 """
 
 from __future__ import annotations
@@ -36,20 +40,28 @@ class WaitingQueue:
         return len(self._in_progress)
 
     def peek(self) -> Request | None:
+        """The first request that may start now (in-progress prefills never await a grammar)."""
         if self._in_progress:
             return self._in_progress[0]
-        if self._fcfs:
-            return self._fcfs[0]
-        if self._by_priority:
-            return self._by_priority[0][1]
+        for req in self._fcfs:  # the head, unless it awaits its grammar
+            if not req.awaiting_grammar:
+                return req
+        for _, req in self._by_priority:
+            if not req.awaiting_grammar:
+                return req
         return None
 
     def pop(self) -> Request:
+        """Remove and return what `peek` returns."""
         if self._in_progress:
             return self._in_progress.popleft()
-        if self._fcfs:
+        if self._fcfs and not self._fcfs[0].awaiting_grammar:
             return self._fcfs.popleft()
-        return self._by_priority.pop(0)[1]
+        req = self.peek()
+        if req is None:
+            raise IndexError("pop from a waiting queue with no request ready to start")
+        self.remove(req)
+        return req
 
     def add(self, req: Request) -> None:
         """A new arrival: FCFS order, or (priority, arrival) order."""

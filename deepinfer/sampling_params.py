@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-_SCHEMA_TYPES = ("regex", "json", "ebnf", "choice")
+from deepinfer.structured_outputs import check_so_args
+
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: top tokens returned per position
 
 
@@ -38,6 +39,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured outputs: {"schema_type": json|regex|ebnf|choice, "schema": ...}
+    # (deepinfer/structured_outputs.py says what each means).
     so_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -118,11 +121,7 @@ class SamplingParams:
                 _is_int(t) and t >= 0, "stop_token_ids", t, "entries must be non-negative integers"
             )
         if self.so_args is not None:
-            _check_so_args(self.so_args)
-            raise ValueError(
-                "SamplingParams.so_args: structured outputs are not implemented "
-                "yet by any executor; leave so_args unset"
-            )
+            check_so_args(self.so_args)
 
     @property
     def greedy(self) -> bool:
@@ -136,18 +135,3 @@ def _is_int(value: Any) -> bool:
 def _check(ok: bool, name: str, value: Any, why: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name}={value!r}: {why}")
-
-
-def _check_so_args(so_args: dict[str, Any]) -> None:
-    if not isinstance(so_args, dict):
-        raise ValueError(f"SamplingParams.so_args={so_args!r}: must be a dict")
-    unknown = set(so_args) - {"schema_type", "schema"}
-    _check(not unknown, "so_args", sorted(unknown), "unknown keys (expected schema_type, schema)")
-    kind = so_args.get("schema_type")
-    _check(kind in _SCHEMA_TYPES, "so_args.schema_type", kind, f"expected one of {_SCHEMA_TYPES}")
-    _check(
-        "schema" in so_args and so_args["schema"] not in (None, ""),
-        "so_args.schema",
-        so_args.get("schema"),
-        "is required",
-    )

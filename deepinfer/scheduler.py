@@ -13,10 +13,16 @@ from dataclasses import dataclass, field
 
 from deepinfer.config import EngineConfig, EngineRole
 from deepinfer.kv_cache.manager import KVCacheManager, cdiv
-from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer.outputs import (
+    DRAFT_PLACEHOLDER,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.request_queue import WaitingQueue
 from deepinfer.scheduler_checks import SchedulerChecks
+from deepinfer.spec_policy import draft_lengths
 from deepinfer.stop_checker import check_stop
 
 logger = logging.getLogger(__name__)
@@ -47,6 +53,12 @@ class Scheduler(SchedulerChecks):
         self.num_aborted = 0
         self.num_rejected = 0
         self.num_preemptions = 0
+        self._draft_len: dict[str, int] | None = None  # varlen: this step's draft lengths
+        self.num_draft_tokens = 0  # drafts verified (speculation)
+        self.num_accepted_drafts = 0
+        # By draft position j: [verified drafts at j whose drafts before j were all
+        # accepted, of them accepted] (conditional acceptance: sim/acceptance.py)
+        self.draft_position_stats: list[list[int]] = []
         self._finished_since_last: set[str] = set()
         self._preempted_since_last: set[str] = set()
 
@@ -100,6 +112,12 @@ class Scheduler(SchedulerChecks):
 
     def schedule(self) -> SchedulerOutput:
         step = _StepPlan(self.config.max_num_batched_tokens)
+        self._draft_len = None
+        if self.config.enable_mtp_varlen and self.config.num_speculative_tokens:
+            # Each request's draft length from its latest confidences (under async
+            # scheduling those of the step before the one in flight).
+            conf = {r.request_id: r.spec_confidences for r in self.running}
+            self._draft_len = draft_lengths(conf, self.config.num_speculative_tokens)
         self._schedule_running(step)
         self._schedule_waiting(step)
         self.step_id += 1
@@ -116,8 +134,16 @@ class Scheduler(SchedulerChecks):
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            num_known = req.num_tokens + req.num_output_placeholders
-            drafts = req.spec_token_ids if req.num_output_placeholders == 0 else []
+            # With steps in flight, assume all their drafts are accepted (the executor
+            # knows the truth and shifts; update_from_output corrects the count).
+            num_known = req.num_tokens + req.num_output_placeholders + req.num_pending_drafts
+            k = self.config.num_speculative_tokens
+            if self._draft_len is not None:
+                k = self._draft_len.get(req.request_id, 0)
+            drafts = req.spec_token_ids[:k]
+            if req.num_output_placeholders and k:
+                # The step in flight proposes this step's drafts: the executor fills them.
+                drafts = [DRAFT_PLACEHOLDER] * k
             num_new = min(
                 num_known + len(drafts) - req.num_computed_tokens,
                 step.budget,
@@ -127,7 +153,12 @@ class Scheduler(SchedulerChecks):
                 i += 1
                 continue
             num_drafts = max(0, min(len(drafts), num_new - (num_known - req.num_computed_tokens)))
-            while (blocks := self.kv.allocate(req, num_new, num_draft_tokens=num_drafts)) is None:
+            lookahead = self._lookahead(req.num_computed_tokens + num_new)
+            while (
+                blocks := self.kv.allocate(
+                    req, num_new, num_draft_tokens=num_drafts, num_lookahead_tokens=lookahead
+                )
+            ) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 step.num_preempted += 1
@@ -160,7 +191,8 @@ class Scheduler(SchedulerChecks):
         request preempted itself for its room.
         """
         num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
-        blocks = self.kv.allocate(req, num_new, reserve_tokens=req.num_tokens)
+        reserve = req.num_tokens + self._lookahead(req.num_tokens)
+        blocks = self.kv.allocate(req, num_new, reserve_tokens=reserve)
         if blocks is None:
             return False
         self.waiting.pop()
@@ -188,7 +220,8 @@ class Scheduler(SchedulerChecks):
             return False
         num_new = min(num_new, step.budget)
         # The first chunk reserves the blocks of the whole prompt.
-        blocks = self.kv.allocate(req, num_new, cached, reserve_tokens=req.num_tokens)
+        reserve = req.num_tokens + self._lookahead(req.num_tokens)
+        blocks = self.kv.allocate(req, num_new, cached, reserve_tokens=reserve)
         if blocks is None:
             return False
         self.waiting.pop()
@@ -199,6 +232,12 @@ class Scheduler(SchedulerChecks):
         step.add(self._schedule_one(req, num_new, blocks, [], is_prompt, resumed=True))
         self._after_prompt_chunk(req)
         return True
+
+    def _lookahead(self, num_tokens: int) -> int:
+        """Slots past a step ending at `num_tokens` tokens that the MTP drafter writes: the
+        KV of drafts 1..k-1, chained (never past max_model_len)."""
+        k = self.config.num_speculative_tokens
+        return max(0, min(k - 1, self.max_model_len - num_tokens))
 
     def _after_prompt_chunk(self, req: Request) -> None:
         if req.num_computed_tokens < req.num_tokens:
@@ -221,7 +260,9 @@ class Scheduler(SchedulerChecks):
         table = self.kv.block_ids(req.request_id) if resumed else None
         token_ids = prior = prompt = None
         if self.emit_token_ids:
-            token_ids = req.token_ids(start, min(start + num_new, req.num_tokens)) + drafts
+            token_ids = req.token_ids(start, min(start + num_new, req.num_tokens))
+            if drafts[:1] != [DRAFT_PLACEHOLDER]:
+                token_ids += drafts
             if resumed:
                 prior = req.token_ids(0, start)
                 if req.sampling_params.prompt_logprobs is not None:
@@ -232,7 +273,7 @@ class Scheduler(SchedulerChecks):
         if samples:
             req.num_output_placeholders += 1
         req.spec_token_ids = []
-        req.num_pending_drafts = len(drafts)
+        req.num_pending_drafts += len(drafts)
         return ScheduledRequest(
             req_id=req.request_id,
             num_tokens=num_new,
@@ -240,6 +281,7 @@ class Scheduler(SchedulerChecks):
             is_prompt=is_prompt,
             samples=samples,
             new_block_ids=[b.block_id for b in blocks],
+            num_prior_blocks=len(self.kv.req_blocks[req.request_id]) - len(blocks),
             block_table=table,
             token_ids=token_ids,
             draft_token_ids=list(drafts),
@@ -247,6 +289,7 @@ class Scheduler(SchedulerChecks):
             prior_token_ids=prior,
             prompt_token_ids=prompt,
             num_prompt_tokens=req.num_prompt_tokens,
+            structured=req.structured,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -258,6 +301,7 @@ class Scheduler(SchedulerChecks):
         req.num_output_placeholders = 0
         req.num_pending_drafts = 0
         req.spec_token_ids = []
+        req.spec_confidences = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(req)
@@ -294,8 +338,12 @@ class Scheduler(SchedulerChecks):
     def update_from_output(self, out: SchedulerOutput, res: ModelRunnerOutput) -> list[Request]:
         """Apply a step's sampled tokens; returns the requests that gained tokens or ended."""
         changed: list[Request] = []
+        live, sampled = self.requests, res.sampled_token_ids
+        is_prefill_role = self.config.role is EngineRole.PREFILL
+        k = self.config.num_speculative_tokens
+        completed = res.completed_req_ids
         for sr in out.scheduled:
-            req = self.requests.get(sr.req_id)
+            req = live.get(sr.req_id)
             if req is not None and res.prompt_logprobs and sr.req_id in res.prompt_logprobs:
                 req.prompt_logprobs.update(res.prompt_logprobs[sr.req_id])
             if req is None or not sr.samples:
@@ -303,7 +351,7 @@ class Scheduler(SchedulerChecks):
             preempted_meanwhile = req.status is not RequestStatus.RUNNING
             if not preempted_meanwhile:
                 req.num_output_placeholders -= 1
-            tokens = res.sampled_token_ids.get(sr.req_id) or []
+            tokens = sampled.get(sr.req_id) or []
             if not tokens:
                 raise RuntimeError(
                     f"executor returned no token for {sr.req_id!r} in step "
@@ -315,9 +363,10 @@ class Scheduler(SchedulerChecks):
                     f"executor returned {len(tokens)} tokens for {sr.req_id!r} "
                     f"with only {len(sr.draft_token_ids)} drafts to verify"
                 )
+            self._count_acceptance(len(sr.draft_token_ids), len(tokens) - 1)
             if not preempted_meanwhile:
                 req.num_computed_tokens -= num_rejected
-                req.num_pending_drafts = 0
+                req.num_pending_drafts -= len(sr.draft_token_ids)
             reason = None
             logprobs = res.logprobs.get(sr.req_id) if res.logprobs else None
             for j, t in enumerate(tokens):
@@ -325,7 +374,9 @@ class Scheduler(SchedulerChecks):
                 if logprobs is not None and j < len(logprobs):
                     req.logprobs.append(logprobs[j])
                 reason = check_stop(req, self.max_model_len)
-                if reason is None and self.config.role is EngineRole.PREFILL:
+                if reason is None and completed and j == len(tokens) - 1 and sr.req_id in completed:
+                    reason = FinishReason.STOP  # its grammar allows nothing more
+                if reason is None and is_prefill_role:
                     reason = FinishReason.LENGTH  # a prefill engine hands over after one token
                 if reason is not None:
                     break
@@ -334,12 +385,24 @@ class Scheduler(SchedulerChecks):
                 self._end(req, RequestStatus.FINISHED, reason)
                 continue
             if not preempted_meanwhile:
-                k = self.config.num_speculative_tokens
-                req.spec_token_ids = list(res.draft_token_ids.get(sr.req_id, ()))[:k]
+                if k:
+                    req.spec_token_ids = list(res.draft_token_ids.get(sr.req_id, ()))[:k]
+                    req.spec_confidences = list(res.draft_confidences.get(sr.req_id, ()))[:k]
                 self.kv.cache_computed(req)
                 if num_rejected:
-                    self.kv.trim(req, req.num_tokens + req.num_output_placeholders)
+                    end = max(req.num_computed_tokens, req.num_tokens + req.num_output_placeholders)
+                    self.kv.trim(req, end + self._lookahead(end))
         return changed
+
+    def _count_acceptance(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_drafts += num_accepted
+        stats = self.draft_position_stats
+        while len(stats) < num_drafts:
+            stats.append([0, 0])
+        for j in range(min(num_drafts, num_accepted + 1)):
+            stats[j][0] += 1
+            stats[j][1] += j < num_accepted
 
     def finish_request(self, req_id: str, reason: FinishReason) -> Request | None:
         """End a live request from outside (a stop string, a client abort)."""
@@ -353,6 +416,18 @@ class Scheduler(SchedulerChecks):
     def abort(self, req_id: str) -> Request | None:
         return self.finish_request(req_id, FinishReason.ABORT)
 
+    def reject(self, req_id: str, reason: str) -> Request | None:
+        """Reject a request that waits and was never scheduled (its grammar failed to
+        compile): it ends as if `add_request` had refused it."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        if req.num_computed_tokens or req.status is not RequestStatus.WAITING:
+            raise ValueError(f"reject({req_id!r}): only a request never scheduled can be rejected")
+        req.reject_reason = reason
+        self._end(req, RequestStatus.REJECTED, FinishReason.REJECTED)
+        return req
+
     def _end(self, req: Request, status: RequestStatus, reason: FinishReason) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
@@ -365,6 +440,8 @@ class Scheduler(SchedulerChecks):
         del self.requests[req.request_id]
         if status is RequestStatus.ABORTED:
             self.num_aborted += 1
+        elif status is RequestStatus.REJECTED:
+            self.num_rejected += 1
         else:
             self.num_finished += 1
         self._finished_since_last.add(req.request_id)

@@ -24,6 +24,10 @@ class _Backend(Protocol):
     def token_to_id(self, token: str) -> int | None: ...
     def vocab_size(self) -> int: ...
     def special_ids(self) -> set[int]: ...
+    def vocab(self) -> dict[str, int]: ...
+    def added_ids(self) -> set[int]: ...
+    def serialized(self) -> str | None: ...
+    def hf_tokenizer(self) -> Any: ...
 
 
 class _FastBackend:
@@ -48,6 +52,18 @@ class _FastBackend:
 
     def special_ids(self) -> set[int]:
         return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    def vocab(self) -> dict[str, int]:
+        return dict(self._tok.get_vocab(with_added_tokens=True))
+
+    def added_ids(self) -> set[int]:
+        return set(self._tok.get_added_tokens_decoder())
+
+    def serialized(self) -> str | None:
+        return str(self._tok.to_str())
+
+    def hf_tokenizer(self) -> Any:
+        return None
 
 
 class _HFBackend:
@@ -75,6 +91,18 @@ class _HFBackend:
 
     def special_ids(self) -> set[int]:
         return set(self._tok.all_special_ids)
+
+    def vocab(self) -> dict[str, int]:
+        return dict(self._tok.get_vocab())
+
+    def added_ids(self) -> set[int]:
+        return set(getattr(self._tok, "added_tokens_decoder", {}))
+
+    def serialized(self) -> str | None:
+        return None
+
+    def hf_tokenizer(self) -> Any:
+        return self._tok
 
 
 class Tokenizer:
@@ -113,6 +141,23 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and bos is not None and ids[:1] != [bos]:
             ids = [bos, *ids]
         return ids
+
+    def vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included. Strings are as the vocabulary stores
+        them (byte-level BPE: 'Ġthe'); added tokens are plain text (`added_token_ids`)."""
+        return self._backend.vocab()
+
+    def added_token_ids(self) -> set[int]:
+        return self._backend.added_ids()
+
+    def serialized(self) -> str | None:
+        """The tokenizer.json text (its decoder says how tokens encode bytes); None when
+        transformers' AutoTokenizer loaded it (`hf_tokenizer` is then that object)."""
+        return self._backend.serialized()
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        return self._backend.hf_tokenizer()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         ids = [i for i in ids if 0 <= i < self.vocab_size]

@@ -9,9 +9,13 @@ graph of the smallest captured size >= its batch. Padding rows are requests of
 one token at position 0 whose block table points at a scratch block that the
 scheduler never hands out (the KV cache holds one extra block for it), so their
 cache writes and attention reads touch no real request's data; their logits are
-never read. Graphs serve pure-decode steps (every request schedules one token);
-prefill chunks and draft verification run eagerly. Without `capture()` (on the
-CPU, in tests) `run` executes the same padded forward over the same buffers eagerly.
+never read. Graphs serve pure-decode steps (every request schedules one token) and,
+with `query_len` = 1 + k, verify steps in which every request scores 1 + k tokens
+(the runner keeps one DecodeGraphs per query length, so graphs are bucketed by
+requests and tokens per request); prefill chunks and ragged steps run eagerly. The
+final hidden states come back too (`last_hidden`: the MTP drafter reads them).
+Without `capture()` (on the CPU, in tests) `run` executes the same padded forward
+over the same buffers eagerly.
 """
 
 from __future__ import annotations
@@ -50,9 +54,12 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         scratch_block: int,
         sizes: list[int],
+        query_len: int = 1,
     ) -> None:
         if not sizes:
             raise ValueError("DecodeGraphs needs at least one capture size")
+        if not 1 <= query_len <= block_size:
+            raise ValueError(f"query_len={query_len}: padding needs 1..block_size slots")
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -62,44 +69,53 @@ class DecodeGraphs:
         self.max_blocks_per_seq = max_blocks_per_seq
         dev = kv_caches[0].device
         n = self.max_size
-        # Static inputs, one [4, n] buffer so that a step fills them with one copy:
-        # token ids, positions, cache slots, sequence lengths. Rows start as padding.
-        self._rows = torch.zeros(4, n, dtype=torch.int64, device=dev)
-        self._rows[2] = scratch_block * block_size
-        self._rows[3] = 1
-        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self._rows.unbind(0)
+        q = self.query_len = query_len
+        # Static inputs, one [4, n * q] buffer so that a step fills them with one copy:
+        # token ids, positions, cache slots (per token), sequence lengths (per request,
+        # the first n). Rows start as padding: q tokens at positions 0..q-1 of the
+        # scratch block.
+        self._rows = torch.zeros(4, n * q, dtype=torch.int64, device=dev)
+        self._rows[1] = torch.arange(q, device=dev).repeat(n)
+        self._rows[2] = scratch_block * block_size + self._rows[1]
+        self._rows[3] = q
+        self.input_ids, self.positions, self.slot_mapping, seq_lens = self._rows.unbind(0)
+        self.seq_lens = seq_lens[:n]
         self.block_tables = torch.full(
             (n, max_blocks_per_seq), scratch_block, dtype=torch.int64, device=dev
         )
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int64, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int64, device=dev) * q
         self._empty = torch.zeros(0, dtype=torch.int64, device=dev)
         self._zero = torch.zeros(1, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # size -> [size, vocab] float32
+        self.logits: dict[int, torch.Tensor] = {}  # size -> [size * q, vocab] float32
+        self.hidden: dict[int, torch.Tensor] = {}  # size -> [size * q, hidden]
+        self.last_hidden: torch.Tensor | None = None  # of the latest run (its first rows)
         self.pool = None
 
     def metadata(self, size: int) -> AttentionMetadata:
-        """Metadata over the first `size` rows of the buffers: all requests decode."""
+        """Metadata over the first `size` requests of the buffers: all requests decode."""
+        q = self.query_len
         return AttentionMetadata(
             block_size=self.block_size,
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.slot_mapping[: size * q],
             query_start_loc=self.query_start_loc[: size + 1],
-            context_lens=self.seq_lens[:size] - 1,
+            context_lens=self.seq_lens[:size] - q,
             seq_lens=self.seq_lens[:size],
             block_tables=self.block_tables[:size],
             num_decode_reqs=size,
-            num_decode_tokens=size,
+            num_decode_tokens=size * q,
             prefill_cu_seqlens_q=self._zero,
             prefill_cu_seqlens_k=self._zero,
             prefill_kv_slots=self._empty,
             prefill_max_query_len=0,
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = size * self.query_len
         hidden = self.model(
-            self.input_ids[:size], self.positions[:size], self.metadata(size), self.kv_caches
-        )
-        return self.model.compute_logits(hidden)  # [size, vocab]
+            self.input_ids[:t], self.positions[:t], self.metadata(size), self.kv_caches
+        )  # [t, hidden]
+        return hidden, self.model.compute_logits(hidden)  # [t, vocab]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -110,14 +126,15 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[size] = self._forward(size)
+                self.hidden[size], self.logits[size] = self._forward(size)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
         logger.info(
-            "captured %d decode CUDA graphs (batch %d..%d) in %.1f s",
+            "captured %d CUDA graphs of %d-token queries (batch %d..%d) in %.1f s",
             len(self.sizes),
+            self.query_len,
             self.sizes[0],
             self.max_size,
             time.perf_counter() - t0,
@@ -133,9 +150,13 @@ class DecodeGraphs:
         positions: list[int],
         block_tables: list[list[int]],
     ) -> torch.Tensor:
-        """One decode token per request -> logits [size, vocab] float32 (rows past
-        len(input_ids) are padding). Valid until the next run."""
-        b = len(input_ids)
+        """query_len tokens per request (input_ids, positions: [b * query_len], request
+        by request) -> logits [size * query_len, vocab] float32 (rows past
+        len(input_ids) are padding); `last_hidden` holds the hidden states. Valid until
+        the next run."""
+        q = self.query_len
+        b = len(input_ids) // q
+        assert b * q == len(input_ids) == len(positions) and b == len(block_tables)
         size = self.size_for(b)
         if size is None:
             raise ValueError(f"decode batch of {b} exceeds the largest graph ({self.max_size})")
@@ -146,17 +167,23 @@ class DecodeGraphs:
                 f"block table of {width} blocks exceeds the graphs' {self.block_tables.shape[1]}"
             )
         pad = size - b
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)]
+        slots = [
+            t[p // bs] * bs + p % bs
+            for i, t in enumerate(block_tables)
+            for p in positions[i * q : (i + 1) * q]
+        ]
+        pad_pos = list(range(q)) * pad
         scratch_slot = self.scratch_block * bs
+        seq_lens = [positions[i * q + q - 1] + 1 for i in range(b)] + [q] * pad
         rows = torch.tensor(
             [
-                input_ids + [0] * pad,
-                positions + [0] * pad,
-                slots + [scratch_slot] * pad,
-                [p + 1 for p in positions] + [1] * pad,
+                input_ids + [0] * (pad * q),
+                positions + pad_pos,
+                slots + [scratch_slot + p for p in pad_pos],
+                seq_lens + [q] * (size * q - size),
             ],
             dtype=torch.int64,
-        )  # [4, size]
+        )  # [4, size * q]
         table = torch.tensor(
             [t + [self.scratch_block] * (width - len(t)) for t in block_tables]
             + [[self.scratch_block] * width] * pad,
@@ -164,11 +191,13 @@ class DecodeGraphs:
         )  # [size, width]
         if self._rows.is_cuda:  # pinned: the copies need not wait for the host
             rows, table = rows.pin_memory(), table.pin_memory()
-        self._rows[:, :size].copy_(rows, non_blocking=True)
+        self._rows[:, : size * q].copy_(rows, non_blocking=True)
         # Columns past `width` keep stale pages: the kernel reads no page past seq_len.
         self.block_tables[:size, :width].copy_(table, non_blocking=True)
         graph = self.graphs.get(size)
         if graph is None:  # not captured (the CPU tests): the same buffers, run eagerly
-            return self._forward(size)
+            self.last_hidden, logits = self._forward(size)
+            return logits
         graph.replay()
+        self.last_hidden = self.hidden[size]
         return self.logits[size]

@@ -1,7 +1,9 @@
 """Paged latent KV cache tensors and how many blocks fit.
 
 One tensor per layer, [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim];
-block ids are the scheduler's. The cache holds no bookkeeping: block tables
+block ids are the scheduler's. When speculating, each MTP layer has one more such
+tensor (`mtp_layers`), addressed through the same block tables: position p of a
+request holds the MTP layer's entry for (hidden state at p, token p + 1). The cache holds no bookkeeping: block tables
 live in the scheduler and arrive with each step.
 """
 
@@ -30,6 +32,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         scratch_block: bool = False,
+        num_mtp_layers: int = 0,
     ) -> None:
         self.num_blocks = num_blocks  # the scheduler's blocks: ids [0, num_blocks)
         self.block_size = block_size
@@ -41,6 +44,10 @@ class PagedKVCache:
             torch.zeros(rows, block_size, entry_dim, dtype=dtype, device=device)
             for _ in range(num_layers)
         ]
+        self.mtp_layers = [
+            torch.zeros(rows, block_size, entry_dim, dtype=dtype, device=device)
+            for _ in range(num_mtp_layers)
+        ]
 
 
 def bytes_per_block(
@@ -50,6 +57,16 @@ def bytes_per_block(
     return layers * block_size * cfg.kv_entry_dim * torch.empty(0, dtype=dtype).element_size()
 
 
+def num_kv_layers(cfg: ModelConfig, engine: EngineConfig) -> int:
+    """Layers whose latent KV a block holds: the MTP layers too when speculating."""
+    return cfg.num_hidden_layers + num_mtp_kv_layers(cfg, engine)
+
+
+def num_mtp_kv_layers(cfg: ModelConfig, engine: EngineConfig) -> int:
+    """MTP layers that keep a KV cache: the first one (chained for k > 1) when speculating."""
+    return min(1, cfg.num_nextn_predict_layers) if engine.num_speculative_tokens else 0
+
+
 def cpu_num_blocks(
     engine: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int
 ) -> int:
@@ -57,7 +74,8 @@ def cpu_num_blocks(
     if engine.num_gpu_blocks is not None:
         return engine.num_gpu_blocks
     wanted = -(-8 * max_model_len // engine.block_size)
-    cap = max(1, CPU_KV_BYTES_CAP // bytes_per_block(cfg, engine.block_size, dtype))
+    per_block = bytes_per_block(cfg, engine.block_size, dtype, num_kv_layers(cfg, engine))
+    cap = max(1, CPU_KV_BYTES_CAP // per_block)
     return min(wanted, cap)
 
 
@@ -85,7 +103,7 @@ def cuda_num_blocks(
     # Memory others hold on this GPU (other processes, CUDA context) is not ours to take.
     others = total - free - torch.cuda.memory_reserved(device)
     budget = int(total * engine.gpu_memory_utilization) - peak - others
-    per_block = bytes_per_block(cfg, engine.block_size, dtype)
+    per_block = bytes_per_block(cfg, engine.block_size, dtype, num_kv_layers(cfg, engine))
     blocks = budget // per_block
     logger.info(
         "KV cache: %.2f GiB for %d blocks (peak %.2f GiB, total %.2f GiB)",

@@ -4,7 +4,13 @@ Keeps per-request state keyed by req_id (block table, sampling state, the last
 sampled token). A request's whole block table arrives when the runner holds no
 state for it (first schedule, or resumed after preemption: the state is then
 rebuilt); afterwards only `new_block_ids` are appended. State is dropped for
-finished and preempted requests.
+finished and preempted requests. A structured request (so_args) also holds a grammar
+matcher: its mask is applied to its logits before sampling (executors/structured_outputs.py).
+
+Speculation: a request scheduled with k drafts is scored on 1 + k rows and verified
+by executors/spec_decode.py (greedy prefix match, or lossless rejection sampling);
+afterwards the model's MTP layer proposes the next drafts (executors/mtp_drafter.py),
+which go back in ModelRunnerOutput with their confidences.
 """
 
 from __future__ import annotations
@@ -15,14 +21,28 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.errors import RequestFailed
-from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer.outputs import (
+    DRAFT_PLACEHOLDER,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from deepinfer.sampling_params import SamplingParams
 from executors import prompt_logprobs
 from executors.attention import AttentionMetadata, build_attention_metadata
 from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
 from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
+from executors.mtp_drafter import Drafts, MTPDrafter
+from executors.piecewise_graphs import PiecewiseGraphs, default_token_buckets
 from executors.sampler import SamplingState, sample_tokens
+from executors.spec_decode import VerifyRequest, verify
+from executors.structured_outputs import (
+    GrammarCompiler,
+    GrammarState,
+    GrammarViolation,
+    TokenMasks,
+)
 
 
 @dataclass
@@ -32,6 +52,9 @@ class RequestState:
     num_prompt_tokens: int
     last_token: int | None = None  # last sampled token (used when async scheduling omits it)
     prompt_ids: list[int] | None = None  # the whole prompt, when prompt logprobs are wanted
+    num_computed: int = 0  # tokens in the KV cache (the scheduler's count may run ahead)
+    drafts: list[int] = field(default_factory=list)  # the drafter's latest proposal
+    grammar: GrammarState | None = None  # its so_args matcher
 
 
 @dataclass
@@ -87,6 +110,8 @@ class ModelRunner:
         # Queries this short (a decode token plus drafts) take the absorbed MLA path.
         self.decode_max_query_len = 1 + engine_config.num_speculative_tokens
         self.max_num_seqs = engine_config.max_num_seqs
+        self.max_drafts = engine_config.num_speculative_tokens
+        self.max_num_batched_tokens = engine_config.max_num_batched_tokens
         # Longest sequence a graph's block table must hold.
         self.max_model_len = min(
             max_model_len or engine_config.max_model_len or 1 << 62,
@@ -95,26 +120,59 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(engine_config.seed)
         self.requests: dict[str, RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
+        self.verify_graphs: DecodeGraphs | None = None  # 1 + k tokens a request (speculation)
+        self.piecewise: PiecewiseGraphs | None = None  # set by enable_cuda_graphs
+        self.grammars: GrammarCompiler | None = None  # set by the executor for so_args
+        self.masks = TokenMasks(self.vocab_size, self.device)
+        # Drafts come from the MTP layer when the cache holds its KV; without one the
+        # runner still verifies drafts it is given.
+        self.drafter: MTPDrafter | None = None
+        if engine_config.num_speculative_tokens and kv_cache.mtp_layers:
+            self.drafter = MTPDrafter(
+                model, kv_cache.mtp_layers[0], engine_config.num_speculative_tokens,
+                self.block_size, self.decode_max_query_len,
+            )  # fmt: skip
 
-    def enable_cuda_graphs(self, sizes: list[int] | None = None, capture: bool = True) -> None:
-        """Serve pure-decode steps through DecodeGraphs; the KV cache must hold a scratch
-        block. capture=False (the CPU tests) runs their padded buffers eagerly."""
+    def enable_cuda_graphs(
+        self,
+        sizes: list[int] | None = None,
+        capture: bool = True,
+        token_buckets: list[int] | None = None,
+    ) -> None:
+        """Serve pure-decode steps through DecodeGraphs (and, when speculating, verify steps
+        whose requests all score 1 + k tokens), other steps up to the largest token bucket
+        through PiecewiseGraphs; the KV cache must hold a scratch block.
+        capture=False (the CPU tests) runs their padded buffers eagerly."""
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
         if self.kv_cache.scratch_block is None:
             raise ValueError("CUDA graphs need a KV cache built with a scratch block")
         max_blocks = -(-self.max_model_len // self.block_size)
-        graphs = DecodeGraphs(
+        sizes = sizes or default_capture_sizes(self.max_num_seqs)
+        query_lens = [1]
+        if self.max_drafts and 1 + self.max_drafts <= self.block_size:  # padding: one block
+            query_lens.append(1 + self.max_drafts)
+        for q in query_lens:
+            graphs = DecodeGraphs(
+                self.model, self.kv_cache.layers, self.block_size, max_blocks,
+                self.kv_cache.scratch_block, sizes, query_len=q,
+            )  # fmt: skip
+            if capture:
+                graphs.capture()
+            if q == 1:
+                self.graphs = graphs
+            else:
+                self.verify_graphs = graphs
+        piecewise = PiecewiseGraphs(
             self.model,
             self.kv_cache.layers,
             self.block_size,
-            max_blocks,
             self.kv_cache.scratch_block,
-            sizes or default_capture_sizes(self.max_num_seqs),
+            token_buckets or default_token_buckets(self.max_num_batched_tokens),
         )
         if capture:
-            graphs.capture()
-        self.graphs = graphs
+            piecewise.capture()
+        self.piecewise = piecewise
 
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
@@ -129,64 +187,105 @@ class ModelRunner:
         if out.is_empty:
             return StepResult(ModelRunnerOutput(), {})
         host = self.collect(out.scheduled)
-        if self._graph_eligible(host):
-            assert self.graphs is not None
-            all_logits = self.graphs.run(host.input_ids, host.positions, host.block_tables)
+        graphs = self._graphs_for(host)
+        if graphs is not None:
+            all_logits = graphs.run(host.input_ids, host.positions, host.block_tables)
             # A copy: the graph's output buffer is overwritten by the next replay.
             n = len(host.logits_indices)
             if host.logits_indices == list(range(n)):
                 logits = all_logits[:n].clone()
             else:
                 logits = all_logits[torch.tensor(host.logits_indices, device=self.device)]
-            return self._sample(host.sample_rows, logits)
-        batch = self.to_device(host)
-        hidden = self.model(batch.input_ids, batch.positions, batch.md, self.kv_cache.layers)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab]
-        result = self._sample(batch.sample_rows, logits)
+            result = self._sample(host.sample_rows, logits)
+            if self.drafter is not None:
+                assert graphs.last_hidden is not None
+                self._draft(host, graphs.last_hidden[: len(host.input_ids)], result.output)
+            return result
+        if self.piecewise is not None and len(host.input_ids) <= self.piecewise.max_size:
+            md_host = self._metadata(host, torch.device("cpu"))
+            md = md_host.to(self.device)
+            hidden = self.piecewise.run(host.input_ids, host.positions, md_host.slot_mapping, md)
+            indices = torch.tensor(host.logits_indices, dtype=torch.int64).to(self.device)
+        else:
+            batch = self.to_device(host)
+            hidden = self.model(batch.input_ids, batch.positions, batch.md, self.kv_cache.layers)
+            indices = batch.logits_indices
+        logits = self.model.compute_logits(hidden[indices])  # [N, vocab]
+        result = self._sample(host.sample_rows, logits)
+        if self.drafter is not None:
+            self._draft(host, hidden, result.output)
         if host.prompt_rows:
             result.output.prompt_logprobs = prompt_logprobs.compute(
                 self.model, hidden, host.prompt_rows
             )
         return result
 
-    def _graph_eligible(self, host: HostBatch) -> bool:
-        """Pure decode (one token per request) of a batch some graph holds."""
-        return (
-            self.graphs is not None
-            and len(host.input_ids) == len(host.req_ids) <= self.graphs.max_size
-            and host.num_decode == len(host.req_ids)
-            and max(map(len, host.block_tables)) <= self.graphs.max_blocks_per_seq
-        )
+    def _graphs_for(self, host: HostBatch) -> DecodeGraphs | None:
+        """The graphs of the step's query length when every request has that many tokens
+        (one, or 1 + k when verifying) and some graph holds the batch; else None."""
+        q = host.query_lens[0]
+        graphs = self.graphs if q == 1 else self.verify_graphs
+        if (
+            graphs is None
+            or graphs.query_len != q
+            or host.prompt_rows
+            or host.num_decode != len(host.req_ids)
+            or any(n != q for n in host.query_lens)
+            or len(host.req_ids) > graphs.max_size
+            or max(map(len, host.block_tables)) > graphs.max_blocks_per_seq
+        ):
+            return None
+        return graphs
 
     def update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             self.requests.pop(req_id, None)
+            if self.drafter is not None:
+                self.drafter.pending.pop(req_id, None)
         for sr in out.scheduled:
             if sr.block_table is not None:
+                if self.drafter is not None:  # (re)started: nothing of its past is pending
+                    self.drafter.pending.pop(sr.req_id, None)
                 params = sr.sampling_params or SamplingParams()
                 state = SamplingState(params, [], eos_token_id=self.eos_token_id)
                 self.requests[sr.req_id] = RequestState(
-                    list(sr.block_table), state, sr.num_prompt_tokens
-                )
+                    list(sr.block_table), state, sr.num_prompt_tokens,
+                    num_computed=sr.num_computed_tokens,
+                )  # fmt: skip
                 if sr.prior_token_ids:
                     self._record_history(self.requests[sr.req_id], 0, sr.prior_token_ids)
                 if sr.prompt_token_ids is not None:
                     self.requests[sr.req_id].prompt_ids = list(sr.prompt_token_ids)
+                if params.so_args is not None:
+                    self.requests[sr.req_id].grammar = self._grammar(sr.req_id, params.so_args)
             elif sr.req_id not in self.requests:
                 raise ValueError(
                     f"request {sr.req_id!r}: no block_table and no state held "
                     "(first schedule and resumes must send the whole table)"
                 )
             else:
-                self.requests[sr.req_id].block_table.extend(sr.new_block_ids)
+                table = self.requests[sr.req_id].block_table
+                if sr.num_prior_blocks is not None:  # slots of rejected drafts were freed
+                    del table[sr.num_prior_blocks :]
+                table.extend(sr.new_block_ids)
+
+    def _grammar(self, req_id: str, so_args: dict) -> GrammarState:
+        """A fresh matcher (a resumed request catches up with its history in collect)."""
+        if self.grammars is None:
+            raise RequestFailed({req_id: "so_args: this model runner has no grammar compiler"})
+        try:
+            return GrammarState(self.grammars.compiled(so_args))
+        except Exception as e:  # the engine schedules a request once its compile succeeded
+            raise RequestFailed({req_id: f"so_args: {e}"}) from e
 
     def collect(self, scheduled: list[ScheduledRequest]) -> HostBatch:
         """Order decode-first, check the block tables, record history, flatten to lists."""
         ordered = sorted(scheduled, key=lambda r: r.num_tokens > self.decode_max_query_len)
+        starts = {r.req_id: self._start(r) for r in ordered}
         host = HostBatch(
             req_ids=[r.req_id for r in ordered], input_ids=[], positions=[],
             query_lens=[r.num_tokens for r in ordered],
-            context_lens=[r.num_computed_tokens for r in ordered],
+            context_lens=[starts[r.req_id] for r in ordered],
             block_tables=[self.requests[r.req_id].block_table for r in ordered],
             num_decode=sum(r.num_tokens <= self.decode_max_query_len for r in ordered),
             logits_indices=[],
@@ -196,16 +295,22 @@ class ModelRunner:
             raise RequestFailed(failed)
         for sr in ordered:
             state = self.requests[sr.req_id]
-            tokens = self._step_tokens(sr, state)
-            start, end = sr.num_computed_tokens, sr.num_computed_tokens + sr.num_tokens
-            self._record_history(state, start, tokens[: len(tokens) - len(sr.draft_token_ids)])
+            drafts = self._drafts(sr, state)
+            tokens = self._step_tokens(sr, state, drafts)
+            start = starts[sr.req_id]
+            end = start + sr.num_tokens
+            state.num_computed = end  # less the rejected drafts, once verified
+            self._record_history(state, start, tokens[: len(tokens) - len(drafts)])
+            if sr.samples and state.grammar is not None:
+                # Outputs before the sampled position (drafts aside): the matcher has them.
+                n_out = max(0, end - len(drafts) - state.num_prompt_tokens)
+                try:
+                    state.grammar.catch_up(state.sampling.output_token_ids[:n_out])
+                except GrammarViolation as e:
+                    raise RequestFailed({sr.req_id: str(e)}) from None
             if sr.samples:
-                n = 1 + len(sr.draft_token_ids)
-                host.sample_rows[sr.req_id] = (
-                    len(host.logits_indices),
-                    n,
-                    list(sr.draft_token_ids),
-                )
+                host.sample_rows[sr.req_id] = (len(host.logits_indices), 1 + len(drafts), drafts)
+                n = 1 + len(drafts)
                 last = len(host.input_ids) + len(tokens)
                 host.logits_indices.extend(range(last - n, last))
             params = state.sampling.params
@@ -235,11 +340,14 @@ class ModelRunner:
                 failed[sr.req_id] = f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
         return failed
 
-    def to_device(self, host: HostBatch) -> Batch:
-        md = build_attention_metadata(
+    def _metadata(self, host: HostBatch, device: torch.device) -> AttentionMetadata:
+        return build_attention_metadata(
             host.query_lens, host.context_lens, host.block_tables, self.block_size,
-            host.num_decode, self.device,
+            host.num_decode, device,
         )  # fmt: skip
+
+    def to_device(self, host: HostBatch) -> Batch:
+        md = self._metadata(host, self.device)
         return Batch(
             req_ids=host.req_ids,
             input_ids=torch.tensor(host.input_ids, dtype=torch.int64).to(self.device),
@@ -249,16 +357,41 @@ class ModelRunner:
             sample_rows=host.sample_rows,
         )
 
+    def _start(self, sr: ScheduledRequest) -> int:
+        """Where the step's tokens start. Under async scheduling the scheduler assumed the
+        drafts of the step in flight were all accepted; the runner knows how many were."""
+        state = self.requests[sr.req_id]
+        ahead = sr.num_computed_tokens - state.num_computed
+        if not 0 <= ahead <= self.max_drafts:  # at most the drafts of the step in flight
+            raise ValueError(
+                f"request {sr.req_id!r}: scheduled at {sr.num_computed_tokens} computed "
+                f"tokens, but {state.num_computed} are in the cache"
+            )
+        return state.num_computed
+
     @staticmethod
-    def _step_tokens(sr: ScheduledRequest, state: RequestState) -> list[int]:
-        """Token ids of positions [num_computed, num_computed + num_tokens), drafts last.
+    def _drafts(sr: ScheduledRequest, state: RequestState) -> list[int]:
+        """The drafts to verify: placeholders are the runner's own latest proposal (padded
+        with its last token when it proposed fewer: any draft keeps verification exact)."""
+        drafts = list(sr.draft_token_ids)
+        if drafts and drafts[0] == DRAFT_PLACEHOLDER:
+            pad = state.last_token if state.last_token is not None else 0
+            own = state.drafts[: len(drafts)]
+            drafts = own + [pad] * (len(drafts) - len(own))
+        return drafts
+
+    @staticmethod
+    def _step_tokens(sr: ScheduledRequest, state: RequestState, drafts: list[int]) -> list[int]:
+        """Token ids of the step's positions, drafts last.
 
         Under async scheduling the newest sampled token may be unknown to the scheduler:
         it is then missing just before the drafts and the runner's own sample fills in.
         """
         tokens = list(sr.token_ids or [])
+        if sr.draft_token_ids[:1] == [DRAFT_PLACEHOLDER]:
+            tokens += drafts  # the scheduler sent none of them
         if len(tokens) == sr.num_tokens - 1 and state.last_token is not None:
-            tokens.insert(len(tokens) - len(sr.draft_token_ids), state.last_token)
+            tokens.insert(len(tokens) - len(drafts), state.last_token)
         if len(tokens) != sr.num_tokens:
             raise ValueError(
                 f"request {sr.req_id!r}: {sr.num_tokens} tokens scheduled but "
@@ -286,25 +419,62 @@ class ModelRunner:
     def _sample(
         self, sample_rows: dict[str, tuple[int, int, list[int]]], logits: torch.Tensor
     ) -> StepResult:
+        """Sample every request's token; requests with drafts verify them (1 + k rows)."""
         rows = sorted(sample_rows.items(), key=lambda kv: kv[1][0])
-        states = [self.requests[rid].sampling for rid, (_, n, _) in rows for _ in range(n)]
-        result = sample_tokens(logits, states, self.generator) if states else None
-        sampled = result.token_ids if result else []
+        grammars = [
+            (first, g, drafts)
+            for rid, (first, _, drafts) in rows
+            if (g := self.requests[rid].grammar) is not None
+        ]
+        if grammars:  # filled on the CPU now: the device may still be running the forward
+            logits = logits.float()
+            self.masks.apply(logits, grammars)
         out = ModelRunnerOutput()
-        if result is not None and result.logprobs is not None:
+        if not rows:
+            return StepResult(out, {})
+        if any(drafts for _, (_, _, drafts) in rows):
+            reqs = [
+                VerifyRequest(first, drafts, self.requests[rid].sampling)
+                for rid, (first, _, drafts) in rows
+            ]
+            verified = verify(logits, reqs, self.generator)
+            tokens, logprobs = verified.tokens, verified.logprobs
+        else:
+            states = [self.requests[rid].sampling for rid, _ in rows]
+            result = sample_tokens(logits, states, self.generator)
+            tokens, logprobs = [[t] for t in result.token_ids], result.logprobs
+        if logprobs is not None:
             out.logprobs = {}
         per_req: dict[str, torch.Tensor] = {}
-        for req_id, (first, n, drafts) in rows:
-            toks = sampled[first : first + n]
-            accepted = 0
-            while accepted < len(drafts) and toks[accepted] == drafts[accepted]:
-                accepted += 1
-            toks = toks[: accepted + 1]
+        for (req_id, (first, n, _)), toks in zip(rows, tokens):
             state = self.requests[req_id]
+            if state.grammar is not None and not state.grammar.done:
+                try:  # those past the grammar's end (a draft ended it) are dropped
+                    toks = toks[: state.grammar.accept(toks)]
+                except GrammarViolation as e:
+                    raise RequestFailed({req_id: str(e)}) from None
+                if state.grammar.done:
+                    out.completed_req_ids.add(req_id)
             state.sampling.output_token_ids.extend(toks)
             state.last_token = toks[-1]
+            state.num_computed -= n - len(toks)  # rejected drafts' KV is overwritten later
             out.sampled_token_ids[req_id] = toks
-            if out.logprobs is not None and result is not None and result.logprobs is not None:
-                out.logprobs[req_id] = result.logprobs[first : first + len(toks)]
+            if out.logprobs is not None and logprobs is not None:
+                out.logprobs[req_id] = logprobs[first : first + len(toks)]
             per_req[req_id] = logits[first : first + n]
         return StepResult(out, per_req)
+
+    def _draft(self, host: HostBatch, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """The MTP layer's next drafts for every request that sampled (mtp_drafter.py)."""
+        assert self.drafter is not None
+        inputs = self.drafter.step_inputs(
+            host.req_ids, host.context_lens, host.query_lens, host.input_ids, hidden,
+            out.sampled_token_ids,
+            {rid: len(drafts) for rid, (_, _, drafts) in host.sample_rows.items()},
+            {rid: self.requests[rid].block_table for rid in host.req_ids},
+        )  # fmt: skip
+        drafts: Drafts = self.drafter.propose(inputs)
+        for rid, toks in drafts.tokens.items():
+            self.requests[rid].drafts = toks
+        out.draft_token_ids = drafts.tokens
+        out.draft_confidences = drafts.confidences

@@ -11,6 +11,10 @@
 5. otherwise temperature, min-p, top-k, top-p, then an exponential race
    (argmax of probs / q with q ~ Exp(1), the Gumbel-max trick in prob space).
 
+Steps 2-5 short of the draw are `process_logits`, which speculative decoding
+(executors/spec_decode.py, executors/mtp_drafter.py) shares so that drafts are
+sampled from, and verified against, exactly the distributions sampled here.
+
 Determinism: a row whose params carry `seq_seed` draws its noise alone from its
 own generator, re-seeded from (seq_seed, number of outputs so far) on every
 call, so its tokens depend neither on the other rows nor on its position in
@@ -47,13 +51,23 @@ class SamplingState:
     # Created lazily on the logits' device when params.seq_seed is set.
     generator: torch.Generator | None = None
 
-    def seeded_generator(self, device: torch.device) -> torch.Generator | None:
-        """The row's generator, re-seeded for the current draw; None when unseeded."""
+    def seeded_generator(
+        self, device: torch.device, index: int | None = None, stream: int = 0
+    ) -> torch.Generator | None:
+        """The row's generator, re-seeded for one draw; None when unseeded.
+
+        The draw is named by (output index, stream): `index` defaults to the number of
+        outputs so far (the token being sampled); speculative decoding draws its drafts
+        and acceptance tests from other streams at the index of the token concerned, so
+        every draw is a pure function of the seed and never depends on the batch.
+        """
         if self.params.seq_seed is None:
             return None
         if self.generator is None or self.generator.device != device:
             self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(_mix_seed(self.params.seq_seed, len(self.output_token_ids)))
+        step = len(self.output_token_ids) if index is None else index
+        seed = self.params.seq_seed if stream == 0 else _mix_seed(self.params.seq_seed, -stream)
+        self.generator.manual_seed(_mix_seed(seed, step))
         return self.generator
 
 
@@ -200,6 +214,53 @@ def suppress_stop_tokens(logits: torch.Tensor, states: list[SamplingState]) -> t
     return logits
 
 
+@dataclass
+class Processed:
+    """Logits after the history-dependent steps, and what random rows sample from."""
+
+    logits: torch.Tensor  # [num_reqs, vocab] after min_tokens and penalties: greedy takes argmax
+    random_rows: list[int]  # rows whose params sample (temperature > 0)
+    probs: torch.Tensor | None  # [len(random_rows), vocab]: their processed distribution
+
+
+def process_logits(logits: torch.Tensor, states: list[SamplingState]) -> Processed:
+    """Steps 2-5 of the module docstring short of the draw: min_tokens, penalties, then
+    for random rows temperature, min-p, top-k, top-p and softmax. Speculative decoding
+    samples drafts from, and verifies them against, exactly these distributions.
+    logits: [num_reqs, vocab] float32."""
+    device = logits.device
+    params = [s.params for s in states]
+    logits = suppress_stop_tokens(logits, states)
+    if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
+        logits = apply_penalties(
+            logits,
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            _row_tensor([p.presence_penalty for p in params], device),
+            _row_tensor([p.frequency_penalty for p in params], device),
+            _row_tensor([p.repetition_penalty for p in params], device),
+        )
+    rnd = [i for i, p in enumerate(params) if not p.greedy]
+    if not rnd:
+        return Processed(logits, rnd, None)
+    sub = [params[i] for i in rnd]
+    x = apply_temperature(logits[rnd], _row_tensor([p.temperature for p in sub], device))
+    if any(p.min_p > 0 for p in sub):
+        x = apply_min_p(x, _row_tensor([p.min_p for p in sub], device))
+    if any(p.top_k > 0 for p in sub):
+        x = apply_top_k(x, torch.tensor([p.top_k for p in sub], device=device))
+    if any(p.top_p < 1 for p in sub):
+        x = apply_top_p(x, _row_tensor([p.top_p for p in sub], device))
+    return Processed(logits, rnd, x.softmax(dim=-1))
+
+
+def raw_logprobs(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor | None:
+    """log_softmax of the model's logits when any row asked for logprobs, else None."""
+    if any(s.params.logprobs is not None for s in states):
+        return logits.float().log_softmax(dim=-1)  # [num_reqs, vocab]
+    return None
+
+
 def sample_tokens(
     logits: torch.Tensor,
     states: list[SamplingState],
@@ -212,46 +273,23 @@ def sample_tokens(
     """
     assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
     logits = logits.float()
-    device = logits.device
+    raw = raw_logprobs(logits, states)
+    proc = process_logits(logits, states)
+    token_ids = greedy(proc.logits)  # [num_reqs]
+    if proc.random_rows:
+        assert proc.probs is not None
+        gens = [states[i].seeded_generator(logits.device) for i in proc.random_rows]
+        token_ids[proc.random_rows] = random_sample(proc.probs, gens, generator)
     params = [s.params for s in states]
-    want_logprobs = any(p.logprobs is not None for p in params)
-    raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None  # [num_reqs, vocab]
-
-    logits = suppress_stop_tokens(logits, states)
-    if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
-        logits = apply_penalties(
-            logits,
-            [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states],
-            _row_tensor([p.presence_penalty for p in params], device),
-            _row_tensor([p.frequency_penalty for p in params], device),
-            _row_tensor([p.repetition_penalty for p in params], device),
-        )
-
-    token_ids = greedy(logits)  # [num_reqs]
-    rnd = [i for i, p in enumerate(params) if not p.greedy]
-    if rnd:
-        sub = [params[i] for i in rnd]
-        x = apply_temperature(logits[rnd], _row_tensor([p.temperature for p in sub], device))
-        if any(p.min_p > 0 for p in sub):
-            x = apply_min_p(x, _row_tensor([p.min_p for p in sub], device))
-        if any(p.top_k > 0 for p in sub):
-            x = apply_top_k(x, torch.tensor([p.top_k for p in sub], device=device))
-        if any(p.top_p < 1 for p in sub):
-            x = apply_top_p(x, _row_tensor([p.top_p for p in sub], device))
-        gens = [states[i].seeded_generator(device) for i in rnd]
-        token_ids[rnd] = random_sample(x.softmax(dim=-1), gens, generator)
-
-    ids = token_ids.tolist()
-    logprobs = _gather_logprobs(raw_logprobs, token_ids, params) if want_logprobs else None
-    return SamplerOutput(token_ids=ids, logprobs=logprobs)
+    logprobs = gather_logprobs(raw, token_ids, params) if raw is not None else None
+    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
 
 def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
-def _gather_logprobs(
+def gather_logprobs(
     logprobs: torch.Tensor | None, token_ids: torch.Tensor, params: list[SamplingParams]
 ) -> list[list[TokenLogprob]]:
     """Per row: the chosen token, ranked by how many tokens are at least as likely

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,16 @@ from deepinfer import envs
 from deepinfer.config import EngineConfig
 from deepinfer.executor import Done, completed
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from executors.kv_cache import PagedKVCache, cpu_num_blocks, cuda_num_blocks
+from executors.kv_cache import (
+    PagedKVCache,
+    cpu_num_blocks,
+    cuda_num_blocks,
+    num_kv_layers,
+    num_mtp_kv_layers,
+)
 from executors.loader import load_model, read_model_config, resolve_dtype, resolve_model_dir
 from executors.model_runner import ModelRunner
+from executors.structured_outputs import GrammarCompiler
 from executors.warmup import WarmupReport, warm_up
 
 logger = logging.getLogger(__name__)
@@ -38,15 +46,11 @@ class TorchExecutor:
         revision: str | None = None,
         enforce_eager: bool = False,
         cuda_graph_sizes: list[int] | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         """enforce_eager: no CUDA graphs (they capture decode steps on CUDA by default);
-        cuda_graph_sizes: the batch sizes captured (default: default_capture_sizes)."""
-        if engine_config.num_speculative_tokens:
-            raise ValueError(
-                f"num_speculative_tokens={engine_config.num_speculative_tokens}: the torch "
-                "executor does not propose draft tokens yet (MTP drafting is not implemented); "
-                "speculation runs in the simulator only"
-            )
+        cuda_graph_sizes: the batch sizes captured (default: default_capture_sizes);
+        trust_remote_code: the tokenizer's own class may load (structured outputs)."""
         t0 = time.perf_counter()
         self.engine_config = engine_config
         self.model_dir: Path = resolve_model_dir(
@@ -59,6 +63,12 @@ class TorchExecutor:
             torch.set_num_threads(envs.cpu_threads())
         self.dtype = resolve_dtype(self.config, dtype, self.device)
         self.config.check_max_model_len(engine_config.max_model_len)
+        k = engine_config.num_speculative_tokens
+        if k and not self.config.num_nextn_predict_layers:
+            raise ValueError(
+                f"num_speculative_tokens={k}: drafts come from the model's MTP layers and "
+                f"{self.config.name} has none (num_nextn_predict_layers=0)"
+            )
         self.max_model_len = engine_config.max_model_len or self.config.max_position_embeddings
         if self.device.type == "cuda":
             _check_fits(self.config, self.dtype, self.device, engine_config)
@@ -71,6 +81,11 @@ class TorchExecutor:
             load_format=load_format,
             seed=engine_config.seed,
         )
+        if k and self.model.mtp is None:
+            raise ValueError(
+                f"num_speculative_tokens={k}: the checkpoint in {self.model_dir} has no MTP "
+                f"weights (layer {self.config.num_hidden_layers}); drafts need them"
+            )
         num_blocks = self._num_blocks()
         use_graphs = self.device.type == "cuda" and not enforce_eager
         self.kv_cache = PagedKVCache(
@@ -81,6 +96,7 @@ class TorchExecutor:
             self.dtype,
             self.device,
             scratch_block=use_graphs,
+            num_mtp_layers=num_mtp_kv_layers(self.config, engine_config),
         )
         first_eos = (
             self.eos_token_id[0] if isinstance(self.eos_token_id, list) else self.eos_token_id
@@ -96,6 +112,13 @@ class TorchExecutor:
             )
         if use_graphs:
             self.runner.enable_cuda_graphs(cuda_graph_sizes)
+        eos = self.eos_token_id
+        self.runner.grammars = GrammarCompiler(  # loads xgrammar at the first so_args
+            self.model_dir,
+            self.vocab_size,
+            list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),
+            trust_remote_code=trust_remote_code,
+        )
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
             "TorchExecutor: %s on %s in %s, %d KV blocks of %d tokens; started in %.1f s",
@@ -110,6 +133,12 @@ class TorchExecutor:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
 
+    def prepare_grammar(self, so_args: dict[str, Any]) -> Future[Any]:
+        """Start compiling `so_args`'s grammar in a worker (cached by schema); ValueError
+        when structured outputs cannot work here (no xgrammar, no tokenizer)."""
+        assert self.runner.grammars is not None
+        return self.runner.grammars.submit(so_args)
+
     def execute_async(self, out: SchedulerOutput) -> Done:
         """Runs synchronously; the handle is already complete."""
         return completed(self.execute(out))
@@ -118,6 +147,8 @@ class TorchExecutor:
         return self.kv_cache.num_blocks
 
     def shutdown(self) -> None:
+        if self.runner.grammars is not None:
+            self.runner.grammars.shutdown()
         self.runner.requests.clear()
         self.kv_cache.layers.clear()
         if self.device.type == "cuda":
@@ -152,6 +183,7 @@ class TorchExecutor:
             self.config.kv_entry_dim,
             self.dtype,
             self.device,
+            num_mtp_layers=num_mtp_kv_layers(self.config, self.engine_config),
         )
         runner = ModelRunner(self.model, cache, self.engine_config)
         req = ScheduledRequest(
@@ -193,7 +225,7 @@ def _check_fits(cfg: Any, dtype: torch.dtype, device: torch.device, engine: Engi
             engine.num_gpu_blocks
             * engine.block_size
             * cfg.kv_entry_dim
-            * (cfg.num_hidden_layers * dtype.itemsize)
+            * (num_kv_layers(cfg, engine) * dtype.itemsize)
         )
     if weights + kv > budget:
         gb = 1e9

@@ -82,7 +82,7 @@ def _moe_align_kernel(
 
 
 # Above this many pairs the one-program kernel's serial loops cost more (1.9 ms at 98k
-# pairs on the H200) than the twin's few parallel torch ops (a sort, a bincount).
+# pairs on the H200) than the twin's few parallel torch ops (a sort, a scatter-add).
 MAX_PAIRS_ONE_PROGRAM = 8192
 
 
@@ -110,11 +110,14 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignme
 
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """Torch twin of `moe_align` (same outputs, element for element); no host sync, so
-    `moe_align` takes it for large batches."""
+    `moe_align` takes it for large batches, also inside a CUDA graph capture."""
     ids = topk_ids.reshape(-1).long()
     num_pairs = ids.numel()
     max_blocks = max_blocks_bound(num_pairs, num_experts, block_m)
-    counts = torch.bincount(ids, minlength=num_experts)
+    # Not bincount: on CUDA it reads the largest id back to the host (a sync), which a
+    # CUDA graph capture (the piecewise graphs' large token buckets) refuses.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(ids, stable=True)

@@ -12,6 +12,9 @@ LLMCompass style, but analytic: no profiled tables). Groups:
   attn_dec   decode (and draft-verify) tokens, MLA absorbed: MQA over the 576-wide
              latent cache; each request's latent KV read once per layer
   lm_head    logits only for positions that sample, plus the embedding gather
+  mtp        speculation (a step verifying k drafts): the MTP drafter's passes, one
+             decoder layer plus the head each: pass 1 over the step's tokens, then
+             k - 1 chained passes of one token per sampling request
 
 step_time is called for every simulated step, so the per-request loop only
 accumulates a few sums in plain Python floats; model constants are folded in
@@ -122,6 +125,8 @@ class AnalyticCostModel:
         self._head_weight_bytes = float(m.vocab_size * h * m.embed_dtype_bytes)
         self._head_act_bytes_per_tok = float(m.vocab_size * 4 + h * ab)
         self._embed_bytes_per_tok = float(h * m.embed_dtype_bytes)
+        self._layers = layers
+        self._layer_overhead = c.layer_overhead_s + c.step_overhead_s  # one drafting pass
 
     # --- public -------------------------------------------------------------
 
@@ -135,6 +140,11 @@ class AnalyticCostModel:
         if n == 0:
             return 0.0
         return self.coeffs.cpu_step_overhead_s + self.coeffs.cpu_per_request_s * n
+
+    @property
+    def grammar_mask_per_token_s(self) -> float:
+        """Host seconds to fill one structured request's token mask (sim.cost_model.mask_time)."""
+        return self.coeffs.cpu_grammar_mask_per_token_s
 
     def breakdown(self, out: SchedulerOutput) -> dict[str, GroupCost]:
         """Per op group FLOPs, bytes and seconds, plus "overhead"; sums to step_time."""
@@ -161,6 +171,7 @@ class AnalyticCostModel:
         n_logits = 0  # positions whose logits are computed (sampled + drafts to verify)
         pre_q = pre_pairs = pre_keys = pre_ctx = 0  # prefill form
         dec_q = dec_pairs = dec_keys = 0  # absorbed decode form
+        k = n_sampling = 0  # drafts verified (max over requests), requests that sample
         for r in out.scheduled:
             q = r.num_tokens
             ctx = r.num_computed_tokens
@@ -177,6 +188,8 @@ class AnalyticCostModel:
                 dec_pairs += pairs
                 dec_keys += ctx + q
             n_logits += len(r.draft_token_ids) + (1 if r.samples else 0)
+            n_sampling += r.samples
+            k = max(k, len(r.draft_token_ids))
         if n_tok == 0:
             if detail is not None:
                 detail["overhead"] = GroupCost(0.0, 0.0, 0.0)
@@ -240,4 +253,26 @@ class AnalyticCostModel:
             detail["overhead"] = GroupCost(0.0, 0.0, self._fixed)
         if sink is not None:
             sink[4] = t
+        if k:
+            t = self._mtp_seconds(total - self._fixed - t, n_sampling, k, dec_keys)
+            total += t
+            if detail is not None:
+                detail["mtp"] = GroupCost(0.0, 0.0, t)
         return total
+
+    def _mtp_seconds(self, body: float, n_rows: int, k: int, dec_keys: int) -> float:
+        """The MTP drafter after a verify step: pass 1 costs one decoder layer of the step
+        (`body`: the step's layer groups, all layers) plus the head on the sampling rows;
+        each of the k - 1 chained passes reads one layer's weights and KV for n_rows
+        one-token queries, plus the head."""
+        layers = self._layers
+        head_b = self._head_weight_bytes + n_rows * self._head_act_bytes_per_tok
+        head = max(n_rows * self._head_flops_per_tok / self._head_rate, head_b / self._bw)
+        first = body / layers + head + self._layer_overhead
+        f = n_rows * (self._dense_flops_per_tok + self._expert_flops_per_tok) / layers
+        b = self._dense_weight_bytes / layers + dec_keys * self._dec_kv_bytes / layers
+        if self._has_moe:
+            distinct = expected_distinct_experts(n_rows, self._num_experts, self._top_k)
+            b += distinct * self._expert_bytes_each / layers
+        chained = max(f / self._mm_rate, b / self._bw) + head + self._layer_overhead
+        return first + (k - 1) * chained

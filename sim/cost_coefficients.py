@@ -27,6 +27,8 @@ class CostCoefficients:
     step_overhead_s: float  # per step on the GPU (input copy, sampling)
     cpu_step_overhead_s: float  # host time per step
     cpu_per_request_s: float  # host time per scheduled request
+    # host time per token sampled under a grammar (so_args): its mask filled on the CPU
+    cpu_grammar_mask_per_token_s: float
     activation_bytes: int = 2  # bf16 activations
 
     def __post_init__(self) -> None:

@@ -2,7 +2,10 @@
 
 The simulator advances its clock by `step_time(out)` (GPU) and, where it
 models host overhead, `cpu_time(out)` (which async scheduling can overlap
-with the previous step's GPU time).
+with the previous step's GPU time). A model with `grammar_mask_per_token_s`
+also prices structured outputs: `mask_time(out, per_token)` of host work that
+fills the step's token masks while the device runs its forward, so only the
+part longer than the device time delays the step.
 
   "profiled"  measured steps of the real executor, fitted (sim/profiled_cost_model.py);
               the default wherever sim/data/profiles/ holds one for (model, hardware)
@@ -38,6 +41,7 @@ __all__ = [
     "resolve_cost_model",
     "kv_capacity_blocks",
     "load_cost_coefficients",
+    "mask_time",
 ]
 
 
@@ -52,6 +56,16 @@ class CostModel(Protocol):
     def cpu_time(self, out: SchedulerOutput) -> float:
         """Host seconds spent around `out` (scheduling, input prep, output processing)."""
         ...
+
+
+def mask_time(out: SchedulerOutput, per_token_s: float) -> float:
+    """Host seconds filling the grammar token masks of `out`'s structured requests: one
+    mask per sampled position (each verified draft too)."""
+    n = 0
+    for r in out.scheduled:
+        if r.structured and r.samples:
+            n += 1 + len(r.draft_token_ids)
+    return n * per_token_s
 
 
 class UnitCostModel:

@@ -40,10 +40,13 @@ def kv_capacity_blocks(
     block_size: int,
     gpu_memory_utilization: float,
     activation_reserve_bytes: int | None = None,
+    speculative: bool = False,
 ) -> int:
     """KV blocks of `block_size` tokens that fit on one `hardware` GPU.
 
     (memory * utilization - weights - activation reserve) // (block_size * KV bytes per token).
+    speculative: the MTP layer's weights and its KV (one more layer per block) count too,
+    as in the torch executor.
     Raises ValueError, naming both sizes, when the weights (or weights plus
     reserve) leave no room for a single block.
     """
@@ -54,7 +57,7 @@ def kv_capacity_blocks(
     if activation_reserve_bytes is None:
         activation_reserve_bytes = default_activation_reserve_bytes(model)
     budget = int(hardware.memory_bytes * gpu_memory_utilization)
-    weights = model.weight_bytes
+    weights = model.weight_bytes + (mtp_own_weight_bytes(model) if speculative else 0)
     dtype = {1: "fp8", 2: "bf16", 4: "fp32"}.get(model.dtype_bytes, f"{model.dtype_bytes}-byte")
     gb = 1e9
     if weights >= budget:
@@ -65,7 +68,7 @@ def kv_capacity_blocks(
             f"{hardware.name}. Multi-GPU sharding is not modelled yet: pick a GPU with more "
             f"memory or a smaller model."
         )
-    block_bytes = block_size * model.kv_bytes_per_token
+    block_bytes = block_size * kv_bytes_per_token(model, speculative)
     free = budget - weights - activation_reserve_bytes
     if free < block_bytes:
         raise ValueError(
@@ -84,16 +87,30 @@ def check_blocks_fit(
     num_blocks: int,
     block_size: int,
     gpu_memory_utilization: float,
+    speculative: bool = False,
 ) -> None:
     """An explicit KV cache size must fit beside the weights: ValueError naming both."""
     budget = int(hardware.memory_bytes * gpu_memory_utilization)
-    kv = num_blocks * block_size * model.kv_bytes_per_token
-    if model.weight_bytes + kv > budget:
+    kv = num_blocks * block_size * kv_bytes_per_token(model, speculative)
+    weights = model.weight_bytes + (mtp_own_weight_bytes(model) if speculative else 0)
+    if weights + kv > budget:
         gb = 1e9
         raise ValueError(
-            f"{model.name} on one {hardware.name}: weights {model.weight_bytes / gb:.1f} GB plus "
+            f"{model.name} on one {hardware.name}: weights {weights / gb:.1f} GB plus "
             f"num_gpu_blocks={num_blocks} x {block_size} tokens of KV cache "
             f"({kv / gb:.1f} GB) exceed the {budget / gb:.1f} GB usable "
             f"({hardware.memory_bytes / gb:.1f} GB x gpu_memory_utilization "
             f"{gpu_memory_utilization})"
         )
+
+
+def kv_bytes_per_token(model: ModelConfig, speculative: bool = False) -> int:
+    """Latent KV of one token: the decoder layers, plus the MTP layer when speculating."""
+    extra = min(1, model.num_nextn_predict_layers) if speculative else 0
+    return model.kv_bytes_per_token * (model.num_hidden_layers + extra) // model.num_hidden_layers
+
+
+def mtp_own_weight_bytes(model: ModelConfig) -> int:
+    """The MTP layers' own weights (they share the embedding and the head)."""
+    n = model.num_nextn_predict_layers
+    return max(0, model.mtp_params - 2 * model.embed_params * n) * model.dtype_bytes

@@ -4,9 +4,11 @@ A profile (`deepinfer profile`, shipped under sim/data/profiles/) holds whole en
 steps of the real executor. A step is predicted as a non-negative combination of
 features that follow its physics:
 
-  graph, eager, mixed   fixed costs of a step replayed as a CUDA graph (pure decode), run
-                        eagerly (any prompt chunk or multi-token query), and an eager step
-                        that also carries decodes (the absorbed-attention path's launches)
+  graph, piecewise,     fixed costs of a step replayed as a CUDA graph (pure decode), as
+  eager, mixed          piecewise graphs (any prompt chunk or multi-token query, up to the
+                        profile's `piecewise_max_tokens`), run eagerly (larger steps), and
+                        of a non-decode step that also carries decodes (the absorbed
+                        attention path's launches)
   reqs, prompt_reqs     per-request host work (inputs, block tables, sampler state)
   tokens                per-token work the groups below do not price
   decode_max_context    the longest decode context: split-KV decode attention is bound by
@@ -48,9 +50,9 @@ from sim.cost_coefficients import load_cost_coefficients
 from sim.hardware import HardwareSpec
 
 PROFILES_DIR = Path(__file__).parent / "data" / "profiles"
-FEATURES = ("graph", "eager", "mixed", "reqs", "prompt_reqs", "tokens", "decode_max_context",
-            "dense", "experts", "attn_pre", "attn_dec", "lm_head")  # fmt: skip
-_GROUPS = FEATURES[7:]
+FEATURES = ("graph", "piecewise", "eager", "mixed", "reqs", "prompt_reqs", "tokens",
+            "decode_max_context", "dense", "experts", "attn_pre", "attn_dec", "lm_head")  # fmt: skip
+_GROUPS = FEATURES[8:]
 _EXTRAPOLATION_MARGIN = 1.1
 _ONE_WAVE_BATCH = 256  # decode batches up to this many requests run as one wave of splits
 
@@ -110,6 +112,8 @@ class ProfiledCostModel:
         data = profile if isinstance(profile, dict) else load_profile(profile)
         self.profile_name = Path(data.get("_path", "profile")).name
         self.meta = data["meta"]
+        # Profiles measured before piecewise graphs ran every non-decode step eagerly.
+        self._piecewise_max = int(self.meta.get("piecewise_max_tokens", 0))
         self._analytic = AnalyticCostModel(model, hardware, load_cost_coefficients())
         outs = [shape_output(p["groups"]) for p in data["points"]]
         y = np.array([p["median_s"] for p in data["points"]], dtype=float)
@@ -140,11 +144,31 @@ class ProfiledCostModel:
     # --- the CostModel protocol -------------------------------------------------
 
     def step_time(self, out: SchedulerOutput) -> float:
-        if not out.scheduled:
+        scheduled = out.scheduled
+        if not scheduled:
             return 0.0
-        self._check_range(out)
-        if not self._eager(out) and self._decode.ready:
-            return self._decode.predict(out)
+        # One pass for what the range check and the decode surface read (this runs for
+        # every simulated step): tokens, the longest context, decode contexts.
+        tokens = longest = ctx_max = ctx_sum = 0
+        eager = False
+        for r in scheduled:
+            q, c = r.num_tokens, r.num_computed_tokens
+            tokens += q
+            if q > 1:
+                eager = True
+            if c + q > longest:
+                longest = c + q
+            if c > ctx_max:
+                ctx_max = c
+            ctx_sum += c
+        lim = self._limits
+        m = _EXTRAPOLATION_MARGIN
+        n = len(scheduled)
+        if tokens > lim["tokens"] * m or n > lim["reqs"] * m or longest > lim["context"] * m:
+            self._warn_range(tokens, n, longest)
+        if not eager and self._decode.ready:
+            effective = ctx_max if n <= _ONE_WAVE_BATCH else ctx_sum / n
+            return self._decode.predict_at(float(n), max(1.0, float(effective)), out)
         return self._physics(out)
 
     def _physics(self, out: SchedulerOutput) -> float:
@@ -160,6 +184,11 @@ class ProfiledCostModel:
             return 0.0
         a, b, c = self._host
         return a + b * len(out.scheduled) + c * out.num_batched_tokens
+
+    @property
+    def grammar_mask_per_token_s(self) -> float:
+        """The profile's steps had no grammars: their masks cost what the coefficients say."""
+        return self._analytic.grammar_mask_per_token_s
 
     # --- features ----------------------------------------------------------------
 
@@ -179,9 +208,11 @@ class ProfiledCostModel:
                     dec_ctx = r.num_computed_tokens
             if r.is_prompt:
                 prompts += 1
+        piecewise = eager and tokens <= self._piecewise_max
         head = [
             0.0 if eager else 1.0,
-            1.0 if eager else 0.0,
+            1.0 if piecewise else 0.0,
+            1.0 if eager and not piecewise else 0.0,
             1.0 if eager and has_decode else 0.0,
             float(len(out.scheduled)),
             float(prompts),
@@ -196,6 +227,9 @@ class ProfiledCostModel:
         ctx = max(r.num_computed_tokens + r.num_tokens for r in out.scheduled)
         if tokens <= lim["tokens"] * m and reqs <= lim["reqs"] * m and ctx <= lim["context"] * m:
             return
+        self._warn_range(tokens, reqs, ctx)
+
+    def _warn_range(self, tokens: int, reqs: int, ctx: int) -> None:
         seen = {"tokens": tokens, "reqs": reqs, "context": ctx}
         for key, value in seen.items():
             limit = self._limits[key]
@@ -269,6 +303,10 @@ class _DecodeSurface:
 
     def predict(self, out: SchedulerOutput) -> float:
         b, c = self._coords(out)
+        return self.predict_at(b, c, out)
+
+    def predict_at(self, b: float, c: float, out: SchedulerOutput) -> float:
+        """`predict` with the step's (batch, effective context) already known."""
         b_lo, b_hi, c_lo, c_hi = self._bounds
         bc = b_lo if b < b_lo else b_hi if b > b_hi else b
         cc = c_lo if c < c_lo else c_hi if c > c_hi else c

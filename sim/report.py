@@ -152,25 +152,29 @@ def write_report(
     long outputs). `timeline` is at most `max_timeline_points` step records,
     sampled evenly by step index.
     """
-    requests = []
-    for r in records:
-        d = r.to_dict()
-        if not include_token_times:
-            d.pop("token_times", None)
-        requests.append(d)
+    # Field by field rather than asdict(), which deep-copies each record's token_times
+    # (most of a record) only for it to be dropped.
+    names = [f.name for f in dataclasses.fields(RequestRecord)]
+    if not include_token_times:
+        names.remove("token_times")
+    requests = [{k: getattr(r, k) for k in names} for r in records]
     timeline = [dataclasses.asdict(s) for s in downsample(steps or [], max_timeline_points)]
+    # Records hold only str/int/float/None: converting them value by value (most of the
+    # file) is needed only if one holds a non-finite float, which the strict dump refuses.
     doc = {
         "version": 1,
-        "meta": meta,
-        "summary": summary,
+        "meta": _jsonable(meta),
+        "summary": _jsonable(summary),
         "requests": requests,
         "timeline": timeline,
     }
+    try:
+        text = json.dumps(doc, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        text = json.dumps(_jsonable(doc), allow_nan=False, separators=(",", ":"))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f:
-        json.dump(_jsonable(doc), f, allow_nan=False, separators=(",", ":"))
-        f.write("\n")
+    out.write_text(text + "\n", encoding="utf-8")
 
 
 def _cdf(ax: Axes, values_ms: list[float], metric: str) -> None:

@@ -23,7 +23,8 @@ from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
-from sim.cost_model import CostModel, kv_capacity_blocks, resolve_cost_model
+from sim.acceptance import AcceptanceModel
+from sim.cost_model import CostModel, kv_capacity_blocks, mask_time, resolve_cost_model
 from sim.hardware import HardwareSpec, get_hardware
 from sim.kv_capacity import check_blocks_fit
 from sim.sim_executor import SimExecutor
@@ -40,12 +41,18 @@ class SimResult:
 
 def build_requests(trace: Trace, vocab_size: int) -> list[Request]:
     """Engine requests for a trace: synthetic prompts that share content where
-    the trace's prefix blocks say so; each stops after its trace output_len."""
+    the trace's prefix blocks say so; each stops after its trace output_len. A
+    `structured` request carries no schema (no tokens here): its grammar masks are
+    priced by the cost model's host time."""
     out = []
     for i, tr in enumerate(trace.requests):
         params = SamplingParams(temperature=0.0, max_tokens=tr.output_len, ignore_eos=True)
         prompt = SyntheticPrompt.for_request(tr, salt=i, vocab_size=vocab_size)
-        out.append(Request(tr.id, prompt, params, tr.arrival, priority=tr.priority))
+        out.append(
+            Request(
+                tr.id, prompt, params, tr.arrival, priority=tr.priority, structured=tr.structured
+            )
+        )
     return out
 
 
@@ -58,14 +65,20 @@ def simulate(
     *,
     profile: str | Path | None = None,
     slo: SLO | None = None,
-    acceptance_rate: float = 0.7,
+    acceptance_rate: float | str | Path | AcceptanceModel = 0.7,
     check_invariants: bool = False,
     on_progress: Callable[[int], None] | None = None,
+    grammar_mask_per_token_s: float | None = None,
 ) -> SimResult:
     """Run `trace` to completion; raises deepinfer.SchedulerStalled if the engine stalls.
 
     cost_model None: the profiled model where a profile of (model, hardware) is shipped
     (or `profile` is given), else the analytic one, reported as uncalibrated.
+    acceptance_rate: draft acceptance when speculating: one probability for every
+    position, an AcceptanceModel, or an acceptance file (path or name under
+    sim/data/acceptance/, written by `deepinfer measure-acceptance`).
+    grammar_mask_per_token_s: host seconds per token mask of a `structured` request
+    (None: the cost model's `grammar_mask_per_token_s`, 0 where it has none).
     """
     if not isinstance(trace, Trace):
         trace = Trace("requests", "python", list(trace))
@@ -73,18 +86,31 @@ def simulate(
     spec = model if isinstance(model, ModelConfig) else load_model_config(model)
     hw = hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
     cost, cost_meta = resolve_cost_model(cost_model, spec, hw, profile)
+    if grammar_mask_per_token_s is None:
+        grammar_mask_per_token_s = getattr(cost, "grammar_mask_per_token_s", 0.0)
+    if not grammar_mask_per_token_s >= 0:
+        raise ValueError(f"grammar_mask_per_token_s={grammar_mask_per_token_s}: must be >= 0")
     num_blocks = engine.num_gpu_blocks
     if num_blocks is None:
-        num_blocks = kv_capacity_blocks(spec, hw, engine.block_size, engine.gpu_memory_utilization)
+        num_blocks = kv_capacity_blocks(
+            spec, hw, engine.block_size, engine.gpu_memory_utilization,
+            speculative=engine.num_speculative_tokens > 0,
+        )  # fmt: skip
     elif cost_model != "unit":  # the unit model prices no hardware: any cache is a test case
-        check_blocks_fit(spec, hw, num_blocks, engine.block_size, engine.gpu_memory_utilization)
+        check_blocks_fit(
+            spec, hw, num_blocks, engine.block_size, engine.gpu_memory_utilization,
+            speculative=engine.num_speculative_tokens > 0,
+        )  # fmt: skip
     spec.check_max_model_len(engine.max_model_len)
     if engine.num_speculative_tokens and not spec.num_nextn_predict_layers:
         raise ValueError(
             f"num_speculative_tokens={engine.num_speculative_tokens}: drafts come from the "
             f"model's MTP layers and {spec.name} has none (num_nextn_predict_layers=0)"
         )
-    executor = SimExecutor(engine, num_blocks, acceptance_rate=acceptance_rate)
+    acceptance = acceptance_rate
+    if isinstance(acceptance, (str, Path)):
+        acceptance = AcceptanceModel.load(acceptance)
+    executor = SimExecutor(engine, num_blocks, acceptance_rate=acceptance)
     env = simpy.Environment()
     core = EngineCore(
         engine,
@@ -94,7 +120,8 @@ def simulate(
         check_invariants=check_invariants,
     )
     requests = build_requests(trace, spec.vocab_size)
-    env.process(_serve(env, core, deque(requests), cost, on_progress))
+    mask_s = float(grammar_mask_per_token_s)
+    env.process(_serve(env, core, deque(requests), cost, mask_s, on_progress))
     env.run()
     by_id = {r.req_id: r for r in core.records}
     records = [by_id[r.request_id] for r in requests]
@@ -109,10 +136,13 @@ def simulate(
         **cost_meta,
         "num_steps": core.scheduler.step_id,
         "num_evictions": core.scheduler.kv.pool.num_evictions,
+        "grammar_mask_per_token_s": mask_s,
     }
     if engine.num_speculative_tokens:
         drafts = executor.num_draft_tokens
         meta["draft_acceptance_rate"] = executor.num_accepted_tokens / drafts if drafts else None
+        meta["acceptance_model"] = executor.acceptance.source
+        meta["acceptance_per_position"] = list(executor.acceptance.per_position)
     return SimResult(records, core.steps, summarize(records, core.steps, slo), meta)
 
 
@@ -121,11 +151,15 @@ def _serve(
     core: EngineCore,
     pending: deque[Request],
     cost: CostModel,
+    mask_per_token_s: float,
     on_progress: Callable[[int], None] | None,
 ) -> Generator[simpy.events.Event, Any, None]:
     """Admit arrivals and drive the engine's own loop (`EngineCore.step_events`) in
     simulated time: host time after each schedule, the cost model's device time from
     each launch; async scheduling overlaps the two exactly as the real loop does.
+    Structured requests' token masks are host work from the launch on, beside the
+    device's forward (the real runner fills them before it first synchronises): the
+    step's results are back when both are done, and the host is busy meanwhile.
 
     One simpy timeout per step: the host's work is booked on `host_free` (when the host
     is next idle) and a launch starts once it is done, so only an await has to wait."""
@@ -136,16 +170,18 @@ def _serve(
         while pending and pending[0].arrival_time <= env.now:
             core.add_request(pending.popleft())
         if not core.has_unfinished():
-            yield env.timeout(pending[0].arrival_time - env.now)
+            if pending:  # else the last arrivals were all rejected: the run is over
+                yield env.timeout(pending[0].arrival_time - env.now)
             continue
         for kind, out in core.step_events():
             now = env.now
             if kind is SCHEDULED:
                 host_free = (host_free if host_free > now else now) + cost.cpu_time(out)
             elif kind is LAUNCHED:
-                ready_at[out.step_id] = (host_free if host_free > now else now) + (
-                    cost.step_time(out)
-                )
+                start = host_free if host_free > now else now
+                masks = mask_time(out, mask_per_token_s) if mask_per_token_s else 0.0
+                host_free = start + masks
+                ready_at[out.step_id] = start + max(cost.step_time(out), masks)
             else:
                 done = ready_at.pop(out.step_id)
                 wait = (done if done > host_free else host_free) - now

@@ -50,19 +50,27 @@ class ScriptedExecutor:
         self.k = num_drafts
         self.acceptance_rate = acceptance_rate
         self._rng = random.Random(seed)
+        self._computed: dict[str, int] = {}  # as SimExecutor: the real start under async
 
     def num_kv_blocks(self) -> int:
         return self._num_blocks
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         res = ModelRunnerOutput()
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            self._computed.pop(rid, None)
         for sr in out.scheduled:
+            start = sr.num_computed_tokens
+            if sr.block_table is None and sr.req_id in self._computed:
+                start = self._computed[sr.req_id]
+            self._computed[sr.req_id] = start + sr.num_tokens
             if not sr.samples:
                 continue
             accepted = 0
             while accepted < len(sr.draft_token_ids) and self._rng.random() < self.acceptance_rate:
                 accepted += 1
-            first = sr.num_computed_tokens + sr.num_tokens - len(sr.draft_token_ids)
+            self._computed[sr.req_id] -= len(sr.draft_token_ids) - accepted
+            first = start + sr.num_tokens - len(sr.draft_token_ids)
             res.sampled_token_ids[sr.req_id] = [1000 + first + j for j in range(accepted + 1)]
             if self.k:
                 nxt = first + accepted + 1

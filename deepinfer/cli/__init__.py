@@ -1,20 +1,23 @@
-"""`deepinfer simulate | generate | profile`: the command line.
+"""`deepinfer simulate | sweep | generate | profile`: the command line.
 
 Each command lives in its own module and imports the simulator or the real
 executor inside its run function, so `deepinfer --help` stays light.
 Exit codes: 0 success, 2 bad input (trace, option, model config), 3 the
-engine stalled (the message is the diagnosis).
+engine stalled (the message is the diagnosis). A usage error (a bad flag) is one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from deepinfer import __version__
 from deepinfer.cli.generate import add_generate_parser
+from deepinfer.cli.measure_acceptance import add_measure_acceptance_parser
 from deepinfer.cli.profile import add_profile_parser
 from deepinfer.cli.simulate import add_simulate_parser
+from deepinfer.cli.sweep import add_sweep_parser
 from deepinfer.errors import SchedulerStalled
 
 EXIT_BAD_INPUT = 2
@@ -22,8 +25,15 @@ EXIT_STALLED = 3
 EXIT_INTERNAL = 1
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line naming the flag (and where to look), then exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="deepinfer",
         description="Inference engine and scheduler simulator for DeepSeek-architecture models.",
     )
@@ -33,10 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show the full traceback of an error (before the command)",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_simulate_parser(sub)
+    add_sweep_parser(sub)
     add_generate_parser(sub)
     add_profile_parser(sub)
+    add_measure_acceptance_parser(sub)
     return parser
 
 

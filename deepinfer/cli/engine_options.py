@@ -8,7 +8,7 @@ from typing import Any
 
 from deepinfer.config import EngineConfig
 
-_ENGINE_HELP = {
+ENGINE_HELP = {
     "block_size": "tokens per KV block",
     "num_gpu_blocks": "KV blocks in the cache",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
@@ -24,6 +24,10 @@ _ENGINE_HELP = {
     "async_scheduling": "schedule step N+1 while step N runs",
     "policy": "fcfs or priority",
     "seed": "seed for everything random",
+    "model": "model preset or config.json path",
+    "hardware": "GPU preset (h200, h100, h800, b200)",
+    "cost_model": "profiled, analytic or unit (default: profiled where a profile exists)",
+    "acceptance_rate": "per-draft-token acceptance probability when speculating",
 }
 
 
@@ -60,7 +64,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
             type=kind,
             default=None,
             metavar=f.name.split("_")[-1].upper(),
-            help=f"{_ENGINE_HELP.get(f.name, '')} (default: {_DEFAULT_TEXT.get(f.name, shown)})",
+            help=f"{ENGINE_HELP.get(f.name, '')} (default: {_DEFAULT_TEXT.get(f.name, shown)})",
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from typing import Any
 
 from deepinfer.cli.engine_options import add_engine_options, engine_config_from_args
@@ -49,4 +50,12 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"--- {out.request_id} ({out.outputs[0].finish_reason})")
         for c in out.outputs:
             print((out.prompt or "") + c.text)
+    sched = llm.engine.scheduler
+    if sched.num_draft_tokens:
+        by_position = ", ".join(f"{a / n:.2f}" for n, a in sched.draft_position_stats if n)
+        print(
+            f"speculation: {sched.num_accepted_drafts} of {sched.num_draft_tokens} drafts "
+            f"accepted; by position (given the earlier passed): {by_position}",
+            file=sys.stderr,
+        )
     return 0

@@ -83,6 +83,8 @@ def run_profile(args: argparse.Namespace) -> int:
             "dtype": str(executor.dtype).removeprefix("torch."),
             "load_format": load_format,
             "cuda_graphs": executor.runner.graphs is not None,
+            # Steps up to this many tokens replay piecewise graphs; larger ones run eagerly.
+            "piecewise_max_tokens": pw.max_size if (pw := executor.runner.piecewise) else 0,
             "engine": {
                 "block_size": cfg.block_size,
                 "max_num_seqs": cfg.max_num_seqs,

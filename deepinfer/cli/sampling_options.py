@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any
 
 from deepinfer.cli.engine_options import parse_bool
 from deepinfer.sampling_params import SamplingParams
 
 # Fields the command line leaves out: refused options and the alias of `seed`.
-_SKIPPED = ("best_of", "prompt_logprobs", "seq_seed", "so_args")
+_SKIPPED = ("best_of", "prompt_logprobs", "seq_seed")
 _LISTS = {"stop": str, "stop_token_ids": int}
 _OPTIONAL_INTS = ("max_tokens", "logprobs", "seed")
 
@@ -30,6 +31,8 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
             kind, extra = _LISTS[f.name], {"nargs": "+"}
         elif f.name in _OPTIONAL_INTS:
             kind = int
+        elif f.name == "so_args":  # '{"schema_type": "regex", "schema": "[0-9]+"}'
+            kind = _json_object
         group.add_argument(
             flag,
             dest=f"sampling_{f.name}",
@@ -39,6 +42,16 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
             help=f"(default: {default})",
             **extra,
         )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:

@@ -61,6 +61,14 @@ def add_simulate_parser(sub: Any) -> None:
         help="multiply arrival times (0.5 replays twice as fast)",
     )
     p.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        metavar="R",
+        help="replace the trace's arrival times with a Poisson process of R requests/s "
+        "seeded by --seed, keeping its sizes (inf: all at time 0, an offline batch)",
+    )
+    p.add_argument(
         "--max-requests",
         "--num-requests",
         dest="max_requests",
@@ -77,9 +85,11 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft:2000,tpot:100")
     p.add_argument(
         "--acceptance-rate",
-        type=float,
+        type=_acceptance,
         default=0.7,
-        help="per-draft-token acceptance probability when speculating",
+        help="draft acceptance when speculating: one probability for every draft position, "
+        "or an acceptance file (path, or a name under sim/data/acceptance/) written by "
+        "`deepinfer measure-acceptance` (default: %(default)s)",
     )
     p.add_argument(
         "--out", type=Path, default=None, help="write a JSON report with per-request records"
@@ -95,9 +105,28 @@ def add_simulate_parser(sub: Any) -> None:
         action="store_true",
         help="check scheduler invariants after every step (slow)",
     )
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="treat every request as structured output (so_args): price its token masks",
+    )
+    p.add_argument(
+        "--grammar-mask-us",
+        type=float,
+        default=None,
+        help="host microseconds to fill one structured request's token mask (default: the "
+        "cost model's cpu_grammar_mask_per_token_s)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_engine_options(p)
     p.set_defaults(func=run_simulate)
+
+
+def _acceptance(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -117,8 +146,13 @@ def run_simulate(args: argparse.Namespace) -> int:
         start=args.start,
         end=args.end,
     )
+    if args.structured:
+        trace = trace.with_all_structured()
     engine = engine_config_from_args(args)
+    if args.request_rate is not None:
+        trace = _retime(trace, args.request_rate, engine.seed, args.time_scale)
     slo = parse_slo(args.slo) if args.slo else None
+    mask_us = args.grammar_mask_us
     with tqdm(
         total=len(trace),
         desc="simulating",
@@ -138,6 +172,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             acceptance_rate=args.acceptance_rate,
             check_invariants=args.check_invariants,
             on_progress=bar.update,
+            grammar_mask_per_token_s=None if mask_us is None else mask_us * 1e-6,
         )
     meta = dict(result.meta, trace_path=str(path))
     title = f"{trace.name}: {meta['model']} on {meta['hardware']}"
@@ -154,6 +189,23 @@ def run_simulate(args: argparse.Namespace) -> int:
         plot_report(args.plot, result.requests, result.steps, title)
         print(f"plots: {args.plot}")
     return 0
+
+
+def _retime(trace: Any, rate: float, seed: int, time_scale: float) -> Any:
+    """The trace's requests (after --max-requests, --start, --end) at new arrivals."""
+    from sim.traces.retime import offline, poisson
+
+    if time_scale != 1.0:
+        raise ValueError(
+            "--request-rate replaces the trace's arrival times, so --time-scale "
+            f"({time_scale}) would have nothing to scale: give one of them"
+        )
+    if rate == float("inf"):
+        return offline(trace)
+    try:
+        return poisson(trace, rate, seed)
+    except ValueError as e:
+        raise ValueError(f"--request-rate {rate}: {e}") from None
 
 
 def default_trace() -> Path:

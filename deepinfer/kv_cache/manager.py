@@ -70,13 +70,15 @@ class KVCacheManager:
         *,
         reserve_tokens: int = 0,
         num_draft_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVBlock] | None:
         """Give `request` the blocks to compute `num_new_tokens` more tokens.
 
         `cached`: prefix-cache hits to take first (the request then starts at
         `len(cached) * block_size` computed tokens). `reserve_tokens`: hold
         blocks for at least this many tokens (a chunked prefill reserves its
-        whole prompt with its first chunk). Returns the blocks appended to the
+        whole prompt with its first chunk). `num_lookahead_tokens`: slots past the
+        step's tokens that the drafter writes (chained MTP drafts' KV). Returns the blocks appended to the
         request's table (hits first), or None, having changed nothing, when
         the free blocks do not suffice or a hit no longer holds the content the
         lookup found (another allocation evicted it in between: look up again).
@@ -88,21 +90,23 @@ class KVCacheManager:
         held = self.req_blocks.get(request.request_id)
         num_held = len(held) if held else 0
         num_computed = request.num_computed_tokens + len(cached) * self.block_size
-        need_tokens = max(num_computed + num_new_tokens, reserve_tokens)
+        need_tokens = max(num_computed + num_new_tokens + num_lookahead_tokens, reserve_tokens)
         num_needed = max(cdiv(need_tokens, self.block_size) - num_held - len(cached), 0)
         # Hits that sit in the free list stop being allocatable once touched.
-        num_free_hits = sum(1 for b in cached if b.ref_cnt == 0)
+        num_free_hits = sum(1 for b in cached if b.ref_cnt == 0) if cached else 0
         if num_needed > self.pool.num_free_blocks - num_free_hits:
             return None
         if held is None:
             held = self.req_blocks[request.request_id] = []
             self._num_cached[request.request_id] = 0
-        self.pool.touch(cached)
-        new = list(cached)
-        new.extend(self.pool.allocate(num_needed))
-        held.extend(new)
         if cached:
+            self.pool.touch(cached)
+            new = list(cached)
+            new.extend(self.pool.allocate(num_needed))
             self._num_cached[request.request_id] = len(cached)
+        else:  # most calls: a decode token, in a block already held or one new block
+            new = self.pool.allocate(num_needed) if num_needed else []
+        held.extend(new)
         # Drafts may be rejected: never cache blocks whose content is a guess.
         self._cache_full_blocks(request, num_computed + num_new_tokens - num_draft_tokens)
         return new

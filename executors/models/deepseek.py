@@ -39,7 +39,22 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        h = self.self_attn(self.input_layernorm(x), cos_sin, md, kv_cache)
+        q = self.attn_in(x, cos_sin, md.slot_mapping, kv_cache)
+        return self.attn_out(self.self_attn.attend(q, md, kv_cache), x)
+
+    def attn_in(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The layer up to attention: x [T, hidden] -> q [T, H, dn + R] (cache written)."""
+        return self.self_attn.project(self.input_layernorm(x), cos_sin, slot_mapping, kv_cache)
+
+    def attn_out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: o [T, H, dv], residual x [T, hidden] -> [T, hidden]."""
+        h = self.self_attn.o_proj(o.flatten(1))
         norm = self.post_attention_layernorm  # with the residual add: one op (one pass)
         normed, x = kernel_ops.fused_add_rmsnorm(h, x, norm.weight, norm.eps)  # [T, hidden] x 2
         return x + self.mlp(normed)

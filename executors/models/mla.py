@@ -51,6 +51,19 @@ class MLAttention(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         """x: [T, hidden]; kv_cache: [num_blocks, block_size, L + R] (written) -> [T, hidden]."""
+        q = self.project(x, cos_sin, md.slot_mapping, kv_cache)
+        return self.o_proj(self.attend(q, md, kv_cache).flatten(1))
+
+    def project(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Everything before attention proper, none of it data-dependent in shape (so a
+        piecewise graph holds it): x [T, hidden] -> q [T, H, dn + R] with q_pe rotated;
+        [RMSNorm(c_kv) | RoPE(k_pe)] written to the cache at `slot_mapping` [T]."""
         t = x.shape[0]
         cos, sin = cos_sin
         if self.q_lora_rank is None:
@@ -58,21 +71,27 @@ class MLAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, dn + R]
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         # One op: q_pe rotated in place; [RMSNorm(c_kv) | RoPE(k_pe)] into the cache.
         kernel_ops.mla_rope_cache(
-            q_pe, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight,
-            self.kv_a_layernorm.eps, cos, sin, kv_cache, md.slot_mapping, self.interleave,
+            q[..., self.nope_dim :], self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps, cos, sin, kv_cache, slot_mapping, self.interleave,
         )  # fmt: skip
+        return q
 
+    def attend(
+        self, q: torch.Tensor, md: AttentionMetadata, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention over the paged cache, shaped by the step's requests (run eagerly):
+        q [T, H, dn + R] -> [T, H, dv]; decode requests first, then prefill chunks."""
+        t = q.shape[0]
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         td = md.num_decode_tokens
         outs = []
         if md.num_decode_reqs > 0:
             outs.append(self._decode(q_nope[:td], q_pe[:td], md, kv_cache))
         if td < t:
             outs.append(self._prefill(q_nope[td:], q_pe[td:], md, kv_cache))
-        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H, dv]
-        return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H, dv]
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, dn, L], W_UV [H, dv, L] (views)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 from os import PathLike
 
@@ -24,6 +24,7 @@ class TraceRequest:
     prefix_blocks: tuple[int, ...] = ()
     prefix_block_size: int = 0
     priority: int = 0
+    structured: bool = False  # its output is constrained by a grammar (so_args): masks priced
 
 
 @dataclass
@@ -48,6 +49,10 @@ class Trace:
         if not self.requests:
             return 0.0
         return self.requests[-1].arrival - self.requests[0].arrival
+
+    def with_all_structured(self) -> Trace:
+        """The same requests, each with a structured output (its token masks priced)."""
+        return Trace(self.name, self.source, [replace(r, structured=True) for r in self.requests])
 
 
 class TraceError(ValueError):

@@ -55,7 +55,29 @@ def parse_request(obj: object, index: int) -> TraceRequest:
         prefix_blocks=blocks,
         prefix_block_size=block_size,
         priority=parse_int("priority", obj.get("priority", 0), minimum=None, what="an integer"),
+        structured=_parse_bool("structured", obj.get("structured", False))
+        or _has_so_args(obj.get("so_args")),
     )
+
+
+def _has_so_args(value: object) -> bool:
+    """A request's `so_args`, as SamplingParams takes it: the simulator samples no tokens,
+    so only its presence matters (the request is structured); its shape is checked."""
+    from deepinfer.structured_outputs import SCHEMA_TYPES
+
+    if value is None:
+        return False
+    if not isinstance(value, dict) or value.get("schema_type") not in SCHEMA_TYPES:
+        raise FieldError(
+            "so_args", f'expected {{"schema_type": one of {SCHEMA_TYPES}, "schema": ...}}'
+        )
+    return True
+
+
+def _parse_bool(field: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise FieldError(field, f"expected true or false, got {value!r}")
+    return value
 
 
 def load_native(path: Path) -> Trace:
@@ -181,6 +203,8 @@ def request_to_dict(req: TraceRequest) -> dict[str, Any]:
         obj["prefix_block_size"] = req.prefix_block_size
     if req.priority:
         obj["priority"] = req.priority
+    if req.structured:
+        obj["structured"] = True
     return obj
 
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer import EngineConfig, SamplingParams
+from deepinfer import EngineConfig
 
 
 @pytest.mark.parametrize(
     "name",
     [
         "DEEPINFER_BATCH_INVARIANT",
-        "DEEPINFER_USE_NEXTN_DECODE",
         "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE",
         "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS",
     ],
@@ -24,22 +23,22 @@ def test_a_variable_of_an_unimplemented_feature_is_refused_naming_it(monkeypatch
     EngineConfig()
 
 
-def test_variable_length_drafts_are_refused_until_they_exist(monkeypatch) -> None:
-    with pytest.raises(ValueError, match="enable_mtp_varlen"):
-        EngineConfig(num_speculative_tokens=2, enable_mtp_varlen=True)
+def test_variable_length_drafts_turn_speculation_on_up_to_the_nextn_length(monkeypatch) -> None:
+    """DEEPINFER_ENABLE_MTP_VARLEN=1 speculates with up to DEEPINFER_USE_NEXTN_DECODE drafts
+    (5 by default); an explicit num_speculative_tokens is the maximum instead."""
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
-    with pytest.raises(ValueError, match="DEEPINFER_ENABLE_MTP_VARLEN"):
-        EngineConfig(num_speculative_tokens=2)
-    assert EngineConfig().enable_mtp_varlen  # without speculation it changes nothing
-    monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
+    assert EngineConfig().num_speculative_tokens == 5
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
+    cfg = EngineConfig()
+    assert cfg.enable_mtp_varlen and cfg.num_speculative_tokens == 3
     assert EngineConfig(num_speculative_tokens=2).num_speculative_tokens == 2
-
-
-def test_structured_outputs_are_refused_until_they_exist() -> None:
-    with pytest.raises(ValueError, match="so_args: structured outputs are not implemented"):
-        SamplingParams(so_args={"schema_type": "regex", "schema": "[0-9]{3}"})
-    with pytest.raises(ValueError, match="so_args.schema_type"):
-        SamplingParams(so_args={"schema_type": "yaml", "schema": "x"})
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
+    with pytest.raises(ValueError, match="DEEPINFER_USE_NEXTN_DECODE"):
+        EngineConfig()
+    monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN")
+    monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE")
+    assert EngineConfig().num_speculative_tokens == 0
+    assert EngineConfig(enable_mtp_varlen=True).num_speculative_tokens == 5
 
 
 def test_unknown_engine_option_is_named() -> None:

@@ -145,6 +145,27 @@ def test_speculative_steps_verify_drafts_and_roll_back_rejections() -> None:
     assert engine.scheduler.step_id < 40  # some drafts were accepted
 
 
+def test_async_scheduling_keeps_drafting_with_placeholders_outstanding() -> None:
+    """Under async scheduling a step is scheduled while the one before is in flight: its
+    drafts are placeholders the executor fills with its own proposals, its position
+    assumes the drafts in flight were accepted, and the outputs equal synchronous ones."""
+    results = []
+    for async_ in (False, True):
+        engine = make_engine(
+            num_speculative_tokens=3, num_gpu_blocks=60, acceptance_rate=0.6,
+            async_scheduling=async_,
+        )  # fmt: skip
+        reqs = [make_request(f"r{i}", 5 + 3 * i, max_tokens=17) for i in range(3)]
+        for r in reqs:
+            engine.add_request(r)
+        run_to_completion(engine)
+        results.append([r.output_token_ids for r in reqs])
+        verifies = [s for s in engine.steps if s.num_batched_tokens > s.num_scheduled_reqs]
+        assert len(verifies) > 5 and engine.scheduler.num_accepted_drafts > 0
+        assert all(len(r.output_token_ids) == 17 for r in reqs)
+    assert results[0] == results[1]
+
+
 def test_async_scheduling_gives_the_same_outputs() -> None:
     results = []
     for async_ in (False, True):

@@ -82,6 +82,7 @@ def test_help_explains_every_engine_option() -> None:
         "--slo",
         "--format",
         "--time-scale",
+        "--request-rate",
         "--max-requests",
         "--plot",
     ):
@@ -118,3 +119,23 @@ def test_num_requests_and_each_default_shown_once() -> None:
         text = " ".join(run_cli(command, "--help").stdout.split())
         for option in text.split(" --")[1:]:
             assert option.count("(default") <= 1, option
+
+
+def test_request_rate_retimes_the_trace_as_a_seeded_poisson_process(tmp_path) -> None:
+    def arrivals(*flags: str) -> list[float]:
+        out = tmp_path / "r.json"
+        args = ("simulate", "--num-requests", "200", "--no-progress", "--out", str(out))
+        proc = run_cli(*args, *flags)
+        assert proc.returncode == 0, proc.stderr
+        return sorted(r["arrival"] for r in json.loads(out.read_text())["requests"])
+
+    at_4 = arrivals("--request-rate", "4")
+    assert at_4 == arrivals("--request-rate", "4")  # seeded: the same every run
+    assert at_4 != arrivals("--request-rate", "4", "--seed", "1")
+    gaps = [b - a for a, b in zip(at_4, at_4[1:])]
+    assert at_4[0] == 0.0 and abs(sum(gaps) / len(gaps) - 0.25) < 0.06  # mean gap 1/R
+    assert arrivals("--request-rate", "inf") == [0.0] * 200
+    for bad in (["--request-rate", "0"], ["--request-rate", "2", "--time-scale", "0.5"]):
+        proc = run_cli("simulate", "--no-progress", *bad)
+        assert proc.returncode == 2 and "--request-rate" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr

@@ -35,3 +35,15 @@ def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
             )
         assert {"decode", "prefill"} <= set(w["steps"])
     assert (tmp_path / "fidelity.png").read_bytes()[:4] == b"\x89PNG"
+
+    # Without a device: the simulated side again against the recorded real runs gives
+    # the same request-level errors (the simulator is deterministic).
+    again = tmp_path / "again"
+    assert bench.main(["--real", str(tmp_path), "--out", str(again)]) == 0
+    redone = {
+        w["workload"]: w["requests"] for w in json.loads((again / "resimulated.json").read_text())
+    }
+    assert set(redone) == set(names)
+    for w in report["workloads"]:
+        for m in ("ttft", "tpot", "e2e"):
+            assert redone[w["workload"]][m]["err_p50"] == w["requests"][m]["err_p50"]

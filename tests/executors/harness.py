@@ -36,6 +36,7 @@ def load_runner(
         cfg.kv_entry_dim,
         torch.float32,
         torch.device("cpu"),
+        num_mtp_layers=min(1, cfg.num_nextn_predict_layers) if num_speculative_tokens else 0,
     )
     engine = EngineConfig(
         block_size=block_size,

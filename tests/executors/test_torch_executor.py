@@ -219,14 +219,13 @@ def test_dummy_weights_in_published_shapes_run_on_cuda(tmp_path: Path) -> None:
     ex.shutdown()
 
 
-def test_speculation_is_refused_until_the_executor_drafts(
-    tiny_models: dict[str, TinyModel],
-) -> None:
-    from executors.torch_executor import TorchExecutor
-
+def test_speculation_needs_mtp_layers(tiny_models: dict[str, TinyModel]) -> None:
+    """Drafts come from the MTP layer: a model without one is refused, naming it."""
     cfg = EngineConfig(num_speculative_tokens=2, num_gpu_blocks=16, block_size=4)
-    with pytest.raises(ValueError, match="num_speculative_tokens=2: the torch executor"):
-        TorchExecutor(cfg, str(tiny_models["v3_mtp"].path), device="cpu")
+    with pytest.raises(ValueError, match="num_speculative_tokens=2: drafts come from"):
+        TorchExecutor(cfg, str(tiny_models["v3_plain"].path), device="cpu")
+    ex = TorchExecutor(cfg, str(tiny_models["v3_mtp"].path), device="cpu")
+    assert len(ex.kv_cache.mtp_layers) == 1 and ex.runner.drafter is not None
 
 
 def test_cuda_asked_of_a_torch_without_cuda_is_a_clear_error(

@@ -224,6 +224,10 @@ class TokenConservation(Checker):
         assert cut == 0 or (req.status is S.FINISHED and cut < len(chunks[-1])), (
             f"{where}: {rid} ({req.status.value}) lost {cut} of the tokens it was given"
         )
+        limit = req.sampling_params.max_tokens
+        assert limit is None or len(got) <= limit, (
+            f"{where}: {rid} has {len(got)} output tokens, max_tokens={limit}"
+        )
         n = len(d.specs[rid].prompt)
         for i, t in enumerate(got):
             assert t == sim_token(rid, n + i), (

@@ -86,7 +86,10 @@ class KVMirror(Checker):
         self.content: list[dict[int, int]] = [{} for _ in range(num_blocks)]  # slot -> token
         self.pending: list[tuple[str, int, int, int]] = []  # (req, pos, block, gen): unknown yet
         self.comp: dict[str, int] = {}  # req_id -> tokens computed, per the outputs
-        self.sched_info: dict[str, tuple[list[int], int]] = {}  # req -> (table, draft start)
+        # (step, req) -> (table, draft start, start). Under async scheduling a step
+        # scheduled before the previous one's drafts were verified assumed them all
+        # accepted; once the rejections are known its positions shift back by that many.
+        self.sched_info: dict[tuple[int, str], tuple[list[int], int, int]] = {}
         self.prefix = PrefixModel(d_case_block_size, caching)
         self.admissions: list[Admission] = []  # of the latest schedule() call
         self.hit_mismatches: list[str] = []  # content or prediction disagreements seen
@@ -154,7 +157,7 @@ class KVMirror(Checker):
                 else:  # an async placeholder: its token is known after the step in flight
                     self.pending.append((rid, pos, table[pos // bs], self.gen[table[pos // bs]]))
             self.comp[rid] = start + sr.num_tokens  # drafts included until verified
-            self.sched_info[rid] = (table, hi)
+            self.sched_info[(out.step_id, rid)] = (table, hi, start)
             bound = hits * bs + 1 if (decode and sr.block_table is not None) else hi
             self.prefix.register(rid, table, toks, min(bound, len(toks)) // bs)
         self._check_tables(d, "after schedule")
@@ -162,14 +165,18 @@ class KVMirror(Checker):
     def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         for sr in out.scheduled:
             tokens = res.sampled_token_ids.get(sr.req_id)
-            if not sr.samples or not tokens or sr.req_id not in self.tables:
+            info = self.sched_info.pop((out.step_id, sr.req_id), None)
+            if not sr.samples or not tokens or sr.req_id not in self.tables or info is None:
                 continue  # ended or preempted while in flight: nothing more from this step
-            table, hi = self.sched_info[sr.req_id]
+            table, hi, _ = info
             accepted = len(tokens) - 1
-            self.comp[sr.req_id] -= len(sr.draft_token_ids) - accepted
+            rejected = len(sr.draft_token_ids) - accepted
+            self.comp[sr.req_id] -= rejected
             toks = d.tokens(sr.req_id)
             for pos in range(hi, min(hi + accepted, len(toks))):  # accepted drafts are real KV
                 self._write(table, pos, toks[pos], self.gen[table[pos // self.bs]])
+            if rejected:
+                self._shift_later_steps(d, sr.req_id, out.step_id, rejected)
         still = []
         for rid, pos, block, gen in self.pending:
             toks = d.tokens(rid)
@@ -199,6 +206,24 @@ class KVMirror(Checker):
             )
             self.tables[rid] = core
         self._check_tables(d, "after process")
+
+    def _shift_later_steps(self, d: Driver, rid: str, step: int, rejected: int) -> None:
+        """A step of `rid` scheduled before `step`'s verdict runs `rejected` positions
+        earlier than its output says: move its recorded writes there."""
+        for key, (table, hi, start) in list(self.sched_info.items()):
+            if key[1] != rid or key[0] <= step:
+                continue
+            self.sched_info[key] = (table, hi - rejected, start - rejected)
+            self.pending = [
+                p for p in self.pending if not (p[0] == rid and hi - rejected <= p[1] < hi)
+            ]
+            toks = d.tokens(rid)
+            for pos in range(start - rejected, min(start, hi - rejected)):
+                block = table[pos // self.bs]
+                if pos < len(toks):
+                    self._write(table, pos, toks[pos], self.gen[block])
+                else:
+                    self.pending.append((rid, pos, block, self.gen[block]))
 
     def on_abort(self, d: Driver, req_id: str) -> None:
         self.tables.pop(req_id, None)

@@ -137,6 +137,7 @@ def engine_cases(
         enable_prefix_caching=draw(st.booleans()) if caching is None else caching,
         role=draw(st.sampled_from(roles)),
         num_speculative_tokens=k,
+        enable_mtp_varlen=draw(st.booleans()) if k else False,
         async_scheduling=draw(st.booleans()) if allow_async else False,
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         seed=draw(st.integers(0, 3)),

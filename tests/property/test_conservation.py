@@ -31,6 +31,8 @@ def test_no_output_token_is_lost_or_repeated_across_preemption_and_recompute(
     """A request's output tokens are exactly the tokens the executor returned for it,
     in order, cut only after the stop inside its last step; and the token at
     position p is SimExecutor's token for (request, p), so recompute after a
-    preemption neither drops nor repeats a token, with or without drafts (bug B3)."""
+    preemption neither drops nor repeats a token, with or without drafts (bug B3); no
+    request ever holds more than max_tokens outputs (accepted drafts past it dropped),
+    with random acceptance, varlen drafts, preemption and async scheduling together."""
     case, workload = cw
     run_case(case, workload, TokenConservation())

@@ -60,6 +60,18 @@ def test_an_unfittable_request_is_rejected_and_counted() -> None:
     assert result.summary["num_rejected"] == 1
 
 
+def test_a_run_whose_last_arrivals_are_all_rejected_ends() -> None:
+    """Regression: once the last pending request was rejected with nothing running, the
+    simpy process waited for the next arrival of an empty queue (IndexError)."""
+    reqs = [TraceRequest("ok", 0.0, 100, 5), TraceRequest("huge", 1.0, 10_000, 5)]
+    result = simulate(
+        reqs, engine=EngineConfig(num_gpu_blocks=20, block_size=16), cost_model="unit"
+    )
+    assert [r.status for r in result.requests] == ["finished", "rejected"]
+    only = simulate(reqs[1:], engine=EngineConfig(num_gpu_blocks=20, block_size=16))
+    assert only.summary["num_rejected"] == 1 and only.summary["num_completed"] == 0
+
+
 def test_unit_cost_model_prices_every_step_the_same() -> None:
     reqs = [TraceRequest(f"r{i}", 0.0, 10, 3) for i in range(3)]
     result = simulate(
@@ -105,6 +117,19 @@ def test_sim_executor_token_depends_only_on_request_and_position_under_speculati
     engine.add_request(r)
     run_to_completion(engine)
     assert r.output_token_ids == [sim_token("s", 6 + i) for i in range(10)]
+
+
+def test_simulated_async_scheduling_keeps_speculating() -> None:
+    """With async scheduling drafts are still verified (placeholders the executor fills),
+    and tokens stay the SimExecutor tokens of their positions."""
+    cfg = make_config(num_speculative_tokens=2, num_gpu_blocks=40, async_scheduling=True)
+    ex = SimExecutor(cfg, acceptance_rate=0.7)
+    engine = EngineCore(cfg, ex, clock=StepClock(), check_invariants=True)
+    r = make_request("s", 6, max_tokens=30)
+    engine.add_request(r)
+    run_to_completion(engine)
+    assert ex.num_draft_tokens > 20 and 0 < ex.num_accepted_tokens < ex.num_draft_tokens
+    assert r.output_token_ids == [sim_token("s", 6 + i) for i in range(30)]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -1,0 +1,223 @@
+"""Decode speed with MTP speculation over without, measured and simulated.
+
+    python benchmarks/speculative.py [--model moonlight-16b-a3b] [--batches 1,8,32,128,256]
+        [--acceptance 0.6,0.8,0.9] [--ks 1,2,3,5] [--json OUT.json]
+
+Random weights cannot draft (their MTP layer agrees with nothing), so this uses a
+clearly named BENCHMARK-ONLY drafter, `CorruptedGreedyDrafter`: it runs the real MTP
+drafter (so its cost is paid), then replaces each draft with the target's own greedy
+continuation (from a run without speculation), corrupted with probability 1 - c, where
+its confidence c ~ Beta(4a, 4(1 - a)) is what it reports (a calibrated drafter, for
+varlen); a draft that follows a corrupted one is never accepted, so acceptance per
+position is about a, given the earlier drafts passed. The model is the preset in its published
+shapes plus one MTP layer (Moonlight ships none; the layer is a DeepSeek-V3 one in
+the same shapes), `load_format="dummy"`.
+
+For each batch size B (prompts of --prompt-len random tokens, --max-tokens output
+tokens each) it reports decode tokens/s (output tokens after each request's first,
+over the time of the steps that compute no prompt tokens) without speculation and
+with k drafts at acceptance a, the speed-up, and the simulator's predicted speed-up
+for the same workload (same k, per-position acceptance a, default cost model).
+Each invocation builds one executor per k (Moonlight: about a minute each with graph
+capture) and first runs the plain baseline; the whole default sweep outlasts a 10-minute
+device call, so split it: `bash benchmarks/run_device.sh spec --ks 1,2 --acceptance
+0.6,0.8,0.9`, then `--ks 3,5`, then `--ks varlen`, each with its own `--json`.
+`--ks varlen` runs confidence-scheduled drafts (DEEPINFER_ENABLE_MTP_VARLEN) of at
+most --varlen-max drafts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine import EngineCore
+from deepinfer.model_config import PRESETS_DIR, ModelConfig
+from deepinfer.request import Request
+from deepinfer.sampling_params import SamplingParams
+from executors.mtp_drafter import DraftInput, Drafts, MTPDrafter
+
+
+class CorruptedGreedyDrafter:
+    """BENCHMARK ONLY: the target's greedy continuation, each draft corrupted with
+    probability 1 - a, after running the real MTP drafter for its cost."""
+
+    def __init__(self, inner: MTPDrafter, vocab: int, a: float, seed: int = 0) -> None:
+        self.inner = inner
+        self.vocab = vocab
+        self.a = a
+        self.rng = random.Random(seed)
+        self.sequences: dict[str, list[int]] = {}  # req_id -> prompt + greedy output
+
+    def propose(self, inputs: list[DraftInput]) -> Drafts:
+        drafts = self.inner.propose(inputs)
+        for x in inputs:
+            seq = self.sequences.get(x.req_id)
+            if x.req_id not in drafts.tokens or seq is None:
+                continue
+            newest = x.first_pos + len(x.next_ids)  # position of the token just sampled
+            out, conf = [], []
+            a = min(max(self.a, 1e-3), 1 - 1e-3)
+            for j, _ in enumerate(drafts.tokens[x.req_id]):
+                pos = newest + 1 + j
+                t = seq[pos] if pos < len(seq) else 0
+                c = self.rng.betavariate(4 * a, 4 * (1 - a))
+                if self.rng.random() >= c:
+                    t = (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                out.append(t)
+                conf.append(c)
+            drafts.tokens[x.req_id] = out
+            drafts.confidences[x.req_id] = conf
+        return drafts
+
+
+def model_dir(name: str) -> Path:
+    """A config directory: the preset (or a config.json path) with one MTP layer."""
+    src = Path(name)
+    path = src / "config.json" if src.is_dir() else src
+    if not path.is_file():
+        path = PRESETS_DIR / f"{name}.json"
+    cfg = json.loads(path.read_text())
+    cfg["num_nextn_predict_layers"] = max(1, int(cfg.get("num_nextn_predict_layers") or 0))
+    out = Path(tempfile.mkdtemp(prefix="spec-bench-"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def run(
+    executor: Any, cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, tag: str
+) -> tuple[float, dict[str, list[int]], float | None]:
+    """Decode tokens/s of one batch, each request's output, the draft acceptance."""
+    engine = EngineCore(cfg, executor, model_max_len=executor.max_model_len)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    reqs = [Request(f"{tag}-{i}", list(p), params) for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        engine.step()
+    decode = [s for s in engine.steps if s.num_prompt_tokens == 0]
+    seconds = sum(s.duration for s in decode)
+    tokens = sum(len(r.output_token_ids) - 1 for r in reqs)
+    s = engine.scheduler
+    acc = s.num_accepted_drafts / s.num_draft_tokens if s.num_draft_tokens else None
+    outs = {r.request_id: r.output_token_ids for r in reqs}
+    return tokens / seconds if seconds else 0.0, outs, acc
+
+
+def simulated_speedup(
+    cfg_dir: Path, cfg: EngineConfig, batch: int, prompt_len: int, max_tokens: int, a: float
+) -> float | None:
+    """The simulator's decode tokens/s ratio for the same workload (None without simpy)."""
+    try:
+        from sim import simulate
+        from sim.traces import TraceRequest
+    except ImportError:
+        return None
+    spec = ModelConfig.from_dict(json.loads((cfg_dir / "config.json").read_text()))
+    reqs = [TraceRequest(f"r{i}", 0.0, prompt_len, max_tokens) for i in range(batch)]
+    rates = []
+    for k in (0, cfg.num_speculative_tokens):
+        res = simulate(
+            reqs, spec, "h200",
+            cfg.replace(
+                num_speculative_tokens=k, enable_mtp_varlen=cfg.enable_mtp_varlen and k > 0,
+                num_gpu_blocks=None,
+            ),
+            acceptance_rate=a,
+        )  # fmt: skip
+        decode = [s for s in res.steps if s.num_prompt_tokens == 0]
+        rates.append(batch * (max_tokens - 1) / sum(s.duration for s in decode))
+    return rates[1] / rates[0]
+
+
+def main() -> None:
+    import torch
+
+    from executors.torch_executor import TorchExecutor
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="moonlight-16b-a3b", help="preset or config.json")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batches", default="1,8,32,128,256")
+    p.add_argument("--acceptance", default="0.6,0.8,0.9")
+    p.add_argument("--ks", default="1,2,3,5,varlen", help="draft counts, or varlen")
+    p.add_argument("--varlen-max", type=int, default=5)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    batches = [int(x) for x in args.batches.split(",")]
+    accs = [float(x) for x in args.acceptance.split(",")]
+    ks = [x for x in args.ks.split(",")]
+    cfg_dir = model_dir(args.model)
+    vocab = json.loads((cfg_dir / "config.json").read_text())["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    max_b = max(batches)
+    all_prompts = torch.randint(2, vocab, (max_b, args.prompt_len), generator=gen).tolist()
+    base = EngineConfig(
+        max_num_seqs=max_b, max_num_batched_tokens=max(8192, args.prompt_len * 8),
+        max_model_len=args.prompt_len + args.max_tokens + 16, block_size=64,
+    )  # fmt: skip
+    rows: list[dict[str, Any]] = []
+
+    def executor(k: str) -> Any:
+        varlen = k == "varlen"
+        cfg = base.replace(
+            num_speculative_tokens=args.varlen_max if varlen else int(k), enable_mtp_varlen=varlen
+        )
+        return TorchExecutor(
+            cfg, str(cfg_dir), dtype=args.dtype, device=args.device, load_format="dummy"
+        )
+
+    plain = executor("0")
+    ref: dict[int, tuple[float, list[list[int]]]] = {}
+    for b in batches:
+        rate, outs, _ = run(plain, plain.engine_config, all_prompts[:b], args.max_tokens, f"p{b}")
+        ref[b] = (rate, [outs[f"p{b}-{i}"] for i in range(b)])
+        print(f"batch {b}: {rate:.0f} decode tok/s without speculation", flush=True)
+    plain.shutdown()
+    del plain
+    gc.collect()
+    for k in ks:
+        ex = executor(k)
+        inner = ex.runner.drafter
+        assert inner is not None
+        for a in accs:
+            drafter = CorruptedGreedyDrafter(inner, vocab, a)
+            ex.runner.drafter = drafter  # type: ignore[assignment]
+            for b in batches:
+                tag = f"k{k}a{a}b{b}"
+                drafter.sequences = {f"{tag}-{i}": all_prompts[i] + ref[b][1][i] for i in range(b)}
+                rate, _, acc = run(ex, ex.engine_config, all_prompts[:b], args.max_tokens, tag)
+                sched_speedup = simulated_speedup(
+                    cfg_dir, ex.engine_config, b, args.prompt_len, args.max_tokens, a
+                )
+                row = dict(batch=b, k=k, acceptance=a, plain_tok_s=ref[b][0], spec_tok_s=rate,
+                           speedup=rate / ref[b][0], predicted_speedup=sched_speedup,
+                           measured_acceptance=acc)  # fmt: skip
+                rows.append(row)
+                pred = f"{sched_speedup:.2f}x" if sched_speedup else "n/a"
+                print(
+                    f"k={k} a={a} batch {b}: {rate:.0f} tok/s, {row['speedup']:.2f}x, "
+                    f"drafts accepted {acc or 0:.2f} "
+                    f"(simulator {pred})",
+                    flush=True,
+                )
+        ex.shutdown()
+        del ex, inner, drafter  # the drafters hold the model: free it before the next
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps({"model": args.model, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Is a step's time a function of its shape alone? The same mixed step, repeated.
+
+    python benchmarks/step_variance.py [--model moonlight-16b-a3b] [--reps 40]
+
+For a few mixed shapes (one prompt chunk beside D decodes) times `executor.execute`:
+  steady  the same requests again (what `deepinfer profile` times)
+  new     the prompt is a request the runner has never seen (what a served trace does)
+and a fixed pure-Python loop between steps (the host CPU's own speed), then prints the
+p10 / p50 / p90 / max of each: a spread at one shape is noise the cost model cannot see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deepinfer.config import EngineConfig  # noqa: E402
+from deepinfer.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
+from executors.profiler import StepShape, _scheduled, _steady  # noqa: E402
+from executors.torch_executor import TorchExecutor  # noqa: E402
+
+
+def _python_loop() -> float:
+    t0 = time.perf_counter()
+    x = 0
+    for i in range(200_000):
+        x += i & 7
+    return time.perf_counter() - t0
+
+
+def _row(name: str, times: list[float]) -> str:
+    a = np.array(times) * 1e3
+    p10, p50, p90 = np.percentile(a, [10, 50, 90])
+    return f"{name:34s} p10 {p10:7.2f}  p50 {p50:7.2f}  p90 {p90:7.2f}  max {a.max():7.2f} ms"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="moonlight-16b-a3b")
+    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    args = p.parse_args()
+    cfg = EngineConfig(num_gpu_blocks=20000, max_num_seqs=256, max_num_batched_tokens=8192)
+    ex = TorchExecutor(cfg, args.model, load_format="dummy", enforce_eager=args.enforce_eager)
+    print(f"start-up {ex.startup_seconds:.1f} s, graphs {'off' if args.enforce_eager else 'on'}")
+    rng = random.Random(0)
+    n_blocks, vocab = ex.num_kv_blocks(), ex.config.vocab_size
+    for decodes, prompt, ctx in (
+        (10, 150, 6000),
+        (10, 600, 6000),
+        (40, 400, 6000),
+        (4, 2048, 2000),
+    ):
+        shape = StepShape("mixed", ((decodes, 1, ctx, False), (1, prompt, 0, True)))
+        first = _scheduled(shape, 64, n_blocks, vocab, rng)
+        ex.execute(SchedulerOutput(-1, first))
+        steady = [_steady(s) for s in first]
+        held, times_new, times_steady, py = [], [], [], []
+        for i in range(args.reps):
+            t0 = time.perf_counter()
+            ex.execute(SchedulerOutput(-1, steady))
+            times_steady.append(time.perf_counter() - t0)
+            # the prompt as a new request: a fresh id, its whole table and token ids
+            pr = first[-1]
+            fresh = ScheduledRequest(
+                req_id=f"new{i}", num_tokens=pr.num_tokens, num_computed_tokens=0,
+                is_prompt=True, samples=True, new_block_ids=[], block_table=pr.block_table,
+                token_ids=pr.token_ids, sampling_params=pr.sampling_params,
+                num_prompt_tokens=pr.num_prompt_tokens,
+            )  # fmt: skip
+            t0 = time.perf_counter()
+            ex.execute(SchedulerOutput(-1, steady[:-1] + [fresh]))
+            times_new.append(time.perf_counter() - t0)
+            held.append(fresh.req_id)
+            py.append(_python_loop())
+        ex.execute(SchedulerOutput(-1, [], finished_req_ids={s.req_id for s in first} | set(held)))
+        label = f"{decodes} decodes @{ctx} + prompt {prompt}"
+        print(_row(f"{label}: steady", times_steady), flush=True)
+        print(_row(f"{label}: new prompt", times_new), flush=True)
+        print(_row("  python loop (200k iterations)", py), flush=True)
+
+
+if __name__ == "__main__":
+    main()

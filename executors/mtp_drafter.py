@@ -1,0 +1,188 @@
+"""MTP drafting: the model's multi-token-prediction layer proposes the next k tokens.
+
+After each target step, for every request the MTP layer (DeepSeek-V3 layout,
+executors/models/mtp.py) runs over the positions whose next token is now known:
+
+    pass 1 (all requests of the step, one varlen batch): row p combines the target's
+        final-normed hidden state at p with the token at p + 1 and writes the MTP
+        layer's KV at p; the row of the request's newest token (the one just sampled
+        or accepted) gives draft 1 (for the position after it).
+    pass j = 2..k (one row per drafting request): the MTP block output of pass j - 1
+        with draft j - 1, at the next position, gives draft j (the one MTP layer is
+        chained, as DeepSeek does).
+
+The MTP layer keeps its own paged KV (`PagedKVCache.mtp_layers`) in the request's
+block table. A verify step's rows past the accepted prefix are never given to pass 1
+(their inputs were rejected drafts); chained passes write the positions past it, and
+the next step's pass 1 rewrites them before any query can see them (attention reads
+keys up to the query's own position, written in the same pass). The scheduler holds
+k - 1 lookahead slots for those chained positions.
+
+A prompt chunk that ends before the prompt does leaves its last position pending (its
+next token arrives with the next chunk): the drafter keeps that hidden state, and the
+next chunk's pass 1 starts one position earlier.
+
+Drafts are the MTP layer's argmax (verification treats them as deterministic, so
+sampling stays lossless); a draft's confidence is its softmax probability.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from executors.attention import build_attention_metadata
+from executors.models.deepseek import DeepseekForCausalLM
+
+
+@dataclass
+class DraftInput:
+    """One request's part of pass 1."""
+
+    req_id: str
+    first_pos: int  # position of its first MTP row
+    hidden: torch.Tensor  # [rows, hidden]: the target's hidden states at those positions
+    next_ids: list[int]  # [rows]: the token after each position
+    block_table: list[int]
+    wants_drafts: bool  # its newest token is known: draft from the last row
+
+
+@dataclass
+class Drafts:
+    tokens: dict[str, list[int]]  # req_id -> up to k drafts
+    confidences: dict[str, list[float]]  # req_id -> each draft's probability
+
+
+class MTPDrafter:
+    def __init__(
+        self,
+        model: DeepseekForCausalLM,
+        kv_cache: torch.Tensor,
+        num_drafts: int,
+        block_size: int,
+        decode_max_query_len: int,
+    ) -> None:
+        if model.mtp is None:
+            raise ValueError("speculation needs the model's MTP layer, and none was loaded")
+        self.model = model
+        self.mtp = model.mtp
+        self.kv_cache = kv_cache  # [num_blocks, block_size, L + R]: the MTP layer's cache
+        self.k = num_drafts
+        self.block_size = block_size
+        self.decode_max_query_len = decode_max_query_len
+        self.device = next(model.parameters()).device
+        # req_id -> (position, the target's hidden state there [hidden]) of a prompt
+        # chunk's last position, whose next token comes with the next chunk.
+        self.pending: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def step_inputs(
+        self,
+        req_ids: Sequence[str],
+        starts: Sequence[int],
+        query_lens: Sequence[int],
+        input_ids: Sequence[int],
+        hidden: torch.Tensor,
+        sampled: Mapping[str, list[int]],
+        num_drafts: Mapping[str, int],
+        block_tables: Mapping[str, list[int]],
+    ) -> list[DraftInput]:
+        """Pass 1's rows from a target step: requests in batch order, each `query_lens`
+        tokens from position `starts` (input_ids, hidden: [T] and [T, hidden]); `sampled`:
+        the tokens each sampling request got (accepted drafts, then the new token) of the
+        `num_drafts` it verified. Rows of rejected drafts are left out; a request that did
+        not sample leaves its last position pending, which its next step's rows start at."""
+        inputs = []
+        offset = 0
+        for rid, start, n in zip(req_ids, starts, query_lens):
+            rows = hidden[offset : offset + n]  # [n, hidden]: positions start..start + n - 1
+            ids = list(input_ids[offset + 1 : offset + n])  # next tokens of start..start + n - 2
+            first_token = input_ids[offset]
+            offset += n
+            toks = sampled.get(rid)
+            pending = self.pending.pop(rid, None)
+            if toks is not None:  # rows up to the newest token: accepted drafts, then it
+                keep = n - num_drafts.get(rid, 0) + len(toks) - 1
+                rows, ids = rows[:keep], ids[: keep - 1] + [toks[-1]]
+            else:  # the last position's next token comes with the next chunk
+                self.pending[rid] = (start + n - 1, rows[-1].clone())
+                rows = rows[:-1]
+            first = start
+            if pending is not None and pending[0] == start - 1:
+                first, rows, ids = (
+                    start - 1,
+                    torch.cat([pending[1][None], rows]),
+                    [first_token] + ids,
+                )
+            inputs.append(DraftInput(rid, first, rows, ids, block_tables[rid], toks is not None))
+        return inputs
+
+    def propose(self, inputs: list[DraftInput]) -> Drafts:
+        out = Drafts({}, {})
+        inputs = [x for x in inputs if x.next_ids]
+        if not inputs:
+            return out
+        # Pass 1, decode-first (short queries take the absorbed MLA path).
+        inputs.sort(key=lambda x: len(x.next_ids) > self.decode_max_query_len)
+        num_decode = sum(len(x.next_ids) <= self.decode_max_query_len for x in inputs)
+        h = self._run(
+            torch.cat([x.hidden for x in inputs]),
+            [t for x in inputs for t in x.next_ids],
+            [x.first_pos for x in inputs],
+            [len(x.next_ids) for x in inputs],
+            [x.block_table for x in inputs],
+            num_decode,
+        )  # [rows, hidden]
+        ends = torch.tensor([len(x.next_ids) for x in inputs]).cumsum(0) - 1
+        drafting = [i for i, x in enumerate(inputs) if x.wants_drafts]
+        if not drafting:
+            return out
+        reqs = [inputs[i] for i in drafting]
+        last = h[ends[drafting].to(self.device)]  # [B, hidden]
+        pos = [x.first_pos + len(x.next_ids) - 1 for x in reqs]  # position of each last row
+        for r in reqs:
+            out.tokens[r.req_id], out.confidences[r.req_id] = [], []
+        for j in range(self.k):
+            logits = self.mtp.compute_logits(self.model, last)  # [B, vocab]
+            probs = logits.softmax(dim=-1)
+            conf, ids = probs.max(dim=-1)
+            for r, t, c in zip(reqs, ids.tolist(), conf.tolist()):
+                out.tokens[r.req_id].append(t)
+                out.confidences[r.req_id].append(c)
+            if j + 1 == self.k:
+                break
+            # Chain: the next position needs a slot in the request's table.
+            keep = [
+                i for i, (r, p) in enumerate(zip(reqs, pos))
+                if (p + 1) // self.block_size < len(r.block_table)
+            ]  # fmt: skip
+            if not keep:
+                break
+            reqs = [reqs[i] for i in keep]
+            pos = [pos[i] + 1 for i in keep]
+            sel = torch.tensor(keep, device=self.device)
+            last = self._run(
+                last[sel], ids[sel].tolist(), pos, [1] * len(reqs),
+                [r.block_table for r in reqs], len(reqs),
+            )  # fmt: skip
+        return out
+
+    def _run(
+        self,
+        hidden: torch.Tensor,
+        next_ids: list[int],
+        first_pos: list[int],
+        query_lens: list[int],
+        block_tables: list[list[int]],
+        num_decode: int,
+    ) -> torch.Tensor:
+        """One MTP forward over a varlen batch -> block outputs [rows, hidden]."""
+        md = build_attention_metadata(
+            query_lens, first_pos, block_tables, self.block_size, num_decode, self.device
+        )
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(first_pos, query_lens)])
+        ids = torch.tensor(next_ids, dtype=torch.int64)
+        return self.mtp(
+            self.model, hidden, ids.to(self.device), positions.to(self.device), md, self.kv_cache
+        )

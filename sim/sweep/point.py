@@ -1,0 +1,132 @@
+"""One point of a sweep: a config at a rate, simulated, reduced to one row.
+
+This is what a worker runs, in this process, a pool process or a Ray task. It never
+raises for a simulation that goes wrong: a stall, rejected requests or an error become
+the row's `status` and `reason`, so one bad point cannot end a sweep.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from sim.sweep.grid import SweepConfig
+from sim.sweep.slo import SweepSLO, good_fraction
+from sim.traces import Trace, poisson
+
+# Per-point figures kept in the results (summary keys of deepinfer.metrics).
+METRICS = (
+    "request_throughput",
+    "output_throughput",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_p50",
+    "tpot_ms_p99",
+    "e2el_ms_p99",
+    "kv_usage_mean",
+    "kv_usage_max",
+    "num_completed",
+    "num_rejected",
+    "total_preemptions",
+    "duration_s",
+    "num_steps",
+)
+
+
+@dataclass(frozen=True)
+class SweepContext:
+    """What every point of one sweep shares (sent to each worker once)."""
+
+    trace: Trace
+    slo: SweepSLO
+    seed: int
+
+
+@dataclass(frozen=True)
+class PointTask:
+    config: SweepConfig
+    rate: float
+
+
+def run_point(task: PointTask, ctx: SweepContext) -> dict[str, Any]:
+    """Simulate `task.config` on the trace re-timed as Poisson arrivals at `task.rate`."""
+    from deepinfer.errors import SchedulerStalled
+    from sim.simulator import simulate
+
+    cfg = task.config
+    row: dict[str, Any] = {"config_key": cfg.key, "rate": task.rate}
+    try:
+        cost, cost_meta = _cost_model(cfg.model, cfg.hardware, cfg.cost_model)
+    except Exception as e:  # e.g. cost_model 'profiled' where no profile exists
+        return row | {"status": "invalid", "meets_slo": False, "reason": _one_line(e)}
+    row |= {"cost_model": cost_meta["cost_model"], "calibrated": cost_meta["calibrated"]}
+    trace = poisson(ctx.trace, task.rate, seed=ctx.seed)
+    slo = ctx.slo.per_request if ctx.slo.goodput is not None else None
+    with warnings.catch_warnings(record=True) as caught:
+        # "always": the first warning of a kind must not depend on which points a worker
+        # ran before, or the rows would differ between worker counts.
+        warnings.simplefilter("always")
+        try:
+            result = simulate(
+                trace,
+                _model(cfg.model),
+                cfg.hardware,
+                cfg.engine_config(),
+                cost,
+                slo=slo,
+                acceptance_rate=cfg.acceptance_rate,
+            )
+        except SchedulerStalled as e:
+            return row | _failed("stalled", e, caught)
+        except Exception as e:  # a bug must become a row, not end the sweep
+            detail = traceback.format_exception_only(type(e), e)[-1]
+            return row | _failed("error", detail, caught)
+    summary = result.summary
+    row |= {k: summary.get(k) for k in METRICS}
+    row["good_fraction"] = good_fraction(summary) if ctx.slo.goodput is not None else None
+    row["warnings"] = _warnings(caught)
+    if summary["num_rejected"]:
+        reasons = "; ".join(summary["rejected_reasons"])
+        row |= {"status": "rejected", "meets_slo": False}
+        row["reason"] = f"{summary['num_rejected']} requests rejected: {reasons}"
+        return row
+    ok, why = ctx.slo.check(summary)
+    return row | {"status": "ok", "meets_slo": ok, "reason": why}
+
+
+def _failed(status: str, err: BaseException | str, caught: list[Any]) -> dict[str, Any]:
+    return {
+        "status": status,
+        "meets_slo": False,
+        "reason": _one_line(err),
+        "warnings": _warnings(caught),
+    }
+
+
+def _one_line(err: BaseException | str) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _warnings(caught: list[Any]) -> str:
+    return "; ".join(sorted({str(w.message) for w in caught}))
+
+
+@functools.lru_cache(maxsize=16)
+def _model(name: str) -> Any:
+    from deepinfer.model_config import load_model_config
+
+    return load_model_config(name)
+
+
+@functools.lru_cache(maxsize=16)
+def _cost_model(model: str, hardware: str, name: str | None) -> tuple[Any, dict[str, Any]]:
+    """Resolved once per worker process: fitting a profile costs more than a short run,
+    and a cost model is pure (the same step always costs the same)."""
+    from sim.cost_model import resolve_cost_model
+    from sim.hardware import get_hardware
+
+    return resolve_cost_model(name, _model(model), get_hardware(hardware))

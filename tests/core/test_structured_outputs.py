@@ -1,0 +1,293 @@
+"""Structured outputs in the core: so_args is checked at SamplingParams, a request waits for
+its grammar without holding up the others, a failed compile rejects it alone, a complete
+grammar ends it, and the simulator prices the masks instead of refusing them."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import replace
+
+import pytest
+
+from deepinfer.config import EngineConfig
+from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
+from deepinfer.request import Request, RequestStatus
+from deepinfer.sampling_params import SamplingParams
+from tests.factories import ScriptedExecutor, make_config, make_engine, make_request
+
+REGEX = {"schema_type": "regex", "schema": "[0-9]{3}"}
+
+
+@pytest.mark.parametrize(
+    ("so_args", "message"),
+    [
+        ("[0-9]", "so_args='\\[0-9\\]': must be a dict"),
+        ({"schema_type": "regex", "schema": "a", "strict": 1}, "unknown keys"),
+        ({"schema_type": "yaml", "schema": "x"}, "so_args.schema_type='yaml'"),
+        ({"schema_type": "regex"}, "so_args.schema=None: is required"),
+        ({"schema_type": "regex", "schema": 5}, "a regex must be a string"),
+        ({"schema_type": "json", "schema": [1]}, "must be an object"),
+        ({"schema_type": "json", "schema": {"type": int}}, "is not JSON: Object of type type"),
+        ({"schema_type": "choice", "schema": []}, "non-empty list of strings"),
+        ({"schema_type": "choice", "schema": ["a", 1]}, "every choice must be a string"),
+    ],
+)
+def test_the_shape_of_so_args_is_checked_at_construction(so_args: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(so_args=so_args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kind", "schema", "reason"),
+    [
+        ("json", {"type": "foo"}, 'invalid JSON Schema at /: Unsupported type "foo"'),
+        (
+            "json",
+            {"type": "object", "properties": {"a": {"items": {"type": "foo"}}}},
+            'invalid JSON Schema at /properties/a/items: Unsupported type "foo"',
+        ),
+        (
+            "json",
+            {"anyOf": [{"type": "string"}, {"type": "integer", "minimum": 5, "maximum": 2}]},
+            "invalid JSON Schema at /anyOf/1: Invalid range: minimum greater than maximum",
+        ),
+        ("json", '{"type": ', "is not valid JSON: Expecting value: line 1 column 10"),
+        ("regex", "[0-9", "invalid regex: Regex parsing error at position 5: Unclosed '\\['"),
+        ("regex", "(ab", "invalid regex: .*position 4: The parenthesis is not closed"),
+        (
+            "ebnf",
+            'root ::= "a" | b',
+            'invalid EBNF grammar: .*line 1, column 16: Rule "b" is not defined',
+        ),
+        (
+            "ebnf",
+            'start ::= "a"',
+            'invalid EBNF grammar: .*The root rule with name "root" is not found',
+        ),
+    ],
+)
+def test_an_invalid_schema_names_so_args_schema_and_the_position(
+    kind: str, schema: object, reason: str
+) -> None:
+    pytest.importorskip("xgrammar")
+    with pytest.raises(ValueError, match=r"^SamplingParams\.so_args\.schema=.*: " + reason):
+        SamplingParams(so_args={"schema_type": kind, "schema": schema})
+
+
+@pytest.mark.parametrize(
+    "so_args",
+    [
+        {"schema_type": "json", "schema": {"type": "object"}},
+        {"schema_type": "json", "schema": '{"type": "array", "items": {"type": "integer"}}'},
+        REGEX,
+        {"schema_type": "ebnf", "schema": 'root ::= "yes" | "no"'},
+        {"schema_type": "choice", "schema": ["a", 'quote"d', "ü"]},
+    ],
+)
+def test_valid_so_args_are_accepted(so_args: dict) -> None:
+    assert SamplingParams(so_args=so_args).so_args == so_args
+
+
+class GrammarExecutor(ScriptedExecutor):
+    """A model-less executor that samples 'real' tokens, so the engine compiles grammars:
+    `prepare_grammar` hands out futures the test completes (or fails) when it likes.
+    `completes_after`: outputs after which a structured request's grammar is complete."""
+
+    needs_token_ids = True
+
+    def __init__(self, num_blocks: int, completes_after: int | None = None) -> None:
+        super().__init__(num_blocks)
+        self.compiles: dict[str, Future] = {}
+        self.completes_after = completes_after
+
+    def prepare_grammar(self, so_args: dict) -> Future:
+        return self.compiles.setdefault(so_args["schema"], Future())
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        res = super().execute(out)
+        for sr in out.scheduled:
+            n_out = sr.num_computed_tokens + sr.num_tokens - sr.num_prompt_tokens + 1
+            if sr.samples and sr.structured and n_out == self.completes_after:
+                res.completed_req_ids.add(sr.req_id)
+        return res
+
+
+def _engine(executor: ScriptedExecutor, **overrides: object):  # type: ignore[no-untyped-def]
+    engine = make_engine(make_config(**overrides))
+    engine.executor = executor
+    engine.scheduler.emit_token_ids = executor.needs_token_ids
+    return engine
+
+
+def test_a_request_waits_for_its_grammar_while_the_others_run() -> None:
+    ex = GrammarExecutor(10)
+    engine = _engine(ex)
+    constrained = make_request("c", 3, max_tokens=2, so_args=REGEX)
+    free = make_request("f", 3, max_tokens=2)
+    engine.add_request(constrained)
+    engine.add_request(free)
+    assert constrained.awaiting_grammar
+    while not free.is_finished:
+        engine.step()
+    assert free.status is RequestStatus.FINISHED
+    assert constrained.status is RequestStatus.WAITING and constrained.times.first_scheduled is None
+    ex.compiles["[0-9]{3}"].set_result("compiled")
+    while engine.has_unfinished():
+        engine.step()
+    assert constrained.status is RequestStatus.FINISHED and constrained.num_output_tokens == 2
+
+
+def test_an_idle_engine_waits_for_a_grammar_instead_of_reporting_a_stall() -> None:
+    ex = GrammarExecutor(10)
+    engine = _engine(ex)
+    req = make_request("c", 3, max_tokens=1, so_args=REGEX)
+    engine.add_request(req)
+    timer = threading.Timer(0.05, lambda: ex.compiles["[0-9]{3}"].set_result("compiled"))
+    timer.start()
+    assert engine.step() == []  # waited for the compile: nothing else could run
+    engine.step()
+    assert req.status is RequestStatus.FINISHED
+
+
+def test_a_grammar_that_fails_to_compile_rejects_its_request_alone() -> None:
+    ex = GrammarExecutor(10)
+    engine = _engine(ex, async_scheduling=True)
+    bad = make_request("bad", 3, max_tokens=2, so_args=REGEX)
+    others = [make_request(f"ok{i}", 4, max_tokens=3) for i in range(3)]
+    for r in [bad, *others]:
+        engine.add_request(r)
+    engine.step()
+    ex.compiles["[0-9]{3}"].set_exception(RuntimeError("out of memory in the compiler"))
+    changed = engine.step()
+    assert bad in changed  # LLM.generate learns of it from step()
+    while engine.has_unfinished():
+        engine.step()
+    assert bad.status is RequestStatus.REJECTED and bad.finish_reason.value == "rejected"
+    assert bad.reject_reason == (
+        "so_args: the grammar failed to compile: out of memory in the compiler"
+    )
+    assert all(r.status is RequestStatus.FINISHED and r.num_output_tokens == 3 for r in others)
+    assert engine.scheduler.num_rejected == 1
+    assert {r.req_id: r.status for r in engine.records}["bad"] == "rejected"
+
+
+def test_an_executor_that_samples_tokens_without_grammars_refuses_so_args() -> None:
+    class NoGrammars(ScriptedExecutor):
+        needs_token_ids = True
+
+    engine = _engine(NoGrammars(10))
+    reason = engine.add_request(make_request("c", 3, so_args=REGEX))
+    assert reason is not None and "does not support structured outputs" in reason
+
+
+def test_a_complete_grammar_ends_the_request_with_stop_before_max_tokens() -> None:
+    ex = GrammarExecutor(10, completes_after=3)
+    engine = _engine(ex, async_scheduling=True)
+    req = make_request("c", 3, max_tokens=8, so_args=REGEX)
+    engine.add_request(req)
+    ex.compiles["[0-9]{3}"].set_result("compiled")
+    while engine.has_unfinished():
+        engine.step()
+    assert req.finish_reason.value == "stop" and req.num_output_tokens == 3
+
+
+def test_the_simulator_prices_masks_of_structured_requests_and_refuses_none() -> None:
+    from deepinfer.model_config import load_model_config
+    from sim.cost_model import AnalyticCostModel, load_cost_coefficients, mask_time
+    from sim.hardware import get_hardware
+    from sim.simulator import simulate
+    from sim.traces import Trace, TraceRequest
+
+    engine = make_engine()  # the scripted executor samples no real tokens: nothing compiles
+    req = make_request("c", 3, max_tokens=2, so_args=REGEX)
+    assert engine.add_request(req) is None and not req.awaiting_grammar
+    out = engine.schedule()
+    assert [sr.structured for sr in out.scheduled] == [True]
+    assert mask_time(out, 1e-4) == pytest.approx(1e-4)
+    out.scheduled[0].draft_token_ids = [5, 6]  # each verified draft gets a mask too
+    assert mask_time(out, 1e-4) == pytest.approx(3e-4)
+    coeffs = load_cost_coefficients()
+    cost = AnalyticCostModel(load_model_config("moonlight-16b-a3b"), get_hardware("h200"), coeffs)
+    assert cost.grammar_mask_per_token_s == coeffs.cpu_grammar_mask_per_token_s > 0
+
+    # 8 requests, 4 structured, 32 tokens each: 32 steps that sample 4 masked tokens. The
+    # masks are filled while the device runs the step: hidden while shorter than it (1 ms
+    # a step here), the excess on the critical path when longer, async scheduling or not.
+    trace = Trace("t", "test", [TraceRequest(f"r{i}", 0.0, 64, 32) for i in range(8)])
+    half = Trace(
+        "t", "test", [replace(r, structured=i % 2 == 0) for i, r in enumerate(trace.requests)]
+    )
+    for overlap in (False, True):
+        cfg = EngineConfig(async_scheduling=overlap)
+        base = simulate(trace, cost_model="unit", engine=cfg).summary["duration_s"]
+        for per_token, extra in ((1e-4, 0.0), (1e-3, 32 * 3e-3)):
+            run = simulate(half, cost_model="unit", engine=cfg, grammar_mask_per_token_s=per_token)
+            assert run.summary["num_completed"] == 8
+            assert run.summary["duration_s"] - base == pytest.approx(extra, abs=1e-9)
+            assert run.meta["grammar_mask_per_token_s"] == per_token
+    assert simulate(half, cost_model="unit").summary["duration_s"] == base  # unit: no price
+    assert half.with_all_structured().requests[1].structured
+    # The default coefficient (50 us a token, 160k vocabulary) hides behind a Moonlight step.
+    for kind in ("analytic", "profiled"):
+        priced = simulate(half, cost_model=kind).summary["duration_s"]
+        assert priced == pytest.approx(simulate(trace, cost_model=kind).summary["duration_s"])
+
+
+def test_request_flags_follow_so_args() -> None:
+    assert Request("a", [1], SamplingParams(so_args=REGEX)).structured
+    assert not Request("b", [1], SamplingParams()).structured
+    assert Request("c", [1], SamplingParams(), structured=True).structured
+
+
+def test_simulate_cli_prices_every_request_as_structured(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`--structured` with a mask far longer than a step stretches the run by the excess."""
+    import json
+    from pathlib import Path
+
+    from deepinfer import cli
+
+    trace = str(Path(__file__).resolve().parents[2] / "traces" / "example.jsonl")
+    runs = {}
+    for extra in ([], ["--structured", "--grammar-mask-us", "20000"]):
+        out = tmp_path / f"r{len(extra)}.json"
+        args = ["simulate", trace, "--no-progress", "--out", str(out)]
+        assert cli.main([*args, "--cost-model", "analytic", *extra]) == 0
+        runs[len(extra)] = json.loads(out.read_text())
+    assert runs[3]["meta"]["grammar_mask_per_token_s"] == pytest.approx(0.02)
+    assert runs[3]["summary"]["duration_s"] > 2 * runs[0]["summary"]["duration_s"]
+
+
+def test_generate_cli_takes_so_args_as_json() -> None:
+    import argparse
+
+    from deepinfer.cli.sampling_options import add_sampling_options, sampling_params_from_args
+
+    parser = argparse.ArgumentParser()
+    add_sampling_options(parser)
+    args = parser.parse_args(["--so-args", '{"schema_type": "regex", "schema": "[0-9]{3}"}'])
+    assert sampling_params_from_args(args).so_args == REGEX
+    for bad in ("[0-9]", "{schema"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--so-args", bad])
+
+
+def test_a_native_trace_takes_so_args_or_structured(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from sim.traces import TraceError, load_trace
+
+    rows = [
+        {"id": "a", "arrival": 0.0, "prompt_len": 8, "output_len": 4},
+        {"id": "b", "arrival": 0.0, "prompt_len": 8, "output_len": 4, "structured": True},
+        {"id": "c", "arrival": 0.0, "prompt_len": 8, "output_len": 4, "so_args": REGEX},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    assert [r.structured for r in load_trace(path).requests] == [False, True, True]
+    path.write_text(json.dumps({**rows[2], "so_args": {"schema_type": "yaml"}}))
+    with pytest.raises(TraceError, match=r"t.jsonl:1: field 'so_args': expected"):
+        load_trace(path)
+    path.write_text(json.dumps({**rows[1], "structured": "yes"}))
+    with pytest.raises(TraceError, match=r"field 'structured': expected true or false"):
+        load_trace(path)

@@ -1,0 +1,298 @@
+"""Speculative decoding on the real executor (CPU): MTP drafts verified in one step leave
+greedy output token-for-token unchanged, keep the sampling distribution, stay
+deterministic when seeded, and never overrun max_tokens.
+
+Acceptance needs a drafter that predicts the target: the trained demo model (its MTP
+layer agrees with the target about 70% of the time) serves those tests; the tiny
+random-weight V3 checks the MTP layer against transformers'."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.config import EngineConfig
+from deepinfer.engine import EngineCore
+from deepinfer.executor import Done, completed
+from deepinfer.model_config import ModelConfig
+from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
+from deepinfer.request import Request
+from executors.demo import DEMO_MODEL_DIR
+from executors.kv_cache import PagedKVCache
+from executors.loader import load_model, read_hf_config
+from executors.model_runner import ModelRunner
+from tests.executors.harness import load_runner
+from tests.executors.test_llm import prompts
+from tests.executors.test_torch_executor import _prompt_step
+from tests.executors.tiny_models import TinyModel
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+CODE = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\nclass ",
+    '    def __repr__(self):\n        return "<%s ',
+    "for i in range(10):\n    ",
+]
+needs_demo = pytest.mark.skipif(
+    not (DEMO_MODEL_DIR / "model.safetensors").is_file(), reason="demo checkpoint not built"
+)
+
+
+def _generate(
+    model: str, batch: list[list[int]] | list[str], params: SamplingParams | list, **engine
+) -> LLM:
+    engine.setdefault("block_size", 4)
+    llm = LLM(model, device="cpu", dtype="float32", **engine)
+    inputs = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in batch]
+    llm.outs = llm.generate(inputs, params, use_tqdm=False)  # type: ignore[attr-defined]
+    return llm
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(num_speculative_tokens=1),
+        dict(num_speculative_tokens=3, max_num_batched_tokens=8),  # chunked prefill
+        dict(num_speculative_tokens=2, num_gpu_blocks=20, max_num_batched_tokens=64),
+        dict(num_speculative_tokens=3, async_scheduling=True, max_num_batched_tokens=8),
+        dict(
+            num_speculative_tokens=2,
+            async_scheduling=True,
+            num_gpu_blocks=20,
+            max_num_batched_tokens=64,
+        ),
+        dict(enable_mtp_varlen=True, num_speculative_tokens=5),
+        dict(enable_mtp_varlen=True, num_speculative_tokens=4, async_scheduling=True),
+    ],
+    ids=[
+        "k1",
+        "k3-chunked",
+        "k2-preempting",
+        "k3-async-chunked",
+        "k2-async-preempting",
+        "varlen5",
+        "varlen4-async",
+    ],
+)
+@needs_demo
+def test_greedy_output_is_identical_with_speculation(engine_args: dict) -> None:
+    """Token for token what the engine gives without speculation, and drafts were really
+    verified (some accepted, some rejected)."""
+    spec_free = {
+        k: v
+        for k, v in engine_args.items()
+        if k not in ("num_speculative_tokens", "enable_mtp_varlen")
+    }
+    plain = _generate(str(DEMO_MODEL_DIR), CODE, GREEDY, **spec_free)
+    spec = _generate(str(DEMO_MODEL_DIR), CODE, GREEDY, **engine_args)
+    for a, b in zip(plain.outs, spec.outs):  # type: ignore[attr-defined]
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert len(b.outputs[0].token_ids) == GREEDY.max_tokens
+    sched = spec.engine.scheduler
+    assert 0 < sched.num_accepted_drafts < sched.num_draft_tokens
+    if "num_gpu_blocks" in engine_args:
+        assert sched.num_preemptions > 0
+
+
+@needs_demo
+def test_tokens_after_a_stop_string_are_dropped() -> None:
+    """Accepted drafts past the token that completes a stop string are not output: ids,
+    text and logprobs equal plain decoding's."""
+    params = SamplingParams(temperature=0.0, max_tokens=60, stop=["\n\n", ":"], logprobs=1)
+    plain = _generate(str(DEMO_MODEL_DIR), CODE, params, block_size=16)
+    spec = _generate(str(DEMO_MODEL_DIR), CODE, params, block_size=16, num_speculative_tokens=3)
+    for a, b in zip(plain.outs, spec.outs):  # type: ignore[attr-defined]
+        x, y = a.outputs[0], b.outputs[0]
+        assert (y.token_ids, y.text, y.finish_reason) == (x.token_ids, x.text, x.finish_reason)
+        assert len(y.logprobs) == len(y.token_ids)
+
+
+@needs_demo
+def test_no_request_exceeds_max_tokens() -> None:
+    """Accepted drafts past max_tokens (or a stop token) are dropped."""
+    for n in (1, 2, 3, 5, 7):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        llm = _generate(str(DEMO_MODEL_DIR), CODE[:3], params, num_speculative_tokens=3)
+        assert [len(o.outputs[0].token_ids) for o in llm.outs] == [n] * 3  # type: ignore[attr-defined]
+
+
+def test_mtp_draft_is_the_reference_mtp_argmax(tiny_models: dict[str, TinyModel]) -> None:
+    """The first draft after a prompt is the argmax of transformers' MtpModel at the last
+    prompt position, fed the token just sampled; its confidence is that probability."""
+    tiny = tiny_models["v3_mtp"]
+    prompt = prompts(7, [9])[0]
+    runner = load_runner(tiny.path, num_blocks=16, num_speculative_tokens=2)
+    out = runner.execute(SchedulerOutput(1, [_prompt_step("a", prompt, [0, 1, 2])]))
+    first = out.sampled_token_ids["a"][0]
+    with torch.no_grad():
+        hidden = tiny.hf.model(torch.tensor([prompt])).last_hidden_state  # [1, n, hidden]
+        tokens = torch.tensor([prompt[1:] + [first]])
+        ref = tiny.mtp._project_to_logits(
+            tiny.mtp.forward_layer(
+                0, hidden, torch.arange(1, len(prompt) + 1)[None], None, input_ids=tokens
+            )
+        )[0, -1].softmax(-1)
+    assert out.draft_token_ids["a"][0] == int(ref.argmax())
+    assert out.draft_confidences["a"][0] == pytest.approx(float(ref.max()), rel=1e-4)
+    assert len(out.draft_token_ids["a"]) == 2
+
+
+def test_seeded_sampling_with_speculation_is_deterministic(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    """A seeded request gives the same tokens alone and amid other requests."""
+    tiny = tiny_models["v3_mtp"]
+    prompt = prompts(8, [6])[0]
+    seeded = SamplingParams(temperature=0.9, seed=123, max_tokens=12, ignore_eos=True)
+    alone = _generate(str(tiny.path), [prompt], seeded, num_speculative_tokens=2)
+    llm = LLM(str(tiny.path), device="cpu", dtype="float32", block_size=4, num_speculative_tokens=2)
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    batch = prompts(9, [4, 7]) + [prompt]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in batch], [others, others, seeded], use_tqdm=False
+    )
+    assert outs[2].outputs[0].token_ids == alone.outs[0].outputs[0].token_ids  # type: ignore[attr-defined]
+
+
+@needs_demo
+def test_speculative_sampling_matches_plain_sampling() -> None:
+    """At temperature 1 the second output token (an accepted draft or a token sampled
+    after a rejection) has the distribution it has without speculation (chi-square,
+    two samples)."""
+    n = 800
+    params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+    counts = []
+    for k in (0, 2):
+        llm = _generate(
+            str(DEMO_MODEL_DIR), [CODE[3]] * n, params, num_speculative_tokens=k,
+            max_num_seqs=n, max_num_batched_tokens=16 * n, block_size=16, seed=k,
+        )  # fmt: skip
+        second = [o.outputs[0].token_ids[1] for o in llm.outs]  # type: ignore[attr-defined]
+        counts.append(torch.bincount(torch.tensor(second), minlength=8192))
+        if k:
+            assert llm.engine.scheduler.num_accepted_drafts > 0
+    table = torch.stack(counts)  # [2, vocab]
+    common = table.sum(0) >= 20
+    merged = torch.cat([table[:, common], table[:, ~common].sum(1, keepdim=True)], dim=1)
+    assert merged.shape[1] > 5
+    assert chi2_contingency(merged.numpy()).pvalue > 1e-3
+
+
+@needs_demo
+def test_measure_acceptance_writes_the_file_the_simulator_reads(tmp_path: Path) -> None:
+    from deepinfer.cli import main
+    from sim.acceptance import AcceptanceModel
+
+    out = tmp_path / "acc.json"
+    argv = [
+        "measure-acceptance", "--device", "cpu", "--dtype", "float32", "--num-prompts", "2",
+        "--max-tokens", "12", "--prompt-chars", "120", "--num-speculative-tokens", "2",
+        "--block-size", "16", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["num_speculative_tokens"] == 2 and data["reached"][0] > 0
+    model = AcceptanceModel.load(out)
+    assert 0 < model.per_position[0] <= 1 and list(model.per_position) == data["per_position"]
+
+
+@pytest.mark.gpu
+@needs_demo
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bf16_greedy_output_is_identical_with_speculation_on_cuda(async_scheduling: bool) -> None:
+    """In bf16 on the device (Triton kernels, CUDA graphs for decode and verify steps),
+    token for token, and most drafts accepted. bf16 rounds a 1 + k-token verify query
+    differently from a one-token decode: a sequence may part only where plain decoding
+    itself had a near-tie (top-2 logprobs within 0.05), never elsewhere."""
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True, logprobs=2)
+    outs = {}
+    for k in (0, 3):
+        llm = LLM(
+            str(DEMO_MODEL_DIR), device="cuda", dtype="bfloat16", block_size=16,
+            num_speculative_tokens=k, async_scheduling=async_scheduling,
+        )  # fmt: skip
+        outs[k] = [o.outputs[0] for o in llm.generate(CODE, params, use_tqdm=False)]
+        if k:
+            sched = llm.engine.scheduler
+            assert sched.num_accepted_drafts > 0.4 * sched.num_draft_tokens
+            assert llm.executor.runner.verify_graphs is not None
+    identical = 0
+    for plain, spec in zip(outs[0], outs[3]):
+        if spec.token_ids == plain.token_ids:
+            identical += 1
+            continue
+        j = next(i for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)) if a != b)
+        top = sorted((lp.logprob for lp in plain.logprobs[j].values()), reverse=True)
+        assert top[0] - top[1] < 0.05, f"parted at {j} without a near-tie: {top}"
+    assert identical >= len(CODE) // 2
+
+
+class _RunnerExecutor:
+    """The Executor contract over a bare ModelRunner (to switch its graphs on, on the CPU)."""
+
+    needs_token_ids = True
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_kv_blocks()
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(out)
+
+    def execute_async(self, out: SchedulerOutput) -> Done:
+        return completed(self.execute(out))
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _greedy_through_runner(
+    model: torch.nn.Module, prompts_: list[list[int]], graphs: bool
+) -> tuple[list[list[int]], list[int]]:
+    """Greedy outputs from an engine over a bare runner; the batch sizes the verify
+    graphs served."""
+    cfg = model.config
+    engine_cfg = EngineConfig(block_size=16, num_gpu_blocks=64, num_speculative_tokens=3)
+    cache = PagedKVCache(
+        cfg.num_hidden_layers, 64, 16, cfg.kv_entry_dim, torch.float32, torch.device("cpu"),
+        scratch_block=True, num_mtp_layers=1,
+    )  # fmt: skip
+    runner = ModelRunner(model, cache, engine_cfg, eos_token_id=1, max_model_len=512)
+    calls: list[int] = []
+    if graphs:
+        runner.enable_cuda_graphs([1, 2, 4], capture=False)
+        verify = runner.verify_graphs
+        assert verify is not None and verify.query_len == 4
+        run = verify.run
+        verify.run = lambda i, p, t: calls.append(len(t)) or run(i, p, t)  # type: ignore[method-assign]
+    engine = EngineCore(engine_cfg, _RunnerExecutor(runner), model_max_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    reqs = [Request(f"r{i}", p, params) for i, p in enumerate(prompts_)]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_token_ids for r in reqs], calls
+
+
+@needs_demo
+def test_verify_steps_run_through_graph_buffers_and_give_the_same_tokens() -> None:
+    """With graphs on, steps where every request scores 1 + k tokens take the verify
+    graphs (padded static buffers; run eagerly on the CPU) and the MTP drafter reads
+    their hidden states: greedy output equals the eager engine's."""
+    from tokenizers import Tokenizer
+
+    cfg = ModelConfig.from_dict(read_hf_config(DEMO_MODEL_DIR))
+    model = load_model(DEMO_MODEL_DIR, cfg, dtype=torch.float32, device=torch.device("cpu"))
+    tok = Tokenizer.from_file(str(DEMO_MODEL_DIR / "tokenizer.json"))
+    prompts_ = [tok.encode(p).ids for p in CODE[:3]]
+    eager, _ = _greedy_through_runner(model, prompts_, graphs=False)
+    graphed, calls = _greedy_through_runner(model, prompts_, graphs=True)
+    assert graphed == eager and len(calls) > 3

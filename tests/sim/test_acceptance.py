@@ -1,0 +1,95 @@
+"""The simulator's acceptance model: per-position probabilities, measured on a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer.engine import EngineCore
+from sim import simulate
+from sim.acceptance import AcceptanceModel
+from sim.sim_executor import SimExecutor
+from sim.traces import TraceRequest
+from tests.factories import StepClock, make_config, make_request, run_to_completion
+
+
+def test_conditional_probabilities_come_from_the_counts() -> None:
+    m = AcceptanceModel.from_counts([100, 80, 40], [80, 40, 30])
+    assert m.per_position == (0.8, 0.5, 0.75)
+    assert m.probability(1) == 0.8 and m.probability(9) == 0.75  # past the end: the last
+    assert m.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.4)
+    assert AcceptanceModel.from_counts([10, 0, 0], [0, 0, 0]).per_position == (0.0,)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        AcceptanceModel((1.5,))
+
+
+def test_the_sim_executor_accepts_each_position_with_its_probability() -> None:
+    """Scheduler.draft_position_stats (what measure-acceptance records) give back the
+    model the SimExecutor was given."""
+    model = AcceptanceModel((0.9, 0.5, 0.2))
+    cfg = make_config(num_speculative_tokens=3, num_gpu_blocks=400, max_num_seqs=16)
+    engine = EngineCore(cfg, SimExecutor(cfg, acceptance_rate=model), clock=StepClock())
+    for i in range(16):
+        engine.add_request(make_request(f"r{i}", 4, max_tokens=300))
+    run_to_completion(engine)
+    stats = engine.scheduler.draft_position_stats
+    got = AcceptanceModel.from_counts([n for n, _ in stats], [a for _, a in stats])
+    assert got.per_position == pytest.approx(model.per_position, abs=0.04)
+
+
+def test_simulate_reads_a_shipped_acceptance_file() -> None:
+    """By name under sim/data/acceptance/ (measured on the demo model): more tokens per
+    step than a fixed low rate gives."""
+    shipped = AcceptanceModel.load("deepinfer-demo")
+    assert len(shipped.per_position) == 3 and shipped.expected_tokens(3) > 2
+    reqs = [TraceRequest(f"r{i}", 0.0, 100, 64) for i in range(4)]
+    cfg = make_config(
+        num_speculative_tokens=3, num_gpu_blocks=200, block_size=16,
+        max_num_batched_tokens=1024,
+    )  # fmt: skip
+    model = "executors/demo/deepinfer-demo/config.json"
+    runs = {
+        a: simulate(reqs, model, engine=cfg, cost_model="unit", acceptance_rate=a)
+        for a in ("deepinfer-demo", 0.2)
+    }
+    assert runs["deepinfer-demo"].meta["acceptance_per_position"] == list(shipped.per_position)
+    assert runs["deepinfer-demo"].meta["num_steps"] < runs[0.2].meta["num_steps"]
+    with pytest.raises(ValueError, match="not a readable acceptance file"):
+        AcceptanceModel.load("no-such-model")
+
+
+def test_varlen_drafts_follow_confidence_and_fade_under_load() -> None:
+    """With DEEPINFER_ENABLE_MTP_VARLEN the SimExecutor reports confidences and the
+    scheduler's policy sets each request's draft length: long alone, short in a crowd."""
+
+    def mean_drafts(batch: int) -> float:
+        cfg = make_config(
+            num_speculative_tokens=5, enable_mtp_varlen=True, num_gpu_blocks=4000,
+            max_num_seqs=batch, max_num_batched_tokens=4096, async_scheduling=batch > 1,
+        )  # fmt: skip
+        ex = SimExecutor(cfg, acceptance_rate=AcceptanceModel((0.8, 0.7, 0.6)))
+        engine = EngineCore(cfg, ex, clock=StepClock(), check_invariants=batch < 100)
+        reqs = [make_request(f"r{i}", 4, max_tokens=40) for i in range(batch)]
+        for r in reqs:
+            engine.add_request(r)
+        run_to_completion(engine)
+        assert all(len(r.output_token_ids) == 40 for r in reqs)
+        verifies = engine.scheduler.draft_position_stats[0][0]  # drafts at position 1
+        return ex.num_draft_tokens / max(verifies, 1)
+
+    alone, crowd = mean_drafts(1), mean_drafts(600)
+    assert alone > 3 and crowd < 0.4 * alone
+
+
+def test_speculation_sizes_the_cache_with_the_mtp_layer() -> None:
+    """As the torch executor: the MTP layer's weights and its KV (one more layer per
+    block) leave fewer blocks."""
+    from deepinfer.model_config import load_model_config
+    from sim.hardware import get_hardware
+    from sim.kv_capacity import kv_capacity_blocks
+
+    model = load_model_config("executors/demo/deepinfer-demo/config.json")
+    h200 = get_hardware("h200")
+    plain = kv_capacity_blocks(model, h200, 64, 0.9)
+    spec = kv_capacity_blocks(model, h200, 64, 0.9, speculative=True)
+    layers = model.num_hidden_layers
+    assert spec < plain and spec == pytest.approx(plain * layers / (layers + 1), rel=0.01)
