@@ -6,9 +6,11 @@ allow; `WorkConservation` shows it does all they allow. From the state just befo
 counts and drafts) and the KVMirror's prefix dict it replays the rules by hand:
 
 - running phase: running requests in order, each given min(its known tokens plus
-  drafts not yet computed, the budget left, max_model_len minus computed); when the
-  free blocks do not cover a request's new blocks, the newest running request is
-  preempted (itself last), and only then;
+  drafts not yet computed, the budget left, max_model_len minus computed), where
+  drafts of steps in flight count as known and a step scheduled over one in flight
+  verifies k placeholder drafts (DESIGN.md section 4); when the free blocks do not
+  cover a request's new blocks (plus the MTP drafter's lookahead slots), the newest
+  running request is preempted (itself last), and only then;
 - waiting phase: waiting requests in queue order while budget is left; a chunked
   prefill in progress continues (min(rest of its prompt, budget left)); any other
   request starts when nothing was preempted this step, fewer than max_num_seqs are
@@ -28,6 +30,7 @@ from collections import Counter
 from deepinfer.config import EngineRole
 from deepinfer.kv_cache.manager import cdiv
 from deepinfer.outputs import SchedulerOutput
+from deepinfer.spec_policy import draft_lengths
 from tests.property.harness import Checker, Driver, Snapshot, max_model_len, note
 from tests.property.mirror import KVMirror
 
@@ -39,6 +42,12 @@ FCFS = "waiting requests are served in queue order"
 PREFIX = "a cached prefix is hit"
 BLOCKS = "a request holds the blocks its tokens need, no more"
 RULES = (RUNNING, CHUNK, PREEMPT, HEAD, FCFS, PREFIX, BLOCKS)
+
+
+def lookahead(d: Driver, end: int) -> int:
+    """KV slots past a step ending at `end` tokens that the MTP drafter writes."""
+    k = d.case.config.num_speculative_tokens
+    return max(0, min(k - 1, max_model_len(d.case) - end))
 
 
 class WorkConservation(Checker):
@@ -69,7 +78,10 @@ class WorkConservation(Checker):
         for sr in out.scheduled:
             req = d.reqs[sr.req_id]
             reserve = req.num_tokens if sr.is_prompt else 0
-            want = cdiv(max(sr.num_computed_tokens + sr.num_tokens, reserve), bs)
+            end = max(sr.num_computed_tokens + sr.num_tokens, reserve)
+            # Plus the slots the MTP drafter writes past the step (DESIGN.md 3/4: KV of
+            # chained drafts 1..k-1, never past max_model_len).
+            want = cdiv(end + lookahead(d, end), bs)
             table = self.mirror.tables[sr.req_id]
             if len(table) != want:
                 self._fail(
@@ -96,17 +108,26 @@ class WorkConservation(Checker):
         free = n - len(refs)
         budget = cfg.max_num_batched_tokens
         running, preempted = list(snap.running), []
+        lengths = None  # varlen: each request's draft length from its last confidences
+        if cfg.enable_mtp_varlen and cfg.num_speculative_tokens:
+            conf = {rid: snap.state[rid].confidences for rid in running}
+            lengths = draft_lengths(conf, cfg.num_speculative_tokens)
         i = 0
         while i < len(running) and budget > 0:
             rid = running[i]
             s = snap.state[rid]
-            known = s.num_tokens + s.placeholders
-            drafts = s.drafts if s.placeholders == 0 else []
-            num_new = min(known + len(drafts) - s.computed, budget, length - s.computed)
+            # DESIGN.md 4 (speculation as built): drafts of steps in flight count as
+            # accepted, and a step scheduled over one in flight verifies k placeholder
+            # drafts (the executor fills in the in-flight step's proposal).
+            known = s.num_tokens + s.placeholders + s.pending_drafts
+            k = lengths.get(rid, 0) if lengths is not None else cfg.num_speculative_tokens
+            ndrafts = k if s.placeholders and k else len(s.drafts[:k])
+            num_new = min(known + ndrafts - s.computed, budget, length - s.computed)
             if num_new <= 0:
                 i += 1
                 continue
-            need = max(cdiv(s.computed + num_new, bs) - len(snap.tables[rid]), 0)
+            end = s.computed + num_new
+            need = max(cdiv(end + lookahead(d, end), bs) - len(snap.tables[rid]), 0)
             while need > free:  # the allocation fails: free the newest running request
                 victim = running.pop()
                 preempted.append(victim)
@@ -142,7 +163,7 @@ class WorkConservation(Checker):
                     out,
                     rid,
                     f"running, given {sr.num_tokens} tokens; its known tokens plus drafts "
-                    f"({known} + {len(drafts)}) minus computed ({s.computed}), the budget "
+                    f"({known} + {ndrafts}) minus computed ({s.computed}), the budget "
                     f"left ({budget}) and max_model_len ({length}) allow {num_new}",
                 )
                 return None
@@ -229,7 +250,7 @@ class WorkConservation(Checker):
         tokens = d.tokens(rid)
         hits = self.mirror.prefix.lookup(rid, tokens)
         num_new = 1 if cfg.role is EngineRole.DECODE else len(tokens) - len(hits) * bs
-        need = cdiv(len(tokens), bs) - len(hits)
+        need = cdiv(len(tokens) + lookahead(d, len(tokens)), bs) - len(hits)  # + MTP slots
         available = n - len(held) - sum(1 for b in hits if b not in held)
         reasons = [
             (bool(out.preempted_req_ids), "this step preempted"),

@@ -65,6 +65,8 @@ class ReqState(NamedTuple):
     computed: int  # num_computed_tokens
     placeholders: int  # num_output_placeholders (async: sampled tokens not known yet)
     drafts: list[int]  # spec_token_ids proposed for its next step
+    pending_drafts: int  # drafts of steps in flight (assumed accepted until verified)
+    confidences: list[float]  # spec_confidences (varlen: they set the next draft length)
 
 
 @dataclass
@@ -103,6 +105,7 @@ class Driver:
         self.max_steps = step_bound(case, workload)
         self.max_preemptions = preemption_bound(case, workload)
         self.stalled = False  # the last step scheduled nothing and preempted nothing
+        self.broken = False  # a step raised (a checker failed mid-step)
 
     def tokens(self, req_id: str) -> list[int]:
         req = self.reqs[req_id]
@@ -168,7 +171,11 @@ class Driver:
     def advance(self) -> None:
         """One engine step (both halves, async overlap included), failing past the
         preemption bound; the caller then calls the checkers' on_step_end."""
-        self._step()
+        try:
+            self._step()
+        except BaseException:
+            self.broken = True  # the step is half-applied: stepping on only adds noise
+            raise
         self.steps += 1
         self.clock += 1
         if self.sched.num_preemptions > self.max_preemptions:
@@ -209,6 +216,8 @@ class Driver:
                     r.num_computed_tokens,
                     r.num_output_placeholders,
                     list(r.spec_token_ids),
+                    r.num_pending_drafts,
+                    list(r.spec_confidences),
                 )
                 for rid, r in s.requests.items()
             },
