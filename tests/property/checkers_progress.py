@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import zlib
 from collections import Counter
 
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
-from sim.sim_executor import _VOCAB
 from tests.property.harness import (
     Checker,
     Driver,
     admissible,
-    expected_outputs,
+    expected_end,
     note,
     preemption_bound,
     progress_window,
 )
-from tests.property.strategies import ReqSpec
+from tests.property.strategies import ReqSpec, sim_token
 
 S = RequestStatus
 LEGAL: dict[S | None, set[S]] = {  # status -> statuses it may have at the next observation
@@ -30,11 +28,6 @@ LEGAL: dict[S | None, set[S]] = {  # status -> statuses it may have at the next 
     S.ABORTED: {S.ABORTED},
     S.REJECTED: {S.REJECTED},
 }
-
-
-def sim_token(req_id: str, pos: int) -> int:
-    """The token SimExecutor samples for position `pos` of `req_id` (its documented rule)."""
-    return 1 + ((zlib.crc32(req_id.encode()) + pos * 2654435761) % (_VOCAB - 1))
 
 
 class Rejection(Checker):
@@ -67,7 +60,8 @@ class NoIdleStep(Checker):
 
 
 class Completion(Checker):
-    """Every admissible request ends finished with all its tokens, unless aborted."""
+    """Every admissible request ends finished with all its tokens and the finish reason
+    of its first stop condition (harness.expected_end), unless aborted."""
 
     def on_end(self, d: Driver) -> None:
         for spec in d.workload:
@@ -78,9 +72,10 @@ class Completion(Checker):
             if req.status is S.ABORTED:
                 assert spec.abort_step is not None, f"{spec} aborted though nobody asked"
                 continue
-            want = expected_outputs(d.case, spec)
+            want, reason = expected_end(d.case, spec)
             assert req.num_output_tokens == want, f"{spec}: {req.num_output_tokens} != {want}"
-            assert req.finish_reason is not None and req.finish_reason.value == "length"
+            got = req.finish_reason.value if req.finish_reason is not None else None
+            assert got == reason, f"{spec}: finish reason {got}, its first stop is {reason}"
 
 
 class NeverPreemptedAlone(Checker):
@@ -100,13 +95,29 @@ class NeverPreemptedAlone(Checker):
 
 
 class BoundedPreemptions(Checker):
+    """Preemptions, as the outputs announce them, stay within preemption_bound; the
+    counts the engine reports (Scheduler.num_preemptions, each request's
+    num_preemptions: the simulator's preemption metrics) equal them."""
+
     def __init__(self) -> None:
         self.preemptions = 0
+        self.per_request: Counter[str] = Counter()
 
     def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
         self.preemptions += len(out.preempted_req_ids)
+        self.per_request.update(out.preempted_req_ids)
         bound = preemption_bound(d.case, d.workload)
         assert self.preemptions <= bound, f"{self.preemptions} preemptions > bound {bound}"
+        where = f"step {out.step_id}"
+        assert d.sched.num_preemptions == self.preemptions, (
+            f"{where}: Scheduler.num_preemptions={d.sched.num_preemptions}, the outputs "
+            f"announced {self.preemptions} preemptions"
+        )
+        for rid, req in d.reqs.items():
+            assert req.num_preemptions == self.per_request[rid], (
+                f"{where}: {rid}.num_preemptions={req.num_preemptions}, the outputs "
+                f"announced {self.per_request[rid]}"
+            )
 
 
 class ComputedProgress(Checker):

@@ -1,8 +1,10 @@
 """Hypothesis profiles for the property suite.
 
-`ci` (the default) keeps the whole of tests/property within about two minutes
+`ci` (the default) keeps the whole of tests/property within about three minutes
 on two cores and is derandomized, so a CI failure reproduces exactly;
-`HYPOTHESIS_PROFILE=deep` runs many more examples from fresh random seeds.
+`HYPOTHESIS_PROFILE=deep` runs many more examples from fresh random seeds;
+`mutation` (derandomized, 10 examples a test before scaling) is what mutmut runs for each
+mutant (tests/property/MUTATION.md).
 Under CI=true no example database is written: failing seeds stay local, and
 the shrunk examples worth keeping live on as tests in tests/core/test_regressions.py.
 """
@@ -33,5 +35,14 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=_SLOW_OK,
     **_DB,
+)
+settings.register_profile(
+    "mutation",
+    max_examples=10,
+    deadline=None,
+    derandomize=True,
+    print_blob=False,
+    suppress_health_check=_SLOW_OK,
+    database=None,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -1,10 +1,9 @@
 """Drive one engine case through a workload, calling property checkers after each event.
 
-The driver runs the real `EngineCore` (with `check_invariants=True`, so the
-core's own `check_output` / `check_invariants` run every step, unless
-PROPERTY_CORE_CHECKS=0) over
-`SimExecutor`, calling `schedule()` / `process()` directly so that checkers can
-look between the halves of a step; with async scheduling it overlaps them
+The driver runs the real `EngineCore` over `SimExecutor`, calling `schedule()` /
+`process()` directly so that checkers can look between the halves of a step, and
+runs the core's own `check_output` / `check_invariants` after its checkers (so a
+failure names the property's rule first), unless PROPERTY_CORE_CHECKS=0; with async scheduling it overlaps them
 exactly as `EngineCore.step_events` does. Arrivals and aborts happen at driver
 step numbers; steps with no work are skipped (they are not engine steps).
 """
@@ -13,17 +12,26 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from hypothesis import event
 from hypothesis.control import currently_in_test_context
 
 from deepinfer.engine import EngineCore
-from deepinfer.kv_cache.manager import cdiv
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
-from deepinfer.sampling_params import SamplingParams
 from sim.sim_executor import SimExecutor
 from tests.factories import StepClock
+from tests.property.oracle import (  # noqa: F401  (re-exported: the checkers import them here)
+    admissible,
+    expected_end,
+    expected_outputs,
+    make_request,
+    max_model_len,
+    preemption_bound,
+    progress_window,
+    step_bound,
+)
 from tests.property.strategies import EngineCase, ReqSpec, Workload
 
 
@@ -50,6 +58,17 @@ class Checker:
     def on_end(self, d: Driver) -> None: ...
 
 
+class ReqState(NamedTuple):
+    """What the scheduling rules read of one live request."""
+
+    num_tokens: int
+    computed: int  # num_computed_tokens
+    placeholders: int  # num_output_placeholders (async: sampled tokens not known yet)
+    drafts: list[int]  # spec_token_ids proposed for its next step
+    pending_drafts: int  # drafts of steps in flight (assumed accepted until verified)
+    confidences: list[float]  # spec_confidences (varlen: they set the next draft length)
+
+
 @dataclass
 class Snapshot:
     """Scheduler state just before a `schedule()` call."""
@@ -59,62 +78,7 @@ class Snapshot:
     waiting: list[str]
     in_progress: list[str]  # waiting requests that hold blocks (chunked prefill between chunks)
     status: dict[str, RequestStatus]
-
-
-def max_model_len(case: EngineCase) -> int:
-    """The effective limit: the configured one capped by the cache (DESIGN.md section 3)
-    and, without chunked prefill, by the step budget, so that a preempted request can
-    be recomputed in one step (the rule that fixed bug B2)."""
-    cfg = case.config
-    limit = min(cfg.max_model_len or case.capacity, case.capacity)
-    return limit if cfg.enable_chunked_prefill else min(limit, cfg.max_num_batched_tokens)
-
-
-def admissible(case: EngineCase, spec: ReqSpec) -> bool:
-    """Whether a request can ever be served, computed from the spec alone."""
-    n, cfg = len(spec.prompt), case.config
-    fits_step = cfg.enable_chunked_prefill or n <= cfg.max_num_batched_tokens
-    return n >= 1 and n + 1 <= case.capacity and n + 1 <= max_model_len(case) and fits_step
-
-
-def expected_outputs(case: EngineCase, spec: ReqSpec) -> int:
-    """Output tokens an admitted request ends with when nobody aborts it."""
-    if case.config.role.value == "prefill":
-        return 1
-    return min(spec.max_tokens, max_model_len(case) - len(spec.prompt))
-
-
-def preemption_bound(case: EngineCase, workload: Workload) -> int:
-    """An argued bound, checked on every run: between two steps that preempt some
-    request gains an output token or ends (the oldest running request, or the
-    prefill that a lone request gave way to, goes on), and a step preempts each
-    running request at most once."""
-    admitted = [s for s in workload if admissible(case, s)]
-    progress = sum(expected_outputs(case, s) + 1 for s in admitted)
-    return len(admitted) * progress
-
-
-def step_bound(case: EngineCase, workload: Workload) -> int:
-    """Engine steps within which every admissible request must have finished.
-
-    Every step schedules at least one token (NoIdleStep); the tokens to compute
-    are each prompt, each output with its drafts, and one whole recompute (plus
-    one step of slack) per preemption.
-    """
-    k, length = case.config.num_speculative_tokens, max_model_len(case)
-    work = sum(
-        len(s.prompt) + expected_outputs(case, s) * (1 + k) for s in workload if admissible(case, s)
-    )
-    steps = max((s.arrival_step for s in workload), default=0) + 1
-    steps += work + preemption_bound(case, workload) * (length + 1)
-    return 2 * steps + 2 if case.config.async_scheduling else steps
-
-
-def progress_window(case: EngineCase) -> int:
-    """Steps within which the progress measure must rise (see test_no_livelock)."""
-    cfg = case.config
-    w = cdiv(max_model_len(case), cfg.max_num_batched_tokens) + 3
-    return 2 * w + 2 if cfg.async_scheduling else w
+    state: dict[str, ReqState]
 
 
 class Driver:
@@ -127,9 +91,7 @@ class Driver:
         cfg = case.config
         self.case, self.workload, self.checkers = case, workload, checkers
         self.executor = SimExecutor(cfg, cfg.num_gpu_blocks, acceptance_rate=case.acceptance_rate)
-        self.engine = EngineCore(
-            cfg, self.executor, clock=StepClock(), check_invariants=CORE_CHECKS
-        )
+        self.engine = EngineCore(cfg, self.executor, clock=StepClock(), check_invariants=False)
         self.sched = self.engine.scheduler
         self.specs = {s.req_id: s for s in workload}
         self.reqs: dict[str, Request] = {}  # every submitted request
@@ -143,6 +105,7 @@ class Driver:
         self.max_steps = step_bound(case, workload)
         self.max_preemptions = preemption_bound(case, workload)
         self.stalled = False  # the last step scheduled nothing and preempted nothing
+        self.broken = False  # a step raised (a checker failed mid-step)
 
     def tokens(self, req_id: str) -> list[int]:
         req = self.reqs[req_id]
@@ -155,9 +118,9 @@ class Driver:
         )  # type: ignore[arg-type,return-value]
         while True:
             while arrivals and arrivals[0].arrival_step <= self.clock:
-                self._add(arrivals.pop(0))
+                self.add(arrivals.pop(0))
             while aborts and aborts[0].abort_step <= self.clock:  # type: ignore[operator]
-                self._abort(aborts.pop(0).req_id)
+                self.abort(aborts.pop(0).req_id)
             if not self.sched.has_unfinished() and self.in_flight is None:
                 if not arrivals:
                     break
@@ -168,14 +131,7 @@ class Driver:
                     f"liveness: unfinished after {self.steps} steps (bound "
                     f"{self.max_steps})\n{self.sched.diagnose()}"
                 )
-            self._step()
-            self.steps += 1
-            self.clock += 1
-            if self.sched.num_preemptions > self.max_preemptions:
-                raise AssertionError(
-                    f"livelock: {self.sched.num_preemptions} preemptions > "
-                    f"bound {self.max_preemptions}\n{self.sched.diagnose()}"
-                )
+            self.advance()
             if self.stalled:  # nothing changes until an arrival or an abort: skip ahead
                 events = [s.arrival_step for s in arrivals] + [s.abort_step for s in aborts]
                 if not events:
@@ -212,11 +168,28 @@ class Driver:
             if seen:
                 note(label)
 
-    def _add(self, spec: ReqSpec) -> None:
-        params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
-        req = Request(
-            spec.req_id, list(spec.prompt), params, float(spec.arrival_step), priority=spec.priority
-        )
+    def advance(self) -> None:
+        """One engine step (both halves, async overlap included), failing past the
+        preemption bound; the caller then calls the checkers' on_step_end."""
+        try:
+            self._step()
+        except BaseException:
+            self.broken = True  # the step is half-applied: stepping on only adds noise
+            raise
+        self.steps += 1
+        self.clock += 1
+        if self.sched.num_preemptions > self.max_preemptions:
+            raise AssertionError(
+                f"livelock: {self.sched.num_preemptions} preemptions > "
+                f"bound {self.max_preemptions}\n{self.sched.diagnose()}"
+            )
+
+    def add(self, spec: ReqSpec) -> None:
+        """Submit a request now (a spec not in the workload joins it: the state machine)."""
+        if spec.req_id not in self.specs:
+            self.workload += (spec,)
+            self.specs[spec.req_id] = spec
+        req = make_request(spec)
         self.reqs[spec.req_id] = req
         reason = self.engine.add_request(req)
         if reason is not None:
@@ -224,7 +197,7 @@ class Driver:
         for c in self.checkers:
             c.on_add(self, spec, req, reason)
 
-    def _abort(self, req_id: str) -> None:
+    def abort(self, req_id: str) -> None:
         if self.engine.abort(req_id) is not None:
             for c in self.checkers:
                 c.on_abort(self, req_id)
@@ -237,6 +210,17 @@ class Driver:
             waiting=[r.request_id for r in s.waiting],
             in_progress=[r.request_id for r in s.waiting if s.kv.holds_blocks(r.request_id)],
             status={rid: r.status for rid, r in s.requests.items()},
+            state={
+                rid: ReqState(
+                    r.num_tokens,
+                    r.num_computed_tokens,
+                    r.num_output_placeholders,
+                    list(r.spec_token_ids),
+                    r.num_pending_drafts,
+                    list(r.spec_confidences),
+                )
+                for rid, r in s.requests.items()
+            },
         )
         out = self.engine.schedule()
         self.chunked = self.chunked or any(
@@ -245,6 +229,9 @@ class Driver:
         )
         for c in self.checkers:
             c.on_schedule(self, out, in_flight)
+        if CORE_CHECKS:
+            self.sched.check_output(out)
+            self.sched.check_invariants()
         return out
 
     def _process(self, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
@@ -252,6 +239,8 @@ class Driver:
         self.engine.process(out, res)
         for c in self.checkers:
             c.on_process(self, out, res)
+        if CORE_CHECKS:
+            self.sched.check_invariants()
 
     def _step(self) -> None:
         self.stalled = False

@@ -5,12 +5,16 @@ rate. A `Workload` is a tuple of `ReqSpec`: arrival and abort are step numbers
 of the driver loop (one engine step each), so Poisson-like gaps, bursts and
 "all at once" are all just step patterns. Prompts are built from a small pool
 of shared token chunks so that prefix-cache hits, sharing and evictions happen.
+Each request also draws its stop conditions: stop token ids and an EOS id placed at
+output positions where SimExecutor's token rule (`sim_token`) will emit them, before,
+at or after `min_tokens` and `max_tokens`, with `ignore_eos` on or off.
 Sizes are kept so that one example runs in tens of milliseconds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, replace
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -18,6 +22,14 @@ from hypothesis import strategies as st
 from deepinfer.config import EngineConfig, EngineRole
 
 MAX_TOKENS = 4096  # capacity (num_blocks * block_size) stays below this
+SIM_VOCAB = 1 << 20  # SimExecutor's placeholder vocabulary (its tokens are 1 .. SIM_VOCAB - 1)
+
+
+def sim_token(req_id: str, pos: int) -> int:
+    """The token SimExecutor samples for position `pos` of `req_id` (its documented rule,
+    restated here as the tests' independent account). The multiplier is prime to
+    SIM_VOCAB - 1, so a request never sees one token at two positions of a run."""
+    return 1 + ((zlib.crc32(req_id.encode()) + pos * 2654435761) % (SIM_VOCAB - 1))
 
 
 def either(draw: st.DrawFn, *options: st.SearchStrategy) -> object:
@@ -52,13 +64,29 @@ class ReqSpec:
     max_tokens: int
     priority: int = 0
     abort_step: int | None = None  # driver step at which the client aborts it
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    eos_token_id: int | None = None
+    ignore_eos: bool = True
 
     def __repr__(self) -> str:  # prompts are long: show their shape, not every token
         head = ",".join(map(str, self.prompt[:3]))
+        n = len(self.prompt)
+        at = [self._at(t) for t in self.stop_token_ids]
         return (
             f"ReqSpec({self.req_id!r}, arrive={self.arrival_step}, prompt=[{head}..]"
-            f"x{len(self.prompt)}, max_tokens={self.max_tokens}, prio={self.priority}, "
-            f"abort={self.abort_step})"
+            f"x{n}, max_tokens={self.max_tokens}, prio={self.priority}, "
+            f"abort={self.abort_step}, min_tokens={self.min_tokens}, stop ids at outputs #{at}, "
+            f"eos at #{self._at(self.eos_token_id)}, ignore_eos={self.ignore_eos})"
+        )
+
+    def _at(self, token: int | None) -> int | str | None:
+        """Which output (counting from 1) SimExecutor makes `token` (within 4096), if any."""
+        if token is None:
+            return None
+        n = len(self.prompt)
+        return next(
+            (i for i in range(1, 4097) if sim_token(self.req_id, n + i - 1) == token), "never"
         )
 
 
@@ -74,6 +102,7 @@ def engine_cases(
     allow_spec: bool = True,
     max_capacity: int = MAX_TOKENS,
     caching: bool | None = None,
+    chunked: bool | None = None,
 ) -> EngineCase:
     """`max_capacity` small (~100 tokens) makes contention, preemption and eviction common."""
     block_size: int = either(
@@ -91,8 +120,9 @@ def engine_cases(
     k = draw(st.integers(0, 4)) if allow_spec else 0
     # At least ~1/40 of the cache per step keeps a full-cache prompt at <= 40 chunks.
     low = max(k + 1, -(-capacity // 40))
-    budget = draw(st.integers(low, low + capacity + 8))
-    chunked = draw(st.booleans())
+    # Sometimes a budget that binds: a few decodes or one chunk fill it.
+    budget: int = either(draw, st.integers(low, low + capacity + 8), st.integers(low, low + 3))  # type: ignore[assignment]
+    chunked = draw(st.booleans()) if chunked is None else chunked
     max_model_len = draw(st.none() | st.integers(max(2, capacity // 2), capacity + 4))
     if not chunked and max_model_len is not None:
         max_model_len = min(max_model_len, budget)
@@ -121,30 +151,36 @@ def _chunk_tokens(chunk: int, length: int) -> list[int]:
     return [chunk * 10_007 + j + 1 for j in range(length)]
 
 
-@st.composite
-def prompts(
+_SHARES = st.sampled_from([0.1, 0.25, 0.4, 0.6, 0.85])
+_CHUNKS = st.lists(st.integers(0, 3), min_size=0, max_size=6)
+
+
+def _prompt(
     draw: st.DrawFn, capacity: int, block_size: int, chunk_len: int, unique: int
 ) -> tuple[int, ...]:
-    share = st.sampled_from([0.1, 0.25, 0.4, 0.6, 0.85])
-    length: int = either(
-        draw,
-        st.integers(1, min(capacity + 1, 3 * block_size + 2)),
-        st.integers(1, max(1, capacity // block_size)).map(lambda m: m * block_size),
-        st.tuples(share, st.integers(-2, 2)).map(lambda t: max(1, int(capacity * t[0]) + t[1])),
-        st.integers(1, capacity + 1),
-        st.sampled_from([max(1, capacity - 1), capacity]),  # exactly fits / just too long
-    )  # type: ignore[assignment]
-    chunks = draw(st.lists(st.integers(0, 3), min_size=0, max_size=6))
+    """Shared chunks then a private tail; its length small, whole blocks, a share of the
+    cache, anything up to one past it, or exactly fitting / just too long."""
+    kind = draw(st.integers(0, 4))  # only the chosen length strategy is built (cheaper)
+    if kind == 0:
+        length = draw(st.integers(1, min(capacity + 1, 3 * block_size + 2)))
+    elif kind == 1:
+        length = draw(st.integers(1, max(1, capacity // block_size))) * block_size
+    elif kind == 2:
+        length = max(1, int(capacity * draw(_SHARES)) + draw(st.integers(-2, 2)))
+    elif kind == 3:
+        length = draw(st.integers(1, capacity + 1))
+    else:
+        length = draw(st.sampled_from([max(1, capacity - 1), capacity]))
     tokens: list[int] = []
-    for c in chunks:
+    for c in draw(_CHUNKS):
         tokens += _chunk_tokens(c, chunk_len)
     if len(tokens) < length:  # a private tail: unique to this request
         tokens += [900_000 + unique * 5_003 + j for j in range(length - len(tokens))]
     return tuple(tokens[:length])
 
 
-@st.composite
-def arrivals(draw: st.DrawFn, n: int) -> list[int]:
+def _arrivals(draw: st.DrawFn, n: int) -> list[int]:
+    """Arrival steps of n requests: all at once, small gaps, or a few bursts."""
     mode = draw(st.sampled_from(["once", "poisson", "bursts"]))
     if mode == "once":
         return [0] * n
@@ -160,58 +196,111 @@ def arrivals(draw: st.DrawFn, n: int) -> list[int]:
     return sorted(starts[p] for p in picks)
 
 
-@st.composite
-def workloads(
-    draw: st.DrawFn, case: EngineCase, *, max_requests: int = 10, aborts: bool = True
-) -> Workload:
+def _workload(draw: st.DrawFn, case: EngineCase, max_requests: int, aborts: bool) -> Workload:
+    """Up to max_requests requests (plain draws: building strategies per example is slow)."""
     bs = case.config.block_size
     n: int = either(draw, st.integers(1, max_requests), st.just(max_requests))  # type: ignore
     chunk_len = draw(st.sampled_from([bs, 2 * bs, max(1, bs // 2), bs + 1, 3]))
-    times = draw(arrivals(n))
-    specs = []
+    times = _arrivals(draw, n)
+    specs: list[ReqSpec] = []
     for i, t in enumerate(times):
         abort_after = draw(st.none() | st.integers(0, 30)) if aborts else None
-        if i and draw(st.booleans()):  # repeat (a prefix of) an earlier prompt: whole hits
-            src = specs[draw(st.integers(0, i - 1))].prompt
-            cut: int = either(
-                draw,
-                st.just(len(src)),
-                st.integers(1, len(src)),
-                st.integers(1, max(1, len(src) // bs)).map(lambda m: m * bs),
-            )
-            prompt = src[: max(1, cut)]
-        else:
-            prompt = draw(prompts(case.capacity, bs, chunk_len, i))
-        specs.append(
-            ReqSpec(
-                req_id=f"r{i}",
-                arrival_step=t,
-                prompt=prompt,
-                max_tokens=either(
-                    draw,
-                    st.integers(1, 24),  # type: ignore[arg-type]
-                    st.integers(1, min(64, case.capacity)),
-                ),
-                priority=draw(st.integers(0, 3)),
-                abort_step=None if abort_after is None else t + abort_after,
-            )
-        )
+        spec = _spec(draw, case, i, t, chunk_len, [s.prompt for s in specs])
+        if abort_after is not None:
+            spec = replace(spec, abort_step=t + abort_after)
+        specs.append(spec)
     return tuple(specs)
 
 
-@st.composite
-def any_case_and_workload(draw: st.DrawFn, **case_kwargs: object) -> tuple[EngineCase, Workload]:
-    """Half general engines, half small caches where preemption and eviction are common."""
-    return either(
-        draw,
-        cases_and_workloads(**case_kwargs),  # type: ignore[return-value]
-        cases_and_workloads(max_capacity=64, **case_kwargs),
+def _spec(
+    draw: st.DrawFn,
+    case: EngineCase,
+    i: int,
+    arrival: int,
+    chunk_len: int,
+    earlier: list[tuple[int, ...]],
+) -> ReqSpec:
+    """Request `r{i}`: a fresh prompt or (a prefix of) an earlier one (whole prefix-cache
+    hits), its max_tokens, priority and stop conditions; never aborted."""
+    bs = case.config.block_size
+    if earlier and draw(st.booleans()):  # repeat (a prefix of) an earlier prompt
+        src = earlier[draw(st.integers(0, len(earlier) - 1))]
+        kind = draw(st.integers(0, 2))
+        if kind == 0:
+            cut = len(src)
+        elif kind == 1:
+            cut = draw(st.integers(1, len(src)))
+        else:
+            cut = draw(st.integers(1, max(1, len(src) // bs))) * bs
+        prompt = src[: max(1, cut)]
+    else:
+        prompt = _prompt(draw, case.capacity, bs, chunk_len, i)
+    longer = draw(st.booleans())
+    max_tokens = draw(st.integers(1, min(64, case.capacity) if longer else 24))
+    return ReqSpec(
+        f"r{i}",
+        arrival,
+        prompt,
+        max_tokens,
+        priority=draw(st.integers(0, 3)),
+        **_stops(draw, f"r{i}", len(prompt), max_tokens),
     )
 
 
 @st.composite
+def request_specs(
+    draw: st.DrawFn,
+    case: EngineCase,
+    i: int,
+    arrival: int,
+    chunk_len: int,
+    earlier: list[tuple[int, ...]],
+) -> ReqSpec:
+    """One request as `workloads` draws it (for the state machine's arrivals)."""
+    return _spec(draw, case, i, arrival, chunk_len, earlier)
+
+
+def _stops(draw: st.DrawFn, req_id: str, n: int, max_tokens: int) -> dict:
+    """ReqSpec's stop fields: none at all (ignore_eos, the lengths decide) half the time;
+    else stop token ids and EOS that SimExecutor emits at chosen output indices (some
+    past max_tokens, some before min_tokens), or ids it never emits (0 and None)."""
+    if not draw(st.booleans()):
+        return {}
+    at = st.integers(0, max_tokens + 1)
+    stops = [sim_token(req_id, n + i) for i in draw(st.lists(at, max_size=3))]
+    kind = draw(st.integers(0, 2))
+    eos = None if kind == 0 else 0 if kind == 1 else sim_token(req_id, n + draw(at))
+    return dict(
+        min_tokens=draw(st.integers(0, max_tokens)),
+        stop_token_ids=tuple(stops + ([0] if draw(st.booleans()) else [])),
+        eos_token_id=eos,
+        ignore_eos=draw(st.booleans()),
+    )
+
+
+def any_case_and_workload(**case_kwargs: object) -> st.SearchStrategy[tuple[EngineCase, Workload]]:
+    """Half general engines, half small caches where preemption and eviction are common."""
+    options = (
+        cases_and_workloads(**case_kwargs),
+        cases_and_workloads(max_capacity=64, **case_kwargs),  # type: ignore[arg-type]
+    )
+
+    @st.composite
+    def pick(draw: st.DrawFn) -> tuple[EngineCase, Workload]:
+        return either(draw, *options)  # type: ignore[return-value]
+
+    return pick()
+
+
 def cases_and_workloads(
-    draw: st.DrawFn, *, aborts: bool = True, max_requests: int = 10, **case_kwargs: object
-) -> tuple[EngineCase, Workload]:
-    case = draw(engine_cases(**case_kwargs))  # type: ignore[arg-type]
-    return case, draw(workloads(case, aborts=aborts, max_requests=max_requests))
+    *, aborts: bool = True, max_requests: int = 10, **case_kwargs: object
+) -> st.SearchStrategy[tuple[EngineCase, Workload]]:
+    """An engine case and a workload for it."""
+    cases = engine_cases(**case_kwargs)  # type: ignore[arg-type]
+
+    @st.composite
+    def both(draw: st.DrawFn) -> tuple[EngineCase, Workload]:
+        case = draw(cases)
+        return case, _workload(draw, case, max_requests, aborts)
+
+    return both()

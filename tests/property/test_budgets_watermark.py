@@ -20,7 +20,7 @@ def _run_watermark(case: EngineCase, workload: Workload, make: type[Checker]) ->
     d.run()
 
 
-@scaled(2.0)
+@scaled(1.5)
 @given(any_case_and_workload())
 def test_steps_respect_token_and_sequence_budgets_and_computed_never_exceeds_tokens(
     cw: tuple[EngineCase, Workload],
@@ -34,7 +34,7 @@ def test_steps_respect_token_and_sequence_budgets_and_computed_never_exceeds_tok
     run_case(case, workload, Budgets())
 
 
-@scaled(1.5)
+@scaled(1.0)
 @given(NORMAL)
 def test_a_new_prompt_starts_only_while_usage_is_at_most_the_watermark(
     cw: tuple[EngineCase, Workload],
@@ -46,7 +46,7 @@ def test_a_new_prompt_starts_only_while_usage_is_at_most_the_watermark(
     _run_watermark(case, workload, WatermarkNewPrompts)
 
 
-@scaled(1.5)
+@scaled(1.0)
 @given(NORMAL)
 def test_a_continuing_chunk_of_an_admitted_prompt_is_never_held_back_by_the_watermark(
     cw: tuple[EngineCase, Workload],

@@ -9,7 +9,7 @@ from tests.property.harness import run_case
 from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
 
 
-@scaled(1.5)
+@scaled(1.0)
 @given(any_case_and_workload())
 def test_every_submitted_request_is_in_exactly_one_place_and_changes_state_legally(
     cw: tuple[EngineCase, Workload],
@@ -23,7 +23,7 @@ def test_every_submitted_request_is_in_exactly_one_place_and_changes_state_legal
     run_case(case, workload, RequestConservation())
 
 
-@scaled(1.5)
+@scaled(1.0)
 @given(any_case_and_workload())
 def test_no_output_token_is_lost_or_repeated_across_preemption_and_recompute(
     cw: tuple[EngineCase, Workload],

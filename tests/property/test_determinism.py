@@ -10,10 +10,9 @@ from hypothesis import given
 from deepinfer.engine import EngineCore
 from deepinfer.errors import SchedulerStalled
 from deepinfer.request import Request
-from deepinfer.sampling_params import SamplingParams
 from sim.sim_executor import SimExecutor
 from tests.factories import StepClock
-from tests.property.harness import CORE_CHECKS, run_case, step_bound
+from tests.property.harness import CORE_CHECKS, make_request, run_case, step_bound
 from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
 
 
@@ -30,13 +29,7 @@ def _run_with_step(case: EngineCase, workload: Workload) -> dict[str, Any]:
     while True:
         while arrivals and arrivals[0].arrival_step <= clock:
             s = arrivals.pop(0)
-            reqs[s.req_id] = Request(
-                s.req_id,
-                list(s.prompt),
-                SamplingParams(max_tokens=s.max_tokens, ignore_eos=True),
-                float(s.arrival_step),
-                priority=s.priority,
-            )
+            reqs[s.req_id] = make_request(s)
             engine.add_request(reqs[s.req_id])
         while aborts and aborts[0].abort_step <= clock:  # type: ignore[operator]
             engine.abort(aborts.pop(0).req_id)

@@ -21,7 +21,7 @@ from tests.property.strategies import (
 )
 
 
-@scaled(1.5)
+@scaled(1.0)
 @given(any_case_and_workload())
 def test_every_admissible_request_finishes_within_the_step_bound(
     cw: tuple[EngineCase, Workload],
@@ -34,7 +34,7 @@ def test_every_admissible_request_finishes_within_the_step_bound(
     run_case(case, workload, Completion())  # the driver fails past the bound
 
 
-@scaled(1.5)
+@scaled(1.0)
 @given(any_case_and_workload())
 def test_a_step_with_nothing_in_flight_schedules_at_least_one_token(
     cw: tuple[EngineCase, Workload],

@@ -64,7 +64,7 @@ class _SharedContent(Checker):
         self.on_schedule(d, out, False)
 
 
-@scaled(1.5)
+@scaled(1.0)
 @given(CACHING)
 def test_prefix_hits_equal_the_reference_dict_model(cw: tuple[EngineCase, Workload]) -> None:
     """Each (re)admitted request reuses exactly the blocks a plain dict finds for its
@@ -83,7 +83,7 @@ def test_a_prefix_hit_covers_at_most_num_tokens_minus_one(cw: tuple[EngineCase, 
     _run(case, workload, _HitBound)
 
 
-@scaled(1.5)
+@scaled(1.0)
 @given(CACHING)
 def test_a_block_shared_by_two_requests_holds_the_same_tokens_in_both(
     cw: tuple[EngineCase, Workload],

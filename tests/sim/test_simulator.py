@@ -16,7 +16,7 @@ from sim.sim_executor import SimExecutor
 from sim.simulator import build_requests
 from sim.traces import Trace, TraceRequest
 from tests.factories import StepClock, make_config, make_request, run_to_completion
-from tests.property.checkers_progress import sim_token
+from tests.property.strategies import sim_token
 
 TRACES = Path(__file__).resolve().parents[2] / "traces"
 

@@ -1,0 +1,88 @@
+"""Work conservation (DESIGN.md section 3): the scheduler does all the work its rules
+allow, not only no more than they allow. A scheduler more cautious than its rules
+passes every limit property and makes the simulator pessimistic; these catch it.
+
+checkers_work.WorkConservation replays each step's rules from the state before it
+and the KVMirror's prefix dict. Each test below asserts some of its rules and was
+first seen to fail on the deliberately broken copy of deepinfer/scheduler.py named
+in its docstring (one edit each, the rest of the suite passing or not).
+"""
+
+from __future__ import annotations
+
+from hypothesis import given
+
+from deepinfer.config import EngineRole
+from tests.property import checkers_work as W
+from tests.property.harness import Driver
+from tests.property.mirror import KVMirror
+from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
+
+
+def _run(case: EngineCase, workload: Workload, *rules: str) -> None:
+    d = Driver(case, workload, [])
+    mirror = KVMirror.for_driver(d)
+    d.checkers = [mirror, W.WorkConservation(mirror, rules)]
+    d.run()
+
+
+@scaled(0.8)
+@given(any_case_and_workload(roles=(EngineRole.NORMAL,)))
+def test_the_head_of_waiting_starts_whenever_no_rule_holds_it_back(
+    cw: tuple[EngineCase, Workload],
+) -> None:
+    """The first waiting request not served in a step, with budget left, is a new or
+    preempted request (a chunked prefill in progress is always continued) that some
+    rule holds back: the step preempted, max_num_seqs are running or mid-prefill,
+    usage is above prefill_watermark (NORMAL role), its prompt exceeds the budget left
+    without chunked prefill, or the free blocks do not cover its prompt minus its
+    prefix hits. Waiting requests are served in queue order.
+
+    Broken copies that fail it (each with this rule's message): in `_start`,
+    `self.kv.usage > cfg.prefill_watermark - 0.1` and `>= cfg.prefill_watermark`
+    (over-cautious watermark), `>= cfg.max_num_seqs - 1`; `_schedule_waiting`
+    returning after the first request it starts."""
+    case, workload = cw
+    _run(case, workload, W.HEAD, W.FCFS)
+
+
+@scaled(0.6)
+@given(any_case_and_workload())
+def test_running_requests_get_their_work_and_chunks_fill_the_budget(
+    cw: tuple[EngineCase, Workload],
+) -> None:
+    """Every running request not preempted is scheduled each step unless the requests
+    ahead of it spent the budget (or it has no token left to compute before
+    max_model_len), and every request's tokens this step are min(its remaining work,
+    the budget left): a prompt chunk is min(rest of the prompt, budget left); a running
+    request gets its known tokens plus drafts not computed, capped by max_model_len.
+
+    Broken copies that fail it (each with this test's rules' messages): in `_start`,
+    `min(num_new, step.budget // 2 + 1)`; in `_continue_prefill`, a chunk capped at
+    8 tokens; in `_schedule_running`, `i += 2` after scheduling a request (the next
+    one skipped), drafts dropped while `req.num_computed_tokens` is odd."""
+    case, workload = cw
+    _run(case, workload, W.RUNNING, W.CHUNK)
+
+
+@scaled(0.6)
+@given(any_case_and_workload())
+def test_preemption_happens_only_when_an_allocation_fails_and_a_cached_prefix_is_hit(
+    cw: tuple[EngineCase, Workload],
+) -> None:
+    """A step preempts exactly the running requests that failed allocations force
+    out, newest first (the allocating request itself last), and none when the free
+    blocks cover each running request's new blocks; a request that starts its prompt
+    starts after exactly the cached blocks the reference dict finds for its tokens
+    (never fewer: a cached prefix is hit); and no request holds a block its tokens do
+    not need (its whole prompt while prefilling, else the tokens computed).
+
+    Broken copies that fail it (each with this test's rules' messages):
+    `KVCacheManager.allocate` refusing unless one block more than needed is free
+    (`num_needed + 1 > ...`: needless preemptions); `victim = self.running[0]` (the
+    oldest preempted); in `_start`, `find_cached_prefix(req)[:-1]` (a hit dropped);
+    `req.num_computed_tokens = 1` in `_preempt` (a restarted request whose tokens fill
+    whole blocks takes one block too many: mutmut's surviving mutant
+    `_preempt__mutmut_5`, tests/property/MUTATION.md)."""
+    case, workload = cw
+    _run(case, workload, W.PREEMPT, W.PREFIX, W.BLOCKS)
