@@ -25,6 +25,7 @@ from torch import nn
 
 from deepinfer import envs
 from deepinfer.model_config import PRESETS_DIR, ModelConfig, known_models
+from executors.distributed.expert_parallel import ExpertParallel
 from executors.models.deepseek import DeepseekForCausalLM
 from executors.models.mtp import DeepseekMTP
 
@@ -164,12 +165,20 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 
 def build_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, with_mtp: bool
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    with_mtp: bool,
+    ep: ExpertParallel | None = None,
 ) -> DeepseekForCausalLM:
-    """Uninitialised parameters allocated once, on `device`, in `dtype` (routers in fp32)."""
+    """Uninitialised parameters allocated once, on `device`, in `dtype` (routers in fp32).
+    With `ep` each MoE layer holds only this rank's experts (and MTP layers are left out:
+    their drafts would run the MoE a different number of times on each rank)."""
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg)
-        if with_mtp:
+        if ep is not None:
+            ep.shard(model)
+        elif with_mtp:
             model.mtp = DeepseekMTP(cfg)
     model.to(dtype)
     for name, module in model.named_modules():
@@ -189,20 +198,23 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    ep: ExpertParallel | None = None,
 ) -> DeepseekForCausalLM:
+    """The checkpoint's weights (or random ones: load_format="dummy"); with `ep`, only this
+    rank's experts of each MoE layer are read."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}: expected one of {LOAD_FORMATS}")
     if load_format == "dummy":
-        model = build_model(cfg, dtype, device, with_mtp=cfg.num_nextn_predict_layers > 0)
-        init_dummy_weights(model, seed)
+        model = build_model(cfg, dtype, device, cfg.num_nextn_predict_layers > 0, ep)
+        init_dummy_weights(model, seed, experts_seed=None if ep is None else seed + 1 + ep.rank)
         return model
     files = checkpoint_files(model_dir)
     mtp_prefixes = tuple(
         f"model.layers.{cfg.num_hidden_layers + k}." for k in range(cfg.num_nextn_predict_layers)
     )
     with_mtp = bool(mtp_prefixes) and any(n.startswith(mtp_prefixes) for n in files)
-    model = build_model(cfg, dtype, device, with_mtp)
-    _WeightFiller(model, cfg, with_mtp).fill(files, device)
+    model = build_model(cfg, dtype, device, with_mtp, ep)
+    _WeightFiller(model, cfg, with_mtp and ep is None, ep).fill(files, device)
     return model
 
 
@@ -217,24 +229,37 @@ def load_state_dict_into(
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights in place, generated on the parameters' device: norms 1, biases 0."""
-    gens: dict[torch.device, torch.Generator] = {}
+def init_dummy_weights(
+    model: nn.Module, seed: int = 0, std: float = 0.02, experts_seed: int | None = None
+) -> None:
+    """Random weights in place, generated on the parameters' device: norms 1, biases 0.
+    experts_seed: routed experts draw from their own generator (expert parallelism: the
+    ranks' expert shares differ in size, and the replicated weights must stay equal)."""
+    gens: dict[tuple[torch.device, bool], torch.Generator] = {}
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith(("bias", "e_score_correction_bias")):
             p.zero_()
         else:
-            gen = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
+            own = experts_seed is not None and ".experts." in name
+            s = experts_seed if own and experts_seed is not None else seed
+            gen = gens.setdefault((p.device, own), torch.Generator(p.device).manual_seed(s))
             p.normal_(0.0, std, generator=gen)
 
 
 class _WeightFiller:
     """Copies checkpoint tensors into parameters and checks every piece got filled."""
 
-    def __init__(self, model: DeepseekForCausalLM, cfg: ModelConfig, with_mtp: bool) -> None:
+    def __init__(
+        self,
+        model: DeepseekForCausalLM,
+        cfg: ModelConfig,
+        with_mtp: bool,
+        ep: ExpertParallel | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.ep = ep  # only this rank's experts are read
         self.params = dict(model.named_parameters())
         self.with_mtp = with_mtp
         self.filled: dict[str, set[tuple[str, int]]] = defaultdict(set)
@@ -288,12 +313,20 @@ class _WeightFiller:
         e = _EXPERT.match(name)
         if e:
             param = e.group(1) + (".down_proj" if e.group(3) == "down_proj" else ".gate_up_proj")
-            return param, e.group(3), int(e.group(2))
+            expert = int(e.group(2))
+            if self.ep is not None:
+                expert -= self.ep.first_expert
+                if not 0 <= expert < self.ep.num_local:
+                    return None  # another rank's expert
+            return param, e.group(3), expert
         return name, "all", -1
 
     def _copy(self, name: str, tensor: torch.Tensor, param: str, kind: str, expert: int) -> None:
         p = self.params[param]
         dst = p.data
+        if self.ep is not None and param.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            if kind == "all":  # a fused [E, ...] tensor: this rank's rows
+                tensor = tensor[self.ep.first_expert : self.ep.first_expert + self.ep.num_local]
         if kind != "all":
             dst = dst[expert]
             half = dst.shape[0] // 2

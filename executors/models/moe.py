@@ -4,12 +4,17 @@ routed experts held as fused 3-D weights, and always-on shared experts.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from deepinfer.model_config import ModelConfig
 from executors.models.layers import GatedMLP
 from kernels import ops as kernel_ops
+
+if TYPE_CHECKING:
+    from executors.distributed.expert_parallel import ExpertParallel
 
 
 class Router(nn.Module):
@@ -51,6 +56,7 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
@@ -64,8 +70,12 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
+    """Router, routed experts and shared experts. With `ep` set (ExpertParallel.shard)
+    `experts` holds this rank's share only and the routed part runs over all ranks."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.ep: ExpertParallel | None = None
         self.gate = Router(cfg)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = (
@@ -76,8 +86,26 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
+        if self.ep is None:
+            weights, ids = self.gate(x)
+            out = self.experts(x, weights, ids)
+        else:
+            out = self._expert_parallel(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]; T may be 0 (the rank still serves its experts)
+        assert self.ep is not None
+        if x.shape[0]:
+            weights, ids = self.gate(x)  # [T, k] x 2
+        else:  # (the router's grouping cannot reshape zero rows)
+            k = self.gate.top_k
+            weights = torch.empty(0, k, dtype=torch.float32, device=x.device)
+            ids = torch.empty(0, k, dtype=torch.int64, device=x.device)
+        return self.ep.routed(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
+
+    def idle(self) -> None:
+        """Join the layer's expert-parallel exchange with no tokens of this rank's own."""
+        self._expert_parallel(self.experts.gate_up_proj.new_empty(0, self.experts.hidden_size))

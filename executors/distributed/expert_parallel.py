@@ -1,0 +1,127 @@
+"""Expert parallelism: each rank of a torch.distributed group holds E / N routed experts.
+
+Attention, the router and the shared experts are replicated; a MoE layer routes its
+own tokens, sends each (token, expert) pair to the rank that holds the expert
+(`all_to_all_single`: gloo on the CPU, NCCL on CUDA), runs the fused MoE over the rows
+it received for its local experts, and sends the weighted outputs back, where every
+token sums its k contributions in float32 in expert order (kernels.reference's order).
+
+Lock-step: every rank must enter every MoE layer's collectives, also a rank with no
+tokens this step (attention data parallelism). `begin_round` / `end_round` bracket one
+forward per rank: whatever a rank did not run (no work, or a step that failed before
+or inside the model) `end_round` completes with empty inputs, so the others never wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from kernels import ops as kernel_ops
+
+if TYPE_CHECKING:
+    from executors.models.deepseek import DeepseekForCausalLM
+    from executors.models.moe import MoE
+
+
+def check_expert_split(num_experts: int, world_size: int) -> None:
+    """ValueError unless `world_size` ranks can hold an equal share of the experts."""
+    if num_experts % world_size:
+        raise ValueError(
+            f"data_parallel_size={world_size} with enable_expert_parallel: the model's "
+            f"{num_experts} routed experts do not split evenly over {world_size} ranks"
+        )
+
+
+@dataclass
+class ExpertParallel:
+    """This rank's share of the experts and the MoE layers it must run in lock-step."""
+
+    rank: int
+    world_size: int
+    num_experts: int
+    group: dist.ProcessGroup | None = None  # None: the default group
+    layers: list[MoE] = field(default_factory=list)  # the model's MoE layers, in order
+    calls: int = 0  # MoE layer forwards run so far
+    _round_start: int | None = None
+
+    def __post_init__(self) -> None:
+        check_expert_split(self.num_experts, self.world_size)
+
+    @property
+    def num_local(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def first_expert(self) -> int:
+        return self.rank * self.num_local
+
+    def shard(self, model: DeepseekForCausalLM) -> None:
+        """Give every MoE layer of `model` (still on the meta device) only this rank's
+        experts and route its forward through this object."""
+        from executors.models.moe import Experts, MoE
+
+        for layer in model.model.layers:
+            if isinstance(layer.mlp, MoE):
+                old = layer.mlp.experts
+                layer.mlp.experts = Experts(self.num_local, old.hidden_size, old.intermediate_size)
+                layer.mlp.ep = self
+                self.layers.append(layer.mlp)
+
+    # ---- one MoE layer -------------------------------------------------------------
+
+    def routed(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+        w2: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """x: [T, H], weights / ids: [T, k] (global expert ids), w13: [E/N, 2I, H],
+        w2: [E/N, H, I] (the local experts) -> [T, H] in x.dtype."""
+        self.calls += 1
+        t, k = ids.shape
+        dev = x.device
+        flat = ids.reshape(-1)  # [T*k]
+        order = torch.argsort(flat, stable=True)  # pairs by expert: by destination rank too
+        sorted_ids = flat[order]
+        tok = order // k  # [P] token of each sent pair
+        send_counts = torch.bincount(sorted_ids // self.num_local, minlength=self.world_size)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send = send_counts.tolist()
+        recv = recv_counts.tolist()
+        # Each pair's local expert id and weight travel as one float32 row (ids < 2^24).
+        meta = torch.stack([sorted_ids.float(), weights.reshape(-1)[order].float()], dim=1)  # [P, 2]
+        recv_x = x.new_empty(sum(recv), x.shape[1])
+        recv_meta = meta.new_empty(sum(recv), 2)
+        dist.all_to_all_single(recv_x, x[tok].contiguous(), recv, send, group=self.group)
+        dist.all_to_all_single(recv_meta, meta, recv, send, group=self.group)
+        local_ids = recv_meta[:, :1].long() - self.first_expert  # [R, 1]
+        y = kernel_ops.fused_moe(recv_x, w13, w2, recv_meta[:, 1:], local_ids)  # [R, H]
+        back = x.new_empty(tok.shape[0], x.shape[1])
+        dist.all_to_all_single(back, y, send, recv, group=self.group)
+        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=dev)
+        out.index_add_(0, tok, back.float())  # per token in expert order, as the reference
+        return out.to(x.dtype)
+
+    # ---- lock-step -----------------------------------------------------------------
+
+    def begin_round(self) -> None:
+        """Start of a step in which every rank runs (or pads) exactly one forward."""
+        self._round_start = self.calls
+
+    def end_round(self) -> None:
+        """Run the MoE layers this rank did not reach this round with no tokens of its own
+        (it still computes and returns the other ranks' rows for its experts)."""
+        if self._round_start is None:
+            raise RuntimeError("ExpertParallel.end_round without begin_round")
+        target = self._round_start + len(self.layers)
+        self._round_start = None
+        if self.calls > target:
+            raise RuntimeError(
+                f"expert-parallel lock-step broken: {self.calls - target + len(self.layers)} "
+                f"MoE layer calls in one round, expected {len(self.layers)} (one forward)"
+            )
+        while self.calls < target:
+            self.layers[self.calls % len(self.layers)].idle()

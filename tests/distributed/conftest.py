@@ -1,0 +1,24 @@
+"""Session-scoped tiny checkpoints (built once, a few seconds in all)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.executors.tiny_models import SPECS, TinyModel, save_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_root: Path) -> dict[str, TinyModel]:
+    return {name: save_tiny(name, tiny_root) for name in SPECS}
+
+
+@pytest.fixture(params=sorted(SPECS))
+def tiny(request: pytest.FixtureRequest, tiny_models: dict[str, TinyModel]) -> TinyModel:
+    return tiny_models[request.param]

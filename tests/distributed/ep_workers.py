@@ -1,0 +1,69 @@
+"""Rank bodies of the expert-parallel tests (spawned; each asserts on its own rank)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from deepinfer.model_config import ModelConfig
+from executors.distributed.expert_parallel import ExpertParallel
+from executors.distributed.process_group import init_group, leave_group
+from executors.loader import load_model, read_hf_config
+from executors.models.moe import MoE
+
+CPU = torch.device("cpu")
+TOKENS = [7, 0, 3, 1]  # tokens of each rank's step: rank 1 has none (it still takes part)
+
+
+def run_checks(rank: int, world: int, init: str, path: str, checks: list[str]) -> None:
+    """Join the group, load the one-process and the sharded model, run `checks` in order."""
+    init_group(rank, world, CPU, init)
+    try:
+        cfg = ModelConfig.from_dict(read_hf_config(Path(path)))
+        full = load_model(Path(path), cfg, dtype=torch.float32, device=CPU)
+        ep = ExpertParallel(rank, world, cfg.n_routed_experts)
+        sharded = load_model(Path(path), cfg, dtype=torch.float32, device=CPU, ep=ep)
+        moe = [layer.mlp for layer in full.model.layers if isinstance(layer.mlp, MoE)]
+        assert ep.layers == [m.mlp for m in sharded.model.layers if isinstance(m.mlp, MoE)]
+        assert ep.layers[0].experts.gate_up_proj.shape[0] == cfg.n_routed_experts // world
+        for name in checks:
+            CHECKS[name](rank, moe, ep)
+    finally:
+        leave_group()
+
+
+def moe_outputs_equal_one_process(rank: int, full: list[MoE], ep: ExpertParallel) -> None:
+    """Every MoE layer over the ranks gives each rank's tokens what one process gives."""
+    calls = ep.calls
+    gen = torch.Generator().manual_seed(rank)
+    hidden = full[0].experts.hidden_size
+    for ref, layer in zip(full, ep.layers):
+        x = torch.randn(TOKENS[rank], hidden, generator=gen)
+        with torch.inference_mode():  # (one process never runs a MoE on no tokens)
+            want, got = ref(x) if len(x) else torch.zeros_like(x), layer(x)
+        assert got.shape == want.shape == (TOKENS[rank], hidden)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert ep.calls == calls + len(ep.layers)
+
+
+def idle_ranks_pad_the_round(rank: int, full: list[MoE], ep: ExpertParallel) -> None:
+    """Rank 0 runs every MoE layer; the others run none in the first round (no work) and
+    only the first layer in the second (a step that failed mid-forward): end_round pads
+    what they did not reach and rank 0's outputs are what one process gives."""
+    calls = ep.calls
+    gen = torch.Generator().manual_seed(10 + rank)
+    hidden = full[0].experts.hidden_size
+    for step in range(2):
+        reached = len(ep.layers) if rank == 0 else step
+        ep.begin_round()
+        for ref, layer in list(zip(full, ep.layers))[:reached]:
+            x = torch.randn(TOKENS[rank] or 2, hidden, generator=gen)
+            with torch.inference_mode():
+                torch.testing.assert_close(layer(x), ref(x), rtol=1e-5, atol=1e-6)
+        with torch.inference_mode():
+            ep.end_round()
+    assert ep.calls == calls + 2 * len(ep.layers)
+
+
+CHECKS = {f.__name__: f for f in (moe_outputs_equal_one_process, idle_ranks_pad_the_round)}

@@ -1,0 +1,42 @@
+"""Expert-parallel MoE layers over gloo ranks (spawned processes) against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch.multiprocessing as mp
+
+from executors.distributed.expert_parallel import ExpertParallel, check_expert_split
+from executors.distributed.process_group import free_port
+from tests.distributed import ep_workers
+from tests.executors.tiny_models import TinyModel
+
+
+def _spawn(world: int, path: str, checks: list[str]) -> None:
+    init = f"tcp://127.0.0.1:{free_port()}"
+    mp.spawn(ep_workers.run_checks, args=(world, init, path, checks), nprocs=world, join=True)
+
+
+def test_ep_moe_over_2_ranks_equals_one_process_and_pads_idle_ranks(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    """Grouped sigmoid top-2 (V3) with a rank that has no tokens; then rounds in which
+    rank 1 runs no layer, or stops after the first, and is padded (ep_workers)."""
+    checks = ["moe_outputs_equal_one_process", "idle_ranks_pad_the_round"]
+    _spawn(2, str(tiny_models["v3_mtp"].path), checks)
+
+
+def test_ep_moe_over_4_ranks_equals_one_process(tiny_models: dict[str, TinyModel]) -> None:
+    """Group-limited greedy top-3 (V2) over 4 ranks of 2 experts each."""
+    _spawn(4, str(tiny_models["v2_group"].path), ["moe_outputs_equal_one_process"])
+
+
+def test_experts_must_split_evenly() -> None:
+    with pytest.raises(ValueError, match="8 routed experts do not split evenly over 3 ranks"):
+        check_expert_split(8, 3)
+    ep = ExpertParallel(rank=1, world_size=4, num_experts=8)
+    assert (ep.num_local, ep.first_expert) == (2, 2)
+
+
+def test_end_round_needs_begin_round() -> None:
+    with pytest.raises(RuntimeError, match="without begin_round"):
+        ExpertParallel(rank=0, world_size=2, num_experts=4).end_round()
