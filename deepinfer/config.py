@@ -44,6 +44,11 @@ class EngineConfig:
     async_scheduling: bool = False
     policy: str = "fcfs"  # "fcfs" or "priority"
     seed: int = 0
+    # Attention data parallelism: this many ranks, each with its own scheduler and KV
+    # cache (num_gpu_blocks, max_num_seqs and the token budget are per rank).
+    data_parallel_size: int = 1
+    # MoE experts sharded over the data-parallel ranks (all-to-all dispatch and combine).
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         envs.refuse_unimplemented()
@@ -77,6 +82,9 @@ class EngineConfig:
                 "num_speculative_tokens must be smaller than max_num_batched_tokens "
                 "so a verification step fits in one batch"
             )
+        _positive("data_parallel_size", self.data_parallel_size)
+        if self.enable_expert_parallel:
+            self._check_expert_parallel()
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy={self.policy!r}: expected 'fcfs' or 'priority'")
         if (
@@ -88,6 +96,25 @@ class EngineConfig:
                 f"max_model_len={self.max_model_len} exceeds max_num_batched_tokens="
                 f"{self.max_num_batched_tokens} with enable_chunked_prefill=False: a prompt "
                 "that long could never be scheduled; enable chunked prefill or raise the budget"
+            )
+
+    def _check_expert_parallel(self) -> None:
+        """Expert parallelism runs one forward per rank per step, in lock-step."""
+        if self.data_parallel_size == 1:
+            raise ValueError(
+                "enable_expert_parallel=True needs data_parallel_size > 1: experts are "
+                "sharded over the data-parallel ranks (tensor parallelism is not built)"
+            )
+        if self.num_speculative_tokens:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_tokens} with "
+                "enable_expert_parallel: MTP drafts would run the MoE layers a different "
+                "number of times on each rank, breaking their lock-step; set it to 0"
+            )
+        if self.async_scheduling:
+            raise ValueError(
+                "async_scheduling=True with enable_expert_parallel: a rank may then run two "
+                "forwards in one engine step, breaking the MoE lock-step; set it to False"
             )
 
     @classmethod

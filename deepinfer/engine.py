@@ -69,6 +69,10 @@ class EngineCore:
         self._compiling: dict[str, tuple[Request, futures.Future]] = {}
         self._grammar_rejected: list[Request] = []
 
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
     # ---- requests --------------------------------------------------------------------
 
     def add_request(self, req: Request) -> str | None:

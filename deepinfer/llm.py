@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from deepinfer.config import EngineConfig
+from deepinfer.data_parallel.front_end import DataParallelEngine
 from deepinfer.engine import EngineCore
 from deepinfer.executor import get_executor_class
 from deepinfer.output_processor import TrackedCompletion, TrackedPrompt
@@ -32,7 +33,9 @@ class LLM:
 
     `model`: a checkpoint directory or a hub id. Engine options are the
     EngineConfig names (`block_size=64`, `max_num_seqs=8`, ...); an unknown
-    name is an error naming it.
+    name is an error naming it. `data_parallel_size=N` serves from N ranks, one process
+    each (with `enable_expert_parallel=True` their MoE experts are sharded over them).
+    check_invariants: every scheduler (every rank's) checks its invariants each step.
     """
 
     def __init__(
@@ -46,15 +49,12 @@ class LLM:
         revision: str | None = None,
         trust_remote_code: bool = False,
         enforce_eager: bool = False,
+        check_invariants: bool = False,
         **engine_args: Any,
     ) -> None:
         self.config = EngineConfig.from_dict(engine_args, source="LLM(...)")
-        cls = get_executor_class(executor)
         # enforce_eager: no CUDA graphs for decode steps (vLLM's name)
-        t0 = time.perf_counter()
-        self.executor = cls(
-            self.config,
-            model,
+        kwargs: dict[str, Any] = dict(
             dtype=dtype,
             device=device,
             load_format=load_format,
@@ -62,10 +62,19 @@ class LLM:
             enforce_eager=enforce_eager,
             trust_remote_code=trust_remote_code,
         )
+        t0 = time.perf_counter()
+        self.engine: EngineCore | DataParallelEngine
+        if self.config.data_parallel_size > 1:
+            self.engine = _launch_ranks(self.config, model, executor, kwargs, check_invariants)
+            # What the front-end needs of the model (model_dir, vocab_size, eos_token_id).
+            self.executor: Any = self.engine.infos[0]
+        else:
+            self.executor = get_executor_class(executor)(self.config, model, **kwargs)
+            self.engine = EngineCore(
+                self.config, self.executor, model_max_len=self.executor.max_model_len,
+                check_invariants=check_invariants,
+            )  # fmt: skip
         self.tokenizer = _maybe_tokenizer(self.executor.model_dir, trust_remote_code)
-        self.engine = EngineCore(
-            self.config, self.executor, model_max_len=self.executor.max_model_len
-        )
         eos = self.executor.eos_token_id
         self._eos_ids: list[int] = (
             list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
@@ -77,7 +86,14 @@ class LLM:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.scheduler.max_model_len
+        return self.engine.max_model_len
+
+    def shutdown(self) -> None:
+        """Release the executor (and stop the data-parallel ranks' processes)."""
+        if isinstance(self.engine, DataParallelEngine):
+            self.engine.shutdown()
+        else:
+            self.executor.shutdown()
 
     def generate(
         self,
@@ -141,6 +157,11 @@ class LLM:
 
     def _prepare_grammar(self, so_args: dict[str, Any]) -> None:
         """Start compiling (cached); ValueError when the executor cannot serve it."""
+        if isinstance(self.engine, DataParallelEngine):
+            raise ValueError(
+                "SamplingParams.so_args: structured outputs are not supported with "
+                f"data_parallel_size={self.config.data_parallel_size} yet"
+            )
         prepare = getattr(self.executor, "prepare_grammar", None)
         if prepare is None:
             raise ValueError(
@@ -203,6 +224,20 @@ class LLM:
                         bar.update(1)
                 if not self.engine.has_unfinished():
                     break
+
+
+def _launch_ranks(
+    config: EngineConfig, model: str, executor: str, kwargs: dict[str, Any], check: bool
+) -> DataParallelEngine:
+    if executor != "torch":
+        raise ValueError(
+            f"data_parallel_size={config.data_parallel_size} with executor={executor!r}: "
+            "LLM launches data-parallel ranks of the torch executor only (the simulator "
+            "models them: `deepinfer simulate --data-parallel-size N`)"
+        )
+    from executors.distributed.launch import launch_data_parallel
+
+    return launch_data_parallel(config, model, check_invariants=check, **kwargs)
 
 
 def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

@@ -27,6 +27,7 @@ from deepinfer import envs
 from deepinfer.model_config import PRESETS_DIR, ModelConfig, known_models
 from executors.distributed.expert_parallel import ExpertParallel
 from executors.models.deepseek import DeepseekForCausalLM
+from executors.models.moe import shard_experts
 from executors.models.mtp import DeepseekMTP
 
 DTYPES = {
@@ -177,7 +178,7 @@ def build_model(
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg)
         if ep is not None:
-            ep.shard(model)
+            shard_experts(model, ep)
         elif with_mtp:
             model.mtp = DeepseekMTP(cfg)
     model.to(dtype)
@@ -324,9 +325,10 @@ class _WeightFiller:
     def _copy(self, name: str, tensor: torch.Tensor, param: str, kind: str, expert: int) -> None:
         p = self.params[param]
         dst = p.data
-        if self.ep is not None and param.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            if kind == "all":  # a fused [E, ...] tensor: this rank's rows
-                tensor = tensor[self.ep.first_expert : self.ep.first_expert + self.ep.num_local]
+        fused_experts = param.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        if self.ep is not None and fused_experts and kind == "all":
+            # A fused [E, ...] checkpoint tensor: this rank's rows.
+            tensor = tensor[self.ep.first_expert : self.ep.first_expert + self.ep.num_local]
         if kind != "all":
             dst = dst[expert]
             half = dst.shape[0] // 2

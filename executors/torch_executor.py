@@ -17,6 +17,7 @@ from deepinfer import envs
 from deepinfer.config import EngineConfig
 from deepinfer.executor import Done, completed
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from executors.distributed.expert_parallel import ExpertParallel
 from executors.kv_cache import (
     PagedKVCache,
     cpu_num_blocks,
@@ -47,11 +48,19 @@ class TorchExecutor:
         enforce_eager: bool = False,
         cuda_graph_sizes: list[int] | None = None,
         trust_remote_code: bool = False,
+        dp_rank: int | None = None,
     ) -> None:
         """enforce_eager: no CUDA graphs (they capture decode steps on CUDA by default);
         cuda_graph_sizes: the batch sizes captured (default: default_capture_sizes);
-        trust_remote_code: the tokenizer's own class may load (structured outputs)."""
+        trust_remote_code: the tokenizer's own class may load (structured outputs);
+        dp_rank: this executor is that data-parallel rank (executors/distributed launches
+        them; with expert parallelism the torch.distributed group must exist already)."""
         t0 = time.perf_counter()
+        if engine_config.data_parallel_size > 1 and dp_rank is None:
+            raise ValueError(
+                f"data_parallel_size={engine_config.data_parallel_size}: a TorchExecutor is one "
+                "rank; LLM(...) and `deepinfer generate` launch the ranks"
+            )
         self.engine_config = engine_config
         self.model_dir: Path = resolve_model_dir(
             model, revision=revision, weights=load_format != "dummy"
@@ -70,6 +79,7 @@ class TorchExecutor:
                 f"{self.config.name} has none (num_nextn_predict_layers=0)"
             )
         self.max_model_len = engine_config.max_model_len or self.config.max_position_embeddings
+        self.expert_parallel = self._expert_parallel(dp_rank)
         if self.device.type == "cuda":
             _check_fits(self.config, self.dtype, self.device, engine_config)
         self.eos_token_id = self._eos_token_id()
@@ -80,6 +90,7 @@ class TorchExecutor:
             device=self.device,
             load_format=load_format,
             seed=engine_config.seed,
+            ep=self.expert_parallel,
         )
         if k and self.model.mtp is None:
             raise ValueError(
@@ -87,7 +98,8 @@ class TorchExecutor:
                 f"weights (layer {self.config.num_hidden_layers}); drafts need them"
             )
         num_blocks = self._num_blocks()
-        use_graphs = self.device.type == "cuda" and not enforce_eager
+        # Expert-parallel steps exchange host-sized splits: they run eagerly.
+        use_graphs = self.device.type == "cuda" and not enforce_eager and not self.expert_parallel
         self.kv_cache = PagedKVCache(
             self.config.num_hidden_layers,
             num_blocks,
@@ -132,6 +144,17 @@ class TorchExecutor:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
+
+    def _expert_parallel(self, dp_rank: int | None) -> ExpertParallel | None:
+        cfg = self.engine_config
+        if not cfg.enable_expert_parallel:
+            return None
+        if not self.config.n_routed_experts:
+            raise ValueError(
+                f"enable_expert_parallel: {self.config.name} has no routed experts to shard"
+            )
+        assert dp_rank is not None  # (data_parallel_size > 1, checked above)
+        return ExpertParallel(dp_rank, cfg.data_parallel_size, self.config.n_routed_experts)
 
     def prepare_grammar(self, so_args: dict[str, Any]) -> Future[Any]:
         """Start compiling `so_args`'s grammar in a worker (cached by schema); ValueError
@@ -218,7 +241,11 @@ def _check_fits(cfg: Any, dtype: torch.dtype, device: torch.device, engine: Engi
     """Weights (and an explicit KV cache) must fit the device: ValueError naming both."""
     total = torch.cuda.get_device_properties(device).total_memory
     budget = total * engine.gpu_memory_utilization
-    weights = (cfg.total_params + cfg.mtp_params) * dtype.itemsize
+    params = cfg.total_params + cfg.mtp_params
+    if engine.enable_expert_parallel:  # this rank holds 1/N of the routed experts, no MTP
+        routed = cfg.num_moe_layers * cfg.n_routed_experts * cfg.expert_params
+        params = cfg.total_params - routed + routed // engine.data_parallel_size
+    weights = params * dtype.itemsize
     kv = 0
     if engine.num_gpu_blocks is not None:
         kv = (

@@ -24,12 +24,18 @@ ENGINE_HELP = {
     "async_scheduling": "schedule step N+1 while step N runs",
     "policy": "fcfs or priority",
     "seed": "seed for everything random",
+    "data_parallel_size": "attention data-parallel ranks, each with its own scheduler and KV cache",
+    "enable_expert_parallel": "shard the MoE experts over the data-parallel ranks "
+    "(--expert-parallel alone means true)",
     "model": "model preset or config.json path",
     "hardware": "GPU preset (h200, h100, h800, b200)",
     "cost_model": "profiled, analytic or unit (default: profiled where a profile exists)",
     "acceptance_rate": "per-draft-token acceptance probability when speculating",
 }
 
+
+# Extra spellings of a flag (the and vLLM's names); given alone they mean true.
+_ALIASES = {"enable_expert_parallel": "--expert-parallel"}
 
 # Defaults that are computed, described rather than shown as None.
 _DEFAULT_TEXT = {
@@ -58,8 +64,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         if f.name in ("num_gpu_blocks", "max_model_len"):
             kind = int
         shown = default.value if hasattr(default, "value") else default
+        flags = [flag, _ALIASES[f.name]] if f.name in _ALIASES else [flag]
+        extra: dict[str, Any] = {"nargs": "?", "const": True} if f.name in _ALIASES else {}
         group.add_argument(
-            flag,
+            *flags,
+            **extra,
             dest=f"engine_{f.name}",
             type=kind,
             default=None,

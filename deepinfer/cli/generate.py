@@ -9,6 +9,7 @@ from typing import Any
 
 from deepinfer.cli.engine_options import add_engine_options, engine_config_from_args
 from deepinfer.cli.sampling_options import add_sampling_options, sampling_params_from_args
+from deepinfer.data_parallel.front_end import DataParallelEngine
 
 
 def add_generate_parser(sub: Any) -> None:
@@ -50,6 +51,9 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"--- {out.request_id} ({out.outputs[0].finish_reason})")
         for c in out.outputs:
             print((out.prompt or "") + c.text)
+    if isinstance(llm.engine, DataParallelEngine):  # (drafts are counted by each rank)
+        llm.shutdown()
+        return 0
     sched = llm.engine.scheduler
     if sched.num_draft_tokens:
         by_position = ", ".join(f"{a / n:.2f}" for n, a in sched.draft_position_stats if n)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.cli.engine_options import add_engine_options, engine_config_from_args
+from deepinfer.engine import EngineCore
 
 
 def add_measure_acceptance_parser(sub: Any) -> None:
@@ -73,11 +74,17 @@ def run_measure_acceptance(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True
     )
+    if cfg.data_parallel_size > 1:
+        raise ValueError(
+            f"--data-parallel-size {cfg.data_parallel_size}: measure-acceptance counts the "
+            "drafts of one engine; run it with one rank"
+        )
     engine_args = {name: getattr(cfg, name) for name in cfg.field_names()}
     llm = LLM(model, device=args.device, dtype=args.dtype, **engine_args)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
+    assert isinstance(llm.engine, EngineCore)  # (one rank: refused above otherwise)
     sched = llm.engine.scheduler
     reached = [n for n, _ in sched.draft_position_stats]
     accepted = [a for _, a in sched.draft_position_stats]

@@ -15,16 +15,20 @@ or inside the model) `end_round` completes with empty inputs, so the others neve
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from kernels import ops as kernel_ops
 
-if TYPE_CHECKING:
-    from executors.models.deepseek import DeepseekForCausalLM
-    from executors.models.moe import MoE
+
+class LockstepLayer(Protocol):
+    """A MoE layer as the lock-step sees it (executors.models.moe.MoE)."""
+
+    def idle(self) -> None:
+        """Run the layer's exchange with no tokens of this rank's own."""
+        ...
 
 
 def check_expert_split(num_experts: int, world_size: int) -> None:
@@ -44,7 +48,8 @@ class ExpertParallel:
     world_size: int
     num_experts: int
     group: dist.ProcessGroup | None = None  # None: the default group
-    layers: list[MoE] = field(default_factory=list)  # the model's MoE layers, in order
+    # The model's MoE layers in order (executors.models.moe.shard_experts fills it).
+    layers: list[LockstepLayer] = field(default_factory=list)
     calls: int = 0  # MoE layer forwards run so far
     _round_start: int | None = None
 
@@ -58,18 +63,6 @@ class ExpertParallel:
     @property
     def first_expert(self) -> int:
         return self.rank * self.num_local
-
-    def shard(self, model: DeepseekForCausalLM) -> None:
-        """Give every MoE layer of `model` (still on the meta device) only this rank's
-        experts and route its forward through this object."""
-        from executors.models.moe import Experts, MoE
-
-        for layer in model.model.layers:
-            if isinstance(layer.mlp, MoE):
-                old = layer.mlp.experts
-                layer.mlp.experts = Experts(self.num_local, old.hidden_size, old.intermediate_size)
-                layer.mlp.ep = self
-                self.layers.append(layer.mlp)
 
     # ---- one MoE layer -------------------------------------------------------------
 
@@ -92,7 +85,9 @@ class ExpertParallel:
         send = send_counts.tolist()
         recv = recv_counts.tolist()
         # Each pair's local expert id and weight travel as one float32 row (ids < 2^24).
-        meta = torch.stack([sorted_ids.float(), weights.reshape(-1)[order].float()], dim=1)  # [P, 2]
+        meta = torch.stack(
+            [sorted_ids.float(), weights.reshape(-1)[order].float()], dim=1
+        )  # [P, 2]
         recv_x = x.new_empty(sum(recv), x.shape[1])
         recv_meta = meta.new_empty(sum(recv), 2)
         dist.all_to_all_single(recv_x, x[tok].contiguous(), recv, send, group=self.group)

@@ -109,3 +109,14 @@ class MoE(nn.Module):
     def idle(self) -> None:
         """Join the layer's expert-parallel exchange with no tokens of this rank's own."""
         self._expert_parallel(self.experts.gate_up_proj.new_empty(0, self.experts.hidden_size))
+
+
+def shard_experts(model: nn.Module, ep: ExpertParallel) -> None:
+    """Give every MoE layer of `model` (still on the meta device) only `ep`'s rank's
+    experts and route its forward through `ep`, which lists the layers in order."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            old = module.experts
+            module.experts = Experts(ep.num_local, old.hidden_size, old.intermediate_size)
+            module.ep = ep
+            ep.layers.append(module)

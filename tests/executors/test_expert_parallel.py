@@ -7,7 +7,7 @@ import torch.multiprocessing as mp
 
 from executors.distributed.expert_parallel import ExpertParallel, check_expert_split
 from executors.distributed.process_group import free_port
-from tests.distributed import ep_workers
+from tests.executors import ep_workers
 from tests.executors.tiny_models import TinyModel
 
 
@@ -20,14 +20,10 @@ def test_ep_moe_over_2_ranks_equals_one_process_and_pads_idle_ranks(
     tiny_models: dict[str, TinyModel],
 ) -> None:
     """Grouped sigmoid top-2 (V3) with a rank that has no tokens; then rounds in which
-    rank 1 runs no layer, or stops after the first, and is padded (ep_workers)."""
+    rank 1 runs no layer, or stops after the first, and is padded (ep_workers). Four
+    ranks: test_data_parallel_llm.py (group-limited top-3 V2 through the whole engine)."""
     checks = ["moe_outputs_equal_one_process", "idle_ranks_pad_the_round"]
     _spawn(2, str(tiny_models["v3_mtp"].path), checks)
-
-
-def test_ep_moe_over_4_ranks_equals_one_process(tiny_models: dict[str, TinyModel]) -> None:
-    """Group-limited greedy top-3 (V2) over 4 ranks of 2 experts each."""
-    _spawn(4, str(tiny_models["v2_group"].path), ["moe_outputs_equal_one_process"])
 
 
 def test_experts_must_split_evenly() -> None:

@@ -1,0 +1,53 @@
+"""What the front-end and a rank say to each other (plain picklable objects)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from deepinfer.data_parallel.balancer import RankLoad
+from deepinfer.data_parallel.request_sync import RequestDelta
+from deepinfer.request import FinishReason, Request
+
+
+@dataclass
+class StepCommand:
+    """Queue `adds`, end `finishes`, then run one step (every rank steps together)."""
+
+    adds: list[Request] = field(default_factory=list)
+    finishes: list[tuple[str, FinishReason]] = field(default_factory=list)
+
+
+@dataclass
+class StepReply:
+    rank: int
+    deltas: list[RequestDelta]
+    load: RankLoad
+    error: BaseException | None = None  # the step raised (the rank still kept lock-step)
+    error_text: str = ""  # its traceback, formatted on the rank
+
+
+@dataclass
+class RankInfo:
+    """Sent once by each rank when it is ready to serve."""
+
+    rank: int
+    max_model_len: int
+    num_kv_blocks: int
+    model_dir: Path
+    vocab_size: int | None
+    eos_token_id: int | list[int] | None
+
+
+@dataclass
+class Stop:
+    """End the rank's loop (it shuts its executor down)."""
+
+
+class RankClient(Protocol):
+    """The front-end's end of one rank's connection (a multiprocessing Pipe fits)."""
+
+    def send(self, obj: Any) -> None: ...
+
+    def recv(self) -> Any: ...
