@@ -152,6 +152,21 @@ class AnalyticCostModel:
         self._price(out, detail)
         return detail
 
+    def routed_expert_seconds(self, num_pairs: float, num_experts: int) -> float:
+        """The routed-expert group of a step (all MoE layers) for `num_pairs` (token, expert)
+        pairs over `num_experts` experts held, each pair on one expert chosen uniformly:
+        expert parallelism prices a rank's share with it (sim/expert_parallel_cost.py)."""
+        if not self._has_moe or num_pairs <= 0:
+            return 0.0
+        per_pair = 1.0 / self._top_k
+        distinct = expected_distinct_experts(round(num_pairs), num_experts, 1)
+        f = num_pairs * self._expert_flops_per_tok * per_pair
+        b = (
+            distinct * self._expert_bytes_each
+            + num_pairs * self._expert_act_bytes_per_tok * per_pair
+        )
+        return max(f / self._moe_rate, b / self._moe_bw)
+
     # --- pricing ------------------------------------------------------------
 
     def group_seconds(self, out: SchedulerOutput) -> list[float]:

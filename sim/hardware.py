@@ -25,6 +25,9 @@ class HardwareSpec:
     hbm_bandwidth: float  # bytes/s
     memory_bytes: int  # device memory as the driver reports it
     source: str = ""  # where the figures come from
+    # GPU-to-GPU link out of one GPU, one direction (bytes/s); None: no such link listed.
+    nvlink_bandwidth: float | None = None
+    all_to_all_latency_s: float = 0.0  # fixed cost of one all_to_all call
 
     def peak_flops(self, dtype_bytes: int) -> float:
         """Peak matmul rate for weights of `dtype_bytes` (1: fp8 GEMMs, else bf16)."""
@@ -59,6 +62,10 @@ def get_hardware(name: str) -> HardwareSpec:
             hbm_bandwidth=float(entry["hbm_bandwidth"]),
             memory_bytes=int(entry["memory_bytes"]),
             source=str(entry.get("source", "")),
+            nvlink_bandwidth=(
+                float(entry["nvlink_bandwidth"]) if "nvlink_bandwidth" in entry else None
+            ),
+            all_to_all_latency_s=float(entry.get("all_to_all_latency_s", 0.0)),
         )
     except KeyError as e:
         raise ValueError(f"{HARDWARE_FILE}: entry {key!r} lacks field {e.args[0]!r}") from None

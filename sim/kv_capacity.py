@@ -41,12 +41,13 @@ def kv_capacity_blocks(
     gpu_memory_utilization: float,
     activation_reserve_bytes: int | None = None,
     speculative: bool = False,
+    expert_parallel_size: int = 1,
 ) -> int:
     """KV blocks of `block_size` tokens that fit on one `hardware` GPU.
 
     (memory * utilization - weights - activation reserve) // (block_size * KV bytes per token).
     speculative: the MTP layer's weights and its KV (one more layer per block) count too,
-    as in the torch executor.
+    as in the torch executor. expert_parallel_size: the GPU holds 1/N of the routed experts.
     Raises ValueError, naming both sizes, when the weights (or weights plus
     reserve) leave no room for a single block.
     """
@@ -57,7 +58,8 @@ def kv_capacity_blocks(
     if activation_reserve_bytes is None:
         activation_reserve_bytes = default_activation_reserve_bytes(model)
     budget = int(hardware.memory_bytes * gpu_memory_utilization)
-    weights = model.weight_bytes + (mtp_own_weight_bytes(model) if speculative else 0)
+    weights = rank_weight_bytes(model, expert_parallel_size)
+    weights += mtp_own_weight_bytes(model) if speculative else 0
     dtype = {1: "fp8", 2: "bf16", 4: "fp32"}.get(model.dtype_bytes, f"{model.dtype_bytes}-byte")
     gb = 1e9
     if weights >= budget:
@@ -88,11 +90,13 @@ def check_blocks_fit(
     block_size: int,
     gpu_memory_utilization: float,
     speculative: bool = False,
+    expert_parallel_size: int = 1,
 ) -> None:
     """An explicit KV cache size must fit beside the weights: ValueError naming both."""
     budget = int(hardware.memory_bytes * gpu_memory_utilization)
     kv = num_blocks * block_size * kv_bytes_per_token(model, speculative)
-    weights = model.weight_bytes + (mtp_own_weight_bytes(model) if speculative else 0)
+    weights = rank_weight_bytes(model, expert_parallel_size)
+    weights += mtp_own_weight_bytes(model) if speculative else 0
     if weights + kv > budget:
         gb = 1e9
         raise ValueError(
@@ -108,6 +112,13 @@ def kv_bytes_per_token(model: ModelConfig, speculative: bool = False) -> int:
     """Latent KV of one token: the decoder layers, plus the MTP layer when speculating."""
     extra = min(1, model.num_nextn_predict_layers) if speculative else 0
     return model.kv_bytes_per_token * (model.num_hidden_layers + extra) // model.num_hidden_layers
+
+
+def rank_weight_bytes(model: ModelConfig, expert_parallel_size: int = 1) -> int:
+    """Weights on one GPU when the routed experts are sharded over `expert_parallel_size`."""
+    routed = model.num_moe_layers * model.n_routed_experts * model.expert_params
+    sharded = routed - routed // expert_parallel_size
+    return model.weight_bytes - sharded * model.dtype_bytes
 
 
 def mtp_own_weight_bytes(model: ModelConfig) -> int:

@@ -24,7 +24,11 @@ from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from sim.acceptance import AcceptanceModel
+from sim.analytic_cost_model import AnalyticCostModel
+from sim.cost_coefficients import load_cost_coefficients
 from sim.cost_model import CostModel, kv_capacity_blocks, mask_time, resolve_cost_model
+from sim.data_parallel import DataParallelStats, serve_data_parallel
+from sim.expert_parallel_cost import ExpertParallelCost
 from sim.hardware import HardwareSpec, get_hardware
 from sim.kv_capacity import check_blocks_fit
 from sim.sim_executor import SimExecutor
@@ -91,15 +95,16 @@ def simulate(
     if not grammar_mask_per_token_s >= 0:
         raise ValueError(f"grammar_mask_per_token_s={grammar_mask_per_token_s}: must be >= 0")
     num_blocks = engine.num_gpu_blocks
-    if num_blocks is None:
+    ep_size = engine.data_parallel_size if engine.enable_expert_parallel else 1
+    if num_blocks is None:  # per rank: with expert parallelism it holds 1/N of the experts
         num_blocks = kv_capacity_blocks(
             spec, hw, engine.block_size, engine.gpu_memory_utilization,
-            speculative=engine.num_speculative_tokens > 0,
+            speculative=engine.num_speculative_tokens > 0, expert_parallel_size=ep_size,
         )  # fmt: skip
     elif cost_model != "unit":  # the unit model prices no hardware: any cache is a test case
         check_blocks_fit(
             spec, hw, num_blocks, engine.block_size, engine.gpu_memory_utilization,
-            speculative=engine.num_speculative_tokens > 0,
+            speculative=engine.num_speculative_tokens > 0, expert_parallel_size=ep_size,
         )  # fmt: skip
     spec.check_max_model_len(engine.max_model_len)
     if engine.num_speculative_tokens and not spec.num_nextn_predict_layers:
@@ -110,6 +115,11 @@ def simulate(
     acceptance = acceptance_rate
     if isinstance(acceptance, (str, Path)):
         acceptance = AcceptanceModel.load(acceptance)
+    if engine.data_parallel_size > 1:
+        return _simulate_ranks(
+            trace, spec, hw, engine, cost, cost_meta, num_blocks, acceptance,
+            check_invariants, on_progress, slo, mask_s=float(grammar_mask_per_token_s),
+        )  # fmt: skip
     executor = SimExecutor(engine, num_blocks, acceptance_rate=acceptance)
     env = simpy.Environment()
     core = EngineCore(
@@ -123,21 +133,9 @@ def simulate(
     mask_s = float(grammar_mask_per_token_s)
     env.process(_serve(env, core, deque(requests), cost, mask_s, on_progress))
     env.run()
-    by_id = {r.req_id: r for r in core.records}
-    records = [by_id[r.request_id] for r in requests]
-    meta = {
-        "trace": trace.name,
-        "num_requests": len(trace),
-        "model": spec.name,
-        "hardware": hw.name,
-        "num_gpu_blocks": num_blocks,
-        "max_model_len": core.scheduler.max_model_len,
-        "engine": _config_dict(engine),
-        **cost_meta,
-        "num_steps": core.scheduler.step_id,
-        "num_evictions": core.scheduler.kv.pool.num_evictions,
-        "grammar_mask_per_token_s": mask_s,
-    }
+    records = _in_trace_order(requests, [core])
+    meta = _meta(trace, spec, hw, engine, cost_meta, num_blocks, [core], mask_s)
+    meta["num_steps"] = core.scheduler.step_id
     if engine.num_speculative_tokens:
         drafts = executor.num_draft_tokens
         meta["draft_acceptance_rate"] = executor.num_accepted_tokens / drafts if drafts else None
@@ -190,6 +188,79 @@ def _serve(
         if on_progress is not None and len(core.records) != reported:
             on_progress(len(core.records) - reported)
             reported = len(core.records)
+
+
+def _simulate_ranks(
+    trace: Trace, spec: ModelConfig, hw: HardwareSpec, engine: EngineConfig, cost: CostModel,
+    cost_meta: dict[str, Any], num_blocks: int, acceptance: float | AcceptanceModel,
+    check_invariants: bool, on_progress: Callable[[int], None] | None, slo: SLO | None, *,
+    mask_s: float,
+) -> SimResult:  # fmt: skip
+    """data_parallel_size ranks in lock-step (sim/data_parallel.py); num_blocks per rank."""
+    n = engine.data_parallel_size
+    if engine.async_scheduling:
+        raise ValueError(
+            f"async_scheduling=True with data_parallel_size={n}: the simulator runs the ranks "
+            "in lock-step rounds and does not model async overlap; set it to False"
+        )
+    analytic = cost if isinstance(cost, AnalyticCostModel) else None
+    if analytic is None and cost_meta.get("cost_model") == "profiled":
+        analytic = AnalyticCostModel(spec, hw, load_cost_coefficients())
+    rounds = ExpertParallelCost(
+        spec, hw, n, expert_parallel=engine.enable_expert_parallel, analytic=analytic,
+        seed=engine.seed, activation_bytes=2,
+    )  # fmt: skip
+    env = simpy.Environment()
+    cores = [
+        EngineCore(
+            engine,
+            SimExecutor(engine, num_blocks, acceptance_rate=acceptance),
+            clock=lambda: env.now,
+            model_max_len=spec.max_position_embeddings,
+            check_invariants=check_invariants,
+        )  # fmt: skip
+        for _ in range(n)
+    ]
+    requests = build_requests(trace, spec.vocab_size)
+    stats = DataParallelStats()
+    steps: list[StepRecord] = []
+    env.process(
+        serve_data_parallel(
+            env, cores, deque(requests), cost, rounds, stats, steps, mask_s, on_progress
+        )
+    )
+    env.run()
+    records = _in_trace_order(requests, cores)
+    meta = _meta(trace, spec, hw, engine, cost_meta, num_blocks, cores, mask_s)
+    meta["num_steps"] = stats.num_rounds
+    meta.update(stats.to_meta())
+    # The link figure is the datasheet's until benchmarks/all_to_all.py measures it.
+    meta["all_to_all_calibrated"] = False
+    return SimResult(records, steps, summarize(records, steps, slo), meta)
+
+
+def _in_trace_order(requests: list[Request], cores: list[EngineCore]) -> list[RequestRecord]:
+    by_id = {r.req_id: r for c in cores for r in c.records}
+    return [by_id[r.request_id] for r in requests]
+
+
+def _meta(
+    trace: Trace, spec: ModelConfig, hw: HardwareSpec, engine: EngineConfig,
+    cost_meta: dict[str, Any], num_blocks: int, cores: list[EngineCore], mask_s: float,
+) -> dict[str, Any]:  # fmt: skip
+    """What every report says of the run (num_steps is the caller's)."""
+    return {
+        "trace": trace.name,
+        "num_requests": len(trace),
+        "model": spec.name,
+        "hardware": hw.name,
+        "num_gpu_blocks": num_blocks,
+        "max_model_len": cores[0].scheduler.max_model_len,
+        "engine": _config_dict(engine),
+        **cost_meta,
+        "num_evictions": sum(c.scheduler.kv.pool.num_evictions for c in cores),
+        "grammar_mask_per_token_s": mask_s,
+    }
 
 
 SCHEDULED, LAUNCHED = StepEventKind.SCHEDULED, StepEventKind.LAUNCHED

@@ -182,6 +182,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         f"max_model_len {meta['max_model_len']}; {meta['num_steps']} steps"
     )
     print(_cost_model_line(meta))
+    if engine.data_parallel_size > 1:
+        print(_data_parallel_line(meta, engine.data_parallel_size, engine.enable_expert_parallel))
     if args.out:
         write_report(args.out, result.summary, result.requests, result.steps, meta)
         print(f"report: {args.out}")
@@ -189,6 +191,20 @@ def run_simulate(args: argparse.Namespace) -> int:
         plot_report(args.plot, result.requests, result.steps, title)
         print(f"plots: {args.plot}")
     return 0
+
+
+def _data_parallel_line(meta: dict[str, Any], ranks: int, expert_parallel: bool) -> str:
+    line = (
+        f"data parallel: {ranks} ranks{' with expert parallelism' if expert_parallel else ''}"
+        f" (KV blocks per rank); requests per rank {meta['dp_requests_per_rank']}; "
+        f"stragglers {meta['straggler_seconds']:.3f} s"
+    )
+    if expert_parallel:
+        imb = meta["expert_load_max_over_mean"]
+        line += f"; all-to-all {meta['all_to_all_seconds']:.3f} s (datasheet link, uncalibrated)"
+        if imb is not None:
+            line += f"; busiest rank's expert load {imb:.2f}x the mean"
+    return line
 
 
 def _retime(trace: Any, rate: float, seed: int, time_scale: float) -> Any:

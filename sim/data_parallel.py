@@ -1,0 +1,137 @@
+"""Simulated attention data parallelism (and expert parallelism): N ranks in lock-step.
+
+Each rank is the real EngineCore over its own SimExecutor (its own scheduler and KV
+cache); arrivals are placed by the real front-end's balancer
+(deepinfer.data_parallel.LeastLoadBalancer, fed each rank's load after every round, as
+the real front-end does). A round is one engine step on every rank with work; it lasts
+as long as the slowest rank plus the all-to-all of the MoE layers
+(sim/expert_parallel_cost.py), which is also how the real ranks step (deepinfer/
+data_parallel/front_end.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import simpy
+
+from deepinfer.data_parallel import LeastLoadBalancer
+from deepinfer.data_parallel.rank_loop import rank_load
+from deepinfer.engine import EngineCore, StepEvent, StepEventKind
+from deepinfer.records import StepRecord
+from deepinfer.request import Request
+from sim.cost_model import CostModel, mask_time
+from sim.expert_parallel_cost import ExpertParallelCost
+
+
+@dataclass
+class DataParallelStats:
+    """What the report says of the layout, summed over the rounds."""
+
+    num_rounds: int = 0
+    all_to_all_seconds: float = 0.0
+    straggler_seconds: float = 0.0  # sum over rounds of (slowest rank - mean rank)
+    requests_per_rank: list[int] = field(default_factory=list)
+    steps_per_rank: list[int] = field(default_factory=list)
+    max_over_mean_pairs: list[float] = field(default_factory=list)  # expert load, per round
+
+    def to_meta(self) -> dict[str, Any]:
+        imb = self.max_over_mean_pairs
+        return {
+            "dp_rounds": self.num_rounds,
+            "dp_requests_per_rank": self.requests_per_rank,
+            "dp_steps_per_rank": self.steps_per_rank,
+            "all_to_all_seconds": self.all_to_all_seconds,
+            "straggler_seconds": self.straggler_seconds,
+            "expert_load_max_over_mean": sum(imb) / len(imb) if imb else None,
+        }
+
+
+def serve_data_parallel(
+    env: simpy.Environment,
+    cores: list[EngineCore],
+    pending: deque[Request],
+    cost: CostModel,
+    rounds: ExpertParallelCost,
+    stats: DataParallelStats,
+    steps: list[StepRecord],
+    mask_per_token_s: float = 0.0,
+    on_progress: Callable[[int], None] | None = None,
+) -> Generator[simpy.events.Event, Any, None]:
+    """The simpy process: admit arrivals through the balancer, run lock-step rounds. A
+    rank's step costs its host time plus its device time, or its structured requests'
+    token masks where those take longer (filled on the host beside the forward)."""
+    balancer = LeastLoadBalancer(len(cores))
+    stats.requests_per_rank = [0] * len(cores)
+    stats.steps_per_rank = [0] * len(cores)
+    reported = 0
+    while pending or any(c.has_unfinished() for c in cores):
+        while pending and pending[0].arrival_time <= env.now:
+            rank = balancer.pick()
+            stats.requests_per_rank[rank] += 1
+            cores[rank].add_request(pending.popleft())
+        if not any(c.has_unfinished() for c in cores):
+            if pending:
+                yield env.timeout(pending[0].arrival_time - env.now)
+            continue
+        started = [len(c.steps) for c in cores]
+        waiting: list[Generator[StepEvent, None, list[Request]]] = []
+        tokens, seconds = [0] * len(cores), [0.0] * len(cores)
+        for r, core in enumerate(cores):
+            if not core.has_unfinished():
+                continue
+            events = core.step_events()
+            for kind, out in events:  # up to the step's AWAIT (no async: refused)
+                if kind is StepEventKind.SCHEDULED:
+                    seconds[r] += cost.cpu_time(out)
+                elif kind is StepEventKind.LAUNCHED:
+                    masks = mask_time(out, mask_per_token_s) if mask_per_token_s else 0.0
+                    seconds[r] += max(cost.step_time(out), masks)
+                    tokens[r] += out.num_batched_tokens
+                else:
+                    waiting.append(events)
+                    stats.steps_per_rank[r] += 1
+                    break
+        rc = rounds.round(tokens, seconds)
+        if rc.pairs_received and sum(rc.pairs_received):
+            mean = sum(rc.pairs_received) / len(rc.pairs_received)
+            stats.max_over_mean_pairs.append(max(rc.pairs_received) / mean)
+        busy = [s for s, t in zip(rc.rank_seconds, tokens) if t] or [0.0]
+        stats.straggler_seconds += max(busy) - sum(busy) / len(busy)
+        stats.all_to_all_seconds += rc.all_to_all_seconds
+        stats.num_rounds += 1
+        if rc.seconds > 0:
+            yield env.timeout(rc.seconds)
+        for events in waiting:
+            for _ in events:  # the rest of the step: its results are applied now
+                pass
+        for r, core in enumerate(cores):
+            balancer.report(r, rank_load(core))
+        if any(len(c.steps) > n for c, n in zip(cores, started)):
+            steps.append(_round_record(cores, started, stats.num_rounds, env.now, rc.seconds))
+        done = sum(len(c.records) for c in cores)
+        if on_progress is not None and done != reported:
+            on_progress(done - reported)
+            reported = done
+
+
+def _round_record(
+    cores: list[EngineCore], started: list[int], round_id: int, now: float, duration: float
+) -> StepRecord:
+    """One record per round: counts summed over the ranks, KV usage their mean."""
+    new = [s for c, n in zip(cores, started) for s in c.steps[n:]]
+    return StepRecord(
+        step_id=round_id,
+        time=now,
+        duration=duration,
+        num_running=sum(c.scheduler.num_running for c in cores),
+        num_waiting=sum(c.scheduler.num_waiting for c in cores),
+        num_batched_tokens=sum(s.num_batched_tokens for s in new),
+        num_prompt_tokens=sum(s.num_prompt_tokens for s in new),
+        num_scheduled_reqs=sum(s.num_scheduled_reqs for s in new),
+        kv_usage=sum(c.scheduler.kv.usage for c in cores) / len(cores),
+        num_preempted=sum(s.num_preempted for s in new),
+    )
