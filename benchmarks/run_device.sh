@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one device call; logs and JSON land in $OUT.
 #   bash benchmarks/run_device.sh [tests|model|kernels|profile|structured|all]   (default: all)
+#   bash benchmarks/run_device.sh dp [ARGS of benchmarks/data_parallel.py]   (several GPUs;
+#     not in all: NCCL tests, the all-to-all sweep, DP + EP throughput against the simulator)
 #   bash benchmarks/run_device.sh spec [ARGS of benchmarks/speculative.py]   (not in all: the
 #     whole sweep takes longer than one device call; e.g. spec --ks 3 --acceptance 0.85)
 # The model sweep's JSON plots here with benchmarks/plot_model_speed.py (matplotlib).
@@ -53,5 +55,17 @@ if [[ $what == spec ]]; then
   # benchmark-only corrupted-greedy drafter; the simulator's prediction beside.
   python3 benchmarks/speculative.py --json "$OUT/speculative.json" "$@" 2>&1 \
     | grep -v Warning | tee "$OUT/speculative.log" | tail -70
+fi
+if [[ $what == dp ]]; then
+  # Several GPUs (a multi-GPU kind): expert/data-parallel tests over NCCL, the all-to-all
+  # against message size, then throughput per GPU at 1/2/4/8 GPUs beside the simulator.
+  python3 -m pytest -q -m gpu tests/executors/test_expert_parallel.py \
+    tests/executors/test_data_parallel_gpu.py -p no:cacheprovider 2>&1 \
+    | tee "$OUT/dp_tests.log" | tail -15
+  status=${PIPESTATUS[0]}
+  python3 benchmarks/all_to_all.py --json "$OUT/all_to_all.json" 2>&1 \
+    | grep -v Warning | tee "$OUT/all_to_all.log" | tail -30
+  python3 benchmarks/data_parallel.py --json "$OUT/data_parallel.json" "$@" 2>&1 \
+    | grep -v Warning | tee "$OUT/data_parallel.log" | tail -12
 fi
 exit $status

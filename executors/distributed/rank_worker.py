@@ -41,6 +41,8 @@ def rank_main(
     """Spawned once per rank. Start-up errors go back to the launcher as text."""
     try:
         device = rank_device(rank, executor_kwargs.pop("device", None))
+        if device.type == "cuda":  # Triton launches on the current device
+            torch.cuda.set_device(device)
         if config.enable_expert_parallel:
             init_group(rank, config.data_parallel_size, device, init_method)
         from executors.torch_executor import TorchExecutor

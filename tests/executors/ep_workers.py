@@ -16,14 +16,18 @@ CPU = torch.device("cpu")
 TOKENS = [7, 0, 3, 1]  # tokens of each rank's step: rank 1 has none (it still takes part)
 
 
-def run_checks(rank: int, world: int, init: str, path: str, checks: list[str]) -> None:
-    """Join the group, load the one-process and the sharded model, run `checks` in order."""
-    init_group(rank, world, CPU, init)
+def run_checks(
+    rank: int, world: int, init: str, path: str, checks: list[str], device: str = "cpu"
+) -> None:
+    """Join the group (gloo; NCCL with device="cuda": rank r on cuda:r), load the
+    one-process and the sharded model, run `checks` in order."""
+    dev = torch.device("cuda", rank) if device == "cuda" else CPU
+    init_group(rank, world, dev, init)
     try:
         cfg = ModelConfig.from_dict(read_hf_config(Path(path)))
-        full = load_model(Path(path), cfg, dtype=torch.float32, device=CPU)
+        full = load_model(Path(path), cfg, dtype=torch.float32, device=dev)
         ep = ExpertParallel(rank, world, cfg.n_routed_experts)
-        sharded = load_model(Path(path), cfg, dtype=torch.float32, device=CPU, ep=ep)
+        sharded = load_model(Path(path), cfg, dtype=torch.float32, device=dev, ep=ep)
         moe = [layer.mlp for layer in full.model.layers if isinstance(layer.mlp, MoE)]
         assert ep.layers == [m.mlp for m in sharded.model.layers if isinstance(m.mlp, MoE)]
         assert ep.layers[0].experts.gate_up_proj.shape[0] == cfg.n_routed_experts // world
@@ -39,10 +43,12 @@ def moe_outputs_equal_one_process(rank: int, full: list[MoE], ep: ExpertParallel
     gen = torch.Generator().manual_seed(rank)
     hidden = full[0].experts.hidden_size
     for ref, layer in zip(full, ep.layers):
-        x = torch.randn(TOKENS[rank], hidden, generator=gen)
+        x = torch.randn(TOKENS[rank % len(TOKENS)], hidden, generator=gen).to(
+            ref.experts.gate_up_proj.device
+        )
         with torch.inference_mode():  # (one process never runs a MoE on no tokens)
             want, got = ref(x) if len(x) else torch.zeros_like(x), layer(x)
-        assert got.shape == want.shape == (TOKENS[rank], hidden)
+        assert got.shape == want.shape == (TOKENS[rank % len(TOKENS)], hidden)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert ep.calls == calls + len(ep.layers)
 
@@ -58,7 +64,8 @@ def idle_ranks_pad_the_round(rank: int, full: list[MoE], ep: ExpertParallel) -> 
         reached = len(ep.layers) if rank == 0 else step
         ep.begin_round()
         for ref, layer in list(zip(full, ep.layers))[:reached]:
-            x = torch.randn(TOKENS[rank] or 2, hidden, generator=gen)
+            x = torch.randn(TOKENS[rank % len(TOKENS)] or 2, hidden, generator=gen)
+            x = x.to(ref.experts.gate_up_proj.device)
             with torch.inference_mode():
                 torch.testing.assert_close(layer(x), ref(x), rtol=1e-5, atol=1e-6)
         with torch.inference_mode():

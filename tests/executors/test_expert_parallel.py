@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from executors.distributed.expert_parallel import ExpertParallel, check_expert_split
@@ -11,9 +12,10 @@ from tests.executors import ep_workers
 from tests.executors.tiny_models import TinyModel
 
 
-def _spawn(world: int, path: str, checks: list[str]) -> None:
+def _spawn(world: int, path: str, checks: list[str], device: str = "cpu") -> None:
     init = f"tcp://127.0.0.1:{free_port()}"
-    mp.spawn(ep_workers.run_checks, args=(world, init, path, checks), nprocs=world, join=True)
+    args = (world, init, path, checks, device)
+    mp.spawn(ep_workers.run_checks, args=args, nprocs=world, join=True)
 
 
 def test_ep_moe_over_2_ranks_equals_one_process_and_pads_idle_ranks(
@@ -24,6 +26,17 @@ def test_ep_moe_over_2_ranks_equals_one_process_and_pads_idle_ranks(
     ranks: test_data_parallel_llm.py (group-limited top-3 V2 through the whole engine)."""
     checks = ["moe_outputs_equal_one_process", "idle_ranks_pad_the_round"]
     _spawn(2, str(tiny_models["v3_mtp"].path), checks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ep_moe_over_nccl_equals_one_gpu(tiny_models: dict[str, TinyModel], world: int) -> None:
+    """The same checks over NCCL, rank r on cuda:r, the Triton fused MoE on each rank's
+    experts (float32); skipped where fewer GPUs are visible. v2_group has 8 experts."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, {torch.cuda.device_count()} visible")
+    checks = ["moe_outputs_equal_one_process", "idle_ranks_pad_the_round"]
+    _spawn(world, str(tiny_models["v2_group"].path), checks, device="cuda")
 
 
 def test_experts_must_split_evenly() -> None:
