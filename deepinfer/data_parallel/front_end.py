@@ -41,6 +41,8 @@ class DataParallelEngine:
         self._commands = [StepCommand() for _ in self.ranks]
         self.num_steps = 0
         self.on_shutdown: Callable[[], None] | None = None  # the launcher joins its ranks
+        self._unanswered: list[int] = []  # ranks whose reply an interrupted step left unread
+        self._received: list[StepReply] = []  # replies read but not applied yet
 
     @property
     def num_ranks(self) -> int:
@@ -86,11 +88,25 @@ class DataParallelEngine:
     def step(self) -> list[Request]:
         """One step on every rank; returns the requests that changed (RankFailed if a
         rank's step raised: its error and traceback, once every rank has answered)."""
+        changed = self._apply(self._receive())  # an interrupted step's replies, first
         commands, self._commands = self._commands, [StepCommand() for _ in self.ranks]
         for conn, cmd in zip(self.ranks, commands):
             conn.send(cmd)
-        replies: list[StepReply] = [conn.recv() for conn in self.ranks]
+        self._unanswered = list(range(self.num_ranks))
+        replies = self._receive()
         self.num_steps += 1
+        return changed + self._apply(replies)
+
+    def _receive(self) -> list[StepReply]:
+        """The replies still owed; an interruption (Ctrl-C) leaves the rest owed, so the
+        ranks and the front-end never fall out of step."""
+        while self._unanswered:
+            self._received.append(self.ranks[self._unanswered[0]].recv())
+            self._unanswered.pop(0)
+        replies, self._received = self._received, []
+        return replies
+
+    def _apply(self, replies: list[StepReply]) -> list[Request]:
         changed: list[Request] = []
         for reply in replies:
             self.balancer.report(reply.rank, reply.load)

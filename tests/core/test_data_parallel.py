@@ -47,6 +47,7 @@ class LoopbackRank:
         self.tracker = DeltaTracker()
         self.reply: StepReply | None = None
         self.steps = 0
+        self.interrupt = False  # the next recv raises KeyboardInterrupt (Ctrl-C)
 
     def send(self, obj: Any) -> None:
         if isinstance(obj, Stop):
@@ -56,6 +57,9 @@ class LoopbackRank:
         self.reply = run_command(self.rank, self.engine, cmd, self.tracker)
 
     def recv(self) -> Any:
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
         return pickle.loads(pickle.dumps(self.reply))
 
 
@@ -160,3 +164,18 @@ def test_a_failing_rank_is_reported_with_its_number_after_every_rank_answered() 
     with pytest.raises(RankFailed, match="data-parallel rank 0: RuntimeError: scheduler broke"):
         dp.step()
     assert ranks[1].steps == 2  # the other rank still ran its round
+
+
+def test_an_interrupted_step_leaves_no_reply_unread() -> None:
+    """Ctrl-C while waiting for rank 1: the next step reads its owed reply first, so the
+    front-end and the ranks stay in step and no token is lost."""
+    dp, ranks = _front_end(2)
+    reqs = [make_request(f"r{i}", 4, max_tokens=5) for i in range(2)]
+    for req in reqs:
+        dp.add_request(req)
+    ranks[1].interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        dp.step()
+    while dp.has_unfinished():
+        dp.step()
+    assert [r.output_token_ids for r in reqs] == [[1004 + i for i in range(5)]] * 2
