@@ -40,6 +40,23 @@ def check_expert_split(num_experts: int, world_size: int) -> None:
         )
 
 
+def combine(
+    back: torch.Tensor, order: torch.Tensor, tok: torch.Tensor, t: int, k: int, slot_order: bool
+) -> torch.Tensor:
+    """back: [T*k, H] weighted expert outputs in sent (expert) order, order: [T*k] the
+    flat (token, slot) index of each, tok: [T*k] its token -> [T, H] float32.
+
+    Each token sums its k rows in expert order, as the torch twin does, or with
+    slot_order (CUDA, where index_add_ is atomic and its order varies) in slot order,
+    as the Triton kernel's sum does: either way the result does not vary between runs."""
+    if not slot_order:
+        out = torch.zeros(t, back.shape[1], dtype=torch.float32, device=back.device)
+        return out.index_add_(0, tok, back.float())
+    per_slot = torch.empty(t * k, back.shape[1], dtype=torch.float32, device=back.device)
+    per_slot[order] = back.float()
+    return per_slot.view(t, k, -1).sum(dim=1)
+
+
 @dataclass
 class ExpertParallel:
     """This rank's share of the experts and the MoE layers it must run in lock-step."""
@@ -74,7 +91,6 @@ class ExpertParallel:
         w2: [E/N, H, I] (the local experts) -> [T, H] in x.dtype."""
         self.calls += 1
         t, k = ids.shape
-        dev = x.device
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # pairs by expert: by destination rank too
         sorted_ids = flat[order]
@@ -84,7 +100,7 @@ class ExpertParallel:
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send = send_counts.tolist()
         recv = recv_counts.tolist()
-        # Each pair's local expert id and weight travel as one float32 row (ids < 2^24).
+        # Each pair's expert id and weight travel as one float32 row (ids < 2^24).
         meta = torch.stack(
             [sorted_ids.float(), weights.reshape(-1)[order].float()], dim=1
         )  # [P, 2]
@@ -93,12 +109,11 @@ class ExpertParallel:
         dist.all_to_all_single(recv_x, x[tok].contiguous(), recv, send, group=self.group)
         dist.all_to_all_single(recv_meta, meta, recv, send, group=self.group)
         local_ids = recv_meta[:, :1].long() - self.first_expert  # [R, 1]
-        y = kernel_ops.fused_moe(recv_x, w13, w2, recv_meta[:, 1:], local_ids)  # [R, H]
+        recv_w = recv_meta[:, 1:].contiguous()  # [R, 1] (the kernel reads it flat)
+        y = kernel_ops.fused_moe(recv_x, w13, w2, recv_w, local_ids)  # [R, H]
         back = x.new_empty(tok.shape[0], x.shape[1])
         dist.all_to_all_single(back, y, send, recv, group=self.group)
-        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=dev)
-        out.index_add_(0, tok, back.float())  # per token in expert order, as the reference
-        return out.to(x.dtype)
+        return combine(back, order, tok, t, k, slot_order=back.is_cuda).to(x.dtype)
 
     # ---- lock-step -----------------------------------------------------------------
 

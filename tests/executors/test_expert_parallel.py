@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from executors.distributed.expert_parallel import ExpertParallel, check_expert_split
+from executors.distributed.expert_parallel import ExpertParallel, check_expert_split, combine
 from executors.distributed.process_group import free_port
 from tests.executors import ep_workers
 from tests.executors.tiny_models import TinyModel
@@ -49,3 +49,18 @@ def test_experts_must_split_evenly() -> None:
 def test_end_round_needs_begin_round() -> None:
     with pytest.raises(RuntimeError, match="without begin_round"):
         ExpertParallel(rank=0, world_size=2, num_experts=4).end_round()
+
+
+def test_both_combine_orders_sum_each_tokens_k_rows() -> None:
+    """The CPU (expert order) and CUDA (slot order) combines agree; shown on the CPU."""
+    t, k, hidden = 5, 3, 8
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:k] for _ in range(t)])  # [T, k]
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    back = torch.randn(t * k, hidden, generator=gen)  # rows in sent order
+    want = torch.zeros(t, hidden)
+    for row, pair in enumerate(order.tolist()):
+        want[pair // k] += back[row]
+    for slot_order in (False, True):
+        got = combine(back, order, order // k, t, k, slot_order=slot_order)
+        torch.testing.assert_close(got, want)
