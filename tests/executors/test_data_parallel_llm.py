@@ -82,3 +82,17 @@ def test_unsupported_layouts_are_refused_before_any_rank_starts(
         LLM(path, executor="sim", data_parallel_size=2)
     with pytest.raises(ValueError, match="a TorchExecutor is one rank"):
         TorchExecutor(EngineConfig(data_parallel_size=2), path, device="cpu")
+
+
+def test_generate_cli_over_two_expert_parallel_ranks_prints_what_one_process_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`deepinfer generate --data-parallel-size 2 --expert-parallel` on the demo model."""
+    from deepinfer.cli import main
+
+    args = ["generate", "--device", "cpu", "--temperature", "0", "--max-tokens", "8"]
+    args += ["Hello there", "The capital of"]
+    assert main(args) == 0
+    one = capsys.readouterr().out
+    assert main([*args, "--data-parallel-size", "2", "--expert-parallel"]) == 0
+    assert capsys.readouterr().out == one
