@@ -98,6 +98,10 @@ class TorchExecutor:
                 f"weights (layer {self.config.num_hidden_layers}); drafts need them"
             )
         num_blocks = self._num_blocks()
+        if self.expert_parallel is not None:
+            # Equal caches on every rank: free memory differs a little between GPUs, and the
+            # warm-up's steps (one MoE exchange each) follow the cache size.
+            num_blocks = self.expert_parallel.agree_min(num_blocks, self.device)
         # Expert-parallel steps exchange host-sized splits: they run eagerly.
         use_graphs = self.device.type == "cuda" and not enforce_eager and not self.expert_parallel
         self.kv_cache = PagedKVCache(

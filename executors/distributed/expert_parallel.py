@@ -81,6 +81,12 @@ class ExpertParallel:
     def first_expert(self) -> int:
         return self.rank * self.num_local
 
+    def agree_min(self, value: int, device: torch.device) -> int:
+        """The smallest `value` over the ranks (a collective: every rank must call it)."""
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     # ---- one MoE layer -------------------------------------------------------------
 
     def routed(
