@@ -4,7 +4,9 @@ Attention, the router and the shared experts are replicated; a MoE layer routes 
 own tokens, sends each (token, expert) pair to the rank that holds the expert
 (`all_to_all_single`: gloo on the CPU, NCCL on CUDA), runs the fused MoE over the rows
 it received for its local experts, and sends the weighted outputs back, where every
-token sums its k contributions in float32 in expert order (kernels.reference's order).
+token sums its k contributions in float32 (`combine`). Four collectives a layer (the
+counts, the rows, the routing, the outputs) and one host sync for the split sizes, so
+expert-parallel steps run eagerly (no CUDA graphs).
 
 Lock-step: every rank must enter every MoE layer's collectives, also a rank with no
 tokens this step (attention data parallelism). `begin_round` / `end_round` bracket one
