@@ -4,8 +4,8 @@ simulated (random weights in the model's published shapes, `load_format="dummy"`
     python benchmarks/data_parallel.py [--model moonlight-16b-a3b] [--ranks 1,2,4,8]
         [--json OUT.json]
 
-For each N (N = 1: one engine; N > 1: `LLM(..., data_parallel_size=N,
-enable_expert_parallel=True)`, every rank eager), two offline batches, all requests at
+For each N (N = 1: one engine, eager and with CUDA graphs; N > 1: `LLM(...,
+data_parallel_size=N, enable_expert_parallel=True)`, every rank eager), two offline batches, all requests at
 t = 0, their size growing with N so that each rank gets the same share:
 - prefill: 8 requests a rank of 2048-token prompts, one output token each;
 - decode: 64 requests a rank of 128-token prompts, 256 output tokens each.
@@ -90,26 +90,34 @@ def main() -> None:
     load_format = "dummy" if args.model in known_models() else "auto"
     vocab = load_model_config(args.model).vocab_size
     rows = []
-    for ranks in (int(n) for n in args.ranks.split(",")):
+    runs = [(int(n), True) for n in args.ranks.split(",")]
+    if 1 in (n for n, _ in runs) and args.device == "cuda":
+        runs.insert(1, (1, False))  # one GPU with CUDA graphs too: the best it does alone
+    for ranks, eager in runs:
         if args.device == "cuda" and torch.cuda.device_count() < ranks:
             print(f"{ranks} GPUs: skipped, {torch.cuda.device_count()} visible")
             continue
         engine = _engine(ranks, args)
-        llm = LLM(args.model, load_format=load_format, enforce_eager=True, device=args.device,
+        llm = LLM(args.model, load_format=load_format, enforce_eager=eager, device=args.device,
                   **engine)  # fmt: skip
+        label = f"{ranks} GPU{'s' if ranks > 1 else ''}{'' if eager else ' (graphs)'}"
         for kind in BATCHES:
             real = _run(llm, ranks, kind, vocab, seed=ranks)
             sim = _simulated(args.model, ranks, kind, engine)
             err = sim["seconds"] / real["seconds"] - 1.0
-            rows.append({"ranks": ranks, "kind": kind, "measured": real, "simulated": sim,
-                         "sim_error": err})  # fmt: skip
-            print(f"{ranks} GPUs {kind:8s} measured {real['tokens_per_s_per_gpu']:9.0f} tok/s/GPU "
-                  f"({real['seconds']:.2f} s), simulated {sim['tokens_per_s_per_gpu']:9.0f} "
-                  f"({err:+.1%})")  # fmt: skip
+            rows.append({"ranks": ranks, "eager": eager, "kind": kind, "measured": real,
+                         "simulated": sim, "sim_error": err})  # fmt: skip
+            print(f"{label:16s} {kind:8s} measured {real['tokens_per_s_per_gpu']:9.0f} "
+                  f"tok/s/GPU ({real['seconds']:.2f} s), simulated "
+                  f"{sim['tokens_per_s_per_gpu']:9.0f} ({err:+.1%})")  # fmt: skip
         llm.shutdown()
         del llm
         torch.cuda.empty_cache()
-    base = {r["kind"]: r["measured"]["tokens_per_s_per_gpu"] for r in rows if r["ranks"] == 1}
+    base = {  # against one GPU run eagerly, as expert-parallel ranks run
+        r["kind"]: r["measured"]["tokens_per_s_per_gpu"]
+        for r in rows
+        if r["ranks"] == 1 and r["eager"]
+    }
     for r in rows:
         if r["kind"] in base:
             r["per_gpu_vs_one_gpu"] = r["measured"]["tokens_per_s_per_gpu"] / base[r["kind"]]
