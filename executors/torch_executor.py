@@ -4,6 +4,7 @@ sizes the paged KV cache and runs each scheduled step through the ModelRunner.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -150,8 +151,15 @@ class TorchExecutor:
         if self.runner.grammars is not None:
             self.runner.grammars.shutdown()
         self.runner.requests.clear()
+        # What holds device memory goes, even while the caller still holds this executor:
+        # the caches, the graphs (their private pools), the drafter and the weights.
         self.kv_cache.layers.clear()
+        self.kv_cache.mtp_layers.clear()
+        self.runner.graphs = self.runner.verify_graphs = self.runner.piecewise = None
+        self.runner.drafter = None
         if self.device.type == "cuda":
+            self.model.to("meta")
+            gc.collect()  # graphs and modules hold reference cycles
             torch.cuda.empty_cache()
 
     def _eos_token_id(self) -> int | list[int] | None:
