@@ -58,12 +58,17 @@ def default_grid(
         chunks, priors = [16, 64, 256], [0, 128]
         mixes = [(4, 64, 256)]
         shorts = [4]
+        long_priors = []
     else:
         batches = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
         # Up to the model's context: long-context models decode at 16k-64k in real traces.
         contexts = [256, 1024, 4096, 7168] + [c for c in (16384, 32768, 65536) if c < max_len]
         chunks = [16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384]
         priors = [0, 1024, 4096]
+        # Chunks of long prompts after a long cached prefix (multi-turn traces reach 64k+):
+        # prefill attention is then most of the step, and a short-prefix grid cannot
+        # calibrate it (Mooncake on DeepSeek-V2-Lite: 8k after 75k took 0.49 s).
+        long_priors = [c for c in (16384, 65536) if c < max_len]
         mixes = [
             (d, p, c)
             for d in (4, 16, 64, 240)
@@ -76,7 +81,7 @@ def default_grid(
         for c in contexts:
             grid.append(StepShape("decode", ((b, 1, c, False),)))
     for p in chunks:
-        for c in priors:
+        for c in priors + (long_priors if p in (2048, 8192) else []):
             grid.append(StepShape("prefill", ((1, p, c, True),)))
     for d, p, ctx in mixes:
         grid.append(StepShape("mixed", ((d, 1, ctx, False), (1, p, 0, True))))
@@ -90,13 +95,19 @@ def default_grid(
 
 
 def _scheduled(
-    shape: StepShape, block_size: int, num_blocks: int, vocab: int, rng: random.Random
+    shape: StepShape,
+    block_size: int,
+    num_blocks: int,
+    vocab: int,
+    rng: random.Random,
+    reps: int = 0,
 ) -> list[ScheduledRequest]:
-    """Requests of the shape, each over its own KV blocks (taken in order)."""
+    """Requests of the shape, each over its own KV blocks (taken in order); decodes hold
+    blocks for `reps` more steps (see _steady)."""
     out, cursor = [], 0
     for gi, (count, q, ctx, is_prompt) in enumerate(shape.groups):
         for i in range(count):
-            n = -(-(ctx + q) // block_size)
+            n = -(-(ctx + q * (1 + (0 if is_prompt else reps))) // block_size)
             table = [(cursor + j) % num_blocks for j in range(n)]
             cursor += n
             out.append(ScheduledRequest(
@@ -109,12 +120,16 @@ def _scheduled(
     return out
 
 
-def _steady(sr: ScheduledRequest) -> ScheduledRequest:
-    """The same work as a request the runner already holds (decodes send no table)."""
+def _steady(sr: ScheduledRequest, rep: int) -> ScheduledRequest:
+    """The request's work again, `rep` steps after its first run: a prompt chunk is
+    started afresh (it sends its table), a decode goes on as decoding does (the runner
+    holds it, and its context has grown by `rep` steps: the runner refuses a position
+    it has already computed)."""
     if sr.is_prompt:
         return sr
     return ScheduledRequest(
-        req_id=sr.req_id, num_tokens=sr.num_tokens, num_computed_tokens=sr.num_computed_tokens,
+        req_id=sr.req_id, num_tokens=sr.num_tokens,
+        num_computed_tokens=sr.num_computed_tokens + rep * sr.num_tokens,
         is_prompt=False, samples=True, new_block_ids=[], token_ids=sr.token_ids,
         num_prompt_tokens=sr.num_prompt_tokens,
     )  # fmt: skip
@@ -133,12 +148,14 @@ def profile_steps(
     vocab = executor.config.vocab_size
     points = []
     for shape in shapes:
-        first = _scheduled(shape, runner.block_size, runner.kv_cache.num_blocks, vocab, rng)
+        first = _scheduled(
+            shape, runner.block_size, runner.kv_cache.num_blocks, vocab, rng, reps=reps
+        )
         compiled = total_compiled()
         executor.execute(SchedulerOutput(step_id=-1, scheduled=first))  # state, warm caches
-        steady = [_steady(sr) for sr in first]
         times = []
-        for _ in range(reps):
+        for rep in range(1, reps + 1):
+            steady = [_steady(sr, rep) for sr in first]
             t0 = time.perf_counter()
             executor.execute(SchedulerOutput(step_id=-1, scheduled=steady))
             times.append(time.perf_counter() - t0)

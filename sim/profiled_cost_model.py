@@ -168,7 +168,7 @@ class ProfiledCostModel:
             self._warn_range(tokens, n, longest)
         if not eager and self._decode.ready:
             effective = ctx_max if n <= _ONE_WAVE_BATCH else ctx_sum / n
-            return self._decode.predict_at(float(n), max(1.0, float(effective)), out)
+            return self._decode.predict_at(float(n), max(1.0, float(effective)))
         return self._physics(out)
 
     def _physics(self, out: SchedulerOutput) -> float:
@@ -302,17 +302,19 @@ class _DecodeSurface:
         return float(grid[ii, jj] * self._physics(self._synthetic(b, c)) / ref)
 
     def predict(self, out: SchedulerOutput) -> float:
-        b, c = self._coords(out)
-        return self.predict_at(b, c, out)
+        return self.predict_at(*self._coords(out))
 
-    def predict_at(self, b: float, c: float, out: SchedulerOutput) -> float:
-        """`predict` with the step's (batch, effective context) already known."""
+    def predict_at(self, b: float, c: float) -> float:
+        """The step time at (batch, effective context)."""
         b_lo, b_hi, c_lo, c_hi = self._bounds
         bc = b_lo if b < b_lo else b_hi if b > b_hi else b
         cc = c_lo if c < c_lo else c_hi if c > c_hi else c
         value = self._interpolate(bc, cc)
-        if (bc, cc) != (b, c):  # beyond the grid: the physics of the excess
-            value *= self._physics(out) / self._physics(self._synthetic(bc, cc))
+        if (bc, cc) != (b, c):
+            # Beyond the grid: the physics of the excess, at the same effective context
+            # the grid is indexed by. The step's own shape would price the mean context
+            # and undo the longest request's wait (one wave: the step waits for it).
+            value *= self._physics(self._synthetic(b, c)) / self._physics(self._synthetic(bc, cc))
         return value
 
     def _interpolate(self, b: float, c: float) -> float:
