@@ -21,7 +21,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from deepinfer.engine import EngineCore
@@ -250,34 +250,69 @@ def profile_steps(
     reps: int = 5,
     seed: int = 0,
     on_point: Callable[[dict[str, Any]], None] | None = None,
+    rounds: int = 1,
 ) -> list[dict[str, Any]]:
-    """Median, p10, p90 of `executor.execute` over `reps` runs of each shape; shapes with
-    the drafter also record its median seconds (`draft_s`) and the drafts it proposes
-    (`drafter`). Shapes without it run with the drafter detached."""
+    """Median, p10, p90 of `executor.execute` over `reps` runs of each shape in each of
+    `rounds` passes over the grid (more than one on a shared machine: a burst of load
+    then hits one round of a point, not all its runs); shapes with the drafter also
+    record its median seconds (`draft_s`) and the drafts it proposes (`drafter`).
+    Shapes without it run with the drafter detached."""
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: must be >= 1")
     rng = random.Random(seed)
     runner = executor.runner
     vocab = executor.config.vocab_size
     inner = runner.drafter
     max_blocks = -(-runner.max_model_len // runner.block_size)
-    points = []
     for shape in shapes:
         if shape.drafter and inner is None:
             raise ValueError(
                 f"a {shape.kind} point needs the MTP drafter: the engine must speculate "
                 "(num_speculative_tokens > 0) on a model with an MTP layer"
             )
-        timed = _TimedDrafter(inner) if shape.drafter else None
-        runner.drafter = timed
-        try:
-            points.append(_profile_shape(executor, shape, reps, rng, vocab, max_blocks, timed))
-        finally:
-            runner.drafter = inner
-        if on_point is not None:
-            on_point(points[-1])
-    return points
+    runs: list[_Runs] = [_Runs() for _ in shapes]
+    for r in range(rounds):
+        for shape, got in zip(shapes, runs):
+            timed = _TimedDrafter(inner) if shape.drafter else None
+            runner.drafter = timed
+            try:
+                _run_shape(executor, shape, reps, rng, vocab, max_blocks, timed, got)
+            finally:
+                runner.drafter = inner
+            if r == rounds - 1 and on_point is not None:
+                on_point(got.point(shape, timed))
+    return [got.point(shape, inner if shape.drafter else None) for shape, got in zip(shapes, runs)]
 
 
-def _profile_shape(
+@dataclass
+class _Runs:
+    """The timed runs of one shape, over the rounds."""
+
+    times: list[float] = field(default_factory=list)
+    drafting: list[float] = field(default_factory=list)
+    compiled: int = 0
+
+    def point(self, shape: StepShape, drafter: Any) -> dict[str, Any]:
+        times = sorted(self.times)
+        point: dict[str, Any] = {
+            "kind": shape.kind,
+            # [count, query, context, is_prompt] (+ drafts verified, where there are any)
+            "groups": [list(g) if g[4] else list(g[:4]) for g in shape.groups],
+            "num_reqs": shape.num_reqs,
+            "num_tokens": shape.num_tokens,
+            "median_s": statistics.median(times),
+            "p10_s": times[int(0.1 * (len(times) - 1))],
+            "p90_s": times[round(0.9 * (len(times) - 1))],
+            "reps": len(times),
+            "compiled": self.compiled,
+        }
+        if drafter is not None:
+            point["drafter"] = drafter.k  # drafts it proposes after the step
+            point["draft_s"] = statistics.median(self.drafting)
+        return point
+
+
+def _run_shape(
     executor: Any,
     shape: StepShape,
     reps: int,
@@ -285,7 +320,8 @@ def _profile_shape(
     vocab: int,
     max_blocks: int,
     timed: _TimedDrafter | None,
-) -> dict[str, Any]:
+    got: _Runs,
+) -> None:
     runner = executor.runner
     session = _Session(
         shape, runner.block_size, runner.kv_cache.num_blocks, max_blocks, vocab, rng, reps
@@ -293,36 +329,19 @@ def _profile_shape(
     compiled = total_compiled()
     # The first run builds the requests' state and warms caches.
     session.advance(executor.execute(SchedulerOutput(step_id=-1, scheduled=session.first)))
-    times, drafting = [], []
     for _ in range(reps):
         out = session.next_step()
         if timed is not None:
             timed.seconds = 0.0
         t0 = time.perf_counter()
         res = executor.execute(out)
-        times.append(time.perf_counter() - t0)
+        got.times.append(time.perf_counter() - t0)
         if timed is not None:
-            drafting.append(timed.seconds)
+            got.drafting.append(timed.seconds)
         session.advance(res)
     done = {sr.req_id for sr in session.first}
     executor.execute(SchedulerOutput(step_id=-1, scheduled=[], finished_req_ids=done))
-    times.sort()
-    point: dict[str, Any] = {
-        "kind": shape.kind,
-        # [count, query, context, is_prompt] (+ drafts verified, where there are any)
-        "groups": [list(g) if g[4] else list(g[:4]) for g in shape.groups],
-        "num_reqs": shape.num_reqs,
-        "num_tokens": shape.num_tokens,
-        "median_s": statistics.median(times),
-        "p10_s": times[int(0.1 * (len(times) - 1))],
-        "p90_s": times[round(0.9 * (len(times) - 1))],
-        "reps": reps,
-        "compiled": total_compiled() - compiled,
-    }
-    if timed is not None:
-        point["drafter"] = timed.inner.k  # drafts it proposes after the step
-        point["draft_s"] = statistics.median(drafting)
-    return point
+    got.compiled += total_compiled() - compiled
 
 
 def profile_host(

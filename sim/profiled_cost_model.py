@@ -159,16 +159,15 @@ class ProfiledCostModel:
         return self._price(out, self.num_speculative_tokens)
 
     def _price(self, out: SchedulerOutput, num_drafts: int) -> float:
-        """`out` followed by the drafter proposing `num_drafts` drafts (0: the most any
-        request verifies; none: no drafter)."""
+        """`out` followed by the drafter proposing `num_drafts` drafts (0: as many as a
+        request of the step verifies; none: no drafter)."""
         scheduled = out.scheduled
         if not scheduled:
             return 0.0
-        # One pass for what the range check and the surfaces read (this runs for every
-        # simulated step): tokens, the longest context, decode contexts, drafts.
-        tokens = longest = ctx_max = ctx_sum = drafts = most = 0
+        # One pass for what the range check and the decode surface read (this runs for
+        # every simulated step): tokens, the longest context, decode contexts.
+        tokens = longest = ctx_max = ctx_sum = 0
         eager = False
-        uniform = True  # no prompt chunk, every request its token plus its drafts
         for r in scheduled:
             q, c = r.num_tokens, r.num_computed_tokens
             tokens += q
@@ -179,42 +178,51 @@ class ProfiledCostModel:
             if c > ctx_max:
                 ctx_max = c
             ctx_sum += c
-            d = len(r.draft_token_ids)
-            if d:
-                drafts += d
-                if d > most:
-                    most = d
-            if r.is_prompt or q != 1 + d:
-                uniform = False
         lim = self._limits
         m = _EXTRAPOLATION_MARGIN
         n = len(scheduled)
         if tokens > lim["tokens"] * m or n > lim["reqs"] * m or longest > lim["context"] * m:
             self._warn_range(tokens, n, longest)
         effective = max(1.0, float(ctx_max if n <= ONE_WAVE_BATCH else ctx_sum / n))
-        k = num_drafts or most
-        if not k:  # no drafter: a plain engine's step
-            if not eager and self._decode.ready:
-                return self._decode.predict_at(float(n), effective, out)
-            return self._physics(out)
-        if not self._spec.ready:
-            self._warn_no_verify_points(k)
+        if eager and not num_drafts:  # drafts to verify: a drafter proposed them
+            num_drafts = max(len(r.draft_token_ids) for r in scheduled)
+        if num_drafts:
+            return self._price_speculative(out, num_drafts, float(n), effective)
+        if not eager and self._decode.ready:
+            return self._decode.predict_at(float(n), effective, out)
+        return self._physics(out)
+
+    def _price_speculative(
+        self, out: SchedulerOutput, num_drafts: int, n: float, effective: float
+    ) -> float:
+        """A speculating engine's step: the target part (verify surfaces for uniform
+        decode-like steps, else the plain fit's physics), then the drafter's."""
+        drafts = 0
+        uniform = True  # no prompt chunk, every request its token plus its drafts
+        for r in out.scheduled:
+            d = len(r.draft_token_ids)
+            drafts += d
+            if r.is_prompt or r.num_tokens != 1 + d:
+                uniform = False
+        spec = self._spec
+        if not spec.ready:
+            self._warn_no_verify_points(num_drafts)
         if uniform and self._decode.ready:
 
             def decode() -> float:
-                return self._decode.predict_at(float(n), effective, out)
+                return self._decode.predict_at(n, effective, out)
 
-            if self._spec.ready:
-                if drafts / n > self._spec.profile_drafts:
+            if spec.ready:
+                if drafts / n > spec.profile_drafts:
                     self._warn_beyond_drafts(drafts / n)
-                target = self._spec.target_time(out, float(n), effective, drafts / n, decode)
+                target = spec.target_time(out, n, effective, drafts / n, decode)
             else:
-                target = fallback_target(self._analytic, out, float(n), effective, decode())
+                target = fallback_target(self._analytic, out, n, effective, decode())
         else:
             target = self._physics(out)
-        if self._spec.ready:
-            return target + self._spec.drafter_time(out, k)
-        return target + self._analytic.drafter_seconds(out, k)
+        if spec.ready:
+            return target + spec.drafter_time(out, num_drafts)
+        return target + self._analytic.drafter_seconds(out, num_drafts)
 
     def _physics(self, out: SchedulerOutput) -> float:
         return sum(f * c for f, c in zip(self.features(out), self._coef))
@@ -274,7 +282,7 @@ class ProfiledCostModel:
             return
         self._warn_range(tokens, reqs, ctx)
 
-    def _warn_no_verify_points(self, k: int, stacklevel: int = 4) -> None:
+    def _warn_no_verify_points(self, k: int, stacklevel: int = 5) -> None:
         if "verify" in self._warned:
             return
         self._warned.add("verify")
@@ -296,7 +304,7 @@ class ProfiledCostModel:
             f"profiled cost model ({self.profile_name}): a step verifies {mean:.1f} drafts a "
             f"request, beyond the profile's verify points (at most "
             f"{self._spec.profile_drafts}); scaled from those by the analytic physics",
-            stacklevel=4,
+            stacklevel=5,
         )
 
     def _warn_range(self, tokens: int, reqs: int, ctx: int) -> None:

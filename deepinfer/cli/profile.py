@@ -47,6 +47,13 @@ def add_profile_parser(sub: Any) -> None:
         help="dummy: random weights (default for presets, else auto)",
     )
     p.add_argument("--reps", type=int, default=5, help="timed runs of each grid point")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="passes over the grid, each with --reps runs of every point (on a shared "
+        "machine a burst of load then hits one round of a point, not all its runs)",
+    )
     p.add_argument("--quick", action="store_true", help="a small grid (tests, smoke runs)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
@@ -78,8 +85,8 @@ def run_profile(args: argparse.Namespace) -> int:
         speculative_grid,
     )
 
-    if args.reps < 1:
-        raise ValueError(f"--reps {args.reps}: must be >= 1")
+    if args.reps < 1 or args.rounds < 1:
+        raise ValueError(f"--reps {args.reps}, --rounds {args.rounds}: each must be >= 1")
     cfg = engine_config_from_args(args)
     k = cfg.num_speculative_tokens
     load_format = args.load_format or ("dummy" if args.model in known_models() else "auto")
@@ -111,8 +118,9 @@ def run_profile(args: argparse.Namespace) -> int:
         grid += speculative_grid(k, limits, quick=args.quick)
     with tqdm(total=len(grid), desc="profiling", unit="step", file=sys.stderr) as bar:
         points = profile_steps(
-            executor, grid, reps=args.reps, seed=cfg.seed, on_point=lambda _: bar.update(1)
-        )
+            executor, grid, reps=args.reps, seed=cfg.seed, on_point=lambda _: bar.update(1),
+            rounds=args.rounds,
+        )  # fmt: skip
     with drafter_detached(executor.runner):  # the core's host work of a plain engine
         host = profile_host(engine, num_requests=24 if args.quick else 96, seed=cfg.seed)
     warm = executor.warmup

@@ -50,15 +50,16 @@ def test_a_speculating_profile_of_the_demo_model_holds_verify_points(
 
 def test_a_plain_profile_steps_decodes_forward_as_the_scheduler_does(tmp_path: Path) -> None:
     """Decode requests are timed over several runs, each after the tokens the last gave
-    them (the runner refuses a step that repeats computed positions)."""
+    them (the runner refuses a step that repeats computed positions), in rounds."""
     out = tmp_path / "p.json"
     assert cli.main(["profile", "--model", "deepinfer-demo", *SMALL_ENGINE, "--reps", "3",
-                     "--out", str(out)]) == 0  # fmt: skip
+                     "--rounds", "2", "--out", str(out)]) == 0  # fmt: skip
     profile = json.loads(out.read_text())
     assert profile["meta"]["num_speculative_tokens"] == 0
     kinds = {p["kind"] for p in profile["points"]}
     assert kinds == {"decode", "prefill", "mixed", "short_prompts"}
-    assert all(p["reps"] == 3 and p["p10_s"] <= p["median_s"] for p in profile["points"])
+    # Two rounds over the grid, three timed runs of each point in each.
+    assert all(p["reps"] == 6 and p["p10_s"] <= p["median_s"] for p in profile["points"])
 
 
 @pytest.mark.parametrize(
