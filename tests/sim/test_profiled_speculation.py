@@ -23,9 +23,11 @@ from sim.traces import TraceRequest
 DEMO_DIR = Path(__file__).resolve().parents[2] / "executors" / "demo" / "deepinfer-demo"
 DEMO_PROFILE = PROFILES_DIR / "deepinfer-demo__cpu.json"
 # Held-out verify points (a whole batch size left out of the fit, predicted from its
-# neighbours): CPU timings on a shared 2-core machine carry +-20% noise of their own.
-HELD_OUT_MEDIAN_ERR = 0.25
-HELD_OUT_MAX_ERR = 0.6
+# neighbours): (median, max) relative error. CPU timings on a shared 2-core machine move by
+# 30% between rounds of the same point (the demo profile's verify step of 2 drafts at
+# batch 4 measured faster than that of 1), so its bounds are loose.
+HELD_OUT_TOLERANCE = {"cpu": (0.25, 0.75), "h200": (0.15, 0.4)}
+WITH_VERIFY_POINTS = sorted(p for p in PROFILES_DIR.glob("*.json") if '"verify"' in p.read_text())
 ENGINE = EngineConfig(
     num_gpu_blocks=512, block_size=16, max_num_seqs=64, max_num_batched_tokens=1024
 )
@@ -58,10 +60,13 @@ def test_the_shipped_demo_profile_measures_verify_steps(demo) -> None:
     assert ProfiledCostModel(DEMO_PROFILE, demo, get_hardware("cpu"), 2).prices_speculation
 
 
-def test_held_out_verify_points_are_predicted_within_tolerance(demo) -> None:
+@pytest.mark.parametrize("path", WITH_VERIFY_POINTS, ids=lambda p: p.stem)
+def test_held_out_verify_points_are_predicted_within_tolerance(path: Path) -> None:
     """Leave each inner batch size's speculative points out of the fit in turn; the
     model predicts its verify points (target and drafter) from the rest."""
-    profile = load_profile(DEMO_PROFILE)
+    name, hardware = path.stem.split("__")
+    model = load_model_config(DEMO_DIR if name == "deepinfer-demo" else name)
+    profile = load_profile(path)
     spec = [p for p in profile["points"] if p.get("drafter")]
     batches = sorted({p["groups"][0][0] for p in spec if p["kind"] == "verify"})
     errors = []
@@ -72,14 +77,15 @@ def test_held_out_verify_points_are_predicted_within_tolerance(demo) -> None:
             if not (p.get("drafter") and p["kind"] != "spec_prefill"
                     and p["groups"][0][0] == held)
         ]  # fmt: skip
-        cm = ProfiledCostModel(fit, demo, get_hardware("cpu"), 2)
+        cm = ProfiledCostModel(fit, model, get_hardware(hardware), spec[0]["drafter"])
         for p in spec:
             if p["kind"] == "verify" and p["groups"][0][0] == held:
                 predicted = cm.step_time(shape_output(p["groups"]))
                 errors.append(abs(predicted - p["median_s"]) / p["median_s"])
+    median_tol, max_tol = HELD_OUT_TOLERANCE[hardware]
     assert len(errors) >= 4
-    assert statistics.median(errors) <= HELD_OUT_MEDIAN_ERR, errors
-    assert max(errors) <= HELD_OUT_MAX_ERR, errors
+    assert statistics.median(errors) <= median_tol, errors
+    assert max(errors) <= max_tol, errors
 
 
 def test_more_drafts_never_cost_less_and_the_drafter_is_paid_every_step(demo) -> None:
