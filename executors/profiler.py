@@ -12,6 +12,12 @@ each step accepted, drafts taken from the drafter's last proposal). Host work ou
 the executor (the scheduler, output processing) is measured separately from a short
 real run through `EngineCore`. The result is the profile JSON the simulator's profiled
 cost model fits.
+
+A point: kind; groups, each [count, query, context, is_prompt] plus, for verify
+requests, the drafts each verifies (the last tokens of its query); median_s, p10_s,
+p90_s over its timed runs (reps); kernel variants compiled while it ran; and for steps
+followed by the drafter, `drafter` (drafts it proposes) and `draft_s` (its median
+seconds, inside median_s).
 """
 
 from __future__ import annotations
@@ -22,141 +28,31 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from deepinfer.engine import EngineCore
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
+from executors.profile_grid import StepShape, run_slack
 from kernels.compile_stats import total_compiled
 
 # Replayed traces (and the fidelity benchmark) sample greedily: so do the profiled steps.
 GREEDY = SamplingParams(temperature=0.0)
 
-# (count, query tokens, context tokens, is_prompt, drafts verified): requests of one kind
-# in a step; a verify request's query is its newest token plus its drafts.
-Group = tuple[int, int, int, bool, int]
 
+class StepSession:
+    """The requests of one shape on a model runner, stepped as the scheduler would: run
+    `first` once (it sends their tables), then `next_step()` and `advance(result)` up to
+    `reps` times, then finish them. Prompt chunks are sent again whole (their table
+    resets the runner's state); decode and verify requests move on by the tokens each
+    step gave them, verifying the drafter's latest proposal (random tokens where it made
+    none)."""
 
-@dataclass(frozen=True)
-class StepShape:
-    kind: str  # "decode", "prefill", "mixed", "short_prompts"; "verify", "spec_decode", ...
-    groups: tuple[Group, ...]
-    drafter: bool = False  # the MTP drafter proposes after the step (a speculating engine)
-
-    @property
-    def num_reqs(self) -> int:
-        return sum(g[0] for g in self.groups)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(g[0] * g[1] for g in self.groups)
-
-    def kv_tokens(self) -> int:
-        return sum(g[0] * (g[1] + g[2]) for g in self.groups)
-
-
-class GridLimits(NamedTuple):
-    """What a grid point must fit: the engine's budgets, its longest request, the cache
-    (tokens), and `slack` positions past each request's step for the runs that follow
-    (decodes advance) and the drafter (see run_slack)."""
-
-    max_tokens: int
-    max_seqs: int
-    max_len: int
-    capacity: int
-    slack: int = 0
-
-    def keep(self, grid: list[StepShape]) -> list[StepShape]:
-        return [
-            s for s in grid
-            if s.num_tokens <= self.max_tokens and s.num_reqs <= self.max_seqs
-            and all(g[1] + g[2] + self.slack <= self.max_len for g in s.groups)
-            and s.kv_tokens() <= self.capacity
-        ]  # fmt: skip
-
-
-def default_grid(limits: GridLimits, quick: bool = False) -> list[StepShape]:
-    """Decode (batch x context), prefill (tokens x prior context), mixed (decodes x prefill
-    tokens) and many short prompts, within the engine's budgets and the cache."""
-    if quick:
-        batches, contexts = [1, 4, 16], [64, 256]
-        chunks, priors = [16, 64, 256], [0, 128]
-        mixes = [(4, 64, 256)]
-        shorts = [4]
-    else:
-        batches = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-        # Up to the model's context: long-context models decode at 16k-64k in real traces.
-        contexts = [256, 1024, 4096, 7168] + [
-            c for c in (16384, 32768, 65536) if c < limits.max_len
-        ]
-        chunks = [16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384]
-        priors = [0, 1024, 4096]
-        mixes = [
-            (d, p, c)
-            for d in (4, 16, 64, 240)
-            for p in (256, 512, 2048, 7680)
-            for c in (1024, 4096)
-        ]
-        shorts = [8, 32, 96]
-    grid: list[StepShape] = []
-    for b in batches:
-        for c in contexts:
-            grid.append(StepShape("decode", ((b, 1, c, False, 0),)))
-    for p in chunks:
-        for c in priors:
-            grid.append(StepShape("prefill", ((1, p, c, True, 0),)))
-    for d, p, ctx in mixes:
-        grid.append(StepShape("mixed", ((d, 1, ctx, False, 0), (1, p, 0, True, 0))))
-    for k in shorts:
-        grid.append(StepShape("short_prompts", ((k, 64, 0, True, 0),)))
-    return limits.keep(grid)
-
-
-def speculative_grid(num_drafts: int, limits: GridLimits, quick: bool = False) -> list[StepShape]:
-    """The steps of a speculating engine (each followed by the drafter's proposal):
-    verify (B requests of 1 + k tokens over a context, k = 1..num_drafts), decode (the
-    steps before drafts exist, k = 0) and a few prompt chunks (the drafter's first pass
-    runs over every position of a step)."""
-    if quick:
-        batches, contexts, chunks = [1, 4, 16], [64, 256], [64, 256]
-    else:
-        batches, contexts = [1, 2, 4, 8, 16, 64, 256], [256, 1024, 4096]
-        chunks = [512, 4096]
-    grid: list[StepShape] = []
-    for b in batches:
-        for c in contexts:
-            grid.append(StepShape("spec_decode", ((b, 1, c, False, 0),), drafter=True))
-            for k in range(1, num_drafts + 1):
-                grid.append(StepShape("verify", ((b, 1 + k, c, False, k),), drafter=True))
-    for p in chunks:
-        grid.append(StepShape("spec_prefill", ((1, p, 0, True, 0),), drafter=True))
-    return limits.keep(grid)
-
-
-def run_slack(query: int, drafts: int, reps: int) -> int:
-    """Positions a request of `query` tokens needs from its context on: the first run and
-    `reps` timed ones (a decode or verify request moves on by up to `query` tokens each),
-    the drafter's chained positions after the last."""
-    return (reps + 1) * query + drafts
-
-
-class _Session:
-    """The requests of one shape, stepped as the scheduler would: prompt chunks are sent
-    again whole (their table resets the runner's state); decode and verify requests move
-    on by the tokens each step gave them, verifying the drafter's latest proposal (random
-    tokens where it made none)."""
-
-    def __init__(
-        self,
-        shape: StepShape,
-        block_size: int,
-        num_blocks: int,
-        max_blocks: int,
-        vocab: int,
-        rng: random.Random,
-        reps: int,
-    ) -> None:
+    def __init__(self, shape: StepShape, runner: Any, rng: random.Random, reps: int) -> None:
+        block_size, num_blocks = runner.block_size, runner.kv_cache.num_blocks
+        max_blocks = -(-runner.max_model_len // block_size)
+        vocab = runner.vocab_size
         self.rng, self.vocab = rng, vocab
         self.first: list[ScheduledRequest] = []
         self.drafts: dict[str, int] = {}  # req_id -> drafts verified each step
@@ -184,10 +80,15 @@ class _Session:
 
     def advance(self, res: ModelRunnerOutput) -> None:
         for rid, toks in res.sampled_token_ids.items():
-            if toks:
+            if toks and rid in self.computed:  # (a caller's own requests aside)
                 self.computed[rid] += len(toks)
                 self.last[rid] = toks[-1]
         self.proposed = res.draft_token_ids
+
+    def finish(self) -> SchedulerOutput:
+        """The step that drops the shape's requests from the runner."""
+        done = {sr.req_id for sr in self.first}
+        return SchedulerOutput(step_id=-1, scheduled=[], finished_req_ids=done)
 
     def next_step(self) -> SchedulerOutput:
         scheduled = []
@@ -261,9 +162,7 @@ def profile_steps(
         raise ValueError(f"rounds={rounds}: must be >= 1")
     rng = random.Random(seed)
     runner = executor.runner
-    vocab = executor.config.vocab_size
     inner = runner.drafter
-    max_blocks = -(-runner.max_model_len // runner.block_size)
     for shape in shapes:
         if shape.drafter and inner is None:
             raise ValueError(
@@ -276,7 +175,7 @@ def profile_steps(
             timed = _TimedDrafter(inner) if shape.drafter else None
             runner.drafter = timed
             try:
-                _run_shape(executor, shape, reps, rng, vocab, max_blocks, timed, got)
+                _run_shape(executor, shape, reps, rng, timed, got)
             finally:
                 runner.drafter = inner
             if r == rounds - 1 and on_point is not None:
@@ -317,15 +216,10 @@ def _run_shape(
     shape: StepShape,
     reps: int,
     rng: random.Random,
-    vocab: int,
-    max_blocks: int,
     timed: _TimedDrafter | None,
     got: _Runs,
 ) -> None:
-    runner = executor.runner
-    session = _Session(
-        shape, runner.block_size, runner.kv_cache.num_blocks, max_blocks, vocab, rng, reps
-    )
+    session = StepSession(shape, executor.runner, rng, reps)
     compiled = total_compiled()
     # The first run builds the requests' state and warms caches.
     session.advance(executor.execute(SchedulerOutput(step_id=-1, scheduled=session.first)))
@@ -339,8 +233,7 @@ def _run_shape(
         if timed is not None:
             got.drafting.append(timed.seconds)
         session.advance(res)
-    done = {sr.req_id for sr in session.first}
-    executor.execute(SchedulerOutput(step_id=-1, scheduled=[], finished_req_ids=done))
+    executor.execute(session.finish())
     got.compiled += total_compiled() - compiled
 
 

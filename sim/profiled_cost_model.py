@@ -24,7 +24,13 @@ Pure-decode steps (CUDA graphs) have regime changes no simple feature captures (
 experts touched saturate, split-KV changes with the batch), and the profile measures
 them on a regular batch x context grid. So they are predicted from that grid, made
 monotone in both directions and interpolated in log space over the batch and the mean
-context; outside the grid, the fit's physics scales the nearest grid value.
+context; outside the grid, the fit's physics scales the nearest grid value. The fit
+and this surface use the profile's plain points (no drafter after the step).
+
+A speculating engine (num_speculative_tokens K > 0) runs the MTP drafter after every
+step and verifies drafts: its steps are priced from the profile's speculative points
+(sim/profiled_speculation.py: per-k verify surfaces and a fit of the drafter's time),
+or, for a profile without them, by physics with a warning that names the profile.
 
 The core's host time around a step (schedule, output processing) is fitted from the
 profile's host samples as a + b * requests + c * tokens.
@@ -217,7 +223,7 @@ class ProfiledCostModel:
                     self._warn_beyond_drafts(drafts / n)
                 target = spec.target_time(out, n, effective, drafts / n, decode)
             else:
-                target = fallback_target(self._analytic, out, n, effective, decode())
+                target = fallback_target(self._analytic, out, decode())
         else:
             target = self._physics(out)
         if spec.ready:

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from deepinfer.outputs import SchedulerOutput
 from sim.analytic_cost_model import AnalyticCostModel
-from sim.profile_fit import StepSurface, nnls_relative, shape_output
+from sim.profile_fit import StepSurface, nnls_relative
 
 
 class SpeculativeSteps:
@@ -96,23 +97,33 @@ class SpeculativeSteps:
         for k in range(1, hi + 1):
             prev = max(prev, self.surfaces[k].predict_at(batch, context, out))
             values.append(prev)
-        if mean_drafts > top:  # beyond the profile: the analytic ratio to k = top
-            uniform = shape_output([[round(batch), 1 + top, round(context), False, top]])
-            ratio = self._analytic.target_time(out) / self._analytic.target_time(uniform)
-            return values[top] * max(1.0, ratio)
+        if mean_drafts > top:  # beyond the profile: the analytic ratio to k <= top
+            capped = self._analytic.target_time(capped_drafts(out, top))
+            return values[top] * max(1.0, self._analytic.target_time(out) / capped)
         lo = math.floor(mean_drafts)
         u = mean_drafts - lo
         return values[lo] if u == 0 else (1 - u) * values[lo] + u * values[lo + 1]
 
 
-def fallback_target(
-    analytic: AnalyticCostModel, out: SchedulerOutput, batch: float, context: float, decode: float
-) -> float:
-    """A uniform decode-like step without verify points: the measured decode step of the
-    batch (`decode`) scaled by the analytic model's ratio of this step to it."""
-    plain = shape_output([[round(batch), 1, round(context), False]])
-    ratio = analytic.target_time(out) / analytic.target_time(plain)
+def fallback_target(analytic: AnalyticCostModel, out: SchedulerOutput, decode: float) -> float:
+    """A uniform decode-like step without verify points: the measured decode step of its
+    requests (`decode`) scaled by the analytic model's ratio of this step to that one."""
+    ratio = analytic.target_time(out) / analytic.target_time(capped_drafts(out, 0))
     return decode * max(1.0, ratio)
+
+
+def capped_drafts(out: SchedulerOutput, cap: int) -> SchedulerOutput:
+    """`out` with each decode-like request verifying at most `cap` of its drafts (its
+    query shortened to match); contexts as they are."""
+    scheduled = []
+    for r in out.scheduled:
+        d = len(r.draft_token_ids)
+        if d > cap:
+            r = replace(
+                r, num_tokens=r.num_tokens - (d - cap), draft_token_ids=r.draft_token_ids[:cap]
+            )
+        scheduled.append(r)
+    return SchedulerOutput(step_id=out.step_id, scheduled=scheduled)
 
 
 def _uniform_k(out: SchedulerOutput) -> int:

@@ -90,3 +90,23 @@ def test_a_config_with_an_added_mtp_layer_keeps_the_model_and_its_name(tmp_path:
     assert base.num_nextn_predict_layers == 0 and added.num_nextn_predict_layers == 1
     assert added.name == "moonlight-16b-a3b"
     assert added.replace(num_nextn_predict_layers=0) == base
+
+
+@pytest.mark.gpu
+def test_a_speculating_profile_on_the_gpu_replays_graphs_and_times_the_drafter(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On CUDA the verify steps of K drafts replay the verify graphs, decode steps the
+    decode graphs (the drafter reads their hidden states), with the drafter timed."""
+    out = tmp_path / "p.json"
+    code = cli.main(
+        ["profile", "--model", "deepinfer-demo", "--device", "cuda", "--quick", "--reps", "2",
+         "--block-size", "16", "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
+         "--num-gpu-blocks", "256", "--num-speculative-tokens", "2", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    profile = json.loads(out.read_text())
+    assert profile["meta"]["cuda_graphs"] and profile["meta"]["verify_graphs"]
+    spec = [p for p in profile["points"] if p.get("drafter")]
+    assert {p["kind"] for p in spec} == {"verify", "spec_decode", "spec_prefill"}
+    assert all(0 < p["draft_s"] < p["median_s"] for p in spec)
