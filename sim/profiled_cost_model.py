@@ -261,7 +261,7 @@ class ProfiledCostModel:
             tokens += q
             if q > 1:
                 eager = True
-            else:
+            if q == 1 or not r.is_prompt:  # a decode (verifying drafts or not): absorbed path
                 has_decode = True
                 if r.num_computed_tokens > dec_ctx:
                     dec_ctx = r.num_computed_tokens

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from deepinfer import cli
 from deepinfer.config import EngineConfig
 from deepinfer.model_config import load_model_config
 from sim import simulate
@@ -100,9 +101,14 @@ def test_more_drafts_never_cost_less_and_the_drafter_is_paid_every_step(demo) ->
         # Varlen: requests verifying different numbers of drafts fall in between.
         mixed = shape_output([[batch, 2, 256, False, 1], [batch, 3, 256, False, 2]])
         assert times[1] <= spec.step_time(mixed) <= spec.step_time(_verify(2 * batch, 2))
-    # A prompt chunk of a speculating engine pays for the drafter's pass over it.
+    # A prompt chunk of a speculating engine pays for the drafter's pass over it, and
+    # beside it decodes verifying drafts cost more than plain decodes.
     chunk = shape_output([[1, 512, 0, True]])
     assert spec.step_time(chunk) > plain.step_time(chunk)
+    mixed_decode = shape_output([[4, 1, 256, False], [1, 256, 0, True]])
+    mixed_verify = shape_output([[4, 3, 256, False, 2], [1, 256, 0, True]])
+    assert plain.step_time(mixed_decode) < spec.step_time(mixed_decode)
+    assert spec.step_time(mixed_decode) < spec.step_time(mixed_verify)
     more = ProfiledCostModel(DEMO_PROFILE, demo, hw, 3)
     with pytest.warns(UserWarning, match="beyond the profile's verify points"):
         assert more.step_time(_verify(4, 3)) >= more.step_time(_verify(4, 2))
@@ -160,3 +166,23 @@ def test_a_profile_without_verify_points_warns_and_falls_back_to_physics(
     with pytest.warns(UserWarning, match="no verify points"):
         res = simulate(reqs, demo, "cpu", ENGINE.replace(num_speculative_tokens=2), profile=path)
     assert res.meta["verify_steps"] == "analytic"
+
+
+def test_the_cli_says_when_verify_steps_are_uncalibrated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = json.loads(DEMO_PROFILE.read_text())
+    profile["points"] = [p for p in profile["points"] if not p.get("drafter")]
+    plain = tmp_path / "plain__cpu.json"
+    plain.write_text(json.dumps(profile))
+    trace = DEMO_DIR.parents[2] / "traces" / "example.jsonl"
+    args = ["simulate", str(trace), "--model", str(DEMO_DIR), "--hardware", "cpu",
+            "--num-gpu-blocks", "512", "--block-size", "16", "--num-speculative-tokens", "2",
+            "--no-progress", "--out", str(tmp_path / "r.json")]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cli.main([*args, "--profile", str(plain)]) == 0
+        assert "verify steps and the drafter: uncalibrated" in capsys.readouterr().out
+        assert cli.main(args) == 0
+        out = capsys.readouterr().out
+    assert "calibrated on deepinfer-demo__cpu.json" in out and "uncalibrated" not in out
