@@ -97,7 +97,7 @@ def speculative_grid(num_drafts: int, limits: GridLimits, quick: bool = False) -
     if quick:
         batches, contexts, chunks = [1, 4, 16], [64, 256], [64, 256]
     else:
-        batches, contexts = [1, 2, 4, 8, 16, 64, 256], [256, 1024, 4096]
+        batches, contexts = [1, 2, 4, 8, 16, 64, 256, 512], [256, 1024, 4096]
         chunks = [512, 4096]
     grid: list[StepShape] = []
     for b in batches:
