@@ -102,9 +102,10 @@ def get_cost_model(
     model: ModelConfig,
     hardware: HardwareSpec,
     profile: str | Path | None = None,
+    num_speculative_tokens: int = 0,
 ) -> CostModel:
     """A cost model by name, or a cost-model object passed through (see resolve_cost_model)."""
-    return resolve_cost_model(spec, model, hardware, profile)[0]
+    return resolve_cost_model(spec, model, hardware, profile, num_speculative_tokens)[0]
 
 
 def resolve_cost_model(
@@ -112,9 +113,13 @@ def resolve_cost_model(
     model: ModelConfig,
     hardware: HardwareSpec,
     profile: str | Path | None = None,
+    num_speculative_tokens: int = 0,
 ) -> tuple[CostModel, dict[str, Any]]:
     """The cost model and what the report says of it: its name, whether it is calibrated
     on the real executor, and the profile it fitted.
+
+    num_speculative_tokens: the drafts the engine's MTP drafter proposes after every
+    step (the profiled and analytic models price the drafter's work from it).
 
     None: "profiled" when `profile` is given or a shipped profile exists for (model,
     hardware), else "analytic" (uncalibrated). An object needs `step_time(out)`; one
@@ -137,12 +142,21 @@ def resolve_cost_model(
                     f"profile --model {model.name} --out PROFILE.json` and pass it, or use "
                     "cost model 'analytic'"
                 )
-            cost = ProfiledCostModel(path, model, hardware)
-            return cost, {"cost_model": "profiled", "calibrated": True, "profile": str(path)}
+            cost = ProfiledCostModel(path, model, hardware, num_speculative_tokens)
+            meta: dict[str, Any] = {
+                "cost_model": "profiled",
+                "calibrated": True,
+                "profile": str(path),
+            }
+            if num_speculative_tokens:  # whether verify steps are measured or guessed
+                meta["verify_steps"] = "profiled" if cost.prices_speculation else "analytic"
+            return cost, meta
         if profile is not None:
             raise ValueError(f"a profile was given with cost model {spec!r}; use 'profiled'")
         if key == "analytic":
-            cost_a = AnalyticCostModel(model, hardware, load_cost_coefficients())
+            cost_a = AnalyticCostModel(
+                model, hardware, load_cost_coefficients(), num_speculative_tokens
+            )
             return cost_a, {"cost_model": "analytic", "calibrated": False}
         if key == "unit":
             return UnitCostModel(), {"cost_model": "unit", "calibrated": False}
