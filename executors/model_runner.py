@@ -30,6 +30,7 @@ from deepinfer.outputs import (
 from deepinfer.sampling_params import SamplingParams
 from executors import prompt_logprobs
 from executors.attention import AttentionMetadata, build_attention_metadata
+from executors.batch_invariant import set_batch_invariant
 from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
 from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
@@ -109,6 +110,14 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         # Queries this short (a decode token plus drafts) take the absorbed MLA path.
         self.decode_max_query_len = 1 + engine_config.num_speculative_tokens
+        # Batch-invariant mode: the model's kernels are switched into it, and a step takes
+        # the absorbed path only for output positions (`_absorbed`).
+        self.batch_invariant = engine_config.batch_invariant
+        set_batch_invariant(
+            model,
+            self.batch_invariant,
+            max_model_len or engine_config.max_model_len or model.config.max_position_embeddings,
+        )
         self.max_num_seqs = engine_config.max_num_seqs
         self.max_drafts = engine_config.num_speculative_tokens
         self.max_num_batched_tokens = engine_config.max_num_batched_tokens
@@ -278,16 +287,27 @@ class ModelRunner:
         except Exception as e:  # the engine schedules a request once its compile succeeded
             raise RequestFailed({req_id: f"so_args: {e}"}) from e
 
+    def _absorbed(self, sr: ScheduledRequest, start: int) -> bool:
+        """Whether the step's rows of `sr` (starting at position `start`) take the absorbed
+        (decode) attention path: queries of at most 1 + k tokens. In batch-invariant mode
+        only output positions do: a prompt's last chunk (or the one uncached token of a
+        prefix hit) is as short as a decode step, yet must be computed as the unchunked
+        prompt computes it, by the prefill path."""
+        if sr.num_tokens > self.decode_max_query_len:
+            return False
+        return not self.batch_invariant or start >= self.requests[sr.req_id].num_prompt_tokens
+
     def collect(self, scheduled: list[ScheduledRequest]) -> HostBatch:
         """Order decode-first, check the block tables, record history, flatten to lists."""
-        ordered = sorted(scheduled, key=lambda r: r.num_tokens > self.decode_max_query_len)
-        starts = {r.req_id: self._start(r) for r in ordered}
+        starts = {r.req_id: self._start(r) for r in scheduled}
+        absorbed = {r.req_id: self._absorbed(r, starts[r.req_id]) for r in scheduled}
+        ordered = sorted(scheduled, key=lambda r: not absorbed[r.req_id])
         host = HostBatch(
             req_ids=[r.req_id for r in ordered], input_ids=[], positions=[],
             query_lens=[r.num_tokens for r in ordered],
             context_lens=[starts[r.req_id] for r in ordered],
             block_tables=[self.requests[r.req_id].block_table for r in ordered],
-            num_decode=sum(r.num_tokens <= self.decode_max_query_len for r in ordered),
+            num_decode=sum(absorbed.values()),
             logits_indices=[],
         )  # fmt: skip
         failed = self._check(ordered)
@@ -441,7 +461,7 @@ class ModelRunner:
             tokens, logprobs = verified.tokens, verified.logprobs
         else:
             states = [self.requests[rid].sampling for rid, _ in rows]
-            result = sample_tokens(logits, states, self.generator)
+            result = sample_tokens(logits, states, self.generator, self.batch_invariant)
             tokens, logprobs = [[t] for t in result.token_ids], result.logprobs
         if logprobs is not None:
             out.logprobs = {}
