@@ -85,7 +85,9 @@ def simulate(
     engine = engine or EngineConfig()
     spec = model if isinstance(model, ModelConfig) else load_model_config(model)
     hw = hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
-    cost, cost_meta = resolve_cost_model(cost_model, spec, hw, profile)
+    cost, cost_meta = resolve_cost_model(
+        cost_model, spec, hw, profile, batch_invariant=engine.batch_invariant
+    )
     if grammar_mask_per_token_s is None:
         grammar_mask_per_token_s = getattr(cost, "grammar_mask_per_token_s", 0.0)
     if not grammar_mask_per_token_s >= 0:
