@@ -14,6 +14,9 @@ positions take the prefill path, however short the chunk) is checked without a G
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -279,3 +282,54 @@ def test_prompt_positions_take_the_prefill_path_in_the_mode(pow2_model, batch_in
     assert linears and all(m.batch_invariant is batch_invariant for m in linears)
     attn = runner.model.model.layers[0].self_attn
     assert attn.decode_keys_per_split == (256 if batch_invariant else None)
+
+
+# The mode on the CPU: its Triton kernels in Triton's interpreter (float32; set before any
+# kernel module is imported, hence a process of its own). Prints nothing; saves logits.
+_INTERPRETED = """
+import sys
+import tests.kernels.conftest  # TRITON_INTERPRET=1 and the interpreter's scalar patch
+import torch
+from tests.executors import test_batch_invariant as t
+from tests.executors.harness import Driver
+
+path, out, prompt = sys.argv[1], sys.argv[2], t.TARGET[:33]
+results = {}
+for name, chunk, others in [("whole", 33, []), ("chunked", 16, [t.TARGET[40:47], t.TARGET[50:90]])]:
+    driver = Driver(t._cpu_runner(t.Path(path), batch_invariant=True))
+    driver.add("t", prompt)
+    for i, o in enumerate(others):
+        driver.add(f"c{i}", o)
+    done = 0
+    while done < len(prompt):
+        work = {"t": min(chunk, len(prompt) - done)}
+        work.update({f"c{i}": len(o) for i, o in enumerate(others) if done == 0})
+        driver.step(work)
+        done += work["t"]
+    for _ in range(3):
+        driver.step({rid: 1 for rid in driver.seqs})
+    results[name] = (driver.seqs["t"].tokens, driver.seqs["t"].logits)
+torch.save(results, out)
+"""
+
+
+def test_the_mode_runs_on_the_triton_interpreter_and_matches_transformers(pow2_model, tmp_path):
+    """The mechanism without a GPU: a 33-token prompt chunked 16 + 16 + 1 beside two
+    companions (its last prompt token alone in a step: the prefill path) and computed whole
+    give the same tokens and logits in the interpreter, and transformers' logits. The
+    bitwise claim for the GPU is the GPU tests'; here a wrong routing rule or a kernel
+    that reads another row would show."""
+    out = tmp_path / "logits.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_KERNEL_BACKEND": "triton"}
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", _INTERPRETED, str(pow2_model.path), str(out)],
+                   env=env, cwd=root, check=True, timeout=900)  # fmt: skip
+    results = torch.load(out)
+    (tokens, whole), (chunked_tokens, chunked) = results["whole"], results["chunked"]
+    assert tokens == chunked_tokens and whole.keys() == chunked.keys()
+    for pos in whole:
+        assert torch.equal(whole[pos], chunked[pos]), f"position {pos} differs"
+    with torch.no_grad():
+        ref = pow2_model.hf(torch.tensor([tokens])).logits[0]
+    for pos, row in whole.items():
+        assert (row - ref[pos]).abs().max() / ref[pos].abs().max() < 1e-4, pos
