@@ -59,8 +59,21 @@ class RequestState:
 
 
 @dataclass
+class _Segment:
+    """Consecutive rows of one request in a step, all on one attention path."""
+
+    req_id: str
+    start: int  # position of the first row
+    tokens: list[int]
+    absorbed: bool  # the absorbed (decode) MLA path
+    samples: bool  # ends with the request's sampled rows
+    drafts: list[int]  # drafts verified at its end (when it samples)
+
+
+@dataclass
 class HostBatch:
-    """One step's inputs as host lists; requests ordered decode-first."""
+    """One step's inputs as host lists, one entry per segment of a request's rows (one per
+    request, except in batch-invariant mode: `ModelRunner._segments`); absorbed first."""
 
     req_ids: list[str]
     input_ids: list[int]  # [T]
@@ -290,30 +303,36 @@ class ModelRunner:
     def _absorbed(self, sr: ScheduledRequest, start: int) -> bool:
         """Whether the step's rows of `sr` (starting at position `start`) take the absorbed
         (decode) attention path: queries of at most 1 + k tokens. In batch-invariant mode
-        only output positions do: a prompt's last chunk (or the one uncached token of a
-        prefix hit) is as short as a decode step, yet must be computed as the unchunked
-        prompt computes it, by the prefill path."""
-        if sr.num_tokens > self.decode_max_query_len:
-            return False
-        return not self.batch_invariant or start >= self.requests[sr.req_id].num_prompt_tokens
+        exactly the output positions do, however many: a prompt's last chunk (or the one
+        uncached token of a prefix hit) is as short as a decode step, yet must be computed
+        as the unchunked prompt computes it, by the prefill path."""
+        if self.batch_invariant:
+            return start >= self.requests[sr.req_id].num_prompt_tokens
+        return sr.num_tokens <= self.decode_max_query_len
+
+    def _segments(
+        self, sr: ScheduledRequest, start: int, tokens: list[int], drafts: list[int]
+    ) -> list[_Segment]:
+        """The step's rows of `sr`: one segment, or in batch-invariant mode two when they
+        cross the prompt's end (a preempted request recomputing its prompt and outputs):
+        the prompt positions by the prefill path, the outputs by the absorbed one, as they
+        were first computed. (Not with a drafter: it reads one entry per request.)"""
+        cut = self.requests[sr.req_id].num_prompt_tokens - start
+        if self.batch_invariant and self.drafter is None and 0 < cut < len(tokens):
+            return [
+                _Segment(sr.req_id, start, tokens[:cut], False, False, []),
+                _Segment(sr.req_id, start + cut, tokens[cut:], True, sr.samples, drafts),
+            ]
+        return [_Segment(sr.req_id, start, tokens, self._absorbed(sr, start), sr.samples, drafts)]
 
     def collect(self, scheduled: list[ScheduledRequest]) -> HostBatch:
-        """Order decode-first, check the block tables, record history, flatten to lists."""
+        """Check the block tables, record history, flatten to lists, absorbed rows first."""
         starts = {r.req_id: self._start(r) for r in scheduled}
-        absorbed = {r.req_id: self._absorbed(r, starts[r.req_id]) for r in scheduled}
-        ordered = sorted(scheduled, key=lambda r: not absorbed[r.req_id])
-        host = HostBatch(
-            req_ids=[r.req_id for r in ordered], input_ids=[], positions=[],
-            query_lens=[r.num_tokens for r in ordered],
-            context_lens=[starts[r.req_id] for r in ordered],
-            block_tables=[self.requests[r.req_id].block_table for r in ordered],
-            num_decode=sum(absorbed.values()),
-            logits_indices=[],
-        )  # fmt: skip
-        failed = self._check(ordered)
+        failed = self._check(scheduled)
         if failed:  # before any device work: the engine aborts these and requeues the rest
             raise RequestFailed(failed)
-        for sr in ordered:
+        segments: list[_Segment] = []
+        for sr in scheduled:
             state = self.requests[sr.req_id]
             drafts = self._drafts(sr, state)
             tokens = self._step_tokens(sr, state, drafts)
@@ -328,18 +347,31 @@ class ModelRunner:
                     state.grammar.catch_up(state.sampling.output_token_ids[:n_out])
                 except GrammarViolation as e:
                     raise RequestFailed({sr.req_id: str(e)}) from None
-            if sr.samples:
-                host.sample_rows[sr.req_id] = (len(host.logits_indices), 1 + len(drafts), drafts)
-                n = 1 + len(drafts)
+            segments += self._segments(sr, start, tokens, drafts)
+        segments.sort(key=lambda seg: not seg.absorbed)  # stable: otherwise in step order
+        host = HostBatch(
+            req_ids=[seg.req_id for seg in segments], input_ids=[], positions=[],
+            query_lens=[len(seg.tokens) for seg in segments],
+            context_lens=[seg.start for seg in segments],
+            block_tables=[self.requests[seg.req_id].block_table for seg in segments],
+            num_decode=sum(seg.absorbed for seg in segments),
+            logits_indices=[],
+        )  # fmt: skip
+        for seg in segments:
+            rid, tokens, start = seg.req_id, seg.tokens, seg.start
+            state = self.requests[rid]
+            if seg.samples:  # the request's sampled rows end its last segment
+                n = 1 + len(seg.drafts)
+                host.sample_rows[rid] = (len(host.logits_indices), n, seg.drafts)
                 last = len(host.input_ids) + len(tokens)
                 host.logits_indices.extend(range(last - n, last))
             params = state.sampling.params
             if state.prompt_ids is not None and params.prompt_logprobs is not None:
                 host.prompt_rows += prompt_logprobs.chunk_rows(
-                    sr.req_id, state.prompt_ids, start, end, len(host.input_ids),
+                    rid, state.prompt_ids, start, start + len(tokens), len(host.input_ids),
                     params.prompt_logprobs)  # fmt: skip
             host.input_ids.extend(tokens)
-            host.positions.extend(range(start, end))
+            host.positions.extend(range(start, start + len(tokens)))
         return host
 
     def _check(self, scheduled: list[ScheduledRequest]) -> dict[str, str]:
