@@ -272,8 +272,8 @@ def moe_router(
 
         x = bi_linear(x.float(), weight.float())  # [T, E] float32
         hidden = num_experts
-        cfg["BLOCK_T"] = 16
-        cfg["num_warps"] = 4 if e_pow2 <= 64 else 8
+        # Every launch setting fixed (BLOCK_H is unused with logits in, but a constexpr).
+        cfg.update(BLOCK_T=16, BLOCK_H=16, num_warps=4 if e_pow2 <= 64 else 8, num_stages=3)
     elif logits_in:
         x = torch.nn.functional.linear(x.float(), weight.float())  # [T, E] float32
         hidden = num_experts
