@@ -152,7 +152,7 @@ class ModelRunner:
         if engine_config.num_speculative_tokens and kv_cache.mtp_layers:
             self.drafter = MTPDrafter(
                 model, kv_cache.mtp_layers[0], engine_config.num_speculative_tokens,
-                self.block_size, self.decode_max_query_len,
+                self.block_size, self.decode_max_query_len, self.batch_invariant,
             )  # fmt: skip
 
     def enable_cuda_graphs(
@@ -524,6 +524,7 @@ class ModelRunner:
             out.sampled_token_ids,
             {rid: len(drafts) for rid, (_, _, drafts) in host.sample_rows.items()},
             {rid: self.requests[rid].block_table for rid in host.req_ids},
+            {rid: self.requests[rid].num_prompt_tokens for rid in host.req_ids},
         )  # fmt: skip
         drafts: Drafts = self.drafter.propose(inputs)
         for rid, toks in drafts.tokens.items():

@@ -19,7 +19,7 @@ from tests.executors.harness import Driver
 from tests.executors.test_llm import prompts
 
 # Power-of-two MLA widths (the prefill kernel needs head dims >= 16), grouped V3 routing,
-# a dense first layer, q LoRA.
+# a dense first layer, q LoRA, one MTP layer (speculation).
 POW2_SPEC: dict[str, Any] = dict(
     arch="v3",
     num_hidden_layers=3,
@@ -44,7 +44,8 @@ POW2_SPEC: dict[str, Any] = dict(
     norm_topk_prob=True,
     routed_scaling_factor=2.5,
     n_shared_experts=1,
-    num_nextn_predict_layers=0,
+    num_nextn_predict_layers=1,
+    mtp=True,
 )
 VOCAB = POW2_SPEC["vocab_size"]
 # 18 blocks of 16 plus one token: chunked at 16, the last chunk is a single prompt token

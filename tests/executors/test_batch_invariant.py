@@ -33,7 +33,9 @@ from tests.executors.test_llm import prompts
 ENGINE = dict(block_size=16, num_gpu_blocks=4096, max_model_len=1024, max_num_seqs=128)
 
 
-def scenarios(path: Path, batch_invariant: bool) -> dict[str, list[CompletionOutput]]:
+def scenarios(
+    path: Path, batch_invariant: bool, num_speculative_tokens: int = 0
+) -> dict[str, list[CompletionOutput]]:
     """The target's [greedy, seeded] completions in each scenario."""
     results: dict[str, list[CompletionOutput]] = {}
 
@@ -41,6 +43,7 @@ def scenarios(path: Path, batch_invariant: bool) -> dict[str, list[CompletionOut
         gc.collect()
         torch.cuda.empty_cache()
         return LLM(str(path), dtype="bfloat16", batch_invariant=batch_invariant,
+                   num_speculative_tokens=num_speculative_tokens,
                    **{**ENGINE, **extra})  # fmt: skip
 
     def target_outputs(llm: LLM, others: list[list[int]]) -> list[CompletionOutput]:
@@ -86,11 +89,16 @@ def differences(results: dict[str, list[CompletionOutput]]) -> list[str]:
 
 
 @pytest.mark.gpu
-def test_a_request_is_bit_identical_whatever_its_batch_chunking_or_cache(pow2_model) -> None:
+@pytest.mark.parametrize("num_speculative_tokens", [0, 2])
+def test_a_request_is_bit_identical_whatever_its_batch_chunking_or_cache(
+    pow2_model, num_speculative_tokens
+) -> None:
     """Greedy and seeded: alone, beside 7 and 63 companions, chunked at 16 (alone and
-    beside 7), after prefix hits of 96 and 288 tokens: the same tokens and logprobs."""
-    diffs = differences(scenarios(pow2_model.path, batch_invariant=True))
-    print("batch-invariant mode:", diffs or "all scenarios identical")
+    beside 7), after prefix hits of 96 and 288 tokens: the same tokens and logprobs; also
+    with MTP speculation (2 drafts verified a step)."""
+    diffs = differences(scenarios(pow2_model.path, True, num_speculative_tokens))
+    print(f"batch-invariant mode, {num_speculative_tokens} drafts:",
+          diffs or "all scenarios identical")  # fmt: skip
     assert not diffs, "batch-invariant mode: " + "; ".join(diffs)
 
 
