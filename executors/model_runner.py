@@ -489,7 +489,7 @@ class ModelRunner:
                 VerifyRequest(first, drafts, self.requests[rid].sampling)
                 for rid, (first, _, drafts) in rows
             ]
-            verified = verify(logits, reqs, self.generator)
+            verified = verify(logits, reqs, self.generator, self.batch_invariant)
             tokens, logprobs = verified.tokens, verified.logprobs
         else:
             states = [self.requests[rid].sampling for rid, _ in rows]

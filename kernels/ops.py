@@ -5,7 +5,9 @@ ops and nothing else. The `backend=` argument chooses: `auto` (Triton for CUDA
 tensors), `torch` (always the twin) or `triton` (always the kernel; on the CPU only
 under TRITON_INTERPRET=1). Left at None (what the executor does), it is
 DEEPINFER_KERNEL_BACKEND, read here through deepinfer.envs on every call (default
-`auto`). An op whose shapes the kernel cannot take falls back to the twin. Triton
+`auto`). An op whose shapes the kernel cannot take falls back to the twin, except in
+batch-invariant mode (`batch_invariant=` / `keys_per_split=`): the twins are not
+batch-invariant, so there it is a ValueError (`_require_triton`). Triton
 modules are imported on first use, so the CPU path never compiles anything.
 """
 
