@@ -33,9 +33,10 @@ def matmul_config(dtype: torch.dtype) -> dict[str, int]:
     return dict(MATMUL_CONFIG_16BIT if dtype.itemsize <= 2 else MATMUL_CONFIG_FP32)
 
 
-# M and the batch count change every step: no specialisation on them (a value of 1 or a
-# multiple of 16 would otherwise compile another variant, whose code could differ).
-@triton.jit(do_not_specialize=["M", "NUM_BATCH"])
+# M, the batch count and the batch strides (M * K for a Linear) change every step: no
+# specialisation on them (a value of 1 or a multiple of 16 would otherwise compile
+# another variant mid-serving, maybe inside a graph capture).
+@triton.jit(do_not_specialize=["M", "NUM_BATCH", "stride_ab", "stride_bb", "stride_cb"])
 def _matmul_kernel(
     a_ptr,  # [NUM_BATCH, M, K] any strides
     b_ptr,  # [NUM_BATCH, K, N] any strides
