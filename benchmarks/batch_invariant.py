@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/batch_invariant.py [--model moonlight-16b-a3b]
         [--batches 1,64,256] [--contexts 1024,4096] [--prefill 1x8000,8x1024]
-        [--json $OUT/batch_invariant.json]
+        [--json $OUT/batch_invariant.json]     # --contexts "" or --prefill "": skip those
 
 Dummy weights in the preset's shapes (as benchmarks/model_speed.py builds them), one
 executor per mode (built, measured, freed in turn: two Moonlights do not fit beside
@@ -89,10 +89,10 @@ def main() -> None:
         raise SystemExit("batch-invariant mode needs CUDA: run this on the GPU")
     batches = [int(x) for x in args.batches.split(",") if x]
     contexts = [int(x) for x in args.contexts.split(",") if x]
-    prefills = [tuple(int(v) for v in x.split("x")) for x in args.prefill.split(",") if x]
-    prefills = [(n, length) for n, length in prefills]
-    cfg = sweep_config(max(batches), max(contexts), args.new_tokens,
-                       max(n * length for n, length in prefills))  # fmt: skip
+    prefills = [(int(n), int(length)) for n, length in
+                (x.split("x") for x in args.prefill.split(",") if x)]  # fmt: skip
+    cfg = sweep_config(max(batches, default=1), max(contexts, default=1), args.new_tokens,
+                       max((n * length for n, length in prefills), default=1))  # fmt: skip
     normal = measure(args.model, cfg, batches, contexts, prefills, args.new_tokens)
     invariant = measure(args.model, cfg.replace(batch_invariant=True), batches, contexts,
                         prefills, args.new_tokens)  # fmt: skip
