@@ -44,6 +44,9 @@ class EngineConfig:
     async_scheduling: bool = False
     policy: str = "fcfs"  # "fcfs" or "priority"
     seed: int = 0
+    # Bit-identical results per request whatever the batch, chunking or prefix hits (CUDA
+    # only: the CPU executor refuses it; the simulator needs a profile measured in it).
+    batch_invariant: bool = field(default_factory=envs.batch_invariant)
 
     def __post_init__(self) -> None:
         envs.refuse_unimplemented()
@@ -77,6 +80,8 @@ class EngineConfig:
                 "num_speculative_tokens must be smaller than max_num_batched_tokens "
                 "so a verification step fits in one batch"
             )
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant={self.batch_invariant!r}: expected True or False")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy={self.policy!r}: expected 'fcfs' or 'priority'")
         if (

@@ -18,6 +18,7 @@ from deepinfer import envs
 from deepinfer.config import EngineConfig
 from deepinfer.executor import Done, completed
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from executors.batch_invariant import check_supported
 from executors.kv_cache import (
     PagedKVCache,
     cpu_num_blocks,
@@ -62,6 +63,8 @@ class TorchExecutor:
         self.device = _device(device) if device else _default_device()
         if self.device.type == "cpu":  # process-wide: see envs.cpu_threads
             torch.set_num_threads(envs.cpu_threads())
+        if engine_config.batch_invariant:
+            check_supported(self.config, self.device, engine_config.block_size)
         self.dtype = resolve_dtype(self.config, dtype, self.device)
         self.config.check_max_model_len(engine_config.max_model_len)
         k = engine_config.num_speculative_tokens

@@ -61,13 +61,16 @@ _GROUPS = FEATURES[8:]
 _EXTRAPOLATION_MARGIN = 1.1
 
 
-def profile_path(model: str, hardware: str) -> Path:
-    return PROFILES_DIR / f"{model}__{hardware}.json"
+def profile_path(model: str, hardware: str, batch_invariant: bool = False) -> Path:
+    """Where the shipped profile of (model, hardware) lives; batch-invariant mode's kernels
+    are slower, so a profile measured in it is a file of its own."""
+    mode = "__batch_invariant" if batch_invariant else ""
+    return PROFILES_DIR / f"{model}__{hardware}{mode}.json"
 
 
-def find_profile(model: str, hardware: str) -> Path | None:
-    """The shipped profile for (model, hardware), if one exists."""
-    path = profile_path(model, hardware)
+def find_profile(model: str, hardware: str, batch_invariant: bool = False) -> Path | None:
+    """The shipped profile for (model, hardware) in that mode, if one exists."""
+    path = profile_path(model, hardware, batch_invariant)
     return path if path.is_file() else None
 
 

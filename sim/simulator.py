@@ -91,7 +91,12 @@ def simulate(
             f"model's MTP layers and {spec.name} has none (num_nextn_predict_layers=0)"
         )
     cost, cost_meta = resolve_cost_model(
-        cost_model, spec, hw, profile, engine.num_speculative_tokens
+        cost_model,
+        spec,
+        hw,
+        profile,
+        engine.num_speculative_tokens,
+        batch_invariant=engine.batch_invariant,
     )
     if grammar_mask_per_token_s is None:
         grammar_mask_per_token_s = getattr(cost, "grammar_mask_per_token_s", 0.0)

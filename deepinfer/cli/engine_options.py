@@ -24,6 +24,8 @@ ENGINE_HELP = {
     "async_scheduling": "schedule step N+1 while step N runs",
     "policy": "fcfs or priority",
     "seed": "seed for everything random",
+    "batch_invariant": "bit-identical results per request whatever the batch "
+    "(DEEPINFER_BATCH_INVARIANT; CUDA only, slower)",
     "model": "model preset or config.json path",
     "hardware": "GPU preset (h200, h100, h800, b200)",
     "cost_model": "profiled, analytic or unit (default: profiled where a profile exists)",

@@ -126,6 +126,9 @@ def run_profile(args: argparse.Namespace) -> int:
             "cuda_graphs": executor.runner.graphs is not None,
             # Verify steps whose requests all score 1 + K tokens replay these graphs.
             "verify_graphs": executor.runner.verify_graphs is not None,
+            # Batch-invariant kernels are slower: the simulator prices each mode only with
+            # a profile measured in it (sim/cost_model.py check_mode).
+            "batch_invariant": cfg.batch_invariant,
             # Steps up to this many tokens replay piecewise graphs; larger ones run eagerly.
             "piecewise_max_tokens": pw.max_size if (pw := executor.runner.piecewise) else 0,
             # Drafts the MTP drafter proposes after each step of the speculative points.
