@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests, then the shipped H200 profiles (sim/data/profiles/).
 #   bash benchmarks/device_profile.sh [tests|profiles|all]      results under $OUT
+# The profiles speculate (3 drafts, through an MTP layer added in each model's shapes:
+# neither ships one): besides the plain grid (measured with the drafter detached) they
+# hold verify steps of 1 + k tokens a request, k = 1..3, each with the drafter's proposal.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
@@ -19,6 +22,7 @@ if [[ $what == all || $what == profiles ]]; then
   for model in moonlight-16b-a3b deepseek-v2-lite; do
     timeout 280 python3 -m deepinfer.cli profile --model "$model" --device cuda \
       --num-gpu-blocks 20000 --max-num-seqs 512 --max-num-batched-tokens 16384 \
+      --num-speculative-tokens 3 --add-mtp-layer \
       --out "$OUT/${model}__h200.json" 2>&1 | grep -v "profiling:" | tail -5
   done
 fi

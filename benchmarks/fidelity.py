@@ -162,7 +162,14 @@ def run_workload(
     t1 = time.perf_counter()
     sim = simulate(trace, model, hardware, cfg, None, profile=profile)
     spec = load_model_config(model)
-    cost, meta = resolve_cost_model(None, spec, get_hardware(hardware), profile)
+    cost, meta = resolve_cost_model(
+        None,
+        spec,
+        get_hardware(hardware),
+        profile,
+        cfg.num_speculative_tokens,
+        batch_invariant=cfg.batch_invariant,
+    )
     res = {
         "workload": trace.name,
         "num_requests": len(trace),
@@ -276,7 +283,14 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
         ]:
             sim = simulate(load, model, meta["hardware"], cfg, None, profile=profile)
             q = compare_requests(real[wname], sim.requests)
-            cost, _ = resolve_cost_model(None, spec, get_hardware(meta["hardware"]), profile)
+            cost, _ = resolve_cost_model(
+                None,
+                spec,
+                get_hardware(meta["hardware"]),
+                profile,
+                cfg.num_speculative_tokens,
+                batch_invariant=cfg.batch_invariant,
+            )
             samples = recorded_steps.get(wname, [])
             steps = step_errors(
                 [(x["kind"], x["shape"], x["wall_s"]) for x in samples if "shape" in x], cost

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deepinfer.config import EngineConfig  # noqa: E402
 from deepinfer.outputs import SchedulerOutput  # noqa: E402
-from executors.profiler import StepShape, _scheduled, _steady  # noqa: E402
+from executors.profile_grid import StepShape  # noqa: E402
+from executors.profiler import StepSession  # noqa: E402
 from executors.torch_executor import TorchExecutor  # noqa: E402
 
 
@@ -32,25 +33,27 @@ def main() -> None:
     ex = TorchExecutor(cfg, args.model, load_format="dummy")
     rng = random.Random(0)
     for shape in (
-        StepShape("decode", ((args.batch, 1, 1024, False),)),
-        StepShape("prefill", ((1, 512, 0, True),)),
+        StepShape("decode", ((args.batch, 1, 1024, False, 0),)),
+        StepShape("prefill", ((1, 512, 0, True, 0),)),
     ):
-        first = _scheduled(shape, 64, ex.num_kv_blocks(), ex.config.vocab_size, rng)
-        ex.execute(SchedulerOutput(-1, first))
-        steady = [_steady(s) for s in first]
-        for idle in (0.0, 0.001, 0.005, 0.02, 0.1, 0.5):
+        idles = (0.0, 0.001, 0.005, 0.02, 0.1, 0.5)
+        session = StepSession(shape, ex.runner, rng, reps=7 * len(idles))
+        session.advance(ex.execute(SchedulerOutput(-1, session.first)))
+        for idle in idles:
             times = []
             for _ in range(7):
                 time.sleep(idle)
+                out = session.next_step()
                 t0 = time.perf_counter()
-                ex.execute(SchedulerOutput(-1, steady))
+                res = ex.execute(out)
                 times.append(time.perf_counter() - t0)
+                session.advance(res)
             print(
                 f"{shape.kind:8s} idle {idle * 1e3:6.1f} ms: step {statistics.median(times) * 1e3:7.2f}"
                 f" ms (min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f})",
                 flush=True,
             )
-        ex.execute(SchedulerOutput(-1, [], finished_req_ids={s.req_id for s in first}))
+        ex.execute(session.finish())
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one device call; logs and JSON land in $OUT.
-#   bash benchmarks/run_device.sh [tests|model|kernels|profile|structured|all]   (default: all)
+#   bash benchmarks/run_device.sh [tests|model|kernels|profile|structured|binv|all]   (default: all)
 #   bash benchmarks/run_device.sh dp [ARGS of benchmarks/data_parallel.py]   (several GPUs;
 #     not in all: NCCL tests, the all-to-all sweep, DP + EP throughput against the simulator)
 #   bash benchmarks/run_device.sh spec [ARGS of benchmarks/speculative.py]   (not in all: the
@@ -49,6 +49,16 @@ if [[ $what == all || $what == structured ]]; then
   else
     echo "structured: xgrammar is not installed (put its wheels in .whl/)" | tee "$OUT/structured_mask.log"
   fi
+fi
+# Batch-invariant mode: its GPU tests with their diagnostics printed (-s), then the cost.
+if [[ $what == all || $what == binv ]]; then
+  python3 -m pytest -q -s -m gpu tests/kernels/test_batch_invariant.py \
+    tests/executors/test_batch_invariant.py -p no:cacheprovider 2>&1 \
+    | grep -v Warning | tee "$OUT/batch_invariant_tests.log" | tail -40
+  rc=${PIPESTATUS[0]}
+  [[ $what == binv ]] && status=$rc
+  python3 benchmarks/batch_invariant.py --json "$OUT/batch_invariant.json" 2>&1 \
+    | grep -v Warning | tee "$OUT/batch_invariant.log" | tail -12
 fi
 if [[ $what == spec ]]; then
   # Speculation: decode tok/s with over without, Moonlight shapes + an MTP layer, the

@@ -38,7 +38,7 @@ from typing import Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
-from deepinfer.model_config import PRESETS_DIR, ModelConfig
+from deepinfer.model_config import load_model_config, write_config_with_mtp_layer
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from executors.mtp_drafter import DraftInput, Drafts, MTPDrafter
@@ -78,16 +78,9 @@ class CorruptedGreedyDrafter:
 
 
 def model_dir(name: str) -> Path:
-    """A config directory: the preset (or a config.json path) with one MTP layer."""
-    src = Path(name)
-    path = src / "config.json" if src.is_dir() else src
-    if not path.is_file():
-        path = PRESETS_DIR / f"{name}.json"
-    cfg = json.loads(path.read_text())
-    cfg["num_nextn_predict_layers"] = max(1, int(cfg.get("num_nextn_predict_layers") or 0))
-    out = Path(tempfile.mkdtemp(prefix="spec-bench-"))
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
+    """A config directory: the preset (or a config.json path) with one MTP layer, named
+    after the model (so the simulator finds the model's profile)."""
+    return write_config_with_mtp_layer(name, tempfile.mkdtemp(prefix="spec-bench-"))
 
 
 def run(
@@ -119,7 +112,7 @@ def simulated_speedup(
         from sim.traces import TraceRequest
     except ImportError:
         return None
-    spec = ModelConfig.from_dict(json.loads((cfg_dir / "config.json").read_text()))
+    spec = load_model_config(cfg_dir)
     reqs = [TraceRequest(f"r{i}", 0.0, prompt_len, max_tokens) for i in range(batch)]
     rates = []
     for k in (0, cfg.num_speculative_tokens):

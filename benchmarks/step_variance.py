@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deepinfer.config import EngineConfig  # noqa: E402
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
-from executors.profiler import StepShape, _scheduled, _steady  # noqa: E402
+from executors.profile_grid import StepShape  # noqa: E402
+from executors.profiler import StepSession  # noqa: E402
 from executors.torch_executor import TorchExecutor  # noqa: E402
 
 
@@ -51,21 +52,21 @@ def main() -> None:
     ex = TorchExecutor(cfg, args.model, load_format="dummy", enforce_eager=args.enforce_eager)
     print(f"start-up {ex.startup_seconds:.1f} s, graphs {'off' if args.enforce_eager else 'on'}")
     rng = random.Random(0)
-    n_blocks, vocab = ex.num_kv_blocks(), ex.config.vocab_size
     for decodes, prompt, ctx in (
         (10, 150, 6000),
         (10, 600, 6000),
         (40, 400, 6000),
         (4, 2048, 2000),
     ):
-        shape = StepShape("mixed", ((decodes, 1, ctx, False), (1, prompt, 0, True)))
-        first = _scheduled(shape, 64, n_blocks, vocab, rng)
-        ex.execute(SchedulerOutput(-1, first))
-        steady = [_steady(s) for s in first]
+        shape = StepShape("mixed", ((decodes, 1, ctx, False, 0), (1, prompt, 0, True, 0)))
+        session = StepSession(shape, ex.runner, rng, reps=2 * args.reps)
+        first = session.first
+        session.advance(ex.execute(SchedulerOutput(-1, first)))
         held, times_new, times_steady, py = [], [], [], []
         for i in range(args.reps):
+            steady = session.next_step().scheduled
             t0 = time.perf_counter()
-            ex.execute(SchedulerOutput(-1, steady))
+            session.advance(ex.execute(SchedulerOutput(-1, steady)))
             times_steady.append(time.perf_counter() - t0)
             # the prompt as a new request: a fresh id, its whole table and token ids
             pr = first[-1]
@@ -75,8 +76,9 @@ def main() -> None:
                 token_ids=pr.token_ids, sampling_params=pr.sampling_params,
                 num_prompt_tokens=pr.num_prompt_tokens,
             )  # fmt: skip
+            steady = session.next_step().scheduled
             t0 = time.perf_counter()
-            ex.execute(SchedulerOutput(-1, steady[:-1] + [fresh]))
+            session.advance(ex.execute(SchedulerOutput(-1, steady[:-1] + [fresh])))
             times_new.append(time.perf_counter() - t0)
             held.append(fresh.req_id)
             py.append(_python_loop())

@@ -49,6 +49,9 @@ class EngineConfig:
     data_parallel_size: int = 1
     # MoE experts sharded over the data-parallel ranks (all-to-all dispatch and combine).
     enable_expert_parallel: bool = False
+    # Bit-identical results per request whatever the batch, chunking or prefix hits (CUDA
+    # only: the CPU executor refuses it; the simulator needs a profile measured in it).
+    batch_invariant: bool = field(default_factory=envs.batch_invariant)
 
     def __post_init__(self) -> None:
         envs.refuse_unimplemented()
@@ -85,6 +88,8 @@ class EngineConfig:
         _positive("data_parallel_size", self.data_parallel_size)
         if self.enable_expert_parallel:
             self._check_expert_parallel()
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant={self.batch_invariant!r}: expected True or False")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy={self.policy!r}: expected 'fcfs' or 'priority'")
         if (
@@ -115,6 +120,12 @@ class EngineConfig:
             raise ValueError(
                 "async_scheduling=True with enable_expert_parallel: a rank may then run two "
                 "forwards in one engine step, breaking the MoE lock-step; set it to False"
+            )
+        if self.batch_invariant:
+            raise ValueError(
+                "batch_invariant=True with enable_expert_parallel: a token's expert outputs "
+                "then depend on which ranks' tokens share the exchange, which the mode does "
+                "not fix yet; use one of the two"
             )
 
     @classmethod

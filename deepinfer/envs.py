@@ -97,10 +97,17 @@ def kernel_backend() -> str:
     return raw
 
 
+def batch_invariant() -> bool:
+    """DEEPINFER_BATCH_INVARIANT: batch-invariant kernels (EngineConfig.batch_invariant's
+    default): a request's logits and tokens are bit-identical whatever shares its batch,
+    however its prompt is chunked, and with or without a prefix-cache hit. NVIDIA only;
+    slower (README, "Batch-invariant inference")."""
+    return _flag("DEEPINFER_BATCH_INVARIANT", False)
+
+
 # Reference-engine variables whose feature is not implemented yet: set, they are an
 # error naming the variable rather than a setting that silently does nothing.
 _UNIMPLEMENTED = {
-    "DEEPINFER_BATCH_INVARIANT": "batch-invariant kernels",
     "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "YOCO prefill truncation",
     "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "YOCO prefill truncation",
 }

@@ -349,24 +349,43 @@ def known_models() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
 
 
+def _config_source(name_or_path: str | Path) -> tuple[Path, str]:
+    """The config file of a preset name or a config.json path (or its folder), and the
+    model's name."""
+    text = str(name_or_path)
+    preset = PRESETS_DIR / f"{text.lower()}.json"
+    path = Path(text).expanduser()
+    if preset.is_file():
+        return preset, text.lower()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path / "config.json", path.resolve().name
+    if path.is_file():
+        return path, path.resolve().parent.name if path.name == "config.json" else path.stem
+    raise ValueError(
+        f"unknown model {text!r}: not a preset ({', '.join(known_models())}) nor a config.json path"
+    )
+
+
 def load_model_config(name_or_path: str | Path, dtype_bytes: int | None = None) -> ModelConfig:
     """A preset by name ("moonlight-16b-a3b"), or a config.json (or a folder holding one).
 
     `dtype_bytes` overrides the weight dtype read from the config (2: bf16, 1: fp8).
     """
-    text = str(name_or_path)
-    preset = PRESETS_DIR / f"{text.lower()}.json"
-    path = Path(text).expanduser()
-    if preset.is_file():
-        cfg = ModelConfig.from_file(preset, name=text.lower())
-    elif path.is_dir() and (path / "config.json").is_file():
-        cfg = ModelConfig.from_file(path, name=path.resolve().name)
-    elif path.is_file():
-        name = path.resolve().parent.name if path.name == "config.json" else path.stem
-        cfg = ModelConfig.from_file(path, name=name)
-    else:
-        raise ValueError(
-            f"unknown model {text!r}: not a preset ({', '.join(known_models())}) "
-            f"nor a config.json path"
-        )
+    src, name = _config_source(name_or_path)
+    cfg = ModelConfig.from_file(src, name=name)
     return cfg if dtype_bytes is None else cfg.replace(dtype_bytes=dtype_bytes)
+
+
+def write_config_with_mtp_layer(name_or_path: str | Path, out_dir: str | Path) -> Path:
+    """A folder under `out_dir`, named after the model, holding its config with one MTP
+    layer (`num_nextn_predict_layers` >= 1: a DeepSeek-V3 MTP layer in the model's own
+    shapes). For dummy-weight runs of speculation on models that ship none (Moonlight,
+    DeepSeek-V2-Lite); the folder's name keeps the model's name, so the simulator finds
+    the model's profiles."""
+    src, name = _config_source(name_or_path)
+    raw = json.loads(src.read_text())
+    raw["num_nextn_predict_layers"] = max(1, int(raw.get("num_nextn_predict_layers") or 0))
+    folder = Path(out_dir) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw, indent=1) + "\n")
+    return folder

@@ -30,6 +30,7 @@ from deepinfer.outputs import (
 from deepinfer.sampling_params import SamplingParams
 from executors import prompt_logprobs
 from executors.attention import AttentionMetadata, build_attention_metadata
+from executors.batch_invariant import set_batch_invariant
 from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
 from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
@@ -58,8 +59,21 @@ class RequestState:
 
 
 @dataclass
+class _Segment:
+    """Consecutive rows of one request in a step, all on one attention path."""
+
+    req_id: str
+    start: int  # position of the first row
+    tokens: list[int]
+    absorbed: bool  # the absorbed (decode) MLA path
+    samples: bool  # ends with the request's sampled rows
+    drafts: list[int]  # drafts verified at its end (when it samples)
+
+
+@dataclass
 class HostBatch:
-    """One step's inputs as host lists; requests ordered decode-first."""
+    """One step's inputs as host lists, one entry per segment of a request's rows (one per
+    request, except in batch-invariant mode: `ModelRunner._segments`); absorbed first."""
 
     req_ids: list[str]
     input_ids: list[int]  # [T]
@@ -109,6 +123,14 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         # Queries this short (a decode token plus drafts) take the absorbed MLA path.
         self.decode_max_query_len = 1 + engine_config.num_speculative_tokens
+        # Batch-invariant mode: the model's kernels are switched into it, and a step takes
+        # the absorbed path only for output positions (`_absorbed`).
+        self.batch_invariant = engine_config.batch_invariant
+        set_batch_invariant(
+            model,
+            self.batch_invariant,
+            max_model_len or engine_config.max_model_len or model.config.max_position_embeddings,
+        )
         self.max_num_seqs = engine_config.max_num_seqs
         self.max_drafts = engine_config.num_speculative_tokens
         self.max_num_batched_tokens = engine_config.max_num_batched_tokens
@@ -130,7 +152,7 @@ class ModelRunner:
         if engine_config.num_speculative_tokens and kv_cache.mtp_layers:
             self.drafter = MTPDrafter(
                 model, kv_cache.mtp_layers[0], engine_config.num_speculative_tokens,
-                self.block_size, self.decode_max_query_len,
+                self.block_size, self.decode_max_query_len, self.batch_invariant,
             )  # fmt: skip
 
     def enable_cuda_graphs(
@@ -278,22 +300,39 @@ class ModelRunner:
         except Exception as e:  # the engine schedules a request once its compile succeeded
             raise RequestFailed({req_id: f"so_args: {e}"}) from e
 
+    def _absorbed(self, sr: ScheduledRequest, start: int) -> bool:
+        """Whether the step's rows of `sr` (starting at position `start`) take the absorbed
+        (decode) attention path: queries of at most 1 + k tokens. In batch-invariant mode
+        exactly the output positions do, however many: a prompt's last chunk (or the one
+        uncached token of a prefix hit) is as short as a decode step, yet must be computed
+        as the unchunked prompt computes it, by the prefill path."""
+        if self.batch_invariant:
+            return start >= self.requests[sr.req_id].num_prompt_tokens
+        return sr.num_tokens <= self.decode_max_query_len
+
+    def _segments(
+        self, sr: ScheduledRequest, start: int, tokens: list[int], drafts: list[int]
+    ) -> list[_Segment]:
+        """The step's rows of `sr`: one segment, or in batch-invariant mode two when they
+        cross the prompt's end (a preempted request recomputing its prompt and outputs):
+        the prompt positions by the prefill path, the outputs by the absorbed one, as they
+        were first computed. (Not with a drafter: it reads one entry per request.)"""
+        cut = self.requests[sr.req_id].num_prompt_tokens - start
+        if self.batch_invariant and self.drafter is None and 0 < cut < len(tokens):
+            return [
+                _Segment(sr.req_id, start, tokens[:cut], False, False, []),
+                _Segment(sr.req_id, start + cut, tokens[cut:], True, sr.samples, drafts),
+            ]
+        return [_Segment(sr.req_id, start, tokens, self._absorbed(sr, start), sr.samples, drafts)]
+
     def collect(self, scheduled: list[ScheduledRequest]) -> HostBatch:
-        """Order decode-first, check the block tables, record history, flatten to lists."""
-        ordered = sorted(scheduled, key=lambda r: r.num_tokens > self.decode_max_query_len)
-        starts = {r.req_id: self._start(r) for r in ordered}
-        host = HostBatch(
-            req_ids=[r.req_id for r in ordered], input_ids=[], positions=[],
-            query_lens=[r.num_tokens for r in ordered],
-            context_lens=[starts[r.req_id] for r in ordered],
-            block_tables=[self.requests[r.req_id].block_table for r in ordered],
-            num_decode=sum(r.num_tokens <= self.decode_max_query_len for r in ordered),
-            logits_indices=[],
-        )  # fmt: skip
-        failed = self._check(ordered)
+        """Check the block tables, record history, flatten to lists, absorbed rows first."""
+        starts = {r.req_id: self._start(r) for r in scheduled}
+        failed = self._check(scheduled)
         if failed:  # before any device work: the engine aborts these and requeues the rest
             raise RequestFailed(failed)
-        for sr in ordered:
+        segments: list[_Segment] = []
+        for sr in scheduled:
             state = self.requests[sr.req_id]
             drafts = self._drafts(sr, state)
             tokens = self._step_tokens(sr, state, drafts)
@@ -308,18 +347,31 @@ class ModelRunner:
                     state.grammar.catch_up(state.sampling.output_token_ids[:n_out])
                 except GrammarViolation as e:
                     raise RequestFailed({sr.req_id: str(e)}) from None
-            if sr.samples:
-                host.sample_rows[sr.req_id] = (len(host.logits_indices), 1 + len(drafts), drafts)
-                n = 1 + len(drafts)
+            segments += self._segments(sr, start, tokens, drafts)
+        segments.sort(key=lambda seg: not seg.absorbed)  # stable: otherwise in step order
+        host = HostBatch(
+            req_ids=[seg.req_id for seg in segments], input_ids=[], positions=[],
+            query_lens=[len(seg.tokens) for seg in segments],
+            context_lens=[seg.start for seg in segments],
+            block_tables=[self.requests[seg.req_id].block_table for seg in segments],
+            num_decode=sum(seg.absorbed for seg in segments),
+            logits_indices=[],
+        )  # fmt: skip
+        for seg in segments:
+            rid, tokens, start = seg.req_id, seg.tokens, seg.start
+            state = self.requests[rid]
+            if seg.samples:  # the request's sampled rows end its last segment
+                n = 1 + len(seg.drafts)
+                host.sample_rows[rid] = (len(host.logits_indices), n, seg.drafts)
                 last = len(host.input_ids) + len(tokens)
                 host.logits_indices.extend(range(last - n, last))
             params = state.sampling.params
             if state.prompt_ids is not None and params.prompt_logprobs is not None:
                 host.prompt_rows += prompt_logprobs.chunk_rows(
-                    sr.req_id, state.prompt_ids, start, end, len(host.input_ids),
+                    rid, state.prompt_ids, start, start + len(tokens), len(host.input_ids),
                     params.prompt_logprobs)  # fmt: skip
             host.input_ids.extend(tokens)
-            host.positions.extend(range(start, end))
+            host.positions.extend(range(start, start + len(tokens)))
         return host
 
     def _check(self, scheduled: list[ScheduledRequest]) -> dict[str, str]:
@@ -437,11 +489,11 @@ class ModelRunner:
                 VerifyRequest(first, drafts, self.requests[rid].sampling)
                 for rid, (first, _, drafts) in rows
             ]
-            verified = verify(logits, reqs, self.generator)
+            verified = verify(logits, reqs, self.generator, self.batch_invariant)
             tokens, logprobs = verified.tokens, verified.logprobs
         else:
             states = [self.requests[rid].sampling for rid, _ in rows]
-            result = sample_tokens(logits, states, self.generator)
+            result = sample_tokens(logits, states, self.generator, self.batch_invariant)
             tokens, logprobs = [[t] for t in result.token_ids], result.logprobs
         if logprobs is not None:
             out.logprobs = {}
@@ -472,6 +524,7 @@ class ModelRunner:
             out.sampled_token_ids,
             {rid: len(drafts) for rid, (_, _, drafts) in host.sample_rows.items()},
             {rid: self.requests[rid].block_table for rid in host.req_ids},
+            {rid: self.requests[rid].num_prompt_tokens for rid in host.req_ids},
         )  # fmt: skip
         drafts: Drafts = self.drafter.propose(inputs)
         for rid, toks in drafts.tokens.items():

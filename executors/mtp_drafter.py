@@ -47,6 +47,7 @@ class DraftInput:
     next_ids: list[int]  # [rows]: the token after each position
     block_table: list[int]
     wants_drafts: bool  # its newest token is known: draft from the last row
+    num_prompt: int = 0  # the request's prompt length (batch-invariant mode's routing)
 
 
 @dataclass
@@ -63,7 +64,11 @@ class MTPDrafter:
         num_drafts: int,
         block_size: int,
         decode_max_query_len: int,
+        batch_invariant: bool = False,
     ) -> None:
+        """batch_invariant: pass 1 routes rows as the model runner does in that mode (prompt
+        positions by the prefill path, outputs by the absorbed one), so the MTP layer's KV,
+        and with it the drafts and their probabilities, never depend on the batch."""
         if model.mtp is None:
             raise ValueError("speculation needs the model's MTP layer, and none was loaded")
         self.model = model
@@ -72,6 +77,7 @@ class MTPDrafter:
         self.k = num_drafts
         self.block_size = block_size
         self.decode_max_query_len = decode_max_query_len
+        self.batch_invariant = batch_invariant
         self.device = next(model.parameters()).device
         # req_id -> (position, the target's hidden state there [hidden]) of a prompt
         # chunk's last position, whose next token comes with the next chunk.
@@ -87,6 +93,7 @@ class MTPDrafter:
         sampled: Mapping[str, list[int]],
         num_drafts: Mapping[str, int],
         block_tables: Mapping[str, list[int]],
+        num_prompt: Mapping[str, int] | None = None,
     ) -> list[DraftInput]:
         """Pass 1's rows from a target step: requests in batch order, each `query_lens`
         tokens from position `starts` (input_ids, hidden: [T] and [T, hidden]); `sampled`:
@@ -115,7 +122,10 @@ class MTPDrafter:
                     torch.cat([pending[1][None], rows]),
                     [first_token] + ids,
                 )
-            inputs.append(DraftInput(rid, first, rows, ids, block_tables[rid], toks is not None))
+            n_prompt = num_prompt.get(rid, 0) if num_prompt is not None else 0
+            inputs.append(
+                DraftInput(rid, first, rows, ids, block_tables[rid], toks is not None, n_prompt)
+            )
         return inputs
 
     def propose(self, inputs: list[DraftInput]) -> Drafts:
@@ -124,8 +134,8 @@ class MTPDrafter:
         if not inputs:
             return out
         # Pass 1, decode-first (short queries take the absorbed MLA path).
-        inputs.sort(key=lambda x: len(x.next_ids) > self.decode_max_query_len)
-        num_decode = sum(len(x.next_ids) <= self.decode_max_query_len for x in inputs)
+        inputs.sort(key=lambda x: not self._absorbed(x))
+        num_decode = sum(self._absorbed(x) for x in inputs)
         h = self._run(
             torch.cat([x.hidden for x in inputs]),
             [t for x in inputs for t in x.next_ids],
@@ -167,6 +177,13 @@ class MTPDrafter:
                 [r.block_table for r in reqs], len(reqs),
             )  # fmt: skip
         return out
+
+    def _absorbed(self, x: DraftInput) -> bool:
+        """Pass 1's rows of `x` take the absorbed path: short ones, or in batch-invariant
+        mode exactly those past the prompt (the model runner's rule)."""
+        if self.batch_invariant:
+            return x.first_pos >= x.num_prompt
+        return len(x.next_ids) <= self.decode_max_query_len
 
     def _run(
         self,

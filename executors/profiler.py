@@ -2,11 +2,22 @@
 
 Each point is one SchedulerOutput built to a shape (decode: B requests of one token over
 a context; prefill: a chunk of P tokens after C cached ones; mixed: D decodes beside a
-prefill chunk; many short prompts), run through `executor.execute` exactly as
-`EngineCore.step` runs it: input preparation, the forward (a CUDA graph where the engine
-would replay one), the sampler and its host sync. Host work outside the executor (the
-scheduler, output processing) is measured separately from a short real run through
-`EngineCore`. The result is the profile JSON the simulator's profiled cost model fits.
+prefill chunk; many short prompts; when speculating, verify: B requests each scoring
+1 + k tokens), run through `executor.execute` exactly as `EngineCore.step` runs it:
+input preparation, the forward (a CUDA graph where the engine would replay one), the
+sampler and its host sync, and, where the point says so, the MTP drafter's proposal
+after the step (a speculating engine drafts after every step). Decode and verify
+requests advance between the timed runs as the scheduler would move them (by the tokens
+each step accepted, drafts taken from the drafter's last proposal). Host work outside
+the executor (the scheduler, output processing) is measured separately from a short
+real run through `EngineCore`. The result is the profile JSON the simulator's profiled
+cost model fits.
+
+A point: kind; groups, each [count, query, context, is_prompt] plus, for verify
+requests, the drafts each verifies (the last tokens of its query); median_s, p10_s,
+p90_s over its timed runs (reps); kernel variants compiled while it ran; and for steps
+followed by the drafter, `drafter` (drafts it proposes) and `draft_s` (its median
+seconds, inside median_s).
 """
 
 from __future__ import annotations
@@ -14,110 +25,124 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.engine import EngineCore
-from deepinfer.outputs import ScheduledRequest, SchedulerOutput
+from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
+from executors.profile_grid import StepShape, run_slack
 from kernels.compile_stats import total_compiled
 
 # Replayed traces (and the fidelity benchmark) sample greedily: so do the profiled steps.
 GREEDY = SamplingParams(temperature=0.0)
 
-# (count, query tokens, context tokens, is_prompt): requests of one kind in a step
-Group = tuple[int, int, int, bool]
 
+class StepSession:
+    """The requests of one shape on a model runner, stepped as the scheduler would: run
+    `first` once (it sends their tables), then `next_step()` and `advance(result)` up to
+    `reps` times, then finish them. Prompt chunks are sent again whole (their table
+    resets the runner's state); decode and verify requests move on by the tokens each
+    step gave them, verifying the drafter's latest proposal (random tokens where it made
+    none)."""
 
-@dataclass(frozen=True)
-class StepShape:
-    kind: str  # "decode", "prefill", "mixed" or "short_prompts"
-    groups: tuple[Group, ...]
+    def __init__(self, shape: StepShape, runner: Any, rng: random.Random, reps: int) -> None:
+        block_size, num_blocks = runner.block_size, runner.kv_cache.num_blocks
+        max_blocks = -(-runner.max_model_len // block_size)
+        vocab = runner.vocab_size
+        self.rng, self.vocab = rng, vocab
+        self.first: list[ScheduledRequest] = []
+        self.drafts: dict[str, int] = {}  # req_id -> drafts verified each step
+        cursor = 0
+        for gi, (count, q, ctx, is_prompt, k) in enumerate(shape.groups):
+            # Room for the step, the runs after it and the drafter's chained positions
+            # (never wider than a graph's table: a wider one would not replay graphs).
+            n = min(max_blocks, -(-(ctx + run_slack(q, k, reps)) // block_size))
+            for i in range(count):
+                table = [(cursor + j) % num_blocks for j in range(n)]
+                cursor += n
+                rid = f"p{gi}.{i}"
+                tokens = [rng.randrange(vocab) for _ in range(q)]
+                self.first.append(ScheduledRequest(
+                    req_id=rid, num_tokens=q, num_computed_tokens=ctx,
+                    is_prompt=is_prompt, samples=True, new_block_ids=[], block_table=table,
+                    token_ids=tokens, draft_token_ids=tokens[q - k :] if k else [],
+                    sampling_params=GREEDY,
+                    num_prompt_tokens=ctx + q if is_prompt else ctx,
+                ))  # fmt: skip
+                self.drafts[rid] = k
+        self.computed = {sr.req_id: sr.num_computed_tokens for sr in self.first}
+        self.last = {sr.req_id: sr.token_ids[-1] for sr in self.first if sr.token_ids}
+        self.proposed: dict[str, list[int]] = {}
 
-    @property
-    def num_reqs(self) -> int:
-        return sum(g[0] for g in self.groups)
+    def advance(self, res: ModelRunnerOutput) -> None:
+        for rid, toks in res.sampled_token_ids.items():
+            if toks and rid in self.computed:  # (a caller's own requests aside)
+                self.computed[rid] += len(toks)
+                self.last[rid] = toks[-1]
+        self.proposed = res.draft_token_ids
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(g[0] * g[1] for g in self.groups)
+    def finish(self) -> SchedulerOutput:
+        """The step that drops the shape's requests from the runner."""
+        done = {sr.req_id for sr in self.first}
+        return SchedulerOutput(step_id=-1, scheduled=[], finished_req_ids=done)
 
-    def kv_tokens(self) -> int:
-        return sum(g[0] * (g[1] + g[2]) for g in self.groups)
-
-
-def default_grid(
-    max_tokens: int, max_seqs: int, max_len: int, capacity: int, quick: bool = False
-) -> list[StepShape]:
-    """Decode (batch x context), prefill (tokens x prior context), mixed (decodes x prefill
-    tokens) and many short prompts, within the engine's budgets and the cache."""
-    if quick:
-        batches, contexts = [1, 4, 16], [64, 256]
-        chunks, priors = [16, 64, 256], [0, 128]
-        mixes = [(4, 64, 256)]
-        shorts = [4]
-    else:
-        batches = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-        # Up to the model's context: long-context models decode at 16k-64k in real traces.
-        contexts = [256, 1024, 4096, 7168] + [c for c in (16384, 32768, 65536) if c < max_len]
-        chunks = [16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384]
-        priors = [0, 1024, 4096]
-        mixes = [
-            (d, p, c)
-            for d in (4, 16, 64, 240)
-            for p in (256, 512, 2048, 7680)
-            for c in (1024, 4096)
-        ]
-        shorts = [8, 32, 96]
-    grid: list[StepShape] = []
-    for b in batches:
-        for c in contexts:
-            grid.append(StepShape("decode", ((b, 1, c, False),)))
-    for p in chunks:
-        for c in priors:
-            grid.append(StepShape("prefill", ((1, p, c, True),)))
-    for d, p, ctx in mixes:
-        grid.append(StepShape("mixed", ((d, 1, ctx, False), (1, p, 0, True))))
-    for k in shorts:
-        grid.append(StepShape("short_prompts", ((k, 64, 0, True),)))
-    return [
-        s for s in grid
-        if s.num_tokens <= max_tokens and s.num_reqs <= max_seqs
-        and all(g[1] + g[2] < max_len for g in s.groups) and s.kv_tokens() <= capacity
-    ]  # fmt: skip
-
-
-def _scheduled(
-    shape: StepShape, block_size: int, num_blocks: int, vocab: int, rng: random.Random
-) -> list[ScheduledRequest]:
-    """Requests of the shape, each over its own KV blocks (taken in order)."""
-    out, cursor = [], 0
-    for gi, (count, q, ctx, is_prompt) in enumerate(shape.groups):
-        for i in range(count):
-            n = -(-(ctx + q) // block_size)
-            table = [(cursor + j) % num_blocks for j in range(n)]
-            cursor += n
-            out.append(ScheduledRequest(
-                req_id=f"p{gi}.{i}", num_tokens=q, num_computed_tokens=ctx,
-                is_prompt=is_prompt, samples=True, new_block_ids=[], block_table=table,
-                token_ids=[rng.randrange(vocab) for _ in range(q)],
-                sampling_params=GREEDY,
-                num_prompt_tokens=ctx + q if is_prompt else ctx,
+    def next_step(self) -> SchedulerOutput:
+        scheduled = []
+        for sr in self.first:
+            if sr.is_prompt:
+                scheduled.append(sr)
+                continue
+            k = self.drafts[sr.req_id]
+            drafts = list(self.proposed.get(sr.req_id, ()))[:k]
+            drafts += [self.rng.randrange(self.vocab) for _ in range(k - len(drafts))]
+            scheduled.append(ScheduledRequest(
+                req_id=sr.req_id, num_tokens=1 + k, num_computed_tokens=self.computed[sr.req_id],
+                is_prompt=False, samples=True, new_block_ids=[],
+                token_ids=[self.last[sr.req_id]] + drafts, draft_token_ids=drafts,
+                num_prompt_tokens=sr.num_prompt_tokens,
             ))  # fmt: skip
-    return out
+        return SchedulerOutput(step_id=-1, scheduled=scheduled)
 
 
-def _steady(sr: ScheduledRequest) -> ScheduledRequest:
-    """The same work as a request the runner already holds (decodes send no table)."""
-    if sr.is_prompt:
-        return sr
-    return ScheduledRequest(
-        req_id=sr.req_id, num_tokens=sr.num_tokens, num_computed_tokens=sr.num_computed_tokens,
-        is_prompt=False, samples=True, new_block_ids=[], token_ids=sr.token_ids,
-        num_prompt_tokens=sr.num_prompt_tokens,
-    )  # fmt: skip
+class _TimedDrafter:
+    """The runner's MTP drafter, timed: the seconds of its work after each step (from
+    the sampler's host sync to the drafts on the host: its last pass syncs)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def step_inputs(self, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.step_inputs(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def propose(self, inputs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.propose(inputs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+@contextmanager
+def drafter_detached(runner: Any) -> Iterator[None]:
+    """Steps without the MTP drafter: what a non-speculating engine runs."""
+    drafter = runner.drafter
+    runner.drafter = None
+    try:
+        yield
+    finally:
+        runner.drafter = drafter
 
 
 def profile_steps(
@@ -126,40 +151,90 @@ def profile_steps(
     reps: int = 5,
     seed: int = 0,
     on_point: Callable[[dict[str, Any]], None] | None = None,
+    rounds: int = 1,
 ) -> list[dict[str, Any]]:
-    """Median, p10, p90 of `executor.execute` over `reps` runs of each shape."""
+    """Median, p10, p90 of `executor.execute` over `reps` runs of each shape in each of
+    `rounds` passes over the grid (more than one on a shared machine: a burst of load
+    then hits one round of a point, not all its runs); shapes with the drafter also
+    record its median seconds (`draft_s`) and the drafts it proposes (`drafter`).
+    Shapes without it run with the drafter detached."""
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: must be >= 1")
     rng = random.Random(seed)
     runner = executor.runner
-    vocab = executor.config.vocab_size
-    points = []
+    inner = runner.drafter
     for shape in shapes:
-        first = _scheduled(shape, runner.block_size, runner.kv_cache.num_blocks, vocab, rng)
-        compiled = total_compiled()
-        executor.execute(SchedulerOutput(step_id=-1, scheduled=first))  # state, warm caches
-        steady = [_steady(sr) for sr in first]
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            executor.execute(SchedulerOutput(step_id=-1, scheduled=steady))
-            times.append(time.perf_counter() - t0)
-        done = {sr.req_id for sr in first}
-        executor.execute(SchedulerOutput(step_id=-1, scheduled=[], finished_req_ids=done))
-        times.sort()
-        point = {
+        if shape.drafter and inner is None:
+            raise ValueError(
+                f"a {shape.kind} point needs the MTP drafter: the engine must speculate "
+                "(num_speculative_tokens > 0) on a model with an MTP layer"
+            )
+    runs: list[_Runs] = [_Runs() for _ in shapes]
+    for r in range(rounds):
+        for shape, got in zip(shapes, runs):
+            timed = _TimedDrafter(inner) if shape.drafter else None
+            runner.drafter = timed
+            try:
+                _run_shape(executor, shape, reps, rng, timed, got)
+            finally:
+                runner.drafter = inner
+            if r == rounds - 1 and on_point is not None:
+                on_point(got.point(shape, timed))
+    return [got.point(shape, inner if shape.drafter else None) for shape, got in zip(shapes, runs)]
+
+
+@dataclass
+class _Runs:
+    """The timed runs of one shape, over the rounds."""
+
+    times: list[float] = field(default_factory=list)
+    drafting: list[float] = field(default_factory=list)
+    compiled: int = 0
+
+    def point(self, shape: StepShape, drafter: Any) -> dict[str, Any]:
+        times = sorted(self.times)
+        point: dict[str, Any] = {
             "kind": shape.kind,
-            "groups": [list(g) for g in shape.groups],
+            # [count, query, context, is_prompt] (+ drafts verified, where there are any)
+            "groups": [list(g) if g[4] else list(g[:4]) for g in shape.groups],
             "num_reqs": shape.num_reqs,
             "num_tokens": shape.num_tokens,
             "median_s": statistics.median(times),
             "p10_s": times[int(0.1 * (len(times) - 1))],
             "p90_s": times[round(0.9 * (len(times) - 1))],
-            "reps": reps,
-            "compiled": total_compiled() - compiled,
+            "reps": len(times),
+            "compiled": self.compiled,
         }
-        points.append(point)
-        if on_point is not None:
-            on_point(point)
-    return points
+        if drafter is not None:
+            point["drafter"] = drafter.k  # drafts it proposes after the step
+            point["draft_s"] = statistics.median(self.drafting)
+        return point
+
+
+def _run_shape(
+    executor: Any,
+    shape: StepShape,
+    reps: int,
+    rng: random.Random,
+    timed: _TimedDrafter | None,
+    got: _Runs,
+) -> None:
+    session = StepSession(shape, executor.runner, rng, reps)
+    compiled = total_compiled()
+    # The first run builds the requests' state and warms caches.
+    session.advance(executor.execute(SchedulerOutput(step_id=-1, scheduled=session.first)))
+    for _ in range(reps):
+        out = session.next_step()
+        if timed is not None:
+            timed.seconds = 0.0
+        t0 = time.perf_counter()
+        res = executor.execute(out)
+        got.times.append(time.perf_counter() - t0)
+        if timed is not None:
+            got.drafting.append(timed.seconds)
+        session.advance(res)
+    executor.execute(session.finish())
+    got.compiled += total_compiled() - compiled
 
 
 def profile_host(

@@ -32,6 +32,7 @@ import torch
 
 from deepinfer.outputs import TokenLogprob
 from deepinfer.sampling_params import SamplingParams
+from kernels import ops as kernel_ops
 
 _MASK64 = (1 << 64) - 1
 
@@ -254,10 +255,13 @@ def process_logits(logits: torch.Tensor, states: list[SamplingState]) -> Process
     return Processed(logits, rnd, x.softmax(dim=-1))
 
 
-def raw_logprobs(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor | None:
-    """log_softmax of the model's logits when any row asked for logprobs, else None."""
+def raw_logprobs(
+    logits: torch.Tensor, states: list[SamplingState], batch_invariant: bool = False
+) -> torch.Tensor | None:
+    """log_softmax of the model's logits when any row asked for logprobs, else None.
+    batch_invariant: each row reduced alone in a fixed order (kernels.ops.log_softmax)."""
     if any(s.params.logprobs is not None for s in states):
-        return logits.float().log_softmax(dim=-1)  # [num_reqs, vocab]
+        return kernel_ops.log_softmax(logits, batch_invariant)  # [num_reqs, vocab] float32
     return None
 
 
@@ -265,15 +269,18 @@ def sample_tokens(
     logits: torch.Tensor,
     states: list[SamplingState],
     generator: torch.Generator | None = None,
+    batch_invariant: bool = False,
 ) -> SamplerOutput:
     """Pick one token per row. logits: [num_reqs, vocab] (cast to float32).
 
     `generator` serves the unseeded random rows (the runner seeds it from
-    EngineConfig.seed); it must live on the logits' device.
+    EngineConfig.seed); it must live on the logits' device. batch_invariant: the
+    logprobs' log-softmax runs row by row (`raw_logprobs`); greedy and seeded rows are
+    batch-invariant in either mode, unseeded random rows in neither (they share a draw).
     """
     assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
     logits = logits.float()
-    raw = raw_logprobs(logits, states)
+    raw = raw_logprobs(logits, states, batch_invariant)
     proc = process_logits(logits, states)
     token_ids = greedy(proc.logits)  # [num_reqs]
     if proc.random_rows:

@@ -77,15 +77,19 @@ def row_states(state: SamplingState, drafts: list[int]) -> list[SamplingState]:
 
 
 def verify(
-    logits: torch.Tensor, reqs: list[VerifyRequest], generator: torch.Generator | None
+    logits: torch.Tensor,
+    reqs: list[VerifyRequest],
+    generator: torch.Generator | None,
+    batch_invariant: bool = False,
 ) -> VerifyOutput:
     """Sample (and verify drafts) for every request. logits: [sum(1 + k), vocab], the
-    requests' rows in order (`first` of each is the running sum)."""
+    requests' rows in order (`first` of each is the running sum). batch_invariant: the
+    logprobs' log-softmax row by row, as `sample_tokens` computes it in that mode."""
     logits = logits.float()
     device = logits.device
     states = [s for r in reqs for s in row_states(r.state, r.drafts)]
     assert logits.shape[0] == len(states), (logits.shape, len(states))
-    raw = raw_logprobs(logits, states)
+    raw = raw_logprobs(logits, states, batch_invariant)
     proc = process_logits(logits, states)
     row_tokens = argmax_rows(proc.logits)  # [rows]: greedy requests' answers
     greedy_ids = row_tokens.tolist()

@@ -4,6 +4,7 @@ sizes the paged KV cache and runs each scheduled step through the ModelRunner.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -17,6 +18,7 @@ from deepinfer import envs
 from deepinfer.config import EngineConfig
 from deepinfer.executor import Done, completed
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from executors.batch_invariant import check_supported
 from executors.distributed.expert_parallel import ExpertParallel
 from executors.kv_cache import (
     PagedKVCache,
@@ -70,6 +72,8 @@ class TorchExecutor:
         self.device = _device(device) if device else _default_device()
         if self.device.type == "cpu":  # process-wide: see envs.cpu_threads
             torch.set_num_threads(envs.cpu_threads())
+        if engine_config.batch_invariant:
+            check_supported(self.config, self.device, engine_config.block_size)
         self.dtype = resolve_dtype(self.config, dtype, self.device)
         self.config.check_max_model_len(engine_config.max_model_len)
         k = engine_config.num_speculative_tokens
@@ -177,8 +181,15 @@ class TorchExecutor:
         if self.runner.grammars is not None:
             self.runner.grammars.shutdown()
         self.runner.requests.clear()
+        # What holds device memory goes, even while the caller still holds this executor:
+        # the caches, the graphs (their private pools), the drafter and the weights.
         self.kv_cache.layers.clear()
+        self.kv_cache.mtp_layers.clear()
+        self.runner.graphs = self.runner.verify_graphs = self.runner.piecewise = None
+        self.runner.drafter = None
         if self.device.type == "cuda":
+            self.model.to("meta")
+            gc.collect()  # graphs and modules hold reference cycles
             torch.cuda.empty_cache()
 
     def _eos_token_id(self) -> int | list[int] | None:

@@ -20,6 +20,10 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 128  # shorter pieces cost more in merging than they gain
 MAX_SPLITS = 64
+# Batch-invariant mode: a query's keys are cut at multiples of a fixed piece length (never
+# fewer keys than this per piece), so its partial sums and their merge never depend on
+# the batch (`invariant_keys_per_split`).
+MIN_INVARIANT_KEYS_PER_SPLIT = 256
 
 
 # Per-step integers are runtime arguments that Triton must not specialise on (value 1,
@@ -190,6 +194,14 @@ def choose_num_splits(
     return max(1, min(splits, max_context // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
+def invariant_keys_per_split(max_model_len: int) -> int:
+    """Batch-invariant mode's piece length for contexts up to `max_model_len`: at least
+    MIN_INVARIANT_KEYS_PER_SPLIT keys, a multiple of 128 (every BLOCK_N), and few enough
+    pieces (<= MAX_SPLITS) for the longest context."""
+    per = max(MIN_INVARIANT_KEYS_PER_SPLIT, triton.cdiv(max_model_len, MAX_SPLITS))
+    return triton.cdiv(per, 128) * 128
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -219,12 +231,18 @@ def mla_decode(
     num_splits: int | None = None,
     config: dict[str, int] | None = None,
     out: torch.Tensor | None = None,
+    keys_per_split: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `kernels.reference.mla_decode_ref` (and the executor's entry
     point `kernels.ops.mla_decode_attention`): q [T, H, L + R] -> [T, H, L]. No host
     synchronisation: the split count comes from T, H and the block table's width, an
     upper bound on the context. L, R and block_size must be powers of two. `num_splits`,
-    `config` override the heuristics; `out` [T, H, L] receives the result."""
+    `config` override the heuristics; `out` [T, H, L] receives the result.
+
+    keys_per_split (batch-invariant mode, `invariant_keys_per_split`): each query's keys
+    are cut into pieces of exactly this many from key 0, always through the split-and-merge
+    path, with the single-query launch config: nothing depends on the other requests (the
+    split count only sizes the grid; pieces past a query's keys stay empty)."""
     t, h, d = q.shape
     page = kv_cache.shape[1]
     lat, rope = kv_lora_rank, d - kv_lora_rank
@@ -236,13 +254,21 @@ def mla_decode(
     if t == 0:
         return out
     # T > B only when some request verifies drafts (every request has >= 1 query).
-    cfg = dict(default_config(h, t > block_tables.shape[0]), **(config or {}))
+    multi_query = t > block_tables.shape[0] and keys_per_split is None
+    cfg = dict(default_config(h, multi_query), **(config or {}))
     block_h = max(16, min(cfg["BLOCK_H"], triton.next_power_of_2(h)))
     head_blocks = triton.cdiv(h, block_h)
     qg = cfg["QG"]
     assert qg & (qg - 1) == 0, "QG must be a power of two"
     min_keys = cfg["BLOCK_N"] if num_splits is not None else MIN_KEYS_PER_SPLIT
-    if num_splits is None:
+    if keys_per_split is not None:
+        # per_split = max(ceil(ceil(kv_len / splits) / BLOCK_N) * BLOCK_N, min_keys) is then
+        # exactly keys_per_split for every kv_len <= splits * keys_per_split.
+        assert keys_per_split % cfg["BLOCK_N"] == 0 and num_splits is None
+        max_context = block_tables.shape[1] * page
+        num_splits = min(MAX_SPLITS, max(2, triton.cdiv(max_context, keys_per_split)))
+        min_keys = keys_per_split
+    elif num_splits is None:
         programs = triton.cdiv(t, qg) * head_blocks  # busy ones; the rest return at once
         max_context = block_tables.shape[1] * page
         num_splits = choose_num_splits(

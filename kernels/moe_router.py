@@ -226,11 +226,15 @@ def moe_router(
     routed_scaling_factor: float,
     config: dict | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `kernels.reference.moe_router_ref`: x [T, H], weight [E, H],
     bias [E] (used by noaux_tc only) -> (weights [T, top_k] float32, ids [T, top_k] int64),
     ids in descending order of the (biased, group-limited) choice. `config` overrides the
-    launch settings of `router_config`; `out` = (weights, ids) receives the result."""
+    launch settings of `router_config`; `out` = (weights, ids) receives the result.
+    batch_invariant: the float32 logits come from the fixed-config GEMM of
+    kernels.batch_invariant (not cuBLAS) and the selection runs in 16-token tiles for any
+    T, so a token's experts and weights never depend on the batch."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
     assert weight.shape[1] == hidden and x.stride(1) == 1 and weight.stride(1) == 1
@@ -262,8 +266,15 @@ def moe_router(
     # Moonlight, 7 MB for V3) is bandwidth-starved on one SM (H200: 24 us and 504 us at
     # T = 1, slower than torch), so cuBLAS computes the logits over every SM and the
     # kernel only selects (logits_in). config={"LOGITS_IN": False} keeps the fused GEMM.
-    logits_in = bool(cfg.get("LOGITS_IN", cfg["UPCAST"]))
-    if logits_in:
+    logits_in = batch_invariant or bool(cfg.get("LOGITS_IN", cfg["UPCAST"]))
+    if batch_invariant:
+        from kernels.batch_invariant import linear as bi_linear
+
+        x = bi_linear(x.float(), weight.float())  # [T, E] float32
+        hidden = num_experts
+        # Every launch setting fixed (BLOCK_H is unused with logits in, but a constexpr).
+        cfg.update(BLOCK_T=16, BLOCK_H=16, num_warps=4 if e_pow2 <= 64 else 8, num_stages=3)
+    elif logits_in:
         x = torch.nn.functional.linear(x.float(), weight.float())  # [T, E] float32
         hidden = num_experts
         cfg["BLOCK_T"] = min(16, triton.next_power_of_2(t)) if t < 16 else 16

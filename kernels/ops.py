@@ -5,13 +5,16 @@ ops and nothing else. The `backend=` argument chooses: `auto` (Triton for CUDA
 tensors), `torch` (always the twin) or `triton` (always the kernel; on the CPU only
 under TRITON_INTERPRET=1). Left at None (what the executor does), it is
 DEEPINFER_KERNEL_BACKEND, read here through deepinfer.envs on every call (default
-`auto`). An op whose shapes the kernel cannot take falls back to the twin. Triton
+`auto`). An op whose shapes the kernel cannot take falls back to the twin, except in
+batch-invariant mode (`batch_invariant=` / `keys_per_split=`): the twins are not
+batch-invariant, so there it is a ValueError (`_require_triton`). Triton
 modules are imported on first use, so the CPU path never compiles anything.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from deepinfer import envs
 from kernels.reference import (
@@ -56,6 +59,59 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _require_triton(op: str, tensor: torch.Tensor, backend: str | None, shapes_ok: bool) -> None:
+    """Batch-invariant mode has no fallback: the torch twins are not batch-invariant."""
+    if not use_triton(tensor, backend):
+        raise ValueError(
+            f"batch-invariant {op}: needs the Triton kernels (CUDA tensors, "
+            f"DEEPINFER_KERNEL_BACKEND auto or triton); got a {tensor.device.type} tensor "
+            f"with backend {backend or envs.kernel_backend()!r}"
+        )
+    if not shapes_ok:
+        raise ValueError(f"batch-invariant {op}: the Triton kernel cannot take these shapes")
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    batch_invariant: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """F.linear: x [..., K], weight [N, K] -> [..., N]. batch_invariant: a fixed-config
+    Triton GEMM without split-K (kernels.batch_invariant), so a row's result never
+    depends on the other rows; otherwise cuBLAS."""
+    if not batch_invariant:
+        return F.linear(x, weight, bias)
+    _require_triton("linear", x, backend, True)
+    from kernels.batch_invariant import linear as bi_linear
+
+    return bi_linear(x, weight, bias)
+
+
+def bmm(
+    a: torch.Tensor, b: torch.Tensor, batch_invariant: bool = False, backend: str | None = None
+) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] -> [B, M, N]; batch_invariant as in `linear`."""
+    if not batch_invariant:
+        return torch.bmm(a, b)
+    _require_triton("bmm", a, backend, True)
+    from kernels.batch_invariant import bmm as bi_bmm
+
+    return bi_bmm(a, b)
+
+
+def log_softmax(x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    """x [R, N] -> float32 log_softmax over N; batch_invariant: one Triton program per
+    row, a fixed chunking (kernels.batch_invariant)."""
+    if not batch_invariant:
+        return x.float().log_softmax(dim=-1)
+    _require_triton("log_softmax", x, None, True)
+    from kernels.batch_invariant import log_softmax as bi_log_softmax
+
+    return bi_log_softmax(x.contiguous())
+
+
 def mla_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -65,6 +121,7 @@ def mla_decode_attention(
     kv_lora_rank: int,
     scale: float,
     backend: str | None = None,
+    keys_per_split: int | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA over the paged latent cache (the FlashMLA interface).
 
@@ -72,13 +129,20 @@ def mla_decode_attention(
     block_tables: [B, max_blocks], seq_lens: [B], query_start_loc: [B + 1] -> [T, H, L]
     (still latent: the caller applies W_UV). Keys are whole cache entries, values their
     first L dims; query i of a request with q_len queries sees keys up to
-    seq_len - q_len + i. The kernel needs L, R and block_size powers of two."""
+    seq_len - q_len + i. The kernel needs L, R and block_size powers of two.
+    keys_per_split (batch-invariant mode): every query reduces over its keys in pieces
+    of this many, merged in order, whatever the batch (`mla_decode`); the kernel only."""
     rope = q.shape[-1] - kv_lora_rank
     shapes_ok = _is_pow2(kv_lora_rank) and _is_pow2(rope) and _is_pow2(kv_cache.shape[1])
+    if keys_per_split is not None:
+        _require_triton("mla_decode_attention", q, backend, shapes_ok)
     if shapes_ok and use_triton(q, backend):
         from kernels.mla_decode import mla_decode
 
-        return mla_decode(q, kv_cache, block_tables, seq_lens, query_start_loc, kv_lora_rank, scale)
+        return mla_decode(
+            q, kv_cache, block_tables, seq_lens, query_start_loc, kv_lora_rank, scale,
+            keys_per_split=keys_per_split,
+        )  # fmt: skip
     return mla_decode_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, kv_lora_rank, scale)
 
 
@@ -93,16 +157,21 @@ def mla_prefill_attention(
     max_query_len: int,
     scale: float,
     backend: str | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """q_nope [Tq, H, Dn], q_pe [Tq, H, R], k_nope [Tk, H, Dn], k_pe [Tk, R],
     v [Tk, H, Dv] -> [Tq, H, Dv] (varlen causal, bottom-right aligned). The kernel needs
     Dn, R, Dv powers of two >= 16 (tl.dot's smallest K) and contiguous last dims.
     max_query_len: the longest request's query count, a host int (the kernel's grid; it
     is never derived from cu_seqlens_q, which would be a host sync). With Tq > 0 it must
-    be positive: both backends raise ValueError otherwise (`check_prefill_bound`)."""
+    be positive: both backends raise ValueError otherwise (`check_prefill_bound`).
+    batch_invariant: the kernel only (its key tiles start at each request's key 0, so a
+    query reduces over the same tiles in the same order however its prompt was chunked)."""
     args = (q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_query_len, scale)
     dims = (q_nope.shape[-1], q_pe.shape[-1], v.shape[-1])
     shapes_ok = all(_is_pow2(d) and d >= 16 for d in dims)
+    if batch_invariant:
+        _require_triton("mla_prefill_attention", q_nope, backend, shapes_ok)
     if shapes_ok and use_triton(q_nope, backend):
         from kernels.mla_prefill import mla_prefill
 
@@ -117,12 +186,18 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     backend: str | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """x: [T, H], w13: [E, 2I, H], w2: [E, H, I], topk_*: [T, k] -> [T, H]."""
+    """x: [T, H], w13: [E, 2I, H], w2: [E, H, I], topk_*: [T, k] -> [T, H].
+    batch_invariant: one launch config whatever T (kernels.fused_moe.BATCH_INVARIANT_CONFIG)."""
+    if batch_invariant:
+        _require_triton("fused_moe", x, backend, True)
     if use_triton(x, backend):
+        from kernels.fused_moe import BATCH_INVARIANT_CONFIG
         from kernels.fused_moe import fused_moe as triton_fused_moe
 
-        return triton_fused_moe(x, w13, w2, topk_weights, topk_ids)
+        cfg = BATCH_INVARIANT_CONFIG if batch_invariant else None
+        return triton_fused_moe(x, w13, w2, topk_weights, topk_ids, config=cfg)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 
@@ -139,15 +214,19 @@ def moe_router(
     scale_after_norm: bool,
     routed_scaling_factor: float,
     backend: str | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, H], weight: [E, H], bias: [E] or None -> (weights [T, k] float32, ids [T, k]
-    int64); see `kernels.reference.moe_router_ref`. The kernel holds up to 256 experts."""
+    int64); see `kernels.reference.moe_router_ref`. The kernel holds up to 256 experts.
+    batch_invariant: float32 logits from the batch-invariant GEMM, fixed token tiles."""
     args = (x, weight, bias, top_k, scoring, topk_method, n_group, topk_group, normalise,
             scale_after_norm, routed_scaling_factor)  # fmt: skip
+    if batch_invariant:
+        _require_triton("moe_router", x, backend, weight.shape[0] <= 256)
     if weight.shape[0] <= 256 and use_triton(x, backend):
         from kernels.moe_router import moe_router as triton_moe_router
 
-        return triton_moe_router(*args)
+        return triton_moe_router(*args, batch_invariant=batch_invariant)
     return moe_router_ref(*args)
 
 

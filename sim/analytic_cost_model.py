@@ -12,9 +12,11 @@ LLMCompass style, but analytic: no profiled tables). Groups:
   attn_dec   decode (and draft-verify) tokens, MLA absorbed: MQA over the 576-wide
              latent cache; each request's latent KV read once per layer
   lm_head    logits only for positions that sample, plus the embedding gather
-  mtp        speculation (a step verifying k drafts): the MTP drafter's passes, one
-             decoder layer plus the head each: pass 1 over the step's tokens, then
-             k - 1 chained passes of one token per sampling request
+  mtp        speculation: the MTP drafter after every step of a speculating engine
+             (K = num_speculative_tokens drafts; without it, a step verifying drafts
+             stands for one drafting as many as it verifies): one decoder layer plus
+             the head each pass, pass 1 over the step's tokens, then K - 1 chained
+             passes of one token per sampling request
 
 step_time is called for every simulated step, so the per-request loop only
 accumulates a few sums in plain Python floats; model constants are folded in
@@ -55,7 +57,16 @@ def expected_distinct_experts(num_tokens: int, num_experts: int, top_k: int) -> 
 class AnalyticCostModel:
     """Prices a SchedulerOutput from FLOPs and bytes; see the module docstring."""
 
-    def __init__(self, model: ModelConfig, hardware: HardwareSpec, coeffs: CostCoefficients):
+    def __init__(
+        self,
+        model: ModelConfig,
+        hardware: HardwareSpec,
+        coeffs: CostCoefficients,
+        num_speculative_tokens: int = 0,
+    ) -> None:
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be >= 0")
+        self.num_speculative_tokens = num_speculative_tokens
         self.model = model
         self.hardware = hardware
         self.coeffs = coeffs
@@ -176,12 +187,34 @@ class AnalyticCostModel:
         self._price(out, None, sink)
         return sink
 
+    def target_time(self, out: SchedulerOutput) -> float:
+        """GPU seconds of `out` without the MTP drafter after it."""
+        return self._price(out, None, drafts=0)
+
+    def drafter_parts(self, out: SchedulerOutput, num_drafts: int) -> list[float]:
+        """The MTP drafter after `out` proposing `num_drafts` drafts, in parts: [passes,
+        seconds of pass 1 (one layer over the step's tokens, the head on its sampling
+        rows), seconds of the chained passes, drafts proposed], overheads left out (the
+        profiled cost model's drafter features)."""
+        parts = [0.0] * 4
+        self._price(out, None, drafts=num_drafts, mtp_sink=parts)
+        return parts
+
+    def drafter_seconds(self, out: SchedulerOutput, num_drafts: int) -> float:
+        """The analytic model's seconds of the drafter after `out` (overheads included)."""
+        passes, first, chained, _ = self.drafter_parts(out, num_drafts)
+        return passes * self._layer_overhead + first + chained
+
     def _price(
         self,
         out: SchedulerOutput,
         detail: dict[str, GroupCost] | None,
         sink: list[float] | None = None,
+        drafts: int | None = None,
+        mtp_sink: list[float] | None = None,
     ) -> float:
+        """Seconds of `out` with the drafter proposing `drafts` after it (None: the
+        engine's num_speculative_tokens, or the most drafts a request verifies)."""
         n_tok = 0  # tokens computed this step
         n_logits = 0  # positions whose logits are computed (sampled + drafts to verify)
         pre_q = pre_pairs = pre_keys = pre_ctx = 0  # prefill form
@@ -268,26 +301,34 @@ class AnalyticCostModel:
             detail["overhead"] = GroupCost(0.0, 0.0, self._fixed)
         if sink is not None:
             sink[4] = t
-        if k:
-            t = self._mtp_seconds(total - self._fixed - t, n_sampling, k, dec_keys)
+        if drafts is None:
+            drafts = self.num_speculative_tokens or k
+        if drafts:
+            parts = self._mtp_parts(total - self._fixed - t, n_sampling, drafts, dec_keys)
+            t = parts[0] * self._layer_overhead + parts[1] + parts[2]
             total += t
             if detail is not None:
                 detail["mtp"] = GroupCost(0.0, 0.0, t)
+            if mtp_sink is not None:
+                mtp_sink[:] = parts
         return total
 
-    def _mtp_seconds(self, body: float, n_rows: int, k: int, dec_keys: int) -> float:
-        """The MTP drafter after a verify step: pass 1 costs one decoder layer of the step
-        (`body`: the step's layer groups, all layers) plus the head on the sampling rows;
-        each of the k - 1 chained passes reads one layer's weights and KV for n_rows
-        one-token queries, plus the head."""
+    def _mtp_parts(self, body: float, n_rows: int, k: int, dec_keys: int) -> list[float]:
+        """The MTP drafter proposing k drafts after a step: [passes, pass 1 seconds,
+        chained seconds, drafts] (see drafter_parts). Pass 1 costs one decoder layer of
+        the step (`body`: the step's layer groups, all layers) plus the head on the
+        n_rows sampling rows; each of the k - 1 chained passes reads one layer's weights
+        and KV for the n_rows one-token queries, plus the head. A step where no request
+        samples drafts nothing: pass 1 only (the MTP layer's KV of its positions)."""
         layers = self._layers
+        if not n_rows:
+            return [1.0, body / layers, 0.0, 0.0]
         head_b = self._head_weight_bytes + n_rows * self._head_act_bytes_per_tok
         head = max(n_rows * self._head_flops_per_tok / self._head_rate, head_b / self._bw)
-        first = body / layers + head + self._layer_overhead
         f = n_rows * (self._dense_flops_per_tok + self._expert_flops_per_tok) / layers
         b = self._dense_weight_bytes / layers + dec_keys * self._dec_kv_bytes / layers
         if self._has_moe:
             distinct = expected_distinct_experts(n_rows, self._num_experts, self._top_k)
             b += distinct * self._expert_bytes_each / layers
-        chained = max(f / self._mm_rate, b / self._bw) + head + self._layer_overhead
-        return first + (k - 1) * chained
+        chained = max(f / self._mm_rate, b / self._bw) + head
+        return [float(k), body / layers + head, (k - 1) * chained, float(k * n_rows)]

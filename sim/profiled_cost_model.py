@@ -24,7 +24,13 @@ Pure-decode steps (CUDA graphs) have regime changes no simple feature captures (
 experts touched saturate, split-KV changes with the batch), and the profile measures
 them on a regular batch x context grid. So they are predicted from that grid, made
 monotone in both directions and interpolated in log space over the batch and the mean
-context; outside the grid, the fit's physics scales the nearest grid value.
+context; outside the grid, the fit's physics scales the nearest grid value. The fit
+and this surface use the profile's plain points (no drafter after the step).
+
+A speculating engine (num_speculative_tokens K > 0) runs the MTP drafter after every
+step and verifies drafts: its steps are priced from the profile's speculative points
+(sim/profiled_speculation.py: per-k verify surfaces and a fit of the drafter's time),
+or, for a profile without them, by physics with a warning that names the profile.
 
 The core's host time around a step (schedule, output processing) is fitted from the
 profile's host samples as a + b * requests + c * tokens.
@@ -32,11 +38,8 @@ profile's host samples as a + b * requests + c * tokens.
 
 from __future__ import annotations
 
-import bisect
 import json
-import math
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,26 +47,30 @@ from typing import Any
 import numpy as np
 
 from deepinfer.model_config import ModelConfig
-from deepinfer.outputs import ScheduledRequest, SchedulerOutput
+from deepinfer.outputs import SchedulerOutput
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
 from sim.hardware import HardwareSpec
+from sim.profile_fit import ONE_WAVE_BATCH, StepSurface, nnls_relative, shape_output
+from sim.profiled_speculation import SpeculativeSteps, fallback_target
 
 PROFILES_DIR = Path(__file__).parent / "data" / "profiles"
 FEATURES = ("graph", "piecewise", "eager", "mixed", "reqs", "prompt_reqs", "tokens",
             "decode_max_context", "dense", "experts", "attn_pre", "attn_dec", "lm_head")  # fmt: skip
 _GROUPS = FEATURES[8:]
 _EXTRAPOLATION_MARGIN = 1.1
-_ONE_WAVE_BATCH = 256  # decode batches up to this many requests run as one wave of splits
 
 
-def profile_path(model: str, hardware: str) -> Path:
-    return PROFILES_DIR / f"{model}__{hardware}.json"
+def profile_path(model: str, hardware: str, batch_invariant: bool = False) -> Path:
+    """Where the shipped profile of (model, hardware) lives; batch-invariant mode's kernels
+    are slower, so a profile measured in it is a file of its own."""
+    mode = "__batch_invariant" if batch_invariant else ""
+    return PROFILES_DIR / f"{model}__{hardware}{mode}.json"
 
 
-def find_profile(model: str, hardware: str) -> Path | None:
-    """The shipped profile for (model, hardware), if one exists."""
-    path = profile_path(model, hardware)
+def find_profile(model: str, hardware: str, batch_invariant: bool = False) -> Path | None:
+    """The shipped profile for (model, hardware) in that mode, if one exists."""
+    path = profile_path(model, hardware, batch_invariant)
     return path if path.is_file() else None
 
 
@@ -82,18 +89,6 @@ def load_profile(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def shape_output(groups: list[list[Any]]) -> SchedulerOutput:
-    """A SchedulerOutput of a profile point's shape: [count, query, context, is_prompt]."""
-    scheduled = []
-    for count, q, ctx, is_prompt in groups:
-        for i in range(int(count)):
-            scheduled.append(ScheduledRequest(
-                req_id=f"{len(scheduled)}.{i}", num_tokens=int(q), num_computed_tokens=int(ctx),
-                is_prompt=bool(is_prompt), samples=True, new_block_ids=[],
-            ))  # fmt: skip
-    return SchedulerOutput(step_id=0, scheduled=scheduled)
-
-
 @dataclass(frozen=True)
 class FitReport:
     """How well the fit reproduces its own points (signed relative errors)."""
@@ -107,31 +102,49 @@ class ProfiledCostModel:
     """step_time and cpu_time from a profile; see the module docstring."""
 
     def __init__(
-        self, profile: dict[str, Any] | str | Path, model: ModelConfig, hardware: HardwareSpec
+        self,
+        profile: dict[str, Any] | str | Path,
+        model: ModelConfig,
+        hardware: HardwareSpec,
+        num_speculative_tokens: int = 0,
     ) -> None:
+        """num_speculative_tokens: the drafts the simulated engine's MTP drafter proposes
+        after every step (0: it does not speculate; a step that verifies drafts then
+        stands for a drafter proposing as many as it verifies)."""
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be >= 0")
         data = profile if isinstance(profile, dict) else load_profile(profile)
         self.profile_name = Path(data.get("_path", "profile")).name
         self.meta = data["meta"]
+        self.num_speculative_tokens = num_speculative_tokens
         # Profiles measured before piecewise graphs ran every non-decode step eagerly.
         self._piecewise_max = int(self.meta.get("piecewise_max_tokens", 0))
         self._analytic = AnalyticCostModel(model, hardware, load_cost_coefficients())
-        outs = [shape_output(p["groups"]) for p in data["points"]]
-        y = np.array([p["median_s"] for p in data["points"]], dtype=float)
-        x = np.array([self.features(o) for o in outs])
-        self.coef = _nnls_relative(x, y)
+        points = data["points"]
+        outs = [shape_output(p["groups"]) for p in points]
+        y = np.array([p["median_s"] for p in points], dtype=float)
+        # The plain fit: steps without the drafter (a non-speculating engine's).
+        plain = [i for i, p in enumerate(points) if not p.get("drafter")]
+        x = np.array([self.features(outs[i]) for i in plain])
+        self.coef = nnls_relative(x, y[plain])
         self._coef = [float(c) for c in self.coef]  # plain floats: the per-step path
-        graph = [i for i, o in enumerate(outs) if not self._eager(o)]
-        self._decode = _DecodeSurface([outs[i] for i in graph], y[graph], self._physics)
+        graph = [i for i in plain if not self._eager(outs[i])]
+        self._decode = StepSurface([outs[i] for i in graph], y[graph], self._physics)
+        self._spec = SpeculativeSteps(points, outs, self._analytic, self._physics)
         self._limits = {"tokens": 1 << 62, "reqs": 1 << 62, "context": 1 << 62}
         self._warned: set[str] = set()
-        pred = np.array([self.step_time(o) for o in outs])
+        with warnings.catch_warnings():  # its own points: nothing to warn about
+            warnings.simplefilter("ignore")
+            pred = np.array(
+                [self._price(o, int(p.get("drafter", 0))) for p, o in zip(points, outs)]
+            )
         err = np.abs(pred - y) / y
         self.fit = FitReport(float(np.median(err)), float(np.quantile(err, 0.9)), float(err.max()))
         self.point_errors = ((pred - y) / y).tolist()
         host = data["host"]
         hx = np.array([[1.0, h["num_reqs"], h["num_tokens"]] for h in host], dtype=float)
         hy = np.array([h["schedule_s"] + h["process_s"] for h in host], dtype=float)
-        self.host_coef = _nnls_relative(hx, hy) if len(host) else np.zeros(3)
+        self.host_coef = nnls_relative(hx, hy) if len(host) else np.zeros(3)
         self._host = tuple(float(c) for c in self.host_coef)
         self._limits = {
             "tokens": max(o.num_batched_tokens for o in outs),
@@ -139,11 +152,24 @@ class ProfiledCostModel:
             "context": max(r.num_computed_tokens + r.num_tokens for o in outs
                            for r in o.scheduled),
         }  # fmt: skip
-        self._warned: set[str] = set()
+        self._warned = set()
+        if num_speculative_tokens and not self._spec.ready:
+            self._warn_no_verify_points(num_speculative_tokens, stacklevel=3)
+
+    @property
+    def prices_speculation(self) -> bool:
+        """The profile holds verify points (and the drafter's times) to price a
+        speculating engine's steps from."""
+        return self._spec.ready
 
     # --- the CostModel protocol -------------------------------------------------
 
     def step_time(self, out: SchedulerOutput) -> float:
+        return self._price(out, self.num_speculative_tokens)
+
+    def _price(self, out: SchedulerOutput, num_drafts: int) -> float:
+        """`out` followed by the drafter proposing `num_drafts` drafts (0: as many as a
+        request of the step verifies; none: no drafter)."""
         scheduled = out.scheduled
         if not scheduled:
             return 0.0
@@ -166,10 +192,46 @@ class ProfiledCostModel:
         n = len(scheduled)
         if tokens > lim["tokens"] * m or n > lim["reqs"] * m or longest > lim["context"] * m:
             self._warn_range(tokens, n, longest)
+        effective = max(1.0, float(ctx_max if n <= ONE_WAVE_BATCH else ctx_sum / n))
+        if eager and not num_drafts:  # drafts to verify: a drafter proposed them
+            num_drafts = max(len(r.draft_token_ids) for r in scheduled)
+        if num_drafts:
+            return self._price_speculative(out, num_drafts, float(n), effective)
         if not eager and self._decode.ready:
-            effective = ctx_max if n <= _ONE_WAVE_BATCH else ctx_sum / n
-            return self._decode.predict_at(float(n), max(1.0, float(effective)), out)
+            return self._decode.predict_at(float(n), effective)
         return self._physics(out)
+
+    def _price_speculative(
+        self, out: SchedulerOutput, num_drafts: int, n: float, effective: float
+    ) -> float:
+        """A speculating engine's step: the target part (verify surfaces for uniform
+        decode-like steps, else the plain fit's physics), then the drafter's."""
+        drafts = 0
+        uniform = True  # no prompt chunk, every request its token plus its drafts
+        for r in out.scheduled:
+            d = len(r.draft_token_ids)
+            drafts += d
+            if r.is_prompt or r.num_tokens != 1 + d:
+                uniform = False
+        spec = self._spec
+        if not spec.ready:
+            self._warn_no_verify_points(num_drafts)
+        if uniform and self._decode.ready:
+
+            def decode() -> float:
+                return self._decode.predict_at(n, effective)
+
+            if spec.ready:
+                if drafts / n > spec.profile_drafts:
+                    self._warn_beyond_drafts(drafts / n)
+                target = spec.target_time(out, n, effective, drafts / n, decode)
+            else:
+                target = fallback_target(self._analytic, out, decode())
+        else:
+            target = self._physics(out)
+        if spec.ready:
+            return target + spec.drafter_time(out, num_drafts)
+        return target + self._analytic.drafter_seconds(out, num_drafts)
 
     def _physics(self, out: SchedulerOutput) -> float:
         return sum(f * c for f, c in zip(self.features(out), self._coef))
@@ -202,7 +264,7 @@ class ProfiledCostModel:
             tokens += q
             if q > 1:
                 eager = True
-            else:
+            if q == 1 or not r.is_prompt:  # a decode (verifying drafts or not): absorbed path
                 has_decode = True
                 if r.num_computed_tokens > dec_ctx:
                     dec_ctx = r.num_computed_tokens
@@ -229,6 +291,31 @@ class ProfiledCostModel:
             return
         self._warn_range(tokens, reqs, ctx)
 
+    def _warn_no_verify_points(self, k: int, stacklevel: int = 5) -> None:
+        if "verify" in self._warned:
+            return
+        self._warned.add("verify")
+        warnings.warn(
+            f"profiled cost model ({self.profile_name}): the engine speculates ({k} drafts "
+            "a step) but the profile has no verify points nor drafter times (measure them "
+            f"with `deepinfer profile --num-speculative-tokens {k}`, plus --add-mtp-layer for "
+            "a model that ships none); verify steps and the "
+            "MTP drafter are priced by the analytic physics (verify steps: the measured "
+            "decode step scaled by the analytic ratio)",
+            stacklevel=stacklevel,
+        )
+
+    def _warn_beyond_drafts(self, mean: float) -> None:
+        if "drafts" in self._warned:
+            return
+        self._warned.add("drafts")
+        warnings.warn(
+            f"profiled cost model ({self.profile_name}): a step verifies {mean:.1f} drafts a "
+            f"request, beyond the profile's verify points (at most "
+            f"{self._spec.profile_drafts}); scaled from those by the analytic physics",
+            stacklevel=5,
+        )
+
     def _warn_range(self, tokens: int, reqs: int, ctx: int) -> None:
         seen = {"tokens": tokens, "reqs": reqs, "context": ctx}
         for key, value in seen.items():
@@ -238,117 +325,5 @@ class ProfiledCostModel:
                 warnings.warn(
                     f"profiled cost model ({self.profile_name}): a step with {value} {key} "
                     f"extrapolates beyond the profile (largest measured: {limit})",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
-
-
-class _DecodeSurface:
-    """Measured pure-decode step times on a batch x context grid: monotone, interpolated
-    in (log2 batch, log2 mean context); the physics model scales beyond the grid."""
-
-    def __init__(
-        self,
-        outs: list[SchedulerOutput],
-        times: np.ndarray,
-        physics: Callable[[SchedulerOutput], float],
-    ) -> None:
-        self._physics = physics
-        coords = [self._coords(o) for o in outs]
-        self.batches = np.array(sorted({b for b, _ in coords}), dtype=float)
-        self.contexts = np.array(sorted({c for _, c in coords}), dtype=float)
-        self.ready = len(self.batches) >= 2 and len(self.contexts) >= 2
-        if not self.ready:
-            return
-        grid = np.full((len(self.batches), len(self.contexts)), np.nan)
-        for (b, c), t in zip(coords, times):
-            grid[np.searchsorted(self.batches, b), np.searchsorted(self.contexts, c)] = t
-        for i, b in enumerate(self.batches):  # an unmeasured node: physics from a neighbour
-            for j, c in enumerate(self.contexts):
-                if np.isnan(grid[i, j]):
-                    grid[i, j] = self._scaled(grid, i, j, b, c)
-        self.grid = _monotone(_monotone(grid, axis=0), axis=1)
-        self._grid = self.grid.tolist()
-        self._log_batches = [math.log2(b) for b in self.batches]
-        self._log_contexts = [math.log2(c) for c in self.contexts]
-        self._bounds = (
-            float(self.batches[0]),
-            float(self.batches[-1]),
-            float(self.contexts[0]),
-            float(self.contexts[-1]),
-        )
-
-    @staticmethod
-    def _coords(out: SchedulerOutput) -> tuple[float, float]:
-        """(batch, effective context). Split-KV decode cuts every request into as many
-        pieces as fill one wave of the GPU, so while the batch fits one wave the step
-        waits for the longest request: its context counts. Beyond, the mean does."""
-        n = len(out.scheduled)
-        ctx = [r.num_computed_tokens for r in out.scheduled]
-        effective = max(ctx) if n <= _ONE_WAVE_BATCH else sum(ctx) / n
-        return float(n), max(1.0, float(effective))
-
-    def _synthetic(self, batch: float, context: float) -> SchedulerOutput:
-        return shape_output([[round(batch), 1, round(context), False]])
-
-    def _scaled(self, grid: np.ndarray, i: int, j: int, b: float, c: float) -> float:
-        present = [
-            (abs(i - ii) + abs(j - jj), ii, jj)
-            for ii in range(grid.shape[0])
-            for jj in range(grid.shape[1])
-            if not np.isnan(grid[ii, jj])
-        ]
-        _, ii, jj = min(present)
-        ref = self._physics(self._synthetic(self.batches[ii], self.contexts[jj]))
-        return float(grid[ii, jj] * self._physics(self._synthetic(b, c)) / ref)
-
-    def predict(self, out: SchedulerOutput) -> float:
-        b, c = self._coords(out)
-        return self.predict_at(b, c, out)
-
-    def predict_at(self, b: float, c: float, out: SchedulerOutput) -> float:
-        """`predict` with the step's (batch, effective context) already known."""
-        b_lo, b_hi, c_lo, c_hi = self._bounds
-        bc = b_lo if b < b_lo else b_hi if b > b_hi else b
-        cc = c_lo if c < c_lo else c_hi if c > c_hi else c
-        value = self._interpolate(bc, cc)
-        if (bc, cc) != (b, c):  # beyond the grid: the physics of the excess
-            value *= self._physics(out) / self._physics(self._synthetic(bc, cc))
-        return value
-
-    def _interpolate(self, b: float, c: float) -> float:
-        xb, xc = self._log_batches, self._log_contexts
-        lb, lc = math.log2(b), math.log2(c)
-        i = min(max(bisect.bisect_left(xb, lb) - 1, 0), len(xb) - 2)
-        j = min(max(bisect.bisect_left(xc, lc) - 1, 0), len(xc) - 2)
-        u = (lb - xb[i]) / (xb[i + 1] - xb[i])
-        v = (lc - xc[j]) / (xc[j + 1] - xc[j])
-        g = self._grid
-        return (
-            (1 - u) * (1 - v) * g[i][j]
-            + u * (1 - v) * g[i + 1][j]
-            + (1 - u) * v * g[i][j + 1]
-            + u * v * g[i + 1][j + 1]
-        )
-
-
-def _monotone(values: np.ndarray, axis: int) -> np.ndarray:
-    """Non-decreasing along `axis`, as close to the measurements as two envelopes allow:
-    the mean of the running maximum and the running minimum from the far end (both
-    monotone), so noise is split rather than always rounded up."""
-    up = np.maximum.accumulate(values, axis=axis)
-    flipped = np.flip(values, axis=axis)
-    down = np.flip(np.minimum.accumulate(flipped, axis=axis), axis=axis)
-    return (up + down) / 2
-
-
-def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative coefficients minimising the squared relative error of x @ c to y.
-    Columns are scaled to unit norm first so that their units do not matter."""
-    from scipy.optimize import nnls
-
-    w = 1.0 / y
-    xw = x * w[:, None]
-    scale = np.linalg.norm(xw, axis=0)
-    scale[scale == 0] = 1.0
-    coef, _ = nnls(xw / scale, y * w, maxiter=50 * x.shape[1])
-    return coef / scale

@@ -89,7 +89,19 @@ def simulate(
     engine = engine or EngineConfig()
     spec = model if isinstance(model, ModelConfig) else load_model_config(model)
     hw = hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
-    cost, cost_meta = resolve_cost_model(cost_model, spec, hw, profile)
+    if engine.num_speculative_tokens and not spec.num_nextn_predict_layers:
+        raise ValueError(
+            f"num_speculative_tokens={engine.num_speculative_tokens}: drafts come from the "
+            f"model's MTP layers and {spec.name} has none (num_nextn_predict_layers=0)"
+        )
+    cost, cost_meta = resolve_cost_model(
+        cost_model,
+        spec,
+        hw,
+        profile,
+        engine.num_speculative_tokens,
+        batch_invariant=engine.batch_invariant,
+    )
     if grammar_mask_per_token_s is None:
         grammar_mask_per_token_s = getattr(cost, "grammar_mask_per_token_s", 0.0)
     if not grammar_mask_per_token_s >= 0:
@@ -107,11 +119,6 @@ def simulate(
             speculative=engine.num_speculative_tokens > 0, expert_parallel_size=ep_size,
         )  # fmt: skip
     spec.check_max_model_len(engine.max_model_len)
-    if engine.num_speculative_tokens and not spec.num_nextn_predict_layers:
-        raise ValueError(
-            f"num_speculative_tokens={engine.num_speculative_tokens}: drafts come from the "
-            f"model's MTP layers and {spec.name} has none (num_nextn_predict_layers=0)"
-        )
     acceptance = acceptance_rate
     if isinstance(acceptance, (str, Path)):
         acceptance = AcceptanceModel.load(acceptance)

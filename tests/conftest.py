@@ -1,6 +1,10 @@
-"""Shared pytest setup: GPU tests skip without CUDA."""
+"""Shared pytest setup: GPU tests skip without CUDA, and give the device back after."""
 
 from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -20,3 +24,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _free_the_device(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a GPU test, collect what it left (engines hold reference cycles) so that the
+    next test's engine can take its gpu_memory_utilization of the device."""
+    yield
+    torch = sys.modules.get("torch")
+    if "gpu" in request.keywords and torch is not None and torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -27,6 +27,8 @@ ENGINE_HELP = {
     "data_parallel_size": "attention data-parallel ranks, each with its own scheduler and KV cache",
     "enable_expert_parallel": "shard the MoE experts over the data-parallel ranks "
     "(--expert-parallel alone means true)",
+    "batch_invariant": "bit-identical results per request whatever the batch "
+    "(DEEPINFER_BATCH_INVARIANT; CUDA only, slower)",
     "model": "model preset or config.json path",
     "hardware": "GPU preset (h200, h100, h800, b200)",
     "cost_model": "profiled, analytic or unit (default: profiled where a profile exists)",

@@ -2,7 +2,13 @@
 
 Writes the profile the simulator's profiled cost model fits (sim/data/profiles/ holds
 the shipped ones): start-up, a grid of whole steps (decode, prefill, mixed, many short
-prompts) with median and spread, and the core's host time per step.
+prompts) with median and spread, and the core's host time per step. With
+`--num-speculative-tokens K` the engine speculates, and the profile adds the steps of a
+speculating engine: verify steps (1 + k tokens a request, k = 1..K), decode steps and
+prompt chunks, each followed by the MTP drafter's proposal of K drafts (timed apart as
+`draft_s`); the grid above is then measured with the drafter detached, as a
+non-speculating engine runs it. `--add-mtp-layer` gives a model that ships no MTP layer
+one in its own shapes (dummy weights only; recorded in the profile's meta).
 """
 
 from __future__ import annotations
@@ -41,39 +47,74 @@ def add_profile_parser(sub: Any) -> None:
         help="dummy: random weights (default for presets, else auto)",
     )
     p.add_argument("--reps", type=int, default=5, help="timed runs of each grid point")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="passes over the grid, each with --reps runs of every point (on a shared "
+        "machine a burst of load then hits one round of a point, not all its runs)",
+    )
     p.add_argument("--quick", action="store_true", help="a small grid (tests, smoke runs)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--add-mtp-layer",
+        action="store_true",
+        help="give the model one MTP layer in its own shapes where it has none, so that "
+        "--num-speculative-tokens can profile verify steps (dummy weights only)",
+    )
     add_engine_options(p)
     p.set_defaults(func=run_profile)
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    import tempfile
+
     from tqdm import tqdm
 
     from deepinfer.engine import EngineCore
     from deepinfer.executor import get_executor_class
-    from deepinfer.model_config import known_models
-    from executors.profiler import default_grid, environment, profile_host, profile_steps
+    from deepinfer.model_config import known_models, write_config_with_mtp_layer
+    from executors.profile_grid import GridLimits, default_grid, run_slack, speculative_grid
+    from executors.profiler import drafter_detached, environment, profile_host, profile_steps
 
-    if args.reps < 1:
-        raise ValueError(f"--reps {args.reps}: must be >= 1")
+    if args.reps < 1 or args.rounds < 1:
+        raise ValueError(f"--reps {args.reps}, --rounds {args.rounds}: each must be >= 1")
     cfg = engine_config_from_args(args)
+    k = cfg.num_speculative_tokens
     load_format = args.load_format or ("dummy" if args.model in known_models() else "auto")
+    model = args.model
+    if args.add_mtp_layer:
+        if not k:
+            raise ValueError("--add-mtp-layer: only with --num-speculative-tokens > 0")
+        if load_format != "dummy":
+            raise ValueError(
+                f"--add-mtp-layer: the checkpoint of {args.model} has no MTP weights; the "
+                "added layer needs --load-format dummy"
+            )
+        model = str(write_config_with_mtp_layer(args.model, tempfile.mkdtemp(prefix="profile-")))
+    else:
+        _check_has_mtp(args.model, k)
     executor = get_executor_class("torch")(
-        cfg, args.model, dtype=args.dtype, device=args.device, load_format=load_format,
+        cfg, model, dtype=args.dtype, device=args.device, load_format=load_format,
         enforce_eager=args.enforce_eager,
     )  # fmt: skip
     engine = EngineCore(cfg, executor, model_max_len=executor.max_model_len)
     max_len = engine.scheduler.max_model_len
     capacity = executor.num_kv_blocks() * cfg.block_size
-    grid = default_grid(
-        cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len, capacity, quick=args.quick
-    )
+    limits = GridLimits(
+        cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len, capacity,
+        slack=run_slack(1 + k, k, args.reps),
+    )  # fmt: skip
+    grid = default_grid(limits, quick=args.quick)
+    if k:
+        grid += speculative_grid(k, limits, quick=args.quick)
     with tqdm(total=len(grid), desc="profiling", unit="step", file=sys.stderr) as bar:
         points = profile_steps(
-            executor, grid, reps=args.reps, seed=cfg.seed, on_point=lambda _: bar.update(1)
-        )
-    host = profile_host(engine, num_requests=24 if args.quick else 96, seed=cfg.seed)
+            executor, grid, reps=args.reps, seed=cfg.seed, on_point=lambda _: bar.update(1),
+            rounds=args.rounds,
+        )  # fmt: skip
+    with drafter_detached(executor.runner):  # the core's host work of a plain engine
+        host = profile_host(engine, num_requests=24 if args.quick else 96, seed=cfg.seed)
     warm = executor.warmup
     profile = {
         "version": PROFILE_VERSION,
@@ -83,8 +124,17 @@ def run_profile(args: argparse.Namespace) -> int:
             "dtype": str(executor.dtype).removeprefix("torch."),
             "load_format": load_format,
             "cuda_graphs": executor.runner.graphs is not None,
+            # Verify steps whose requests all score 1 + K tokens replay these graphs.
+            "verify_graphs": executor.runner.verify_graphs is not None,
+            # Batch-invariant kernels are slower: the simulator prices each mode only with
+            # a profile measured in it (sim/cost_model.py check_mode).
+            "batch_invariant": cfg.batch_invariant,
             # Steps up to this many tokens replay piecewise graphs; larger ones run eagerly.
             "piecewise_max_tokens": pw.max_size if (pw := executor.runner.piecewise) else 0,
+            # Drafts the MTP drafter proposes after each step of the speculative points.
+            "num_speculative_tokens": k,
+            # The model shipped no MTP layer: one in its shapes was added (dummy weights).
+            "mtp_layer_added": bool(args.add_mtp_layer),
             "engine": {
                 "block_size": cfg.block_size,
                 "max_num_seqs": cfg.max_num_seqs,
@@ -104,9 +154,29 @@ def run_profile(args: argparse.Namespace) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(profile, indent=1) + "\n")
     late = sum(p["compiled"] for p in points)
+    verify = sum(p["kind"] == "verify" for p in points)
     print(
-        f"profile: {len(points)} steps, {len(host)} host samples, start-up "
+        f"profile: {len(points)} steps ({verify} verify), {len(host)} host samples, start-up "
         f"{executor.startup_seconds:.1f} s, {late} kernel compiles after start-up -> {args.out}"
     )
     executor.shutdown()
     return 0
+
+
+def _check_has_mtp(model: str, k: int) -> None:
+    """Speculation drafts with the model's MTP layer: say how to add one where a local
+    config has none (the executor checks hub models itself)."""
+    from deepinfer.model_config import load_model_config
+
+    if not k:
+        return
+    try:
+        cfg = load_model_config(model)
+    except ValueError:
+        return
+    if not cfg.num_nextn_predict_layers:
+        raise ValueError(
+            f"--num-speculative-tokens {k}: {cfg.name} has no MTP layer to draft with "
+            "(num_nextn_predict_layers=0); add --add-mtp-layer to profile one in its "
+            "shapes with dummy weights"
+        )

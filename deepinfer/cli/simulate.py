@@ -232,7 +232,10 @@ def default_trace() -> Path:
 def _cost_model_line(meta: dict[str, Any]) -> str:
     name = meta.get("cost_model", "?")
     if meta.get("profile"):
-        return f"cost model: {name}, calibrated on {Path(meta['profile']).name}"
+        line = f"cost model: {name}, calibrated on {Path(meta['profile']).name}"
+        if meta.get("verify_steps") == "analytic":
+            line += " (verify steps and the drafter: uncalibrated, the profile has none)"
+        return line
     if not meta.get("calibrated"):
         return (
             f"cost model: {name} (uncalibrated: no profile of {meta['model']} on "

@@ -12,7 +12,7 @@ from torch import nn
 
 from deepinfer.model_config import ModelConfig
 from executors.attention import AttentionMetadata
-from executors.models.layers import GatedMLP, RMSNorm
+from executors.models.layers import GatedMLP, Linear, RMSNorm
 from executors.models.mla import MLAttention
 from executors.models.moe import MoE
 from executors.models.rope import RotaryEmbedding
@@ -75,7 +75,7 @@ class DeepseekForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DeepseekModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)
         self.mtp: nn.Module | None = None  # set by the loader when MTP weights exist
 

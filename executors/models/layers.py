@@ -1,4 +1,5 @@
-"""Small building blocks: RMSNorm and the gated SiLU MLP (dense layers, shared experts)."""
+"""Small building blocks: Linear, RMSNorm and the gated SiLU MLP (dense layers, shared
+experts)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops as kernel_ops
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state_dict) whose matmul is kernels.ops.linear:
+    cuBLAS, or with `batch_invariant` set (executors/batch_invariant.py) the fixed-config
+    Triton GEMM, so a token's projection never depends on the rest of the batch."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.batch_invariant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]
+        return kernel_ops.linear(x, self.weight, self.bias, self.batch_invariant)
 
 
 class RMSNorm(nn.Module):
@@ -28,9 +43,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]

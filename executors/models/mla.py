@@ -14,7 +14,7 @@ from torch import nn
 
 from deepinfer.model_config import ModelConfig
 from executors.attention import AttentionMetadata, gather_latent_cache
-from executors.models.layers import RMSNorm
+from executors.models.layers import Linear, RMSNorm
 from executors.models.rope import softmax_scale
 from kernels import ops as kernel_ops
 
@@ -33,15 +33,19 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(cfg)
         bias = cfg.attention_bias
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, h * cfg.qk_head_dim, bias=False)
+            self.q_proj = Linear(hidden, h * cfg.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, cfg.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, cfg.kv_entry_dim, bias=bias)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, cfg.kv_entry_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(h * self.v_dim, hidden, bias=bias)
+        # Batch-invariant mode (executors/batch_invariant.py): the absorbed products run on
+        # the fixed-config GEMM and decode attention cuts keys at multiples of this.
+        self.batch_invariant = False
+        self.decode_keys_per_split: int | None = None
 
     def forward(
         self,
@@ -107,7 +111,10 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """Absorbed: q_nope [Td, H, dn], q_pe [Td, H, R] -> [Td, H, dv]."""
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [Td, H, L]
+        if self.batch_invariant:  # per head: [H, Td, dn] @ [H, dn, L]
+            q_lat = kernel_ops.bmm(q_nope.transpose(0, 1), w_uk, True).transpose(0, 1)
+        else:
+            q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [Td, H, L]
         n = md.num_decode_reqs
         o_lat = kernel_ops.mla_decode_attention(
             torch.cat([q_lat, q_pe], dim=-1),  # [Td, H, L + R]
@@ -117,7 +124,10 @@ class MLAttention(nn.Module):
             md.query_start_loc[: n + 1],
             self.kv_lora_rank,
             self.scale,
+            keys_per_split=self.decode_keys_per_split,
         )  # [Td, H, L]
+        if self.batch_invariant:  # per head: [H, Td, L] @ [H, L, dv]
+            return kernel_ops.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), True).transpose(0, 1)
         return torch.einsum("thl,hvl->thv", o_lat, w_uv)  # [Td, H, dv]
 
     def _prefill(
@@ -136,5 +146,5 @@ class MLAttention(nn.Module):
         return kernel_ops.mla_prefill_attention(
             q_nope, q_pe, k_nope, k_pe, v,  # k_pe: [S, R], shared by all heads
             md.prefill_cu_seqlens_q, md.prefill_cu_seqlens_k, md.prefill_max_query_len,
-            self.scale,
+            self.scale, batch_invariant=self.batch_invariant,
         )  # fmt: skip

@@ -37,6 +37,7 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts))
         else:
             self.register_parameter("e_score_correction_bias", None)
+        self.batch_invariant = False  # set by executors/batch_invariant.py
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> weights [T, top_k] float32, expert ids [T, top_k] int64
@@ -45,6 +46,7 @@ class Router(nn.Module):
             x, self.weight, self.e_score_correction_bias, self.top_k, self.scoring_func,
             self.topk_method, self.n_group, self.topk_group, self.norm_topk_prob,
             self.scale_after_norm, self.routed_scaling_factor,
+            batch_invariant=self.batch_invariant,
         )  # fmt: skip
 
 
@@ -62,11 +64,15 @@ class Experts(nn.Module):
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.batch_invariant = False  # set by executors/batch_invariant.py
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden], weights/ids: [T, k] -> [T, hidden] (kernels.ops.fused_moe:
         float32 accumulation over the k experts of a token)."""
-        return kernel_ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return kernel_ops.fused_moe(
+            x, self.gate_up_proj, self.down_proj, weights, ids,
+            batch_invariant=self.batch_invariant,
+        )  # fmt: skip
 
 
 class MoE(nn.Module):

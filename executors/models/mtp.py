@@ -20,7 +20,7 @@ from torch import nn
 from deepinfer.model_config import ModelConfig
 from executors.attention import AttentionMetadata
 from executors.models.deepseek import DecoderLayer, DeepseekForCausalLM
-from executors.models.layers import RMSNorm
+from executors.models.layers import Linear, RMSNorm
 
 
 class SharedHead(nn.Module):
@@ -34,7 +34,7 @@ class MTPLayer(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         # MTP blocks are MoE whenever the model has routed experts (checkpoint index >= dense).
         self.block = DecoderLayer(cfg, layer_idx)
         self.shared_head = SharedHead(cfg)

@@ -59,7 +59,10 @@ def run_point(task: PointTask, ctx: SweepContext) -> dict[str, Any]:
     cfg = task.config
     row: dict[str, Any] = {"config_key": cfg.key, "rate": task.rate}
     try:
-        cost, cost_meta = _cost_model(cfg.model, cfg.hardware, cfg.cost_model)
+        engine = cfg.engine_config()
+        cost, cost_meta = _cost_model(
+            cfg.model, cfg.hardware, cfg.cost_model, engine.num_speculative_tokens
+        )
     except Exception as e:  # e.g. cost_model 'profiled' where no profile exists
         return row | {"status": "invalid", "meets_slo": False, "reason": _one_line(e)}
     row |= {"cost_model": cost_meta["cost_model"], "calibrated": cost_meta["calibrated"]}
@@ -74,7 +77,7 @@ def run_point(task: PointTask, ctx: SweepContext) -> dict[str, Any]:
                 trace,
                 _model(cfg.model),
                 cfg.hardware,
-                cfg.engine_config(),
+                engine,
                 cost,
                 slo=slo,
                 acceptance_rate=cfg.acceptance_rate,
@@ -123,10 +126,14 @@ def _model(name: str) -> Any:
 
 
 @functools.lru_cache(maxsize=16)
-def _cost_model(model: str, hardware: str, name: str | None) -> tuple[Any, dict[str, Any]]:
+def _cost_model(
+    model: str, hardware: str, name: str | None, num_speculative_tokens: int
+) -> tuple[Any, dict[str, Any]]:
     """Resolved once per worker process: fitting a profile costs more than a short run,
     and a cost model is pure (the same step always costs the same)."""
     from sim.cost_model import resolve_cost_model
     from sim.hardware import get_hardware
 
-    return resolve_cost_model(name, _model(model), get_hardware(hardware))
+    return resolve_cost_model(
+        name, _model(model), get_hardware(hardware), num_speculative_tokens=num_speculative_tokens
+    )

@@ -10,7 +10,6 @@ from deepinfer import EngineConfig
 @pytest.mark.parametrize(
     "name",
     [
-        "DEEPINFER_BATCH_INVARIANT",
         "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE",
         "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS",
     ],
@@ -39,6 +38,23 @@ def test_variable_length_drafts_turn_speculation_on_up_to_the_nextn_length(monke
     monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE")
     assert EngineConfig().num_speculative_tokens == 0
     assert EngineConfig(enable_mtp_varlen=True).num_speculative_tokens == 5
+
+
+def test_batch_invariant_comes_from_the_variable_and_an_argument_overrides_it(
+    monkeypatch,
+) -> None:
+    """DEEPINFER_BATCH_INVARIANT=1 is EngineConfig.batch_invariant's default; LLM(...)
+    kwargs and the CLI take the same name (EngineConfig.from_dict)."""
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
+    assert EngineConfig().batch_invariant is False
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    assert EngineConfig().batch_invariant is True
+    assert EngineConfig(batch_invariant=False).batch_invariant is False
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "off")
+    assert EngineConfig().batch_invariant is False
+    assert EngineConfig.from_dict({"batch_invariant": True}).batch_invariant is True
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(batch_invariant="yes")  # type: ignore[arg-type]
 
 
 def test_unknown_engine_option_is_named() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from deepinfer.config import EngineConfig
 from deepinfer.data_parallel import LeastLoadBalancer, RankLoad
 from deepinfer.data_parallel.front_end import DataParallelEngine, RankFailed
 from deepinfer.data_parallel.protocol import RankInfo, StepCommand, StepReply, Stop
@@ -179,3 +180,19 @@ def test_an_interrupted_step_leaves_no_reply_unread() -> None:
     while dp.has_unfinished():
         dp.step()
     assert [r.output_token_ids for r in reqs] == [[1004 + i for i in range(5)]] * 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({}, "needs data_parallel_size > 1"),
+        ({"data_parallel_size": 2, "num_speculative_tokens": 1}, "MTP drafts"),
+        ({"data_parallel_size": 2, "async_scheduling": True}, "async_scheduling=True"),
+        ({"data_parallel_size": 2, "batch_invariant": True}, "batch_invariant=True"),
+    ],
+)
+def test_expert_parallel_layouts_it_cannot_serve_are_refused_by_name(
+    fields: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(enable_expert_parallel=True, **fields)  # type: ignore[arg-type]

@@ -139,3 +139,13 @@ def test_request_rate_retimes_the_trace_as_a_seeded_poisson_process(tmp_path) ->
         proc = run_cli("simulate", "--no-progress", *bad)
         assert proc.returncode == 2 and "--request-rate" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_batch_invariant_simulation_without_a_profile_of_the_mode_exits_2() -> None:
+    """`--batch-invariant true` (or DEEPINFER_BATCH_INVARIANT=1) is never priced at
+    normal-mode speed: with no profile measured in the mode the command says how to
+    measure one."""
+    proc = run_cli("simulate", "--no-progress", "--batch-invariant", "true")
+    assert proc.returncode == 2, proc.stderr
+    assert "deepinfer profile --model moonlight-16b-a3b --batch-invariant true" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.executors.batch_invariant_model import POW2_SPEC
 from tests.executors.tiny_models import SPECS, TinyModel, save_tiny
 
 
@@ -22,3 +23,9 @@ def tiny_models(tiny_root: Path) -> dict[str, TinyModel]:
 @pytest.fixture(params=sorted(SPECS))
 def tiny(request: pytest.FixtureRequest, tiny_models: dict[str, TinyModel]) -> TinyModel:
     return tiny_models[request.param]
+
+
+@pytest.fixture(scope="session")
+def pow2_model(tiny_root: Path) -> TinyModel:
+    """Power-of-two MLA widths: a model batch-invariant mode's Triton kernels all take."""
+    return save_tiny("pow2", tiny_root, spec=POW2_SPEC)

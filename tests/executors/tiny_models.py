@@ -134,7 +134,10 @@ class TinyModel:
     mtp: torch.nn.Module | None  # transformers' MtpModel sharing hf's embedding and head
 
 
-def build_hf(name: str, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+def build_hf(
+    name: str, seed: int = 0, spec: dict[str, Any] | None = None
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """spec: a model outside SPECS (COMMON's keys it names are replaced)."""
     from transformers import (
         DeepseekV2Config,
         DeepseekV2ForCausalLM,
@@ -142,7 +145,7 @@ def build_hf(name: str, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module
         DeepseekV3ForCausalLM,
     )
 
-    spec = SPECS[name]
+    spec = SPECS[name] if spec is None else spec
     kwargs = {**COMMON, **{k: v for k, v in spec.items() if k not in _TEST_KEYS}}
     v3 = spec["arch"] == "v3"
     cfg = (DeepseekV3Config if v3 else DeepseekV2Config)(**kwargs)
@@ -175,9 +178,11 @@ def _randomise(module: torch.nn.Module, gen: torch.Generator) -> None:
             b.copy_(0.05 * torch.randn(b.shape, generator=gen))
 
 
-def save_tiny(name: str, root: Path, seed: int = 0) -> TinyModel:
-    spec = SPECS[name]
-    hf, mtp = build_hf(name, seed)
+def save_tiny(
+    name: str, root: Path, seed: int = 0, spec: dict[str, Any] | None = None
+) -> TinyModel:
+    spec = SPECS[name] if spec is None else spec
+    hf, mtp = build_hf(name, seed, spec)
     path = root / name
     hf.save_pretrained(path, max_shard_size="60KB" if spec.get("shard") else "1GB")
     if mtp is not None:

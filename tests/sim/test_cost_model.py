@@ -290,3 +290,29 @@ def test_step_time_is_cheap_for_a_full_batch(h200_model: AnalyticCostModel) -> N
     for _ in range(200):
         h200_model.step_time(out)
     assert (time.perf_counter() - start) / 200 < 1e-3  # ~30 us typical; loose for slow CI
+
+
+def test_a_speculating_engine_pays_for_the_drafter_after_every_step(
+    moonlight: ModelConfig,
+) -> None:
+    """The real engine runs the MTP drafter after every step once it speculates: a decode
+    step (no drafts to verify yet) and a prompt chunk cost more than without speculation,
+    a verify step pays for the engine's K drafts (not only the k it verifies), and more
+    drafts proposed cost more."""
+    hw, coeffs = get_hardware("h200"), load_cost_coefficients()
+    plain = AnalyticCostModel(moonlight, hw, coeffs)
+    spec = {k: AnalyticCostModel(moonlight, hw, coeffs, num_speculative_tokens=k) for k in (1, 3)}
+    for out in (decode_step(8, 1000), prefill_step(2048)):
+        assert plain.step_time(out) < spec[1].step_time(out) < spec[3].step_time(out)
+        assert "mtp" in spec[1].breakdown(out) and "mtp" not in plain.breakdown(out)
+    verify = SchedulerOutput(0, [_req(i, 2, 1000, prompt=False, drafts=1) for i in range(8)])
+    assert spec[1].step_time(verify) < spec[3].step_time(verify)
+    # Without the engine's K, a step's drafts say that the engine speculates.
+    assert plain.step_time(verify) == pytest.approx(spec[1].step_time(verify))
+    # A chunk that ends before its prompt drafts nothing: no chained passes, no head.
+    mid = prefill_step(2048, samples=False)
+    assert spec[1].breakdown(mid)["mtp"].seconds == pytest.approx(
+        spec[3].breakdown(mid)["mtp"].seconds
+    )
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        AnalyticCostModel(moonlight, hw, coeffs, num_speculative_tokens=-1)

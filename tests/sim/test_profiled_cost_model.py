@@ -55,6 +55,27 @@ def test_monotone_in_tokens_context_and_batch(path) -> None:
         assert mixed == sorted(mixed)
 
 
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_a_decode_step_waits_for_its_longest_request_past_the_grid_too(path) -> None:
+    """While the batch fits one wave of split-KV programs, a decode step takes as long as
+    the longest request's pieces: one request past the grid's longest context beside
+    short ones costs at least what the grid measured for all of them at that context
+    (DeepSeek-V2-Lite on the Mooncake trace: 36 requests, one at 87k, took 38 ms; the
+    extrapolation by the batch's mean context said 13 ms)."""
+    cm = _model(path)
+    top = int(cm._decode.contexts[-1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for batch in (8, 36, 120):
+            at_edge = cm.step_time(shape_output([[batch, 1, top, False]]))
+            times = [
+                cm.step_time(shape_output([[batch - 1, 1, 2000, False], [1, 1, c, False]]))
+                for c in (top, top * 4 // 3, top * 2)
+            ]
+            assert times == sorted(times)
+            assert times[1] >= at_edge, (batch, times, at_edge)
+
+
 def test_warns_once_when_a_step_is_beyond_the_profile() -> None:
     cm = _model(PROFILES_DIR / "moonlight-16b-a3b__h200.json")
     with pytest.warns(UserWarning, match="extrapolates beyond the profile"):

@@ -1,0 +1,163 @@
+"""Fitting measured steps: the profiled cost models' building blocks.
+
+StepSurface holds measured times of uniform decode-like steps (B requests, each of the
+same query: one token, or 1 + k when verifying k drafts) on a batch x context grid, made
+monotone and interpolated in log space; nnls_relative fits non-negative coefficients on
+relative error.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from deepinfer.outputs import ScheduledRequest, SchedulerOutput
+
+ONE_WAVE_BATCH = 256  # decode batches up to this many requests run as one wave of splits
+
+
+def shape_output(groups: list[list[Any]]) -> SchedulerOutput:
+    """A SchedulerOutput of a profile point's shape: [count, query, context, is_prompt]
+    and, for verify requests, the drafts each verifies (the last of its query tokens)."""
+    scheduled = []
+    for count, q, ctx, is_prompt, *rest in groups:
+        drafts = list(range(int(rest[0]))) if rest else []
+        for i in range(int(count)):
+            scheduled.append(ScheduledRequest(
+                req_id=f"{len(scheduled)}.{i}", num_tokens=int(q), num_computed_tokens=int(ctx),
+                is_prompt=bool(is_prompt), samples=True, new_block_ids=[],
+                draft_token_ids=drafts,
+            ))  # fmt: skip
+    return SchedulerOutput(step_id=0, scheduled=scheduled)
+
+
+class StepSurface:
+    """Measured times of uniform decode-like steps (every request `drafts` + 1 tokens:
+    pure decode, or verifying that many drafts) on a batch x context grid: monotone,
+    interpolated in (log2 batch, log2 effective context); the physics model scales
+    beyond the grid."""
+
+    def __init__(
+        self,
+        outs: list[SchedulerOutput],
+        times: np.ndarray,
+        physics: Callable[[SchedulerOutput], float],
+        drafts: int = 0,
+    ) -> None:
+        self._physics = physics
+        self.drafts = drafts
+        coords = [self._coords(o) for o in outs]
+        self.batches = np.array(sorted({b for b, _ in coords}), dtype=float)
+        self.contexts = np.array(sorted({c for _, c in coords}), dtype=float)
+        self.ready = len(self.batches) >= 2 and len(self.contexts) >= 2
+        if not self.ready:
+            return
+        grid = np.full((len(self.batches), len(self.contexts)), np.nan)
+        for (b, c), t in zip(coords, times):
+            grid[np.searchsorted(self.batches, b), np.searchsorted(self.contexts, c)] = t
+        for i, b in enumerate(self.batches):  # an unmeasured node: physics from a neighbour
+            for j, c in enumerate(self.contexts):
+                if np.isnan(grid[i, j]):
+                    grid[i, j] = self._scaled(grid, i, j, b, c)
+        self.grid = monotone(monotone(grid, axis=0), axis=1)
+        self._grid = self.grid.tolist()
+        self._log_batches = [math.log2(b) for b in self.batches]
+        self._log_contexts = [math.log2(c) for c in self.contexts]
+        self._bounds = (
+            float(self.batches[0]),
+            float(self.batches[-1]),
+            float(self.contexts[0]),
+            float(self.contexts[-1]),
+        )
+
+    @staticmethod
+    def _coords(out: SchedulerOutput) -> tuple[float, float]:
+        """(batch, effective context). Split-KV decode cuts every request into as many
+        pieces as fill one wave of the GPU, so while the batch fits one wave the step
+        waits for the longest request: its context counts. Beyond, the mean does."""
+        n = len(out.scheduled)
+        ctx = [r.num_computed_tokens for r in out.scheduled]
+        effective = max(ctx) if n <= ONE_WAVE_BATCH else sum(ctx) / n
+        return float(n), max(1.0, float(effective))
+
+    def _synthetic(self, batch: float, context: float) -> SchedulerOutput:
+        k = self.drafts
+        return shape_output([[round(batch), 1 + k, round(context), False, k]])
+
+    def _scaled(self, grid: np.ndarray, i: int, j: int, b: float, c: float) -> float:
+        present = [
+            (abs(i - ii) + abs(j - jj), ii, jj)
+            for ii in range(grid.shape[0])
+            for jj in range(grid.shape[1])
+            if not np.isnan(grid[ii, jj])
+        ]
+        _, ii, jj = min(present)
+        ref = self._physics(self._synthetic(self.batches[ii], self.contexts[jj]))
+        return float(grid[ii, jj] * self._physics(self._synthetic(b, c)) / ref)
+
+    def raise_to(self, other: StepSurface) -> None:
+        """Never below `other` where both measured the same nodes (a surface of more
+        drafts to verify over one of fewer: noise must not make more work cheaper)."""
+        if np.array_equal(self.batches, other.batches) and np.array_equal(
+            self.contexts, other.contexts
+        ):
+            self.grid = np.maximum(self.grid, other.grid)
+            self._grid = self.grid.tolist()
+
+    def predict(self, out: SchedulerOutput) -> float:
+        return self.predict_at(*self._coords(out))
+
+    def predict_at(self, b: float, c: float) -> float:
+        """The step time at (batch, effective context)."""
+        b_lo, b_hi, c_lo, c_hi = self._bounds
+        bc = b_lo if b < b_lo else b_hi if b > b_hi else b
+        cc = c_lo if c < c_lo else c_hi if c > c_hi else c
+        value = self._interpolate(bc, cc)
+        if (bc, cc) != (b, c):
+            # Beyond the grid: the physics of the excess, at the same effective context
+            # the grid is indexed by. The step's own shape would price the mean context
+            # and undo the longest request's wait (one wave: the step waits for it).
+            value *= self._physics(self._synthetic(b, c)) / self._physics(self._synthetic(bc, cc))
+        return value
+
+    def _interpolate(self, b: float, c: float) -> float:
+        xb, xc = self._log_batches, self._log_contexts
+        lb, lc = math.log2(b), math.log2(c)
+        i = min(max(bisect.bisect_left(xb, lb) - 1, 0), len(xb) - 2)
+        j = min(max(bisect.bisect_left(xc, lc) - 1, 0), len(xc) - 2)
+        u = (lb - xb[i]) / (xb[i + 1] - xb[i])
+        v = (lc - xc[j]) / (xc[j + 1] - xc[j])
+        g = self._grid
+        return (
+            (1 - u) * (1 - v) * g[i][j]
+            + u * (1 - v) * g[i + 1][j]
+            + (1 - u) * v * g[i][j + 1]
+            + u * v * g[i + 1][j + 1]
+        )
+
+
+def monotone(values: np.ndarray, axis: int) -> np.ndarray:
+    """Non-decreasing along `axis`, as close to the measurements as two envelopes allow:
+    the mean of the running maximum and the running minimum from the far end (both
+    monotone), so noise is split rather than always rounded up."""
+    up = np.maximum.accumulate(values, axis=axis)
+    flipped = np.flip(values, axis=axis)
+    down = np.flip(np.minimum.accumulate(flipped, axis=axis), axis=axis)
+    return (up + down) / 2
+
+
+def nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative coefficients minimising the squared relative error of x @ c to y.
+    Columns are scaled to unit norm first so that their units do not matter."""
+    from scipy.optimize import nnls
+
+    w = 1.0 / y
+    xw = x * w[:, None]
+    scale = np.linalg.norm(xw, axis=0)
+    scale[scale == 0] = 1.0
+    coef, _ = nnls(xw / scale, y * w, maxiter=50 * x.shape[1])
+    return coef / scale

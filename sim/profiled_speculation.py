@@ -1,0 +1,132 @@
+"""The steps of a speculating engine, priced from a profile's speculative points.
+
+`deepinfer profile --num-speculative-tokens K` measures, beside the plain grid, steps
+each followed by the MTP drafter's proposal of K drafts (the real engine drafts after
+every step once it speculates), the drafter's share timed apart (`draft_s`):
+
+  verify        B requests of 1 + k tokens over a context, k = 1..K
+  spec_decode   B requests of one token (no drafts to verify yet)
+  spec_prefill  a prompt chunk (the drafter's first pass covers all its positions)
+
+A step is priced as its target part plus the drafter's:
+
+  target   uniform decode-like steps (no prompt chunk, every request 1 + its drafts)
+           from the measured grids: the plain decode surface at k = 0, one verify
+           surface (measured minus the drafter) per k, linear in the step's mean k
+           between them, never cheaper than fewer drafts; past the profile's K the
+           analytic model scales the K surface. Other steps: the plain fit's physics.
+  drafter  a non-negative fit of `draft_s` on the analytic model's drafter parts (passes,
+           pass 1 over the step's tokens, the chained passes, drafts proposed), so it
+           follows the engine's K even where the profile drafted another number.
+
+A profile without verify points cannot price these: `ProfiledCostModel` then warns and
+falls back to the analytic physics (fallback_target, AnalyticCostModel.drafter_seconds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from deepinfer.outputs import SchedulerOutput
+from sim.analytic_cost_model import AnalyticCostModel
+from sim.profile_fit import StepSurface, nnls_relative
+
+
+class SpeculativeSteps:
+    """Verify surfaces and the drafter's fit from a profile's speculative points."""
+
+    def __init__(
+        self,
+        points: list[dict[str, Any]],
+        outs: list[SchedulerOutput],
+        analytic: AnalyticCostModel,
+        physics: Callable[[SchedulerOutput], float],
+    ) -> None:
+        self._analytic = analytic
+        spec = [(p, o) for p, o in zip(points, outs) if p.get("drafter")]
+        # Drafts the profile's drafter proposed (verify surfaces exist for k = 1..this).
+        self.profile_drafts = max((int(p["drafter"]) for p, _ in spec), default=0)
+        self.surfaces: dict[int, StepSurface] = {}
+        for k in range(1, self.profile_drafts + 1):
+            at_k = [(p, o) for p, o in spec if p["kind"] == "verify" and _uniform_k(o) == k]
+            target = np.array([p["median_s"] - p["draft_s"] for p, _ in at_k], dtype=float)
+            surface = StepSurface([o for _, o in at_k], target, physics, drafts=k)
+            if not surface.ready:
+                self.surfaces = {}
+                break
+            self.surfaces[k] = surface
+        self.ready = bool(self.surfaces)
+        if not self.ready:
+            return
+        x = np.array([analytic.drafter_parts(o, int(p["drafter"])) for p, o in spec])
+        y = np.array([p["draft_s"] for p, _ in spec], dtype=float)
+        self.drafter_coef = [float(c) for c in nnls_relative(x, y)]
+        self._no_cheaper_than_fewer_drafts()
+
+    def _no_cheaper_than_fewer_drafts(self) -> None:
+        """Verify surfaces non-decreasing in k where their grids share nodes (a step with
+        more tokens to score is never faster; noise aside)."""
+        ks = sorted(self.surfaces)
+        for lo, hi in zip(ks, ks[1:]):
+            self.surfaces[hi].raise_to(self.surfaces[lo])
+
+    def drafter_time(self, out: SchedulerOutput, num_drafts: int) -> float:
+        parts = self._analytic.drafter_parts(out, num_drafts)
+        return sum(f * c for f, c in zip(parts, self.drafter_coef))
+
+    def target_time(
+        self,
+        out: SchedulerOutput,
+        batch: float,
+        context: float,
+        mean_drafts: float,
+        decode: Callable[[], float],
+    ) -> float:
+        """A uniform decode-like step of `batch` requests verifying `mean_drafts` drafts
+        each on average, at the surfaces' effective `context`; decode(): the plain
+        decode surface's time of the same batch (k = 0)."""
+        top = self.profile_drafts
+        hi = min(math.ceil(mean_drafts), top)
+        value = prev = decode()
+        values = [value]
+        for k in range(1, hi + 1):
+            prev = max(prev, self.surfaces[k].predict_at(batch, context))
+            values.append(prev)
+        if mean_drafts > top:  # beyond the profile: the analytic ratio to k <= top
+            capped = self._analytic.target_time(capped_drafts(out, top))
+            return values[top] * max(1.0, self._analytic.target_time(out) / capped)
+        lo = math.floor(mean_drafts)
+        u = mean_drafts - lo
+        return values[lo] if u == 0 else (1 - u) * values[lo] + u * values[lo + 1]
+
+
+def fallback_target(analytic: AnalyticCostModel, out: SchedulerOutput, decode: float) -> float:
+    """A uniform decode-like step without verify points: the measured decode step of its
+    requests (`decode`) scaled by the analytic model's ratio of this step to that one."""
+    ratio = analytic.target_time(out) / analytic.target_time(capped_drafts(out, 0))
+    return decode * max(1.0, ratio)
+
+
+def capped_drafts(out: SchedulerOutput, cap: int) -> SchedulerOutput:
+    """`out` with each decode-like request verifying at most `cap` of its drafts (its
+    query shortened to match); contexts as they are."""
+    scheduled = []
+    for r in out.scheduled:
+        d = len(r.draft_token_ids)
+        if d > cap:
+            r = replace(
+                r, num_tokens=r.num_tokens - (d - cap), draft_token_ids=r.draft_token_ids[:cap]
+            )
+        scheduled.append(r)
+    return SchedulerOutput(step_id=out.step_id, scheduled=scheduled)
+
+
+def _uniform_k(out: SchedulerOutput) -> int:
+    """The drafts every request of a verify point verifies (-1 if they differ)."""
+    ks = {len(r.draft_token_ids) for r in out.scheduled}
+    return ks.pop() if len(ks) == 1 else -1

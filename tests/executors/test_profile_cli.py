@@ -1,0 +1,29 @@
+"""`deepinfer profile` end to end on the CPU: the demo model, the quick grid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from deepinfer.cli import main
+from sim.profiled_cost_model import load_profile
+
+
+def test_profile_measures_every_step_kind_and_the_host(tmp_path: Path) -> None:
+    """Each point is executed `reps` times after a first run that gives the runner its
+    state; a decode point repeats as real decoding does (its context grows by one a
+    step), so the runner's own bookkeeping accepts it (it refused the same position
+    twice: 'scheduled at 256 computed tokens, but 257 are in the cache')."""
+    out = tmp_path / "demo.json"
+    rc = main([
+        "profile", "--model", "deepinfer-demo", "--device", "cpu", "--quick", "--reps", "3",
+        "--block-size", "16", "--num-gpu-blocks", "256", "--out", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    data = load_profile(out)
+    kinds = {p["kind"] for p in data["points"]}
+    assert kinds == {"decode", "prefill", "mixed", "short_prompts"}
+    for p in data["points"]:
+        assert p["reps"] == 3 and 0 < p["p10_s"] <= p["median_s"] <= p["p90_s"], p
+    assert data["host"] and all(h["num_reqs"] > 0 for h in data["host"])
+    assert json.loads(out.read_text())["meta"]["engine"]["num_gpu_blocks"] == 256

@@ -1,0 +1,112 @@
+"""`deepinfer profile`: whole engine steps of the real executor, speculating ones too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deepinfer import cli
+from deepinfer.model_config import load_model_config, write_config_with_mtp_layer
+
+SMALL_ENGINE = [
+    "--device", "cpu", "--quick", "--reps", "1", "--block-size", "16",
+    "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--num-gpu-blocks", "256",
+]  # fmt: skip
+
+
+def test_a_speculating_profile_of_the_demo_model_holds_verify_points(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --num-speculative-tokens 2: verify steps of 1 + k tokens a request for k = 1, 2
+    over every (batch, context) of the grid, each followed by the drafter's proposal of 2
+    drafts (timed apart); the plain grid runs without the drafter."""
+    out = tmp_path / "p.json"
+    code = cli.main(
+        ["profile", "--model", "deepinfer-demo", *SMALL_ENGINE,
+         "--num-speculative-tokens", "2", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    profile = json.loads(out.read_text())
+    assert profile["meta"]["num_speculative_tokens"] == 2
+    assert profile["meta"]["mtp_layer_added"] is False
+    points = profile["points"]
+    verify = [p for p in points if p["kind"] == "verify"]
+    by_k: dict[int, set[tuple[int, int]]] = {1: set(), 2: set()}
+    for p in verify:
+        [[count, q, ctx, is_prompt, k]] = p["groups"]
+        assert q == 1 + k and not is_prompt
+        by_k[k].add((count, ctx))
+    assert by_k[1] == by_k[2] and len(by_k[1]) >= 4
+    spec = [p for p in points if p.get("drafter")]
+    assert {p["kind"] for p in spec} == {"verify", "spec_decode", "spec_prefill"}
+    for p in spec:
+        assert p["drafter"] == 2 and 0 < p["draft_s"] < p["median_s"], p
+    plain = [p for p in points if p["kind"] in ("decode", "prefill", "mixed", "short_prompts")]
+    assert plain and all("drafter" not in p for p in plain)
+    assert sum(p["compiled"] for p in points) == 0
+
+
+def test_a_plain_profile_steps_decodes_forward_as_the_scheduler_does(tmp_path: Path) -> None:
+    """Decode requests are timed over several runs, each after the tokens the last gave
+    them (the runner refuses a step that repeats computed positions), in rounds."""
+    out = tmp_path / "p.json"
+    assert cli.main(["profile", "--model", "deepinfer-demo", *SMALL_ENGINE, "--reps", "3",
+                     "--rounds", "2", "--out", str(out)]) == 0  # fmt: skip
+    profile = json.loads(out.read_text())
+    assert profile["meta"]["num_speculative_tokens"] == 0
+    kinds = {p["kind"] for p in profile["points"]}
+    assert kinds == {"decode", "prefill", "mixed", "short_prompts"}
+    # Two rounds over the grid, three timed runs of each point in each.
+    assert all(p["reps"] == 6 and p["p10_s"] <= p["median_s"] for p in profile["points"])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-speculative-tokens", "2"], "add --add-mtp-layer"),
+        (["--add-mtp-layer"], "--add-mtp-layer: only with --num-speculative-tokens"),
+        (
+            ["--add-mtp-layer", "--num-speculative-tokens", "2", "--load-format", "auto"],
+            "needs --load-format dummy",
+        ),
+    ],
+)
+def test_speculating_on_a_model_without_an_mtp_layer_needs_one_added(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main(
+        ["profile", "--model", "moonlight-16b-a3b", "--device", "cpu", *flags,
+         "--out", str(tmp_path / "p.json")]
+    )  # fmt: skip
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_config_with_an_added_mtp_layer_keeps_the_model_and_its_name(tmp_path: Path) -> None:
+    folder = write_config_with_mtp_layer("moonlight-16b-a3b", tmp_path)
+    base, added = load_model_config("moonlight-16b-a3b"), load_model_config(folder)
+    assert base.num_nextn_predict_layers == 0 and added.num_nextn_predict_layers == 1
+    assert added.name == "moonlight-16b-a3b"
+    assert added.replace(num_nextn_predict_layers=0) == base
+
+
+@pytest.mark.gpu
+def test_a_speculating_profile_on_the_gpu_replays_graphs_and_times_the_drafter(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On CUDA the verify steps of K drafts replay the verify graphs, decode steps the
+    decode graphs (the drafter reads their hidden states), with the drafter timed."""
+    out = tmp_path / "p.json"
+    code = cli.main(
+        ["profile", "--model", "deepinfer-demo", "--device", "cuda", "--quick", "--reps", "2",
+         "--block-size", "16", "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
+         "--num-gpu-blocks", "256", "--num-speculative-tokens", "2", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    profile = json.loads(out.read_text())
+    assert profile["meta"]["cuda_graphs"] and profile["meta"]["verify_graphs"]
+    spec = [p for p in profile["points"] if p.get("drafter")]
+    assert {p["kind"] for p in spec} == {"verify", "spec_decode", "spec_prefill"}
+    assert all(0 < p["draft_s"] < p["median_s"] for p in spec)
