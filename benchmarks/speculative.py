@@ -54,6 +54,10 @@ class CorruptedGreedyDrafter:
         self.a = a
         self.rng = random.Random(seed)
         self.sequences: dict[str, list[int]] = {}  # req_id -> prompt + greedy output
+        # The runner's bookkeeping (what each request's drafter pass still owes) is the
+        # real drafter's: the same object, so the runner reads and clears it as usual.
+        self.pending = inner.pending
+        self.step_inputs = inner.step_inputs
 
     def propose(self, inputs: list[DraftInput]) -> Drafts:
         drafts = self.inner.propose(inputs)
