@@ -4,14 +4,19 @@
         [--acceptance 0.6,0.8,0.9] [--ks 1,2,3,5] [--json OUT.json]
 
 Random weights cannot draft (their MTP layer agrees with nothing), so this uses a
-clearly named BENCHMARK-ONLY drafter, `CorruptedGreedyDrafter`: it runs the real MTP
-drafter (so its cost is paid), then replaces each draft with the target's own greedy
-continuation (from a run without speculation), corrupted with probability 1 - c, where
-its confidence c ~ Beta(4a, 4(1 - a)) is what it reports (a calibrated drafter, for
-varlen); a draft that follows a corrupted one is never accepted, so acceptance per
-position is about a, given the earlier drafts passed. The model is the preset in its published
-shapes plus one MTP layer (Moonlight ships none; the layer is a DeepSeek-V3 one in
-the same shapes), `load_format="dummy"`.
+clearly named BENCHMARK-ONLY stand-in, `ForcedAcceptance`: the real MTP drafter runs
+(so its cost is paid) and each of its drafts gets a confidence c ~ Beta(4a, 4(1 - a))
+(what it reports: a calibrated drafter, for varlen) and counts as the target's own
+greedy continuation with probability c, else as corrupted. Verification runs in full
+(its cost is paid too), then accepts exactly the drafts before the first corrupted one
+and takes the target's greedy token at the row after them, as greedy verification
+does when the drafts match. So acceptance per position is about a, given the earlier
+drafts passed. (A first version replaced the drafts with the greedy continuation of a
+run without speculation; on the H200 in bf16 that continuation was almost never the
+speculating engine's own: random weights leave near-tied logits, and a verify step's
+rows round differently from a decode step's, so 1% of drafts were accepted.) The
+model is the preset in its published shapes plus one MTP layer (Moonlight ships none;
+the layer is a DeepSeek-V3 one in the same shapes), `load_format="dummy"`.
 
 For each batch size B (prompts of --prompt-len random tokens, --max-tokens output
 tokens each) it reports decode tokens/s (output tokens after each request's first,
@@ -36,24 +41,29 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
+import executors.model_runner as runner_module
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
 from deepinfer.model_config import load_model_config, write_config_with_mtp_layer
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from executors.mtp_drafter import DraftInput, Drafts, MTPDrafter
+from executors.spec_decode import VerifyOutput, VerifyRequest, verify
 
 
-class CorruptedGreedyDrafter:
-    """BENCHMARK ONLY: the target's greedy continuation, each draft corrupted with
-    probability 1 - a, after running the real MTP drafter for its cost."""
+class ForcedAcceptance:
+    """BENCHMARK ONLY: the real drafter's drafts, each counted as the target's greedy
+    continuation with probability c (its reported confidence, c ~ Beta(4a, 4(1 - a))),
+    and a verification that accepts exactly the drafts before the first one that is
+    not, after doing all of its real work. Installed on a model runner by `install`."""
 
-    def __init__(self, inner: MTPDrafter, vocab: int, a: float, seed: int = 0) -> None:
+    def __init__(self, inner: MTPDrafter, a: float, seed: int = 0) -> None:
         self.inner = inner
-        self.vocab = vocab
-        self.a = a
+        self.a = min(max(a, 1e-3), 1 - 1e-3)
         self.rng = random.Random(seed)
-        self.sequences: dict[str, list[int]] = {}  # req_id -> prompt + greedy output
+        self.accepted: dict[str, int] = {}  # req_id -> drafts its next verification accepts
         # The runner's bookkeeping (what each request's drafter pass still owes) is the
         # real drafter's: the same object, so the runner reads and clears it as usual.
         self.pending = inner.pending
@@ -61,24 +71,35 @@ class CorruptedGreedyDrafter:
 
     def propose(self, inputs: list[DraftInput]) -> Drafts:
         drafts = self.inner.propose(inputs)
-        for x in inputs:
-            seq = self.sequences.get(x.req_id)
-            if x.req_id not in drafts.tokens or seq is None:
-                continue
-            newest = x.first_pos + len(x.next_ids)  # position of the token just sampled
-            out, conf = [], []
-            a = min(max(self.a, 1e-3), 1 - 1e-3)
-            for j, _ in enumerate(drafts.tokens[x.req_id]):
-                pos = newest + 1 + j
-                t = seq[pos] if pos < len(seq) else 0
-                c = self.rng.betavariate(4 * a, 4 * (1 - a))
-                if self.rng.random() >= c:
-                    t = (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
-                out.append(t)
-                conf.append(c)
-            drafts.tokens[x.req_id] = out
-            drafts.confidences[x.req_id] = conf
+        for rid, toks in drafts.tokens.items():
+            conf = [self.rng.betavariate(4 * self.a, 4 * (1 - self.a)) for _ in toks]
+            good = [self.rng.random() < c for c in conf]
+            self.accepted[rid] = good.index(False) if False in good else len(good)
+            drafts.confidences[rid] = conf
         return drafts
+
+    def verify(
+        self,
+        runner: Any,
+        logits: torch.Tensor,
+        reqs: list[VerifyRequest],
+        generator: torch.Generator | None,
+        batch_invariant: bool = False,
+    ) -> VerifyOutput:
+        """spec_decode.verify's work, then the planned acceptance: drafts before the
+        first corrupted one, and the target's greedy token at the row after them."""
+        real = verify(logits, reqs, generator, batch_invariant)
+        rid = {id(st.sampling): r for r, st in runner.requests.items()}
+        take = [min(self.accepted.get(rid[id(r.state)], 0), len(r.drafts)) for r in reqs]
+        rows = torch.tensor([r.first + a for r, a in zip(reqs, take)], device=logits.device)
+        bonus = logits[rows].argmax(dim=-1).tolist()  # [requests]
+        tokens = [r.drafts[:a] + [t] for r, a, t in zip(reqs, take, bonus)]
+        return VerifyOutput(tokens, real.logprobs)
+
+    def install(self, runner: Any) -> None:
+        """Make `runner` draft and verify through this stand-in (greedy requests only)."""
+        runner.drafter = self
+        runner_module.verify = lambda *a, **k: self.verify(runner, *a, **k)
 
 
 def model_dir(name: str) -> Path:
@@ -134,8 +155,6 @@ def simulated_speedup(
 
 
 def main() -> None:
-    import torch
-
     from executors.torch_executor import TorchExecutor
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -174,11 +193,10 @@ def main() -> None:
         )
 
     plain = executor("0")
-    ref: dict[int, tuple[float, list[list[int]]]] = {}
+    ref: dict[int, float] = {}
     for b in batches:
-        rate, outs, _ = run(plain, plain.engine_config, all_prompts[:b], args.max_tokens, f"p{b}")
-        ref[b] = (rate, [outs[f"p{b}-{i}"] for i in range(b)])
-        print(f"batch {b}: {rate:.0f} decode tok/s without speculation", flush=True)
+        ref[b], _, _ = run(plain, plain.engine_config, all_prompts[:b], args.max_tokens, f"p{b}")
+        print(f"batch {b}: {ref[b]:.0f} decode tok/s without speculation", flush=True)
     plain.shutdown()
     del plain
     gc.collect()
@@ -187,17 +205,16 @@ def main() -> None:
         inner = ex.runner.drafter
         assert inner is not None
         for a in accs:
-            drafter = CorruptedGreedyDrafter(inner, vocab, a)
-            ex.runner.drafter = drafter  # type: ignore[assignment]
+            forced = ForcedAcceptance(inner, a)
+            forced.install(ex.runner)
             for b in batches:
                 tag = f"k{k}a{a}b{b}"
-                drafter.sequences = {f"{tag}-{i}": all_prompts[i] + ref[b][1][i] for i in range(b)}
                 rate, _, acc = run(ex, ex.engine_config, all_prompts[:b], args.max_tokens, tag)
                 sched_speedup = simulated_speedup(
                     cfg_dir, ex.engine_config, b, args.prompt_len, args.max_tokens, a
                 )
-                row = dict(batch=b, k=k, acceptance=a, plain_tok_s=ref[b][0], spec_tok_s=rate,
-                           speedup=rate / ref[b][0], predicted_speedup=sched_speedup,
+                row = dict(batch=b, k=k, acceptance=a, plain_tok_s=ref[b], spec_tok_s=rate,
+                           speedup=rate / ref[b], predicted_speedup=sched_speedup,
                            measured_acceptance=acc)  # fmt: skip
                 rows.append(row)
                 pred = f"{sched_speedup:.2f}x" if sched_speedup else "n/a"
@@ -208,7 +225,8 @@ def main() -> None:
                     flush=True,
                 )
         ex.shutdown()
-        del ex, inner, drafter  # the drafters hold the model: free it before the next
+        runner_module.verify = verify
+        del ex, inner, forced  # the drafters hold the model: free it before the next
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -1,0 +1,46 @@
+"""benchmarks/speculative.py's benchmark-only stand-in accepts drafts at the rate it is
+given, whatever the (random) weights would accept, and hands verification back after."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+import executors.model_runner as runner_module
+from deepinfer.config import EngineConfig
+from executors.spec_decode import verify
+from executors.torch_executor import TorchExecutor
+from tests.executors.tiny_models import TinyModel
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "speculative.py"
+
+
+@pytest.fixture(scope="module")
+def speculative():
+    spec = importlib.util.spec_from_file_location("speculative_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_forced_acceptance_follows_the_rate_it_is_given(
+    speculative, tiny_models: dict[str, TinyModel]
+) -> None:
+    tiny = tiny_models["v3_mtp"]
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=96, block_size=4, num_speculative_tokens=2)
+    ex = TorchExecutor(cfg, str(tiny.path), device="cpu", dtype="float32")
+    prompts = [[3 + i, 5, 7, 11, 13, 17] for i in range(4)]
+    acceptance = {}
+    try:
+        for a in (0.2, 0.9):
+            forced = speculative.ForcedAcceptance(ex.runner.drafter, a, seed=1)
+            forced.install(ex.runner)
+            _, outs, acc = speculative.run(ex, cfg, prompts, 40, f"a{a}")
+            acceptance[a] = acc
+            assert all(len(o) == 40 for o in outs.values())
+    finally:
+        runner_module.verify = verify
+    # Drafts before the first corrupted one: k = 2 accepts (a + a^2) / 2 of them.
+    assert acceptance[0.2] < 0.3 < 0.7 < acceptance[0.9]
