@@ -30,6 +30,7 @@ import torch
 from deepinfer.structured_outputs import GrammarKey, build_grammar, grammar_key
 from deepinfer.tokenizer import load_tokenizer
 from executors.grammar_vocab import tokenizer_info
+from kernels import ops
 
 
 class GrammarCompiler:
@@ -247,13 +248,30 @@ class TokenMasks:
             filled += indices
         if not filled:
             return
-        on_device = host.to(logits.device, non_blocking=True)
-        # The CPU kernel on CPU; plain torch ops elsewhere ("auto" would pick Triton, which
-        # compiles on first use: the executor compiles nothing mid-serving).
-        backend = "cpu" if logits.device.type == "cpu" else "torch_native"
-        xgr.apply_token_bitmask_inplace(
-            logits, on_device, vocab_size=self.vocab_size, indices=sorted(filled), backend=backend
+        if logits.device.type == "cpu":  # xgrammar's C++ kernel
+            xgr.apply_token_bitmask_inplace(
+                logits, host, vocab_size=self.vocab_size, indices=sorted(filled), backend="cpu"
+            )
+            return
+        # One Triton kernel (kernels/token_mask.py, compiled at start-up by `warm_up`);
+        # xgrammar's torch path runs six full-width passes and indexes rows with host
+        # lists, each a blocking copy that waits for the forward.
+        rows = torch.tensor(sorted(filled), dtype=torch.int64).pin_memory()
+        ops.apply_token_bitmask(
+            logits,
+            host.to(logits.device, non_blocking=True),
+            rows.to(logits.device, non_blocking=True),
+            self.vocab_size,
         )
+
+    def warm_up(self) -> None:
+        """Compile the mask kernel for this vocabulary now, not in the first served step."""
+        if self.device.type != "cuda":
+            return
+        logits = torch.zeros((1, self.vocab_size), dtype=torch.float32, device=self.device)
+        mask = torch.full((1, self.words), -1, dtype=torch.int32, device=self.device)
+        rows = torch.zeros(1, dtype=torch.int64, device=self.device)
+        ops.apply_token_bitmask(logits, mask, rows, self.vocab_size)
 
     def _buffer(self, n: int) -> torch.Tensor:
         """The first n rows of the host buffer, all allowed (-1): it grows as needed."""

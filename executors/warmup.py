@@ -68,6 +68,7 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int)
         runner.execute(SchedulerOutput(step_id=-1 - i, scheduled=scheduled))
         done = {sr.req_id for sr in scheduled}
         runner.execute(SchedulerOutput(step_id=-1 - i, scheduled=[], finished_req_ids=done))
+    runner.masks.warm_up()  # the grammar mask kernel (structured outputs)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     report = WarmupReport(time.perf_counter() - t0, len(steps), total_compiled() - before)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from deepinfer import envs
 from kernels.reference import (
+    apply_token_bitmask_ref,
     fused_add_rmsnorm_ref,
     fused_moe_ref,
     mla_decode_ref,
@@ -279,3 +280,21 @@ def mla_rope_cache(
 
         return triton_mla_rope_cache(*args)
     return mla_rope_cache_ref(*args)
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    rows: torch.Tensor,
+    vocab_size: int,
+    backend: str | None = None,
+) -> None:
+    """In place: the tokens bitmask[r] does not allow get -inf in logits[r], for each r in
+    rows. logits: [N, >= vocab_size] float; bitmask: [N, ceil(vocab_size / 32)] int32
+    (xgrammar's layout); rows: [R] int64; all on logits' device."""
+    if use_triton(logits, backend):
+        from kernels.token_mask import apply_token_bitmask as triton_apply_token_bitmask
+
+        triton_apply_token_bitmask(logits, bitmask, rows, vocab_size)
+        return
+    apply_token_bitmask_ref(logits, bitmask, rows, vocab_size)

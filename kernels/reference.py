@@ -171,6 +171,20 @@ def fused_add_rmsnorm_ref(
     return rmsnorm_ref(new_residual, weight, eps), new_residual
 
 
+def apply_token_bitmask_ref(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor, vocab_size: int
+) -> None:
+    """In place: logits[r, t] = -inf for r in rows, t < vocab_size not allowed by
+    bitmask[r] (int32 words, bit i of word w allows token 32 * w + i)."""
+    if rows.numel() == 0:
+        return
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[rows].unsqueeze(-1) >> shifts) & 1  # [R, words, 32]
+    allowed = bits.flatten(1)[:, :vocab_size].bool()  # [R, vocab_size]
+    sub = logits[rows, :vocab_size]
+    logits[rows, :vocab_size] = sub.masked_fill(~allowed, float("-inf"))
+
+
 def moe_router_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
