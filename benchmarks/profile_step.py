@@ -1,7 +1,7 @@
 """Where one engine step spends its time: torch.profiler over real-executor steps.
 
     python benchmarks/profile_step.py [--model moonlight-16b-a3b] [--prefill 16384]
-        [--batches 1,64] [--context 1024] [--rows 25] [--trace-dir DIR]
+        [--batches 1,64] [--context 1024] [--rows 25] [--trace-dir DIR] [--batch-invariant]
 
 For each case it runs the step once to warm up, then profiles a second identical
 step and prints the CUDA kernels by total device time, plus the step's wall time
@@ -96,6 +96,9 @@ def main() -> None:
         default="self_cuda_time_total",
         help="profiler table order, e.g. self_cpu_time_total for host-bound steps",
     )
+    p.add_argument(
+        "--batch-invariant", action="store_true", help="profile steps in batch-invariant mode"
+    )
     args = p.parse_args()
     dev = torch.device("cuda")
     cfg = EngineConfig(
@@ -104,6 +107,7 @@ def main() -> None:
         max_num_seqs=256,
         max_num_batched_tokens=16384,
         enable_prefix_caching=False,
+        batch_invariant=args.batch_invariant,
     )
     ex, _, spec = build(args.model, dev, cfg, with_hf=False)
     for n in [int(x) for x in args.prefill.split(",") if x]:

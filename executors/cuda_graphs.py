@@ -154,6 +154,19 @@ class DecodeGraphs:
         by request) -> logits [size * query_len, vocab] float32 (rows past
         len(input_ids) are padding); `last_hidden` holds the hidden states. Valid until
         the next run."""
+        size = self._load(input_ids, positions, block_tables)
+        graph = self.graphs.get(size)
+        if graph is None:  # not captured (the CPU tests): the same buffers, run eagerly
+            self.last_hidden, logits = self._forward(size)
+            return logits
+        graph.replay()
+        self.last_hidden = self.hidden[size]
+        return self.logits[size]
+
+    def _load(
+        self, input_ids: list[int], positions: list[int], block_tables: list[list[int]]
+    ) -> int:
+        """Copy a step's inputs into the static buffers; the graph size that holds it."""
         q = self.query_len
         b = len(input_ids) // q
         assert b * q == len(input_ids) == len(positions) and b == len(block_tables)
@@ -194,10 +207,4 @@ class DecodeGraphs:
         self._rows[:, : size * q].copy_(rows, non_blocking=True)
         # Columns past `width` keep stale pages: the kernel reads no page past seq_len.
         self.block_tables[:size, :width].copy_(table, non_blocking=True)
-        graph = self.graphs.get(size)
-        if graph is None:  # not captured (the CPU tests): the same buffers, run eagerly
-            self.last_hidden, logits = self._forward(size)
-            return logits
-        graph.replay()
-        self.last_hidden = self.hidden[size]
-        return self.logits[size]
+        return size

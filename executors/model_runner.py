@@ -185,6 +185,10 @@ class ModelRunner:
                 self.graphs = graphs
             else:
                 self.verify_graphs = graphs
+        if self.drafter is not None and not self.batch_invariant:
+            # A pass's rows: up to 1 + k a request (pass 1 after a verify step).
+            max_rows = max(sizes) * (1 + self.max_drafts)
+            self.drafter.enable_graphs(max_rows, max_blocks, self.kv_cache.scratch_block, capture)
         piecewise = PiecewiseGraphs(
             self.model,
             self.kv_cache.layers,

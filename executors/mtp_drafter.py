@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from executors.attention import build_attention_metadata
+from executors.cuda_graphs import default_capture_sizes
+from executors.draft_graphs import DraftGraphs
 from executors.models.deepseek import DeepseekForCausalLM
 
 
@@ -82,6 +84,22 @@ class MTPDrafter:
         # req_id -> (position, the target's hidden state there [hidden]) of a prompt
         # chunk's last position, whose next token comes with the next chunk.
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}
+        self.graphs: DraftGraphs | None = None  # set by enable_graphs
+
+    def enable_graphs(
+        self, max_rows: int, max_blocks_per_seq: int, scratch_block: int, capture: bool
+    ) -> None:
+        """Run passes of up to `max_rows` rows through CUDA graphs (draft_graphs.py);
+        capture=False (the CPU tests) runs the same static buffers eagerly. Not in
+        batch-invariant mode, whose passes route prompt rows by the prefill path."""
+        if self.batch_invariant:
+            raise ValueError("the drafter's CUDA graphs do not keep batch-invariant routing")
+        self.graphs = DraftGraphs(
+            self.model, self.kv_cache, self.block_size, max_blocks_per_seq, scratch_block,
+            default_capture_sizes(max_rows),
+        )  # fmt: skip
+        if capture:
+            self.graphs.capture()
 
     def step_inputs(
         self,
@@ -194,7 +212,12 @@ class MTPDrafter:
         block_tables: list[list[int]],
         num_decode: int,
     ) -> torch.Tensor:
-        """One MTP forward over a varlen batch -> block outputs [rows, hidden]."""
+        """One MTP forward over a varlen batch -> block outputs [rows, hidden] (through the
+        graphs when they hold the rows: a view valid until the next pass)."""
+        if self.graphs is not None and self.graphs.fits(len(next_ids), block_tables):
+            positions_ = [p + i for p, n in zip(first_pos, query_lens) for i in range(n)]
+            tables = [t for t, n in zip(block_tables, query_lens) for _ in range(n)]
+            return self.graphs.run_rows(hidden, next_ids, positions_, tables)
         md = build_attention_metadata(
             query_lens, first_pos, block_tables, self.block_size, num_decode, self.device
         )

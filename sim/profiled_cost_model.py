@@ -130,7 +130,9 @@ class ProfiledCostModel:
         self._coef = [float(c) for c in self.coef]  # plain floats: the per-step path
         graph = [i for i in plain if not self._eager(outs[i])]
         self._decode = StepSurface([outs[i] for i in graph], y[graph], self._physics)
-        self._spec = SpeculativeSteps(points, outs, self._analytic, self._physics)
+        # Without CUDA graphs (a CPU profile) every k runs the same eager path.
+        graphed = self.meta.get("hardware") != "cpu"
+        self._spec = SpeculativeSteps(points, outs, self._analytic, self._physics, graphed)
         self._limits = {"tokens": 1 << 62, "reqs": 1 << 62, "context": 1 << 62}
         self._warned: set[str] = set()
         with warnings.catch_warnings():  # its own points: nothing to warn about

@@ -13,7 +13,8 @@ A step is priced as its target part plus the drafter's:
   target   uniform decode-like steps (no prompt chunk, every request 1 + its drafts)
            from the measured grids: the plain decode surface at k = 0, one verify
            surface (measured minus the drafter) per k, linear in the step's mean k
-           between them, never cheaper than fewer drafts; past the profile's K the
+           between them (each k as measured: fewer drafts can cost more, when
+           only 1 + K tokens a request run in graphs); past the profile's K the
            analytic model scales the K surface. Other steps: the plain fit's physics.
   drafter  a non-negative fit of `draft_s` on the analytic model's drafter parts (passes,
            pass 1 over the step's tokens, the chained passes, drafts proposed), so it
@@ -46,8 +47,13 @@ class SpeculativeSteps:
         outs: list[SchedulerOutput],
         analytic: AnalyticCostModel,
         physics: Callable[[SchedulerOutput], float],
+        graphed: bool = True,
     ) -> None:
+        """graphed: the profile's engine ran CUDA graphs, which hold only verify steps of
+        1 + K tokens a request (so fewer drafts may cost more); else (eager, the CPU)
+        the surfaces are kept non-decreasing in k against measurement noise."""
         self._analytic = analytic
+        self._monotone = not graphed
         spec = [(p, o) for p, o in zip(points, outs) if p.get("drafter")]
         # Drafts the profile's drafter proposed (verify surfaces exist for k = 1..this).
         self.profile_drafts = max((int(p["drafter"]) for p, _ in spec), default=0)
@@ -66,14 +72,13 @@ class SpeculativeSteps:
         x = np.array([analytic.drafter_parts(o, int(p["drafter"])) for p, o in spec])
         y = np.array([p["draft_s"] for p, _ in spec], dtype=float)
         self.drafter_coef = [float(c) for c in nnls_relative(x, y)]
-        self._no_cheaper_than_fewer_drafts()
-
-    def _no_cheaper_than_fewer_drafts(self) -> None:
-        """Verify surfaces non-decreasing in k where their grids share nodes (a step with
-        more tokens to score is never faster; noise aside)."""
-        ks = sorted(self.surfaces)
-        for lo, hi in zip(ks, ks[1:]):
-            self.surfaces[hi].raise_to(self.surfaces[lo])
+        if self._monotone:
+            ks = sorted(self.surfaces)
+            for lo, hi in zip(ks, ks[1:]):
+                self.surfaces[hi].raise_to(self.surfaces[lo])
+        # With graphs the surfaces stay as measured: on the H200 a step verifying 3
+        # drafts (graphed, 8.5 ms at batch 1) is faster than one verifying 2 (eager,
+        # 14.4 ms); raising the k = 3 surface to k = 2's priced it 70% too slow.
 
     def drafter_time(self, out: SchedulerOutput, num_drafts: int) -> float:
         parts = self._analytic.drafter_parts(out, num_drafts)
@@ -92,11 +97,10 @@ class SpeculativeSteps:
         decode surface's time of the same batch (k = 0)."""
         top = self.profile_drafts
         hi = min(math.ceil(mean_drafts), top)
-        value = prev = decode()
-        values = [value]
+        values = [decode()]
         for k in range(1, hi + 1):
-            prev = max(prev, self.surfaces[k].predict_at(batch, context))
-            values.append(prev)
+            value = self.surfaces[k].predict_at(batch, context)
+            values.append(max(values[-1], value) if self._monotone else value)
         if mean_drafts > top:  # beyond the profile: the analytic ratio to k <= top
             capped = self._analytic.target_time(capped_drafts(out, top))
             return values[top] * max(1.0, self._analytic.target_time(out) / capped)

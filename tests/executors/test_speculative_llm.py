@@ -256,9 +256,9 @@ class _RunnerExecutor:
 
 def _greedy_through_runner(
     model: torch.nn.Module, prompts_: list[list[int]], graphs: bool
-) -> tuple[list[list[int]], list[int]]:
+) -> tuple[list[list[int]], list[int], list[int], int]:
     """Greedy outputs from an engine over a bare runner; the batch sizes the verify
-    graphs served."""
+    graphs served; the row counts the drafter's graphs served; drafts accepted."""
     cfg = model.config
     engine_cfg = EngineConfig(block_size=16, num_gpu_blocks=64, num_speculative_tokens=3)
     cache = PagedKVCache(
@@ -267,12 +267,17 @@ def _greedy_through_runner(
     )  # fmt: skip
     runner = ModelRunner(model, cache, engine_cfg, eos_token_id=1, max_model_len=512)
     calls: list[int] = []
+    rows: list[int] = []
     if graphs:
         runner.enable_cuda_graphs([1, 2, 4], capture=False)
         verify = runner.verify_graphs
         assert verify is not None and verify.query_len == 4
         run = verify.run
         verify.run = lambda i, p, t: calls.append(len(t)) or run(i, p, t)  # type: ignore[method-assign]
+        assert runner.drafter is not None and runner.drafter.graphs is not None
+        draft_graphs = runner.drafter.graphs
+        run_rows = draft_graphs.run_rows
+        draft_graphs.run_rows = lambda h, i, p, t: rows.append(len(i)) or run_rows(h, i, p, t)  # type: ignore[method-assign]
     engine = EngineCore(engine_cfg, _RunnerExecutor(runner), model_max_len=512)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     reqs = [Request(f"r{i}", p, params) for i, p in enumerate(prompts_)]
@@ -280,20 +285,25 @@ def _greedy_through_runner(
         engine.add_request(r)
     while engine.has_unfinished():
         engine.step()
-    return [r.output_token_ids for r in reqs], calls
+    accepted = engine.scheduler.num_accepted_drafts
+    return [r.output_token_ids for r in reqs], calls, rows, accepted
 
 
 @needs_demo
 def test_verify_steps_run_through_graph_buffers_and_give_the_same_tokens() -> None:
     """With graphs on, steps where every request scores 1 + k tokens take the verify
     graphs (padded static buffers; run eagerly on the CPU) and the MTP drafter reads
-    their hidden states: greedy output equals the eager engine's."""
+    their hidden states; the drafter's passes take its own graphs (one-row queries)
+    and propose what its eager varlen passes propose: greedy output and the drafts
+    accepted equal the eager engine's."""
     from tokenizers import Tokenizer
 
     cfg = ModelConfig.from_dict(read_hf_config(DEMO_MODEL_DIR))
     model = load_model(DEMO_MODEL_DIR, cfg, dtype=torch.float32, device=torch.device("cpu"))
     tok = Tokenizer.from_file(str(DEMO_MODEL_DIR / "tokenizer.json"))
     prompts_ = [tok.encode(p).ids for p in CODE[:3]]
-    eager, _ = _greedy_through_runner(model, prompts_, graphs=False)
-    graphed, calls = _greedy_through_runner(model, prompts_, graphs=True)
+    eager, _, _, eager_accepted = _greedy_through_runner(model, prompts_, graphs=False)
+    graphed, calls, rows, accepted = _greedy_through_runner(model, prompts_, graphs=True)
     assert graphed == eager and len(calls) > 3
+    assert accepted == eager_accepted > 0
+    assert len(rows) > 10 and max(rows) > 3  # chained passes and multi-row first passes

@@ -190,3 +190,20 @@ def test_the_cli_says_when_verify_steps_are_uncalibrated(
         assert cli.main(args) == 0
         out = capsys.readouterr().out
     assert "calibrated on deepinfer-demo__cpu.json" in out and "uncalibrated" not in out
+
+
+def test_a_graphed_profile_prices_each_number_of_drafts_as_measured() -> None:
+    """The H200 engine captures verify graphs for 1 + K tokens a request only, so there
+    verifying 3 drafts (graphed) is faster than 2 (eager); a profile measured with graphs
+    keeps that, where the CPU profile's surfaces stay non-decreasing in k."""
+    spec = load_model_config("moonlight-16b-a3b")
+    path = PROFILES_DIR / "moonlight-16b-a3b__h200.json"
+    measured = {
+        (p["num_reqs"], len(p["groups"][0]) > 4 and p["groups"][0][4]): p["median_s"]
+        for p in load_profile(path)["points"]
+        if p["kind"] == "verify" and p["groups"][0][2] == 256
+    }
+    assert measured[(1, 3)] < measured[(1, 2)]
+    model = ProfiledCostModel(path, spec, get_hardware("h200"), 3)
+    k2, k3 = (model.step_time(shape_output([[1, 1 + k, 256, False, k]])) for k in (2, 3))
+    assert k3 < k2
