@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from deepinfer.errors import RequestFailed
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
-from deepinfer.request import RequestStatus
+from deepinfer.request import FinishReason, RequestStatus
 from deepinfer.scheduler import Scheduler
 from tests.factories import ScriptedExecutor, make_config, make_engine, make_request
 
@@ -124,7 +124,8 @@ def test_a_failed_step_skips_requests_ended_meanwhile_and_requeues_every_other()
         gone, bad, requeued = ids[0], ids[1], ids[2:]
         sched.abort(gone)
         assert sched.fail_step([out], {bad: "boom"}) == [reqs[bad]]
-        assert (reqs[bad].status, reqs[bad].reject_reason) == (RequestStatus.ABORTED, "boom")
+        ended = (reqs[bad].status, reqs[bad].finish_reason, reqs[bad].reject_reason)
+        assert ended == (RequestStatus.ABORTED, FinishReason.ABORT, "boom")
         for rid in requeued:
             r = reqs[rid]
             assert r.status is RequestStatus.PREEMPTED and r.num_computed_tokens == 0, (

@@ -89,6 +89,7 @@ def test_only_a_request_never_scheduled_can_be_rejected() -> None:
     sched.fail_step([sched.schedule()], {})  # requeued with nothing computed, once scheduled
     assert preempted.status is RequestStatus.PREEMPTED and not preempted.num_computed_tokens
     sched.add_request(waiting)
+    assert sched.add_request(make_request("huge", 100)) is not None  # rejected on arrival
     message = r"reject\('p'\): only a request never scheduled can be rejected"
     with pytest.raises(ValueError, match=message):
         sched.reject("p", "grammar failed")
@@ -97,5 +98,5 @@ def test_only_a_request_never_scheduled_can_be_rejected() -> None:
         RequestStatus.REJECTED,
         FinishReason.REJECTED,
     )
-    assert waiting.reject_reason == "grammar failed" and sched.num_rejected == 1
+    assert waiting.reject_reason == "grammar failed" and sched.num_rejected == 2
     assert sched.reject("w", "again") is None
