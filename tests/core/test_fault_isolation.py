@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from deepinfer.errors import RequestFailed
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
-from deepinfer.request import RequestStatus
+from deepinfer.request import FinishReason, RequestStatus
+from deepinfer.scheduler import Scheduler
 from tests.factories import ScriptedExecutor, make_config, make_engine, make_request
 
 
@@ -104,3 +105,32 @@ def test_the_first_step_failing_for_one_of_two_requests() -> None:
     assert good.status is RequestStatus.FINISHED and good.output_token_ids == [1005, 1006, 1007]
     rec = next(r for r in engine.records if r.req_id == "bad")
     assert rec.status == "aborted" and "vocabulary" in (rec.reason or "")
+
+
+def test_a_failed_step_skips_requests_ended_meanwhile_and_requeues_every_other() -> None:
+    """fail_step walks the step's request ids as a set, in no fixed order: whatever the
+    order (ten sets of ids), a request aborted while its step was in flight is skipped,
+    the one the error names is aborted with that reason, and every other is requeued with
+    nothing computed and no block (a running one preempted, one mid-chunk from its
+    start), the next step telling the executor so."""
+    for trial in range(10):
+        sched = Scheduler(make_config(num_gpu_blocks=40, max_num_batched_tokens=30), 40)
+        ids = [f"t{trial}r{i}" for i in range(6)]
+        reqs = {rid: make_request(rid, 20 if rid == ids[-1] else 4) for rid in ids}
+        for r in reqs.values():
+            sched.add_request(r)
+        out = sched.schedule()
+        assert reqs[ids[-1]].status is RequestStatus.PREFILLING  # 10 of its 20 tokens
+        gone, bad, requeued = ids[0], ids[1], ids[2:]
+        sched.abort(gone)
+        assert sched.fail_step([out], {bad: "boom"}) == [reqs[bad]]
+        ended = (reqs[bad].status, reqs[bad].finish_reason, reqs[bad].reject_reason)
+        assert ended == (RequestStatus.ABORTED, FinishReason.ABORT, "boom")
+        for rid in requeued:
+            r = reqs[rid]
+            assert r.status is RequestStatus.PREEMPTED and r.num_computed_tokens == 0, (
+                f"trial {trial}: {r!r} not requeued"
+            )
+            assert not sched.kv.holds_blocks(rid)
+        sched.check_invariants()
+        assert sched.schedule().preempted_req_ids == set(requeued)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
-from deepinfer.request import Request, RequestStatus
+from deepinfer.request import FinishReason, Request, RequestStatus
 from tests.property.harness import (
     Checker,
     Driver,
@@ -39,9 +39,15 @@ class Rejection(Checker):
             return
         assert reason is not None, f"{spec} can never be served but was queued"
         assert req.status is S.REJECTED and spec.req_id not in d.sched.requests
+        assert req.finish_reason is FinishReason.REJECTED, f"{spec}: {req.finish_reason}"
         assert all(r is not req for r in d.sched.waiting), f"rejected {spec} is waiting"
         rec = d.engine.records[-1]
-        assert rec.req_id == spec.req_id and rec.status == "rejected" and rec.reason == reason
+        assert (rec.req_id, rec.status, rec.finish_reason, rec.reason) == (
+            spec.req_id,
+            "rejected",
+            "rejected",
+            reason,
+        ), f"{spec}: its record {rec}"
         n = len(spec.prompt)
         if n + 1 > d.case.capacity:  # the reason names both sizes
             assert f"{n} tokens" in reason and f"{d.case.config.num_gpu_blocks} blocks" in reason

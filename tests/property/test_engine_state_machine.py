@@ -7,7 +7,7 @@ chunked prefill, small caches where preemption is common).
 Every checker of the suite watches every half step: the KVMirror (block tables rebuilt
 from the outputs, the prefix dict), block safety, budgets and the watermark, work
 conservation, stop conditions, token and request conservation, the announcement of
-ended requests; after every rule the core's invariants hold and the mirror agrees with
+ended requests, the figures the scheduler reports (checkers_reported); after every rule the core's invariants hold and the mirror agrees with
 the core. A drain (also at the end) runs the engine until idle within harness.step_bound
 and checks that every admissible request not aborted ended as its stop conditions say.
 
@@ -38,6 +38,7 @@ from tests.property.checkers_progress import (
     RequestConservation,
     TokenConservation,
 )
+from tests.property.checkers_reported import DraftAcceptance, EndCounts, NextDrafts, StepNumbers
 from tests.property.checkers_stop import EndedAreAnnounced, StopConditions
 from tests.property.checkers_work import WorkConservation
 from tests.property.harness import (
@@ -84,6 +85,10 @@ class EngineMachine(RuleBasedStateMachine):
             TokenConservation(),
             StopConditions(),
             EndedAreAnnounced(),
+            StepNumbers(),
+            EndCounts(),
+            DraftAcceptance(),
+            NextDrafts(),
         ]
         d.checkers = checkers
         self.d, self.chunk_len = d, chunk_len

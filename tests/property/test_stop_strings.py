@@ -93,7 +93,9 @@ def test_a_stop_string_ends_the_request_on_the_token_that_completes_it(
     min_tokens) that completes one of its stop strings, spanning token boundaries or
     not; its token ids are the greedy continuation up to that token, its text that
     continuation cut where the stop string starts, and stop_reason names the string.
-    With no stop string in the continuation it runs to max_tokens."""
+    With no stop string in the continuation it runs to max_tokens. Either way its
+    record says finished (`finish_request__mutmut_6`, every end from outside counted as
+    an abort, failed it)."""
     llm, frees = demo
     free = frees[data.draw(st.integers(0, len(frees) - 1), label="prompt")]
     stops = data.draw(stop_strings(free), label="stop")
@@ -110,3 +112,5 @@ def test_a_stop_string_ends_the_request_on_the_token_that_completes_it(
     assert (out.finish_reason, out.stop_reason) == (want_reason, s), (
         where + f"finish {out.finish_reason} on {out.stop_reason!r}, want {want_reason} on {s!r}"
     )
+    record = llm.engine.records[-1]  # ended by the stop string: finished, not aborted
+    assert (record.status, record.finish_reason) == ("finished", want_reason), where + str(record)
