@@ -1,0 +1,55 @@
+"""What the scheduler hands the executor: every field of each ScheduledRequest
+(checkers_handoff.ExecutorHandoff), for an executor that needs token ids (a real
+model) and one that does not (the simulator), with some requests asking for prompt
+logprobs or constrained by a grammar.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from deepinfer.request import Request
+from tests.property.checkers_handoff import ExecutorHandoff
+from tests.property.harness import Checker, Driver
+from tests.property.strategies import EngineCase, ReqSpec, Workload, any_case_and_workload, scaled
+
+
+class _Flavour(Checker):
+    """Before its first step, a third of the requests ask for prompt logprobs and a
+    third are structured (the simulator prices their mask; no grammar is compiled)."""
+
+    def on_add(self, d: Driver, spec: ReqSpec, req: Request, reason: str | None) -> None:
+        kind = zlib.crc32(spec.req_id.encode()) % 3
+        if kind == 1:
+            req.sampling_params = dataclasses.replace(req.sampling_params, prompt_logprobs=1)
+        elif kind == 2:
+            req.structured = True
+
+
+def _run(case: EngineCase, workload: Workload, emit: bool, flavours: bool) -> Driver:
+    d = Driver(case, workload, [])
+    d.sched.emit_token_ids = emit  # as EngineCore sets it from executor.needs_token_ids
+    d.checkers = ([_Flavour()] if flavours else []) + [ExecutorHandoff()]
+    return d.run()
+
+
+@scaled(0.5)
+@given(any_case_and_workload(), st.booleans(), st.booleans())
+def test_each_scheduled_request_carries_what_the_executor_needs(
+    cw: tuple[EngineCase, Workload], emit: bool, flavours: bool
+) -> None:
+    """A request that starts (new or resumed) is sent its whole block table, sampling
+    params, the token ids before its first chunk and (prompt logprobs asked) its
+    prompt; one that continues is sent none of these. `num_prior_blocks` is its table's
+    length before the step, `is_prompt` marks the waiting phase's steps, the drafts are
+    exactly the positions past its known tokens, `token_ids` the known ids of the
+    step's positions plus real drafts (None for an executor that needs no ids), and
+    `samples` whether the step reaches its last known token. A request asking for
+    prompt logprobs takes no prefix hit; `num_cached_tokens` is its first start's hit.
+    """
+    case, workload = cw
+    _run(case, workload, emit, flavours)
