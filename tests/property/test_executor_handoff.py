@@ -7,23 +7,24 @@ logprobs or constrained by a grammar.
 from __future__ import annotations
 
 import dataclasses
-import zlib
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from deepinfer.request import Request
 from tests.property.checkers_handoff import ExecutorHandoff
+from tests.property.examples import NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER
 from tests.property.harness import Checker, Driver
 from tests.property.strategies import EngineCase, ReqSpec, Workload, any_case_and_workload, scaled
 
 
 class _Flavour(Checker):
-    """Before its first step, a third of the requests ask for prompt logprobs and a
-    third are structured (the simulator prices their mask; no grammar is compiled)."""
+    """Before its first step, the 1st, 4th, 7th... request submitted asks for prompt
+    logprobs and the 2nd, 5th, 8th... is structured (the simulator prices its mask; no
+    grammar is compiled)."""
 
     def on_add(self, d: Driver, spec: ReqSpec, req: Request, reason: str | None) -> None:
-        kind = zlib.crc32(spec.req_id.encode()) % 3
+        kind = len(d.reqs) % 3
         if kind == 1:
             req.sampling_params = dataclasses.replace(req.sampling_params, prompt_logprobs=1)
         elif kind == 2:
@@ -38,6 +39,7 @@ def _run(case: EngineCase, workload: Workload, emit: bool, flavours: bool) -> Dr
 
 
 @scaled(0.5)
+@example(NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER, True, True)
 @given(any_case_and_workload(), st.booleans(), st.booleans())
 def test_each_scheduled_request_carries_what_the_executor_needs(
     cw: tuple[EngineCase, Workload], emit: bool, flavours: bool

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 from hypothesis import example, given
 
-from deepinfer.config import EngineConfig, EngineRole
+from deepinfer.config import EngineRole
 from tests.property import checkers_work as W
+from tests.property.examples import (
+    NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER,
+    RESTART_FILLS_WHOLE_BLOCKS,
+)
 from tests.property.harness import Driver
 from tests.property.mirror import KVMirror
-from tests.property.strategies import (
-    EngineCase,
-    ReqSpec,
-    Workload,
-    any_case_and_workload,
-    scaled,
-)
+from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
 
 
 def _run(case: EngineCase, workload: Workload, *rules: str) -> None:
@@ -53,6 +51,7 @@ def test_the_head_of_waiting_starts_whenever_no_rule_holds_it_back(
 
 
 @scaled(0.6)
+@example(NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER)
 @given(any_case_and_workload())
 def test_running_requests_get_their_work_and_chunks_fill_the_budget(
     cw: tuple[EngineCase, Workload],
@@ -66,30 +65,14 @@ def test_running_requests_get_their_work_and_chunks_fill_the_budget(
     Broken copies that fail it (each with this test's rules' messages): in `_start`,
     `min(num_new, step.budget // 2 + 1)`; in `_continue_prefill`, a chunk capped at
     8 tokens; in `_schedule_running`, `i += 2` after scheduling a request (the next
-    one skipped), drafts dropped while `req.num_computed_tokens` is odd."""
+    one skipped), drafts dropped while `req.num_computed_tokens` is odd; and, on the
+    explicit example, `i += 2` or `break` after a request with no work."""
     case, workload = cw
     _run(case, workload, W.RUNNING, W.CHUNK)
 
 
-# b (5 tokens) preempts itself for its second block and restarts with 8 tokens, whole
-# blocks: a restart that keeps one computed token (`_preempt__mutmut_5`) takes a third.
-_RESTART_FILLS_WHOLE_BLOCKS = (
-    EngineCase(
-        EngineConfig(
-            block_size=4,
-            num_gpu_blocks=3,
-            max_num_seqs=4,
-            max_num_batched_tokens=64,
-            prefill_watermark=1.0,
-        ),
-        0.7,
-    ),
-    (ReqSpec("a", 0, (1, 2), max_tokens=4), ReqSpec("b", 0, tuple(range(100, 105)), 4)),
-)
-
-
 @scaled(0.6)
-@example(_RESTART_FILLS_WHOLE_BLOCKS)
+@example(RESTART_FILLS_WHOLE_BLOCKS)
 @given(any_case_and_workload())
 def test_preemption_happens_only_when_an_allocation_fails_and_a_cached_prefix_is_hit(
     cw: tuple[EngineCase, Workload],
