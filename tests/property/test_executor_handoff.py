@@ -13,21 +13,25 @@ from hypothesis import strategies as st
 
 from deepinfer.request import Request
 from tests.property.checkers_handoff import ExecutorHandoff
-from tests.property.examples import NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER
+from tests.property.examples import (
+    NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER,
+    PROMPT_LOGPROBS_OVER_A_CACHED_PROMPT,
+    RESTART_FILLS_WHOLE_BLOCKS,
+)
 from tests.property.harness import Checker, Driver
 from tests.property.strategies import EngineCase, ReqSpec, Workload, any_case_and_workload, scaled
 
 
 class _Flavour(Checker):
-    """Before its first step, the 1st, 4th, 7th... request submitted asks for prompt
-    logprobs and the 2nd, 5th, 8th... is structured (the simulator prices its mask; no
+    """Before its first step, the 2nd, 5th, 8th... request submitted asks for prompt
+    logprobs and the 3rd, 6th, 9th... is structured (the simulator prices its mask; no
     grammar is compiled)."""
 
     def on_add(self, d: Driver, spec: ReqSpec, req: Request, reason: str | None) -> None:
         kind = len(d.reqs) % 3
-        if kind == 1:
+        if kind == 2:
             req.sampling_params = dataclasses.replace(req.sampling_params, prompt_logprobs=1)
-        elif kind == 2:
+        elif kind == 0:
             req.structured = True
 
 
@@ -40,6 +44,8 @@ def _run(case: EngineCase, workload: Workload, emit: bool, flavours: bool) -> Dr
 
 @scaled(0.5)
 @example(NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER, True, True)
+@example(PROMPT_LOGPROBS_OVER_A_CACHED_PROMPT, True, True)
+@example(RESTART_FILLS_WHOLE_BLOCKS, True, False)
 @given(any_case_and_workload(), st.booleans(), st.booleans())
 def test_each_scheduled_request_carries_what_the_executor_needs(
     cw: tuple[EngineCase, Workload], emit: bool, flavours: bool
