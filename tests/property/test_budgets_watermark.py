@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given
 
 from deepinfer.config import EngineRole
 from tests.property.checkers_kv import Budgets, WatermarkExemption, WatermarkNewPrompts
+from tests.property.examples import USAGE_ABOVE_THE_WATERMARK
 from tests.property.harness import Checker, Driver, run_case
 from tests.property.mirror import KVMirror
 from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
@@ -35,6 +36,7 @@ def test_steps_respect_token_and_sequence_budgets_and_computed_never_exceeds_tok
 
 
 @scaled(1.0)
+@example(USAGE_ABOVE_THE_WATERMARK)
 @given(NORMAL)
 def test_a_new_prompt_starts_only_while_usage_is_at_most_the_watermark(
     cw: tuple[EngineCase, Workload],
