@@ -120,6 +120,21 @@ def _engine(executor: ScriptedExecutor, **overrides: object):  # type: ignore[no
     return engine
 
 
+def _drain(engine, max_steps: int = 200) -> None:  # type: ignore[no-untyped-def]
+    """Step until idle; a loop that makes no progress fails instead of hanging."""
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return
+        engine.step()
+    raise AssertionError(f"unfinished after {max_steps} steps\n{engine.scheduler.diagnose()}")
+
+
+def _only_record(engine, req: Request):  # type: ignore[no-untyped-def]
+    recs = [r for r in engine.records if r.req_id == req.request_id]
+    assert len(recs) == 1, recs
+    return recs[0]
+
+
 def test_a_request_waits_for_its_grammar_while_the_others_run() -> None:
     ex = GrammarExecutor(10)
     engine = _engine(ex)
@@ -133,8 +148,7 @@ def test_a_request_waits_for_its_grammar_while_the_others_run() -> None:
     assert free.status is RequestStatus.FINISHED
     assert constrained.status is RequestStatus.WAITING and constrained.times.first_scheduled is None
     ex.compiles["[0-9]{3}"].set_result("compiled")
-    while engine.has_unfinished():
-        engine.step()
+    _drain(engine)
     assert constrained.status is RequestStatus.FINISHED and constrained.num_output_tokens == 2
 
 
@@ -161,15 +175,16 @@ def test_a_grammar_that_fails_to_compile_rejects_its_request_alone() -> None:
     ex.compiles["[0-9]{3}"].set_exception(RuntimeError("out of memory in the compiler"))
     changed = engine.step()
     assert bad in changed  # LLM.generate learns of it from step()
-    while engine.has_unfinished():
-        engine.step()
+    _drain(engine)
     assert bad.status is RequestStatus.REJECTED and bad.finish_reason.value == "rejected"
     assert bad.reject_reason == (
         "so_args: the grammar failed to compile: out of memory in the compiler"
     )
     assert all(r.status is RequestStatus.FINISHED and r.num_output_tokens == 3 for r in others)
     assert engine.scheduler.num_rejected == 1
-    assert {r.req_id: r.status for r in engine.records}["bad"] == "rejected"
+    rec = _only_record(engine, bad)
+    assert (rec.status, rec.reason) == ("rejected", bad.reject_reason)
+    assert rec.finish == bad.times.finish is not None  # it ended at the step that saw it
 
 
 def test_an_executor_that_samples_tokens_without_grammars_refuses_so_args() -> None:
@@ -177,8 +192,95 @@ def test_an_executor_that_samples_tokens_without_grammars_refuses_so_args() -> N
         needs_token_ids = True
 
     engine = _engine(NoGrammars(10))
-    reason = engine.add_request(make_request("c", 3, so_args=REGEX))
-    assert reason is not None and "does not support structured outputs" in reason
+    req = make_request("c", 3, so_args=REGEX)
+    reason = engine.add_request(req)
+    assert reason == (
+        "SamplingParams.so_args: the NoGrammars executor does not support structured outputs"
+    )
+    assert (req.status, req.reject_reason) == (RequestStatus.REJECTED, reason)
+    assert _only_record(engine, req).reason == reason and not engine.has_unfinished()
+
+
+def test_a_schema_compiled_before_is_ready_at_once_and_one_that_failed_rejects_at_once() -> None:
+    """The executor caches compiles by schema: a request whose grammar is already compiled
+    never waits; one whose schema failed before is rejected on arrival, with the error."""
+    ex = GrammarExecutor(10)
+    engine = _engine(ex)
+    ready: Future = Future()
+    ex.compiles["[0-9]{3}"] = ready
+    ready.set_result("compiled")
+    failed: Future = Future()
+    ex.compiles["b"] = failed
+    failed.set_exception(RuntimeError("out of memory in the compiler"))
+    good = make_request("good", 3, max_tokens=2, so_args=REGEX)
+    bad = make_request("bad", 3, max_tokens=2, so_args={"schema_type": "regex", "schema": "b"})
+    assert engine.add_request(good) is None and not good.awaiting_grammar
+    error = "so_args: the grammar failed to compile: out of memory in the compiler"
+    assert engine.add_request(bad) == error
+    assert (bad.status, bad.reject_reason) == (RequestStatus.REJECTED, error)
+    assert _only_record(engine, bad).reason == error and engine.scheduler.num_rejected == 1
+    assert [sr.req_id for sr in engine.schedule().scheduled] == ["good"]
+
+
+def test_a_grammar_ready_first_starts_first() -> None:
+    """Compiles end in any order: a request starts when its own grammar is ready, even
+    while one added before it still compiles."""
+    ex = GrammarExecutor(10)
+    engine = _engine(ex)
+    slow = make_request("slow", 3, max_tokens=2, so_args=REGEX)
+    fast = make_request("fast", 3, max_tokens=2, so_args={"schema_type": "regex", "schema": "a"})
+    engine.add_request(slow)
+    engine.add_request(fast)
+    ex.compiles["a"].set_result("compiled")
+    engine.step()  # (stepping once nothing but `slow` is left would wait for its compile)
+    assert fast.times.first_scheduled is not None and slow.awaiting_grammar
+    while not fast.is_finished:
+        engine.step()
+    assert fast.status is RequestStatus.FINISHED and slow.awaiting_grammar
+    assert slow.times.first_scheduled is None
+    ex.compiles["[0-9]{3}"].set_result("compiled")
+    _drain(engine)
+    assert slow.status is RequestStatus.FINISHED
+
+
+def test_an_idle_engine_wakes_at_the_first_compile_that_ends_not_the_last() -> None:
+    ex = GrammarExecutor(10)
+    engine = _engine(ex)
+    soon = make_request("soon", 3, max_tokens=1, so_args={"schema_type": "regex", "schema": "a"})
+    late = make_request("late", 3, max_tokens=1, so_args=REGEX)
+    engine.add_request(soon)
+    engine.add_request(late)
+    soon_timer = threading.Timer(0.05, lambda: ex.compiles["a"].set_result("compiled"))
+    # Only a safety net: the engine must not wait for this one (it would, 10 s, if it
+    # waited for every compile rather than the first).
+    late_timer = threading.Timer(10.0, lambda: ex.compiles["[0-9]{3}"].set_result("compiled"))
+    soon_timer.start()
+    late_timer.start()
+    try:
+        assert engine.step() == []  # waited for a compile: nothing else could run
+        assert not ex.compiles["[0-9]{3}"].done()
+        assert not soon.awaiting_grammar and late.awaiting_grammar
+        engine.step()
+        assert soon.status is RequestStatus.FINISHED
+    finally:
+        late_timer.cancel()
+    engine.abort("late")
+
+
+def test_a_request_aborted_while_its_grammar_compiles_ends_once() -> None:
+    """Its compile failing afterwards neither rejects it again nor writes a second record."""
+    ex = GrammarExecutor(10)
+    engine = _engine(ex)
+    req = make_request("c", 3, max_tokens=2, so_args=REGEX)
+    other = make_request("o", 3, max_tokens=2)
+    engine.add_request(req)
+    engine.add_request(other)
+    engine.abort("c")
+    ex.compiles["[0-9]{3}"].set_exception(RuntimeError("compiler crashed"))
+    assert req not in engine.step()
+    _drain(engine)
+    assert (req.status, req.reject_reason) == (RequestStatus.ABORTED, None)
+    assert _only_record(engine, req).status == "aborted"
 
 
 def test_a_complete_grammar_ends_the_request_with_stop_before_max_tokens() -> None:
@@ -187,8 +289,7 @@ def test_a_complete_grammar_ends_the_request_with_stop_before_max_tokens() -> No
     req = make_request("c", 3, max_tokens=8, so_args=REGEX)
     engine.add_request(req)
     ex.compiles["[0-9]{3}"].set_result("compiled")
-    while engine.has_unfinished():
-        engine.step()
+    _drain(engine)
     assert req.finish_reason.value == "stop" and req.num_output_tokens == 3
 
 

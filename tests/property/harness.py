@@ -264,5 +264,27 @@ class Driver:
             self.in_flight = (nxt, self.executor.execute(nxt))
 
 
+def submit_due(
+    engine: EngineCore,
+    arrivals: list[ReqSpec],
+    aborts: list[ReqSpec],
+    clock: int,
+    reqs: dict[str, Request],
+) -> set[str]:
+    """For loops that drive `EngineCore.step()` themselves: submit the arrivals, then the
+    client aborts, due by driver step `clock` (both lists sorted by that step, consumed
+    from the front; new requests go into `reqs`). Returns the requests the aborts ended."""
+    while arrivals and arrivals[0].arrival_step <= clock:
+        s = arrivals.pop(0)
+        reqs[s.req_id] = make_request(s)
+        engine.add_request(reqs[s.req_id])
+    aborted = set()
+    while aborts and aborts[0].abort_step <= clock:  # type: ignore[operator]
+        rid = aborts.pop(0).req_id
+        if engine.abort(rid) is not None:
+            aborted.add(rid)
+    return aborted
+
+
 def run_case(case: EngineCase, workload: Workload, *checkers: Checker) -> Driver:
     return Driver(case, workload, list(checkers)).run()

@@ -12,7 +12,7 @@ from deepinfer.errors import SchedulerStalled
 from deepinfer.request import Request
 from sim.sim_executor import SimExecutor
 from tests.factories import StepClock
-from tests.property.harness import CORE_CHECKS, make_request, run_case, step_bound
+from tests.property.harness import CORE_CHECKS, run_case, step_bound, submit_due
 from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
 
 
@@ -27,12 +27,7 @@ def _run_with_step(case: EngineCase, workload: Workload) -> dict[str, Any]:
     clock = steps = 0
     stalled = None
     while True:
-        while arrivals and arrivals[0].arrival_step <= clock:
-            s = arrivals.pop(0)
-            reqs[s.req_id] = make_request(s)
-            engine.add_request(reqs[s.req_id])
-        while aborts and aborts[0].abort_step <= clock:  # type: ignore[operator]
-            engine.abort(aborts.pop(0).req_id)
+        submit_due(engine, arrivals, aborts, clock, reqs)
         if not engine.has_unfinished():
             if not arrivals:
                 break
