@@ -36,14 +36,18 @@ def test_the_head_of_waiting_starts_whenever_no_rule_holds_it_back(
     rule holds back: the step preempted, max_num_seqs are running or mid-prefill,
     usage is above prefill_watermark (NORMAL role), its prompt exceeds the budget left
     without chunked prefill, or the free blocks do not cover its prompt minus its
-    prefix hits. Waiting requests are served in queue order.
+    prefix hits. Waiting requests are served in queue order, and that order is the
+    policy's: chunked prefills in progress first, then under fcfs preempted requests
+    ahead of new ones in submission order, under priority (priority, submission).
 
     Broken copies that fail it (each with this rule's message): in `_start`,
     `self.kv.usage > cfg.prefill_watermark - 0.1` and `>= cfg.prefill_watermark`
     (over-cautious watermark), `>= cfg.max_num_seqs - 1`; `_schedule_waiting`
-    returning after the first request it starts."""
+    returning after the first request it starts. Queue order: the policy tests of
+    `WaitingQueue.add` / `add_preempted` inverted (mutmut's `add__mutmut_1`..`_3`,
+    `add_preempted__mutmut_1`..`_3`, tests/property/MUTATION.md)."""
     case, workload = cw
-    _run(case, workload, W.HEAD, W.FCFS)
+    _run(case, workload, W.HEAD, W.FCFS, W.QUEUE)
 
 
 @scaled(0.6)
