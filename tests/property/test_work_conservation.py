@@ -12,11 +12,17 @@ from __future__ import annotations
 
 from hypothesis import given
 
-from deepinfer.config import EngineRole
+from deepinfer.config import EngineConfig, EngineRole
 from tests.property import checkers_work as W
 from tests.property.harness import Driver
 from tests.property.mirror import KVMirror
-from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
+from tests.property.strategies import (
+    EngineCase,
+    ReqSpec,
+    Workload,
+    any_case_and_workload,
+    scaled,
+)
 
 
 def _run(case: EngineCase, workload: Workload, *rules: str) -> None:
@@ -90,3 +96,28 @@ def test_preemption_happens_only_when_an_allocation_fails_and_a_cached_prefix_is
     `_preempt__mutmut_5`, tests/property/MUTATION.md)."""
     case, workload = cw
     _run(case, workload, W.PREEMPT, W.PREFIX, W.BLOCKS)
+
+
+def test_a_preempted_request_waits_behind_a_higher_priority_one() -> None:
+    """Scripted, priority policy: A and C (priority 2) run; B (priority 0) arrives and
+    waits, its prompt needing more blocks than are free; A and C outgrow the cache, so
+    C (the newest) is preempted. C then waits behind B, as (priority, submission)
+    orders them, not at the front as an fcfs preemption would put it (mutmut's
+    `add_preempted__mutmut_2` and `_3`, tests/property/MUTATION.md)."""
+    cfg = EngineConfig(
+        block_size=4,
+        num_gpu_blocks=6,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        prefill_watermark=1.0,
+        policy="priority",
+    )
+    a = ReqSpec("a", 0, (1, 2, 3, 4), max_tokens=16, priority=2)
+    c = ReqSpec("c", 0, (5, 6, 7, 8), max_tokens=16, priority=2)
+    b = ReqSpec("b", 2, tuple(range(10, 30)), max_tokens=2, priority=0)  # needs 5 blocks
+    d = Driver(EngineCase(cfg, 0.7), (a, c, b), [])
+    mirror = KVMirror.for_driver(d)
+    d.checkers = [mirror, W.WorkConservation(mirror, (W.QUEUE,))]
+    d.run()
+    assert d.reqs["c"].num_preemptions >= 1 and d.reqs["a"].num_preemptions == 0
+    assert all(r.status.value == "finished" for r in d.reqs.values())
