@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from hypothesis import given
 
-from deepinfer.config import EngineConfig, EngineRole
+from deepinfer.config import EngineRole
+from tests.factories import make_config
 from tests.property import checkers_work as W
 from tests.property.harness import Driver
 from tests.property.mirror import KVMirror
@@ -104,13 +105,8 @@ def test_a_preempted_request_waits_behind_a_higher_priority_one() -> None:
     C (the newest) is preempted. C then waits behind B, as (priority, submission)
     orders them, not at the front as an fcfs preemption would put it (mutmut's
     `add_preempted__mutmut_2` and `_3`, tests/property/MUTATION.md)."""
-    cfg = EngineConfig(
-        block_size=4,
-        num_gpu_blocks=6,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        prefill_watermark=1.0,
-        policy="priority",
+    cfg = make_config(
+        num_gpu_blocks=6, max_num_batched_tokens=64, prefill_watermark=1.0, policy="priority"
     )
     a = ReqSpec("a", 0, (1, 2, 3, 4), max_tokens=16, priority=2)
     c = ReqSpec("c", 0, (5, 6, 7, 8), max_tokens=16, priority=2)
