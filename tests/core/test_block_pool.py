@@ -7,6 +7,7 @@ import pytest
 from deepinfer.kv_cache.block_pool import BlockPool
 from deepinfer.kv_cache.hashing import update_block_hashes
 from deepinfer.kv_cache.manager import KVCacheManager
+from deepinfer.request import Request
 from deepinfer.scheduler import Scheduler
 from tests.factories import make_config, make_request
 
@@ -160,3 +161,14 @@ def test_check_invariants_names_the_broken_block(how: str) -> None:
     kv, message = _corrupt(how)
     with pytest.raises(AssertionError, match=message):
         kv.check_invariants()
+
+
+def test_a_cache_salt_keeps_prefixes_apart() -> None:
+    """Equal tokens under another salt (or none) are another prefix: no hit."""
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    first = Request("a", [1, 2, 3, 4, 5], cache_salt="s")
+    assert kv.allocate(first, 5) is not None
+    kv.free(first)
+    assert kv.find_cached_prefix(Request("b", [1, 2, 3, 4, 5])) == []
+    assert kv.find_cached_prefix(Request("c", [1, 2, 3, 4, 5], cache_salt="t")) == []
+    assert len(kv.find_cached_prefix(Request("d", [1, 2, 3, 4, 5], cache_salt="s"))) == 2
