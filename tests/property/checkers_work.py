@@ -17,7 +17,10 @@ counts and drafts) and the KVMirror's prefix dict it replays the rules by hand:
   running or mid-prefill, usage <= prefill_watermark (NORMAL role), the budget
   takes its whole prompt unless chunking, and the free blocks cover its prompt
   minus its prefix hits; its first chunk starts after exactly the hits the
-  reference dict finds.
+  reference dict finds;
+- queue order: chunked prefills in progress lead the waiting queue; behind them fcfs
+  puts preempted requests ahead of new ones (kept in submission order), and priority
+  orders them all by (priority, submission).
 
 The first disagreement with the step's output fails, naming the rule, the step and
 the request. Rule names (`RULES`) select which ones a test asserts.
