@@ -7,7 +7,9 @@ import pytest
 from deepinfer.kv_cache.block_pool import BlockPool
 from deepinfer.kv_cache.hashing import update_block_hashes
 from deepinfer.kv_cache.manager import KVCacheManager
-from tests.factories import make_request
+from deepinfer.request import Request
+from deepinfer.scheduler import Scheduler
+from tests.factories import make_config, make_request
 
 
 def test_allocate_and_free_track_ref_counts() -> None:
@@ -18,14 +20,48 @@ def test_allocate_and_free_track_ref_counts() -> None:
     assert pool.usage == pytest.approx(0.75)
     pool.free(blocks)
     assert pool.num_free_blocks == 4
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="^block 0 freed more often than taken$"):
         pool.free(blocks[:1])
 
 
 def test_allocating_more_than_free_is_a_bug() -> None:
     pool = BlockPool(2)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="^asked for 3 blocks with only 2 free$"):
         pool.allocate(3)
+
+
+def test_a_cache_of_no_blocks_is_refused_naming_the_count() -> None:
+    """An executor that finds no room for one KV block is told so, not a ZeroDivisionError."""
+    with pytest.raises(ValueError, match="^num_blocks=0: the KV cache needs at least one block$"):
+        Scheduler(make_config(), 0)
+    with pytest.raises(ValueError, match="^num_blocks=-1: "):
+        BlockPool(-1)
+
+
+def test_is_free_follows_the_reference_count() -> None:
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.touch([a])
+    assert not pool.is_free(a) and not pool.is_free(b)
+    pool.free([a, b])
+    assert not pool.is_free(a) and pool.is_free(b)
+    pool.free([a])
+    assert pool.is_free(a)
+
+
+def test_caching_a_block_is_a_no_op_when_off_or_when_it_already_holds_content() -> None:
+    off = BlockPool(1, enable_caching=False)
+    (x,) = off.allocate(1)
+    off.cache(x, 5)
+    assert x.block_hash is None and off.lookup(5) is None
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.cache(a, 5)
+    pool.cache(a, 6)  # a block's content does not change once full: the first hash stays
+    pool.cache(b, 5)  # the same content in another block: the first one stays indexed
+    assert a.block_hash == 5 and b.block_hash is None
+    assert pool.lookup(5) is a and pool.lookup(6) is None
+    pool.check_invariants({a.block_id: 1, b.block_id: 1})
 
 
 def test_free_cached_blocks_count_as_free_and_evict_lru() -> None:
@@ -92,3 +128,47 @@ def test_a_free_hit_is_not_counted_twice_as_free() -> None:
     assert len(hits) == 1
     assert kv.allocate(b, 13 - 4, hits) is None  # 1 hit + 3 new > 3 blocks
     kv.check_invariants()
+
+
+def _corrupt(how: str) -> tuple[KVCacheManager, str]:
+    """A manager with one invariant broken by hand, and the message that names it."""
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    req = make_request("a", 4)
+    assert kv.allocate(req, 4) is not None  # blocks 0 and 1, both full and cached
+    b0, b1, b2 = kv.pool.blocks
+    if how == "twice":
+        kv.req_blocks["a"].append(b0)
+        return kv, r"^a holds a block twice: \[0, 1, 0\]$"
+    if how == "ref_cnt":
+        b1.ref_cnt = 2
+        return kv, "^block 1: ref_cnt 2 != 1 tables holding it$"
+    if how == "free_list":
+        kv.pool._free.pop(b2.block_id)
+        return kv, "^block 2: free-list membership is wrong$"
+    if how == "unindexed":
+        b2.block_hash = 77
+        return kv, "^block 2: cached hash not in the index$"
+    assert how == "index"
+    h = b1.block_hash
+    assert h is not None
+    kv.pool._cached[h + 1] = b1
+    return kv, f"^index entry {h + 1} points at block 1$"
+
+
+@pytest.mark.parametrize("how", ["twice", "ref_cnt", "free_list", "unindexed", "index"])
+def test_check_invariants_names_the_broken_block(how: str) -> None:
+    """The engine's per-step self-check (check_invariants=True) names what it found."""
+    kv, message = _corrupt(how)
+    with pytest.raises(AssertionError, match=message):
+        kv.check_invariants()
+
+
+def test_a_cache_salt_keeps_prefixes_apart() -> None:
+    """Equal tokens under another salt (or none) are another prefix: no hit."""
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    first = Request("a", [1, 2, 3, 4, 5], cache_salt="s")
+    assert kv.allocate(first, 5) is not None
+    kv.free(first)
+    assert kv.find_cached_prefix(Request("b", [1, 2, 3, 4, 5])) == []
+    assert kv.find_cached_prefix(Request("c", [1, 2, 3, 4, 5], cache_salt="t")) == []
+    assert len(kv.find_cached_prefix(Request("d", [1, 2, 3, 4, 5], cache_salt="s"))) == 2

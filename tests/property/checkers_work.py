@@ -17,7 +17,10 @@ counts and drafts) and the KVMirror's prefix dict it replays the rules by hand:
   running or mid-prefill, usage <= prefill_watermark (NORMAL role), the budget
   takes its whole prompt unless chunking, and the free blocks cover its prompt
   minus its prefix hits; its first chunk starts after exactly the hits the
-  reference dict finds.
+  reference dict finds;
+- queue order: chunked prefills in progress lead the waiting queue; behind them fcfs
+  puts preempted requests ahead of new ones (kept in submission order), and priority
+  orders them all by (priority, submission).
 
 The first disagreement with the step's output fails, naming the rule, the step and
 the request. Rule names (`RULES`) select which ones a test asserts.
@@ -30,6 +33,7 @@ from collections import Counter
 from deepinfer.config import EngineRole
 from deepinfer.kv_cache.manager import cdiv
 from deepinfer.outputs import SchedulerOutput
+from deepinfer.request import RequestStatus
 from deepinfer.spec_policy import draft_lengths
 from tests.property.harness import Checker, Driver, Snapshot, max_model_len, note
 from tests.property.mirror import KVMirror
@@ -39,9 +43,10 @@ CHUNK = "a chunk is min(remaining work, remaining budget)"
 PREEMPT = "preemption happens only when an allocation failed, newest running first"
 HEAD = "the head of waiting is started when the rules allow it"
 FCFS = "waiting requests are served in queue order"
+QUEUE = "the waiting queue is in policy order"
 PREFIX = "a cached prefix is hit"
 BLOCKS = "a request holds the blocks its tokens need, no more"
-RULES = (RUNNING, CHUNK, PREEMPT, HEAD, FCFS, PREFIX, BLOCKS)
+RULES = (RUNNING, CHUNK, PREEMPT, HEAD, FCFS, QUEUE, PREFIX, BLOCKS)
 
 
 def lookahead(d: Driver, end: int) -> int:
@@ -65,10 +70,34 @@ class WorkConservation(Checker):
         snap = d.snap
         assert snap is not None
         got = {sr.req_id: sr for sr in out.scheduled}
+        self._queue_order(d, snap, out)
         self._blocks(d, out)
         budget = self._running_phase(d, snap, out, got)
         if budget is not None:
             self._waiting_phase(d, snap, out, got, budget)
+
+    def _queue_order(self, d: Driver, snap: Snapshot, out: SchedulerOutput) -> None:
+        """Before the step, chunked prefills in progress lead the waiting queue; behind
+        them, fcfs puts preempted requests ahead of those never started, which keep
+        their submission order; priority orders them all by (priority, submission)."""
+        k = len(snap.in_progress)
+        head, rest = snap.waiting[:k], snap.waiting[k:]
+        if set(head) != set(snap.in_progress):
+            self._fail(QUEUE, out, rest[0], f"waiting {snap.waiting}: in progress {head}")
+            return
+        seq = {rid: i for i, rid in enumerate(d.reqs)}  # submission order
+        if d.case.config.policy == "priority":
+            want = sorted(rest, key=lambda rid: (d.specs[rid].priority, seq[rid]))
+        else:
+            new = [rid for rid in rest if snap.status[rid] is RequestStatus.WAITING]
+            old = [rid for rid in rest if snap.status[rid] is not RequestStatus.WAITING]
+            want = old + sorted(new, key=seq.__getitem__)
+        if rest != want:
+            rid = next(a for a, b in zip(rest, want, strict=True) if a != b)
+            policy = d.case.config.policy
+            self._fail(QUEUE, out, rid, f"waiting {rest}, policy {policy} wants {want}")
+        elif len(rest) > 1:
+            note(f"the waiting queue held several requests in {d.case.config.policy} order")
 
     def _blocks(self, d: Driver, out: SchedulerOutput) -> None:
         """After the allocations, a scheduled request's table covers the tokens computed

@@ -36,18 +36,22 @@ class PrefixModel:
 
     def __init__(self, block_size: int, enabled: bool) -> None:
         self.bs, self.enabled = block_size, enabled
-        self._intern: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._intern: dict[tuple[object, tuple[int, ...]], int] = {}
         self._pids: dict[str, list[int]] = {}  # req_id -> prefix id of each full block
+        # req_id -> its cache salt: prefixes of different salts never match.
+        self.salts: dict[str, str | None] = {}
         self.cache: dict[int, int] = {}  # prefix id -> block id
         self.owner: dict[int, int] = {}  # block id -> prefix id
         self.reg_upto: dict[str, int] = {}  # req_id -> leading blocks already considered
 
     def pids(self, req_id: str, tokens: list[int]) -> list[int]:
         out = self._pids.setdefault(req_id, [])
+        root = ("root", self.salts.get(req_id))
         for i in range(len(out), len(tokens) // self.bs):
             start = i * self.bs
             block: tuple = tuple(tokens[start : start + self.bs])
-            out.append(self._intern.setdefault((out[-1] if out else -1, block), len(self._intern)))
+            key = (out[-1] if out else root, block)
+            out.append(self._intern.setdefault(key, len(self._intern)))
         return out
 
     def lookup(self, req_id: str, tokens: list[int]) -> list[int]:

@@ -53,15 +53,25 @@ class KVCacheMachine(RuleBasedStateMachine):
         tail=st.lists(st.integers(0, 3), max_size=8),
         data=st.data(),
         reserve=st.booleans(),
+        salt=st.sampled_from([None, None, "s"]),
     )
-    def admit(self, chunks: list[int], tail: list[int], data: st.DataObject, reserve: bool) -> None:
-        """A new request: prefix lookup, then its first chunk (optionally reserving all)."""
+    def admit(
+        self,
+        chunks: list[int],
+        tail: list[int],
+        data: st.DataObject,
+        reserve: bool,
+        salt: str | None,
+    ) -> None:
+        """A new request: prefix lookup, then its first chunk (optionally reserving all).
+        A cache salt keeps it from sharing blocks with requests of another salt."""
         tokens = [100 * c + j for c in chunks for j in range(self.bs)] + tail
         if not tokens:
             return
         rid = f"q{self.count}"
         self.count += 1
-        req = self.reqs[rid] = Request(rid, tokens)
+        req = self.reqs[rid] = Request(rid, tokens, cache_salt=salt)
+        self.model.salts[rid] = salt
         hits = [b.block_id for b in self.kv.find_cached_prefix(req)]
         assert hits == self.model.lookup(rid, tokens), "hits differ from the reference dict"
         start = len(hits) * self.bs
@@ -81,9 +91,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.model.register(rid, self.tables[rid], tokens, req.num_computed_tokens // self.bs)
 
     @precondition(lambda self: self.reqs)
-    @rule(pick=st.integers(0, 99), size=st.integers(1, 8), token=st.integers(0, 3))
-    def compute(self, pick: int, size: int, token: int) -> None:
-        """A step of a live request: sample a token if it is caught up, compute more."""
+    @rule(
+        pick=st.integers(0, 99),
+        size=st.integers(1, 8),
+        token=st.integers(0, 3),
+        lookahead=st.sampled_from([0, 0, 1, 2]),
+    )
+    def compute(self, pick: int, size: int, token: int, lookahead: int) -> None:
+        """A step of a live request: sample a token if it is caught up, compute more,
+        with `lookahead` slots past them (the MTP drafter's; `trim` gives them back)."""
         rid = sorted(self.reqs)[pick % len(self.reqs)]
         req = self.reqs[rid]
         if req.num_computed_tokens >= req.num_tokens:
@@ -96,8 +112,10 @@ class KVCacheMachine(RuleBasedStateMachine):
                 min(req.num_computed_tokens, req.num_tokens) // self.bs,
             )
         num_new = min(size, req.num_tokens - req.num_computed_tokens)
-        need = max(cdiv(req.num_computed_tokens + num_new, self.bs) - len(self.tables[rid]), 0)
-        if self._take(rid, self.kv.allocate(req, num_new), [], need):
+        end = req.num_computed_tokens + num_new + lookahead
+        need = max(cdiv(end, self.bs) - len(self.tables[rid]), 0)
+        got = self.kv.allocate(req, num_new, num_lookahead_tokens=lookahead)
+        if self._take(rid, got, [], need):
             req.num_computed_tokens += num_new
             self.model.register(
                 rid,
@@ -118,7 +136,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.reqs)
     @rule(pick=st.integers(0, 99))
     def trim(self, pick: int) -> None:
-        """Give back blocks reserved past the request's tokens (never registered ones)."""
+        """Give back blocks reserved past the request's tokens (never registered ones):
+        a reserved prompt's, or lookahead slots'."""
         rid = sorted(self.reqs)[pick % len(self.reqs)]
         req, table = self.reqs[rid], self.tables[rid]
         keep = max(cdiv(req.num_tokens, self.bs), self.model.reg_upto.get(rid, 0))
@@ -145,6 +164,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "kv"):
             return
         self.kv.check_invariants()
+        # Nothing is kept of a request once it holds no blocks (else the state grows).
+        assert set(self.kv._num_cached) == set(self.kv.req_blocks), "state of a freed request"
         pool, held = self.kv.pool, [b for t in self.tables.values() for b in t]
         assert pool.num_free_blocks == len(self.free) == self.n - len(set(held))
         assert {rid: self.kv.block_ids(rid) for rid in self.kv.req_blocks} == self.tables

@@ -20,6 +20,7 @@ from tests.property.strategies import (
     Workload,
     any_case_and_workload,
     scaled,
+    sim_token,
 )
 
 CACHING = any_case_and_workload(caching=True)
@@ -131,3 +132,18 @@ def test_block_theft_interleaving_in_one_step() -> None:
         assert d.engine.steps[1].num_scheduled_reqs == 2, "B and C start in the same step"
         assert d.reqs["b"].num_cached_tokens == 4, "B reuses A's first block in either order"
         assert d.sched.kv.pool.num_evictions == 2, "A's other two blocks were reused"
+
+
+def test_blocks_filled_by_generated_tokens_are_hit_by_a_later_prompt() -> None:
+    """Scripted: A's third block is filled by its first two outputs, so its hash is
+    chained onto its prompt blocks' hashes in a later call than theirs; B, arriving
+    once A is done, whose prompt is A's prompt, those two outputs and one more token,
+    hits all three blocks (mutmut's `_update_block_hashes__mutmut_5`, `_6` and `_13`:
+    a chain restarted or recomputed when it is extended, tests/property/MUTATION.md)."""
+    cfg = EngineConfig(block_size=2, num_gpu_blocks=8, max_num_batched_tokens=16)
+    a = ReqSpec("a", 0, (1, 2, 3, 4), max_tokens=3)
+    outputs = tuple(sim_token("a", 4 + i) for i in range(2))
+    b = ReqSpec("b", 6, a.prompt + outputs + (9,), max_tokens=1)
+    d, _ = _run(EngineCase(cfg, 0.7), (a, b), _HitsMatchDict)
+    assert d.reqs["a"].output_token_ids[:2] == list(outputs)
+    assert d.reqs["b"].num_cached_tokens == 6

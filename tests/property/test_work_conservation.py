@@ -13,6 +13,7 @@ from __future__ import annotations
 from hypothesis import example, given
 
 from deepinfer.config import EngineRole
+from tests.factories import make_config
 from tests.property import checkers_work as W
 from tests.property.examples import (
     BLOCK_FILLED_BY_A_DECODE_HIT_IN_THE_SAME_STEP,
@@ -22,7 +23,13 @@ from tests.property.examples import (
 )
 from tests.property.harness import Driver
 from tests.property.mirror import KVMirror
-from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
+from tests.property.strategies import (
+    EngineCase,
+    ReqSpec,
+    Workload,
+    any_case_and_workload,
+    scaled,
+)
 
 
 def _run(case: EngineCase, workload: Workload, *rules: str) -> None:
@@ -43,14 +50,18 @@ def test_the_head_of_waiting_starts_whenever_no_rule_holds_it_back(
     rule holds back: the step preempted, max_num_seqs are running or mid-prefill,
     usage is above prefill_watermark (NORMAL role), its prompt exceeds the budget left
     without chunked prefill, or the free blocks do not cover its prompt minus its
-    prefix hits. Waiting requests are served in queue order.
+    prefix hits. Waiting requests are served in queue order, and that order is the
+    policy's: chunked prefills in progress first, then under fcfs preempted requests
+    ahead of new ones in submission order, under priority (priority, submission).
 
     Broken copies that fail it (each with this rule's message): in `_start`,
     `self.kv.usage > cfg.prefill_watermark - 0.1` and `>= cfg.prefill_watermark`
     (over-cautious watermark), `>= cfg.max_num_seqs - 1`; `_schedule_waiting`
-    returning after the first request it starts."""
+    returning after the first request it starts. Queue order: the policy tests of
+    `WaitingQueue.add` / `add_preempted` inverted (mutmut's `add__mutmut_1`..`_3`,
+    `add_preempted__mutmut_1`..`_3`, tests/property/MUTATION.md)."""
     case, workload = cw
-    _run(case, workload, W.HEAD, W.FCFS)
+    _run(case, workload, W.HEAD, W.FCFS, W.QUEUE)
 
 
 @scaled(0.6)
@@ -99,3 +110,23 @@ def test_preemption_happens_only_when_an_allocation_fails_and_a_cached_prefix_is
     was scheduled (`_schedule_running__mutmut_44`, on the other example)."""
     case, workload = cw
     _run(case, workload, W.PREEMPT, W.PREFIX, W.BLOCKS)
+
+
+def test_a_preempted_request_waits_behind_a_higher_priority_one() -> None:
+    """Scripted, priority policy: A and C (priority 2) run; B (priority 0) arrives and
+    waits, its prompt needing more blocks than are free; A and C outgrow the cache, so
+    C (the newest) is preempted. C then waits behind B, as (priority, submission)
+    orders them, not at the front as an fcfs preemption would put it (mutmut's
+    `add_preempted__mutmut_2` and `_3`, tests/property/MUTATION.md)."""
+    cfg = make_config(
+        num_gpu_blocks=6, max_num_batched_tokens=64, prefill_watermark=1.0, policy="priority"
+    )
+    a = ReqSpec("a", 0, (1, 2, 3, 4), max_tokens=16, priority=2)
+    c = ReqSpec("c", 0, (5, 6, 7, 8), max_tokens=16, priority=2)
+    b = ReqSpec("b", 2, tuple(range(10, 30)), max_tokens=2, priority=0)  # needs 5 blocks
+    d = Driver(EngineCase(cfg, 0.7), (a, c, b), [])
+    mirror = KVMirror.for_driver(d)
+    d.checkers = [mirror, W.WorkConservation(mirror, (W.QUEUE,))]
+    d.run()
+    assert d.reqs["c"].num_preemptions >= 1 and d.reqs["a"].num_preemptions == 0
+    assert all(r.status.value == "finished" for r in d.reqs.values())
