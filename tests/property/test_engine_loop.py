@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
+from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore, StepEventKind
 from deepinfer.errors import RequestFailed, SchedulerStalled
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
@@ -29,6 +30,7 @@ from tests.property.harness import (
 )
 from tests.property.strategies import (
     EngineCase,
+    ReqSpec,
     Workload,
     any_case_and_workload,
     scaled,
@@ -276,8 +278,31 @@ def _faults(draw: st.DrawFn) -> dict[int, Fault]:
     }
 
 
+def _small_workload(async_scheduling: bool) -> tuple[EngineCase, Workload]:
+    cfg = EngineConfig(
+        block_size=4,
+        num_gpu_blocks=40,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+        async_scheduling=async_scheduling,
+    )
+    # r0..r2 start in step 1; r3 arrives before the third loop run, so (async) it starts
+    # in step 4, scheduled while step 3 runs.
+    specs = tuple(
+        ReqSpec(f"r{i}", 0 if i < 3 else 2, tuple(range(10 * i + 1, 10 * i + 6)), 6)
+        for i in range(4)
+    )
+    return EngineCase(cfg, 0.7), specs
+
+
 @scaled(0.5)
 @given(any_case_and_workload(), _faults())
+# Explicit cases, run under every profile (mutmut's runs only a few examples): async,
+# step 3 failing when collected with step 4 (r3's first) scheduled, or at its launch
+# after step 2's results; sync, failing at the first launch and when a result is collected.
+@example(_small_workload(True), {3: Fault(at_launch=False, named=False, victim=0)})
+@example(_small_workload(True), {3: Fault(at_launch=True, named=True, victim=1)})
+@example(_small_workload(False), {1: Fault(True, True, 2), 3: Fault(False, False, 0)})
 def test_the_engine_loop_announces_times_and_isolates_failed_steps(
     cw: tuple[EngineCase, Workload], faults: dict[int, Fault]
 ) -> None:
