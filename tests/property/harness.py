@@ -21,7 +21,6 @@ from deepinfer.engine import EngineCore
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
 from sim.sim_executor import SimExecutor
-from tests.factories import StepClock
 from tests.property.oracle import (  # noqa: F401  (re-exported: the checkers import them here)
     admissible,
     expected_end,
@@ -58,6 +57,21 @@ class Checker:
     def on_end(self, d: Driver) -> None: ...
 
 
+class DriverClock:
+    """The engine's clock: the driver advances it by one before each add, abort and half
+    step, so every timestamp the engine records names the call that took it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def tick(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class ReqState(NamedTuple):
     """What the scheduling rules read of one live request."""
 
@@ -91,7 +105,8 @@ class Driver:
         cfg = case.config
         self.case, self.workload, self.checkers = case, workload, checkers
         self.executor = SimExecutor(cfg, cfg.num_gpu_blocks, acceptance_rate=case.acceptance_rate)
-        self.engine = EngineCore(cfg, self.executor, clock=StepClock(), check_invariants=False)
+        self.time = DriverClock()
+        self.engine = EngineCore(cfg, self.executor, clock=self.time, check_invariants=False)
         self.sched = self.engine.scheduler
         self.specs = {s.req_id: s for s in workload}
         self.reqs: dict[str, Request] = {}  # every submitted request
@@ -191,6 +206,7 @@ class Driver:
             self.specs[spec.req_id] = spec
         req = make_request(spec)
         self.reqs[spec.req_id] = req
+        self.time.tick()
         reason = self.engine.add_request(req)
         if reason is not None:
             self.reasons[spec.req_id] = reason
@@ -198,6 +214,7 @@ class Driver:
             c.on_add(self, spec, req, reason)
 
     def abort(self, req_id: str) -> None:
+        self.time.tick()
         if self.engine.abort(req_id) is not None:
             for c in self.checkers:
                 c.on_abort(self, req_id)
@@ -222,6 +239,7 @@ class Driver:
                 for rid, r in s.requests.items()
             },
         )
+        self.time.tick()
         out = self.engine.schedule()
         self.chunked = self.chunked or any(
             sr.num_computed_tokens + sr.num_tokens < self.reqs[sr.req_id].num_tokens
@@ -236,6 +254,7 @@ class Driver:
 
     def _process(self, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         self.live_before_process = set(self.sched.requests)
+        self.time.tick()
         self.engine.process(out, res)
         for c in self.checkers:
             c.on_process(self, out, res)

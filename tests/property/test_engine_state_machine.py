@@ -7,9 +7,11 @@ chunked prefill, small caches where preemption is common).
 Every checker of the suite watches every half step: the KVMirror (block tables rebuilt
 from the outputs, the prefix dict), block safety, budgets and the watermark, work
 conservation, stop conditions, token and request conservation, the announcement of
-ended requests, the figures the scheduler reports (checkers_reported); after every rule the core's invariants hold and the mirror agrees with
-the core. A drain (also at the end) runs the engine until idle within harness.step_bound
-and checks that every admissible request not aborted ended as its stop conditions say.
+ended requests, the figures the scheduler reports (checkers_reported), the step
+records; after every rule the core's invariants hold and the mirror agrees with the
+core. A drain (also at the end) runs the engine until idle within harness.step_bound
+and checks that every admissible request not aborted ended as its stop conditions say,
+and that each request's record holds its life as the driver saw it.
 
 Broken copies that fail it: `Scheduler._end` not freeing the blocks of a request
 aborted mid-chunk (`if req.status is not RequestStatus.PREFILLING: self.kv.free(req)`:
@@ -38,6 +40,7 @@ from tests.property.checkers_progress import (
     RequestConservation,
     TokenConservation,
 )
+from tests.property.checkers_records import Records
 from tests.property.checkers_reported import DraftAcceptance, EndCounts, NextDrafts, StepNumbers
 from tests.property.checkers_stop import EndedAreAnnounced, StopConditions
 from tests.property.checkers_work import WorkConservation
@@ -70,6 +73,7 @@ class EngineMachine(RuleBasedStateMachine):
     def setup(self, case: EngineCase, chunk_len: int) -> None:
         d = Driver(case, (), [])
         self.mirror = mirror = KVMirror.for_driver(d)
+        self.records = Records()
         checkers: list[Checker] = [
             mirror,
             BlockSafety(mirror),
@@ -89,6 +93,7 @@ class EngineMachine(RuleBasedStateMachine):
             EndCounts(),
             DraftAcceptance(),
             NextDrafts(),
+            self.records,
         ]
         d.checkers = checkers
         self.d, self.chunk_len = d, chunk_len
@@ -176,6 +181,7 @@ class EngineMachine(RuleBasedStateMachine):
                 f"{spec} ended {req.status.value} with {req.num_output_tokens} tokens ({got}); "
                 f"want finished with {want} ({reason})"
             )
+        self.records.on_end(d)  # every request's record, aborts at any moment included
         pool = d.sched.kv.pool
         assert pool.num_free_blocks == pool.num_blocks, "idle, yet blocks are held"
         if d.workload:

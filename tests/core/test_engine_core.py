@@ -1,0 +1,52 @@
+"""What EngineCore hands its scheduler from its arguments and its executor."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer.engine import EngineCore
+from tests.factories import (
+    ScriptedExecutor,
+    StepClock,
+    make_config,
+    make_request,
+    run_to_completion,
+)
+
+
+class VocabExecutor(ScriptedExecutor):
+    """An executor whose model has a vocabulary (as the torch executor's)."""
+
+    vocab_size = 50
+
+
+def test_the_model_max_len_and_the_executor_vocabulary_limit_requests() -> None:
+    cfg = make_config(num_gpu_blocks=40)
+    engine = EngineCore(cfg, VocabExecutor(40), clock=StepClock(), model_max_len=12)
+    assert engine.max_model_len == 12
+    assert engine.add_request(make_request("long", 12)) == (
+        "prompt of 12 tokens plus one output token exceeds max_model_len=12"
+    )
+    assert engine.add_request(make_request("oov", [3, 50, 7])) == (
+        "prompt token id 50 is outside the vocabulary [0, 50)"
+    )
+    assert engine.add_request(make_request("ok", [3, 49, 7])) is None
+    # Without them only the cache (40 blocks of 4) limits a request.
+    plain = EngineCore(cfg, ScriptedExecutor(40), clock=StepClock())
+    assert plain.max_model_len == 160
+    assert plain.add_request(make_request("long", 12)) is None
+    assert plain.add_request(make_request("oov", [3, 50, 7])) is None
+
+
+@pytest.mark.parametrize("asked", [None, False, True])
+def test_the_per_step_self_checks_run_only_when_asked(asked: bool | None) -> None:
+    """They walk every block each step: off by default, on with check_invariants=True."""
+    cfg = make_config(num_gpu_blocks=40)
+    kwargs = {} if asked is None else {"check_invariants": asked}
+    engine = EngineCore(cfg, ScriptedExecutor(40), clock=StepClock(), **kwargs)
+    calls: list[None] = []
+    check = engine.scheduler.check_invariants
+    engine.scheduler.check_invariants = lambda: calls.append(check())  # type: ignore[method-assign]
+    engine.add_request(make_request("a", 6, max_tokens=3))
+    run_to_completion(engine)
+    assert bool(calls) == bool(asked), f"check_invariants={asked}: {len(calls)} checks ran"
