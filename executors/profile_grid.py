@@ -64,7 +64,10 @@ def default_grid(limits: GridLimits, quick: bool = False) -> list[StepShape]:
     else:
         batches = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
         # Up to the model's context: long-context models decode at 16k-64k in real traces.
-        contexts = [256, 1024, 4096, 7168] + [
+        # 512: on the H200, 32 Moonlight decodes took 5.9 ms at 256 and 10.0 ms at 1024
+        # (the split-KV choice), and a trace at 256-384 ran at 10.3 ms: the fit between
+        # the two nodes missed it (benchmarks/RESULTS.md, the drafter's graphs).
+        contexts = [256, 512, 1024, 4096, 7168] + [
             c for c in (16384, 32768, 65536) if c < limits.max_len
         ]
         chunks = [16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384]
