@@ -79,9 +79,9 @@ def linear(
     batch_invariant: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """F.linear: x [..., K], weight [N, K] -> [..., N]. batch_invariant: a fixed-config
-    Triton GEMM without split-K (kernels.batch_invariant), so a row's result never
-    depends on the other rows; otherwise cuBLAS."""
+    """F.linear: x [..., K], weight [N, K] -> [..., N]. batch_invariant: a Triton GEMM
+    whose K reduction order is fixed by K alone (kernels.batch_invariant), so a row's
+    result never depends on the other rows; otherwise cuBLAS."""
     if not batch_invariant:
         return F.linear(x, weight, bias)
     _require_triton("linear", x, backend, True)
@@ -190,15 +190,13 @@ def fused_moe(
     batch_invariant: bool = False,
 ) -> torch.Tensor:
     """x: [T, H], w13: [E, 2I, H], w2: [E, H, I], topk_*: [T, k] -> [T, H].
-    batch_invariant: one launch config whatever T (kernels.fused_moe.BATCH_INVARIANT_CONFIG)."""
+    batch_invariant: the Triton kernel (its rows never depend on T: kernels/fused_moe.py)."""
     if batch_invariant:
         _require_triton("fused_moe", x, backend, True)
     if use_triton(x, backend):
-        from kernels.fused_moe import BATCH_INVARIANT_CONFIG
         from kernels.fused_moe import fused_moe as triton_fused_moe
 
-        cfg = BATCH_INVARIANT_CONFIG if batch_invariant else None
-        return triton_fused_moe(x, w13, w2, topk_weights, topk_ids, config=cfg)
+        return triton_fused_moe(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 

@@ -1,5 +1,5 @@
 """Batch-invariant mode's kernels: each op is row-invariant, f(x)[i] == f(x[rows])[j]
-bit for bit, for batches of 1, 3, 64 and 257 rows (the GPU tests, at Moonlight shapes in
+bit for bit, for batches of 1, 3, 17, 64, 100 and 257 rows (the GPU tests, at Moonlight shapes in
 bf16), and computes what its torch counterpart computes (the CPU interpreter, float32).
 
 A failing GPU test names the op, the batch size, how many rows differ, the first one and
@@ -17,7 +17,7 @@ from kernels.mla_decode import invariant_keys_per_split, mla_decode
 from kernels.reference import mla_decode_ref, moe_router_ref
 from tests.kernels.utils import make_mla_case, rel_err
 
-BATCHES = (1, 3, 64, 257)
+BATCHES = (1, 3, 17, 64, 100, 257)  # every launch config of the matmul (by rows)
 
 
 def subsets(total: int, seed: int) -> list[torch.Tensor]:
@@ -57,6 +57,24 @@ def test_matmul_equals_torch(device) -> None:
     m = torch.randn(3, 20, 40, generator=gen).to(device).transpose(1, 2)
     assert rel_err(bi.bmm(a, m), torch.bmm(a, m)) < 1e-6
     assert bi.linear(x[:0], w).shape == (0, 33)
+
+
+@pytest.mark.parametrize("k", [100, 1100])  # one K segment; three, the last one short
+def test_split_and_chained_launches_reduce_k_in_the_same_order(device, k) -> None:
+    """The same tile config launched as split-K (segment sums, then the chaining kernel)
+    and as one program per tile gives the same bits, with bias, and equals torch."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(3, k, generator=gen).to(device)
+    w = torch.randn(40, k, generator=gen).to(device)
+    b = torch.randn(40, generator=gen).to(device)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
+    outs = []
+    for split in (0, 1, 2):  # one program per tile; chaining kernel; last program chains
+        out = torch.empty(1, 3, 40, device=device)
+        bi._launch(x.unsqueeze(0), w.t().unsqueeze(0), out, b, {**cfg, "split": split})
+        outs.append(out[0])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert rel_err(outs[0], torch.nn.functional.linear(x, w, b)) < 1e-6
 
 
 def test_log_softmax_equals_torch(device) -> None:
@@ -176,12 +194,12 @@ def test_rmsnorm_rows_are_batch_invariant() -> None:
 def test_router_and_fused_moe_rows_are_batch_invariant(experts, groups, topk_group) -> None:
     """Moonlight (64 experts, top-6, one group) and V3-style grouped routing (256, 8/4);
     the MoE at Moonlight's widths (hidden 2048, intermediate 1408)."""
-    x = randn(257, 2048, seed=15)
+    x = randn(1100, 2048, seed=15)  # 1100 tokens: the MoE's largest-T tiles
     gate = randn(experts, 2048, seed=16, scale=0.05, dtype=torch.float32)
     bias = randn(experts, seed=17, scale=0.01, dtype=torch.float32)
     args = (gate, bias, 6, "sigmoid", "noaux_tc", groups, topk_group, True, True, 2.446)
     full_w, full_ids = ops.moe_router(x, *args, batch_invariant=True)
-    for rows in subsets(257, experts):
+    for rows in subsets(1100, experts):
         i = rows.cuda()
         w, ids = ops.moe_router(x[i], *args, batch_invariant=True)
         assert_rows_equal("moe_router ids", ids, full_ids[i])
@@ -191,7 +209,7 @@ def test_router_and_fused_moe_rows_are_batch_invariant(experts, groups, topk_gro
     w13 = randn(64, 2 * 1408, 2048, seed=18, scale=0.02)
     w2 = randn(64, 2048, 1408, seed=19, scale=0.02)
     full = ops.fused_moe(x, w13, w2, full_w, full_ids, batch_invariant=True)
-    for rows in subsets(257, experts + 1):
+    for rows in [*subsets(1100, experts + 1), torch.randperm(1100)[:600]]:  # every CONFIGS row
         i = rows.cuda()
         sub = ops.fused_moe(x[i], w13, w2, full_w[i], full_ids[i], batch_invariant=True)
         assert_rows_equal("fused_moe", sub, full[i])
