@@ -105,6 +105,13 @@ def build_grammar(so_args: dict[str, Any]) -> Any:
     return _grammar(*grammar_key(so_args))
 
 
+# xgrammar (0.2.9) writes the character class of a JSON string with a length bound as
+# _LENIENT_CHAR, which admits raw control characters (invalid JSON); its unbounded strings
+# use _JSON_CHAR. The grammar's printed EBNF is patched and parsed again.
+_LENIENT_CHAR = r"[^\"\\\r\n]"
+_JSON_CHAR = r"[^\0-\x1f\"\\\r\n]"
+
+
 @functools.lru_cache(maxsize=256)
 def _grammar(kind: str, text: str) -> Any:
     import xgrammar as xgr
@@ -112,7 +119,13 @@ def _grammar(kind: str, text: str) -> Any:
     try:
         if kind == "json":
             # strict_mode: properties a schema does not list are not generated (vLLM's default)
-            return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+            grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+            ebnf = str(grammar)
+            if _LENIENT_CHAR in ebnf:
+                return xgr.Grammar.from_ebnf(
+                    ebnf.replace(_LENIENT_CHAR, _JSON_CHAR), root_rule_name="root"
+                )
+            return grammar
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "ebnf":

@@ -293,6 +293,19 @@ def compiler() -> GrammarCompiler:
     return GrammarCompiler(DEMO_MODEL_DIR, 8192 + 64, [1])
 
 
+@pytest.mark.parametrize("bound", [{}, {"maxLength": 12}, {"minLength": 1, "maxLength": 12}])
+def test_a_json_string_admits_no_raw_control_character(bound: dict) -> None:
+    """JSON forbids U+0000..U+001F unescaped in a string; xgrammar 0.2.9's rule for a string
+    with a length bound let them through (the random walk below found '"\x00"')."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", **bound}},
+              "required": ["name"]}  # fmt: skip
+    grammar = build_grammar({"schema_type": "json", "schema": schema})
+    accepts = xgr.testing._is_grammar_accept_string
+    assert accepts(grammar, '{"name": "ab"}')
+    for char in "\x00\x1f\t":
+        assert not accepts(grammar, '{"name": "a' + char + '"}'), repr(char)
+
+
 WALK_GRAMMARS = [
     *({"schema_type": "json", "schema": s} for s in SCHEMAS.values()),
     *({"schema_type": "regex", "schema": r} for r in REGEXES),
