@@ -110,8 +110,9 @@ def model_dir(name: str) -> Path:
 
 def run(
     executor: Any, cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, tag: str
-) -> tuple[float, dict[str, list[int]], float | None]:
-    """Decode tokens/s of one batch, each request's output, the draft acceptance."""
+) -> tuple[float, dict[str, list[int]], float | None, str]:
+    """Decode tokens/s of one batch, each request's output, the draft acceptance, and a
+    line on its decode steps (mean ms, tokens scored per request)."""
     engine = EngineCore(cfg, executor, model_max_len=executor.max_model_len)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     reqs = [Request(f"{tag}-{i}", list(p), params) for i, p in enumerate(prompts)]
@@ -125,7 +126,10 @@ def run(
     s = engine.scheduler
     acc = s.num_accepted_drafts / s.num_draft_tokens if s.num_draft_tokens else None
     outs = {r.request_id: r.output_token_ids for r in reqs}
-    return tokens / seconds if seconds else 0.0, outs, acc
+    steps = max(len(decode), 1)
+    per_req = sum(s.num_batched_tokens / max(s.num_scheduled_reqs, 1) for s in decode) / steps
+    line = f"{len(decode)} decode steps, {1e3 * seconds / steps:.2f} ms each, {per_req:.2f} tokens a request"
+    return tokens / seconds if seconds else 0.0, outs, acc, line
 
 
 def simulated_speedup(
@@ -195,8 +199,10 @@ def main() -> None:
     plain = executor("0")
     ref: dict[int, float] = {}
     for b in batches:
-        ref[b], _, _ = run(plain, plain.engine_config, all_prompts[:b], args.max_tokens, f"p{b}")
-        print(f"batch {b}: {ref[b]:.0f} decode tok/s without speculation", flush=True)
+        ref[b], _, _, line = run(
+            plain, plain.engine_config, all_prompts[:b], args.max_tokens, f"p{b}"
+        )
+        print(f"batch {b}: {ref[b]:.0f} decode tok/s without speculation ({line})", flush=True)
     plain.shutdown()
     del plain
     gc.collect()
@@ -209,7 +215,9 @@ def main() -> None:
             forced.install(ex.runner)
             for b in batches:
                 tag = f"k{k}a{a}b{b}"
-                rate, _, acc = run(ex, ex.engine_config, all_prompts[:b], args.max_tokens, tag)
+                rate, _, acc, line = run(
+                    ex, ex.engine_config, all_prompts[:b], args.max_tokens, tag
+                )
                 sched_speedup = simulated_speedup(
                     cfg_dir, ex.engine_config, b, args.prompt_len, args.max_tokens, a
                 )
@@ -221,7 +229,7 @@ def main() -> None:
                 print(
                     f"k={k} a={a} batch {b}: {rate:.0f} tok/s, {row['speedup']:.2f}x, "
                     f"drafts accepted {acc or 0:.2f} "
-                    f"(simulator {pred})",
+                    f"(simulator {pred}; {line})",
                     flush=True,
                 )
         ex.shutdown()

@@ -6,21 +6,29 @@ accepted, all drafts before it too, with probability about c_j = q_1 * ... * q_j
 
 A step of n tokens costs about S + n token-times (S: the step's fixed cost, weights
 read and launches, in tokens: below S a step is memory-bound and one more token is
-nearly free) and yields E tokens in expectation (one per request, plus each draft's
-c_j). Drafts are added in decreasing c_j (a request's c_j only fall, so its drafts stay
-a prefix) while one raises E / (S + n), i.e. while c_j > E / (S + n): at batch 1
-almost every draft pays; as the batch grows the verify budget shrinks and
-speculation fades out instead of slowing the engine.
+nearly free) and yields E tokens in expectation (one per request, plus each verified
+draft's c_j).
+
+The step verifies the same number L of drafts for every request: the real executor
+replays a verify graph per query length 1 + L, and a graph pads every request's query
+to the step's longest. A request given fewer drafts than another would still pay for
+the padded rows, so verifying its own drafts in them costs nothing and can only add
+accepted tokens. L maximises E(L) / (S + n(L)) over 0..max_len, where E(L) sums the
+c_j of every request's first L drafts: the confidences of the whole batch set it. At
+batch 1 almost every likely draft pays; as the batch grows n(L) grows B times faster
+than one request's yield, so the verify budget shrinks and speculation fades out
+instead of slowing the engine. A request with fewer than L drafts verifies what it has.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Mapping, Sequence
 
 # Fixed cost of a step in token-times: roughly the batch at which a decode step of a
-# DeepSeek-style MoE turns compute-bound on an H100/H200 class GPU.
-STEP_FIXED_COST_TOKENS = 256.0
+# DeepSeek-style MoE turns compute-bound. Fitted on the H200 (Moonlight shapes): 128
+# requests took 13.5 ms a step decoding and 29.3 ms verifying 3 drafts each (512 tokens,
+# with the drafter), so S + 512 = 2.17 (S + 128), S = 200 (benchmarks/RESULTS.md).
+STEP_FIXED_COST_TOKENS = 200.0
 
 
 def draft_lengths(
@@ -35,23 +43,19 @@ def draft_lengths(
     request is one token of the step plus its drafts; num_other_tokens: the step's
     other tokens (prompt chunks).
     """
-    lengths = {rid: 0 for rid in confidences}
-    expected = float(len(confidences))  # tokens the step yields: one per request so far
-    tokens = float(len(confidences) + num_other_tokens)
-    heap: list[tuple[float, str, int]] = []  # (-c_j, req_id, j), j 1-based
-    for rid, conf in confidences.items():
-        if conf and max_len > 0:
-            heap.append((-float(conf[0]), rid, 1))
-    heapq.heapify(heap)
-    while heap:
-        neg_c, rid, j = heapq.heappop(heap)
-        c = -neg_c
-        if c * (fixed_cost_tokens + tokens) <= expected:  # c <= E / (S + n): no longer pays
+    expected = float(len(confidences))  # E(0): one token per request
+    tokens = float(len(confidences) + num_other_tokens)  # n(0)
+    best_len, best_rate = 0, expected / (fixed_cost_tokens + tokens) if confidences else 0.0
+    cumulative = {rid: 1.0 for rid in confidences}
+    for length in range(1, max_len + 1):
+        drafting = [rid for rid, conf in confidences.items() if len(conf) >= length]
+        if not drafting:
             break
-        lengths[rid] = j
-        expected += c
-        tokens += 1
-        conf = confidences[rid]
-        if j < min(max_len, len(conf)):
-            heapq.heappush(heap, (-(c * float(conf[j])), rid, j + 1))
-    return lengths
+        for rid in drafting:
+            cumulative[rid] *= float(confidences[rid][length - 1])
+            expected += cumulative[rid]
+        tokens += len(drafting)
+        rate = expected / (fixed_cost_tokens + tokens)
+        if rate > best_rate:
+            best_len, best_rate = length, rate
+    return {rid: min(best_len, len(conf)) for rid, conf in confidences.items()}

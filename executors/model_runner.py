@@ -45,6 +45,26 @@ from executors.structured_outputs import (
     TokenMasks,
 )
 
+# Verify graphs shorter than 1 + k: every captured batch size keeps its own float32
+# logits output ([size * q, vocab]) alive, so the sizes of one query length are taken,
+# smallest first, while their outputs fit in this many bytes (Moonlight's vocabulary:
+# batches up to 40-96 requests); larger such steps run piecewise. Without the bound a
+# varlen engine of 256 sequences (k = 5) ran out of memory capturing them.
+SHORT_VERIFY_GRAPH_MAX_BYTES = 512 << 20
+
+
+def short_verify_sizes(sizes: list[int], query_len: int, vocab_size: int) -> list[int]:
+    """The prefix of `sizes` (sorted) whose verify graphs' logits fit the byte bound
+    (at least the smallest size)."""
+    taken: list[int] = []
+    total = 0
+    for size in sorted(sizes):
+        total += size * query_len * vocab_size * 4
+        if total > SHORT_VERIFY_GRAPH_MAX_BYTES and taken:
+            break
+        taken.append(size)
+    return taken
+
 
 @dataclass
 class RequestState:
@@ -143,6 +163,9 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
         self.verify_graphs: DecodeGraphs | None = None  # 1 + k tokens a request (speculation)
+        # Query length -> its verify graphs: 1 + k, and 1 + L for the shorter uniform
+        # steps that varlen (spec_policy) and trimmed drafts schedule.
+        self.verify_graphs_by_len: dict[int, DecodeGraphs] = {}
         self.piecewise: PiecewiseGraphs | None = None  # set by enable_cuda_graphs
         self.grammars: GrammarCompiler | None = None  # set by the executor for so_args
         self.masks = TokenMasks(self.vocab_size, self.device)
@@ -173,18 +196,22 @@ class ModelRunner:
         sizes = sizes or default_capture_sizes(self.max_num_seqs)
         query_lens = [1]
         if self.max_drafts and 1 + self.max_drafts <= self.block_size:  # padding: one block
-            query_lens.append(1 + self.max_drafts)
+            query_lens += range(1 + self.max_drafts, 1, -1)
         for q in query_lens:
+            q_sizes = sizes
+            if 1 < q < 1 + self.max_drafts:  # shorter verify steps: up to the byte bound
+                q_sizes = short_verify_sizes(sizes, q, self.vocab_size)
             graphs = DecodeGraphs(
                 self.model, self.kv_cache.layers, self.block_size, max_blocks,
-                self.kv_cache.scratch_block, sizes, query_len=q,
+                self.kv_cache.scratch_block, q_sizes, query_len=q,
             )  # fmt: skip
             if capture:
                 graphs.capture()
             if q == 1:
                 self.graphs = graphs
             else:
-                self.verify_graphs = graphs
+                self.verify_graphs_by_len[q] = graphs
+        self.verify_graphs = self.verify_graphs_by_len.get(1 + self.max_drafts)
         if self.drafter is not None and not self.batch_invariant:
             # A pass's rows: up to 1 + k a request (pass 1 after a verify step).
             max_rows = max(sizes) * (1 + self.max_drafts)
@@ -250,7 +277,7 @@ class ModelRunner:
         """The graphs of the step's query length when every request has that many tokens
         (one, or 1 + k when verifying) and some graph holds the batch; else None."""
         q = host.query_lens[0]
-        graphs = self.graphs if q == 1 else self.verify_graphs
+        graphs = self.graphs if q == 1 else self.verify_graphs_by_len.get(q)
         if (
             graphs is None
             or graphs.query_len != q

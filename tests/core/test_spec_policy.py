@@ -28,9 +28,43 @@ def test_the_verify_budget_shrinks_as_the_batch_grows() -> None:
     assert mean_len(4096) == 0
 
 
-def test_confident_requests_get_the_budget_first() -> None:
-    """Under load the drafts go where acceptance is likeliest; lengths are prefixes."""
-    batch = {f"hi{i}": [0.95] * 5 for i in range(100)}
-    batch.update({f"lo{i}": [0.4] * 5 for i in range(100)})
-    lengths = draft_lengths(batch, max_len=5)
-    assert min(lengths[f"hi{i}"] for i in range(100)) > max(lengths[f"lo{i}"] for i in range(100))
+def test_the_batch_confidences_set_one_length_for_every_request() -> None:
+    """A step verifies the same number of drafts for every request (its verify graph pads
+    them to the longest anyway): confident batches draft more than unsure ones, and a
+    request with fewer drafts verifies those it has."""
+
+    def lengths(conf: list[float], batch: int) -> set[int]:
+        return set(draft_lengths({f"r{i}": conf for i in range(batch)}, max_len=5).values())
+
+    for batch in (8, 128, 256):
+        (sure,) = lengths([0.95] * 5, batch)
+        (unsure,) = lengths([0.4] * 5, batch)
+        assert sure > unsure, batch
+    mixed = {f"hi{i}": [0.95] * 5 for i in range(100)}
+    mixed.update({f"lo{i}": [0.4] * 5 for i in range(100)})
+    mixed["short"] = [0.99]
+    got = draft_lengths(mixed, max_len=5)
+    (common,) = {v for r, v in got.items() if r != "short"}
+    assert got["short"] == 1
+    (sure,) = lengths([0.95] * 5, 201)
+    (unsure,) = lengths([0.4] * 5, 201)
+    assert sure >= common >= unsure
+
+
+def test_the_length_maximises_expected_tokens_per_step_cost() -> None:
+    """Against brute force over every length: E(L) / (S + n(L)) is largest at the pick."""
+    batch = {"a": [0.9, 0.8, 0.5], "b": [0.6, 0.6, 0.6], "c": [0.99, 0.2, 0.9]}
+    for s in (1.0, 10.0, 100.0):
+
+        def rate(length: int, s: float = s) -> float:
+            e, n = 3.0, 3.0
+            for conf in batch.values():
+                c = 1.0
+                for q in conf[:length]:
+                    c *= q
+                    e += c
+                    n += 1
+            return e / (s + n)
+
+        pick = set(draft_lengths(batch, max_len=3, fixed_cost_tokens=s).values())
+        assert pick == {max(range(4), key=rate)}, s

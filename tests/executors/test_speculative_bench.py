@@ -37,7 +37,7 @@ def test_forced_acceptance_follows_the_rate_it_is_given(
         for a in (0.2, 0.9):
             forced = speculative.ForcedAcceptance(ex.runner.drafter, a, seed=1)
             forced.install(ex.runner)
-            _, outs, acc = speculative.run(ex, cfg, prompts, 40, f"a{a}")
+            _, outs, acc, _ = speculative.run(ex, cfg, prompts, 40, f"a{a}")
             acceptance[a] = acc
             assert all(len(o) == 40 for o in outs.values())
     finally:

@@ -278,6 +278,14 @@ def _greedy_through_runner(
         draft_graphs = runner.drafter.graphs
         run_rows = draft_graphs.run_rows
         draft_graphs.run_rows = lambda h, i, p, t: rows.append(len(i)) or run_rows(h, i, p, t)  # type: ignore[method-assign]
+    outputs, accepted = _greedy(runner, engine_cfg, prompts_)
+    return outputs, calls, rows, accepted
+
+
+def _greedy(
+    runner: ModelRunner, engine_cfg: EngineConfig, prompts_: list[list[int]]
+) -> tuple[list[list[int]], int]:
+    """24 greedy tokens of each prompt from an engine over `runner`; drafts accepted."""
     engine = EngineCore(engine_cfg, _RunnerExecutor(runner), model_max_len=512)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     reqs = [Request(f"r{i}", p, params) for i, p in enumerate(prompts_)]
@@ -285,8 +293,7 @@ def _greedy_through_runner(
         engine.add_request(r)
     while engine.has_unfinished():
         engine.step()
-    accepted = engine.scheduler.num_accepted_drafts
-    return [r.output_token_ids for r in reqs], calls, rows, accepted
+    return [r.output_token_ids for r in reqs], engine.scheduler.num_accepted_drafts
 
 
 @needs_demo
@@ -307,3 +314,59 @@ def test_verify_steps_run_through_graph_buffers_and_give_the_same_tokens() -> No
     assert graphed == eager and len(calls) > 3
     assert accepted == eager_accepted > 0
     assert len(rows) > 10 and max(rows) > 3  # chained passes and multi-row first passes
+
+
+@needs_demo
+def test_shorter_uniform_verify_steps_take_their_own_graphs(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Varlen steps verify one length L for every request (spec_policy): with graphs on,
+    a step of 1 + L tokens a request takes the graphs captured for that query length
+    (here L = 1 and 2 of k = 3, forced in turn), with the eager engine's greedy output."""
+    from tokenizers import Tokenizer
+
+    import deepinfer.scheduler as scheduler_module
+
+    cfg = ModelConfig.from_dict(read_hf_config(DEMO_MODEL_DIR))
+    model = load_model(DEMO_MODEL_DIR, cfg, dtype=torch.float32, device=torch.device("cpu"))
+    tok = Tokenizer.from_file(str(DEMO_MODEL_DIR / "tokenizer.json"))
+    prompts_ = [tok.encode(p).ids for p in CODE[:3]]
+    steps = iter(range(1 << 30))
+
+    def alternating(conf, max_len, **_):  # type: ignore[no-untyped-def]
+        length = 1 + next(steps) % 2
+        return {rid: min(length, len(c)) for rid, c in conf.items()}
+
+    monkeypatch.setattr(scheduler_module, "draft_lengths", alternating)
+    outputs, served = [], []
+    for graphs in (False, True):
+        engine_cfg = EngineConfig(block_size=16, num_gpu_blocks=64, num_speculative_tokens=3,
+                                  enable_mtp_varlen=True)  # fmt: skip
+        cache = PagedKVCache(
+            cfg.num_hidden_layers, 64, 16, cfg.kv_entry_dim, torch.float32, torch.device("cpu"),
+            scratch_block=True, num_mtp_layers=1,
+        )  # fmt: skip
+        runner = ModelRunner(model, cache, engine_cfg, eos_token_id=1, max_model_len=512)
+        if graphs:
+            runner.enable_cuda_graphs([1, 2, 4], capture=False)
+            assert sorted(runner.verify_graphs_by_len) == [2, 3, 4]
+            for q, g in runner.verify_graphs_by_len.items():
+                run = g.run
+                g.run = lambda i, p, t, q=q, run=run: served.append(q) or run(i, p, t)  # type: ignore[method-assign]
+        outputs.append(_greedy(runner, engine_cfg, prompts_)[0])
+    assert outputs[0] == outputs[1]
+    assert {2, 3} <= set(served) and 4 not in served
+
+
+def test_shorter_verify_graphs_keep_their_logits_within_the_byte_bound() -> None:
+    """Each captured size keeps its float32 logits: the sizes taken (smallest first) stay
+    within SHORT_VERIFY_GRAPH_MAX_BYTES, and the next size would not have."""
+    from executors.cuda_graphs import default_capture_sizes
+    from executors.model_runner import SHORT_VERIFY_GRAPH_MAX_BYTES, short_verify_sizes
+
+    sizes = default_capture_sizes(512)
+    for q in (2, 3, 4, 5):
+        taken = short_verify_sizes(sizes, q, 163840)
+        assert taken == sizes[: len(taken)]
+        row_bytes = q * 163840 * 4
+        assert sum(taken) * row_bytes <= SHORT_VERIFY_GRAPH_MAX_BYTES
+        assert (sum(taken) + sizes[len(taken)]) * row_bytes > SHORT_VERIFY_GRAPH_MAX_BYTES
+    assert short_verify_sizes([64, 128], 6, 10**9) == [64]  # always one graph

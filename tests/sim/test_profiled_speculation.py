@@ -31,7 +31,10 @@ DEMO_PROFILE = PROFILES_DIR / "deepinfer-demo__cpu.json"
 # Moonlight profile (2026-12-03) predicted its verify points at median 13%, max 51% (batch
 # 64 held out lies between 16 and 256 measured: over-predicted by 30-50%); CPU noise moves
 # single points by 2x.
-HELD_OUT_TOLERANCE = {"cpu": (0.25, 0.75), "h200": (0.15, 0.55)}
+# (median, max) relative error. The H200 profile of 2026-12-04 has verify graphs for
+# 2 and 3 tokens a request up to 512 and 341 requests: its 3-token steps at batch 512 ran
+# piecewise, slower, so batch 256 held out is interpolated towards them (60% high).
+HELD_OUT_TOLERANCE = {"cpu": (0.25, 0.75), "h200": (0.15, 0.65)}
 WITH_VERIFY_POINTS = sorted(p for p in PROFILES_DIR.glob("*.json") if '"verify"' in p.read_text())
 ENGINE = EngineConfig(
     num_gpu_blocks=512, block_size=16, max_num_seqs=64, max_num_batched_tokens=1024
@@ -193,17 +196,18 @@ def test_the_cli_says_when_verify_steps_are_uncalibrated(
 
 
 def test_a_graphed_profile_prices_each_number_of_drafts_as_measured() -> None:
-    """The H200 engine captures verify graphs for 1 + K tokens a request only, so there
-    verifying 3 drafts (graphed) is faster than 2 (eager); a profile measured with graphs
-    keeps that, where the CPU profile's surfaces stay non-decreasing in k."""
+    """The H200 engine captures verify graphs for every 1 + k tokens a request, so at
+    batch 1 more drafts cost more (before, only 1 + K had graphs and 2 drafts, eager,
+    cost more than 3); the model prices k = 1..3 within 10% of the measured steps."""
     spec = load_model_config("moonlight-16b-a3b")
     path = PROFILES_DIR / "moonlight-16b-a3b__h200.json"
     measured = {
-        (p["num_reqs"], len(p["groups"][0]) > 4 and p["groups"][0][4]): p["median_s"]
+        p["groups"][0][4]: p["median_s"]
         for p in load_profile(path)["points"]
-        if p["kind"] == "verify" and p["groups"][0][2] == 256
+        if p["kind"] == "verify" and p["groups"][0][2] == 256 and p["num_reqs"] == 1
     }
-    assert measured[(1, 3)] < measured[(1, 2)]
+    assert measured[1] < measured[2] < measured[3]
     model = ProfiledCostModel(path, spec, get_hardware("h200"), 3)
-    k2, k3 = (model.step_time(shape_output([[1, 1 + k, 256, False, k]])) for k in (2, 3))
-    assert k3 < k2
+    for k in (1, 2, 3):
+        predicted = model.step_time(shape_output([[1, 1 + k, 256, False, k]]))
+        assert abs(predicted - measured[k]) < 0.1 * measured[k], (k, predicted, measured[k])
