@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 
 from deepinfer.config import EngineConfig, EngineRole
+from deepinfer.kv_cache.block_pool import KVBlock
 from deepinfer.kv_cache.manager import KVCacheManager, cdiv
 from deepinfer.outputs import (
     DRAFT_PLACEHOLDER,
@@ -54,6 +55,8 @@ class Scheduler(SchedulerChecks):
         self.num_rejected = 0
         self.num_preemptions = 0
         self._draft_len: dict[str, int] | None = None  # varlen: this step's draft lengths
+        # step_id -> blocks its allocations cached before it ran (kv.take_cached_ahead)
+        self._cached_ahead: dict[int, list[KVBlock]] = {}
         self.num_draft_tokens = 0  # drafts verified (speculation)
         self.num_accepted_drafts = 0
         # By draft position j: [verified drafts at j whose drafts before j were all
@@ -121,6 +124,9 @@ class Scheduler(SchedulerChecks):
         self._schedule_running(step)
         self._schedule_waiting(step)
         self.step_id += 1
+        ahead = self.kv.take_cached_ahead()
+        if ahead:  # unwritten until the step runs: forgotten if it fails (fail_step)
+            self._cached_ahead[self.step_id] = ahead
         out = SchedulerOutput(
             self.step_id, step.scheduled, self._finished_since_last, self._preempted_since_last
         )
@@ -314,7 +320,11 @@ class Scheduler(SchedulerChecks):
         (their blocks freed, as a preemption), so no bookkeeping of the failed steps
         remains. Returns the aborted requests."""
         aborted = []
-        for req_id in {sr.req_id for out in outs for sr in out.scheduled}:
+        for out in outs:  # blocks the failed steps would have filled hold nothing
+            self.kv.forget(self._cached_ahead.pop(out.step_id, ()))
+        # In schedule order (not a set's): requeued requests re-enter the waiting queue in
+        # an order that does not depend on the process's string hashing.
+        for req_id in dict.fromkeys(sr.req_id for out in outs for sr in out.scheduled):
             req = self.requests.get(req_id)
             if req is None:
                 continue  # ended meanwhile
@@ -338,6 +348,8 @@ class Scheduler(SchedulerChecks):
     def update_from_output(self, out: SchedulerOutput, res: ModelRunnerOutput) -> list[Request]:
         """Apply a step's sampled tokens; returns the requests that gained tokens or ended."""
         changed: list[Request] = []
+        for step_id in [s for s in self._cached_ahead if s <= out.step_id]:
+            del self._cached_ahead[step_id]  # the step ran: its blocks hold their content
         live, sampled = self.requests, res.sampled_token_ids
         is_prefill_role = self.config.role is EngineRole.PREFILL
         k = self.config.num_speculative_tokens

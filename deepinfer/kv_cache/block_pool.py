@@ -95,14 +95,24 @@ class BlockPool:
                 else:
                     self._free[block.block_id] = block
 
-    def cache(self, block: KVBlock, block_hash: int) -> None:
-        """Record that a held, full block holds the content named by `block_hash`."""
+    def cache(self, block: KVBlock, block_hash: int) -> bool:
+        """Record that a held, full block holds the content named by `block_hash`;
+        whether it was recorded now."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self._cached:
-            return  # another block already holds this content; keep the first
+            return False  # another block already holds this content; keep the first
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        return True
+
+    def uncache(self, block: KVBlock) -> None:
+        """Forget a block's content (a failed step never wrote it): no lookup finds it."""
+        if block.block_hash is None:
+            return
+        if self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+        block.block_hash = None
 
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None

@@ -25,6 +25,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}  # req_id -> its block table
         self._num_cached: dict[str, int] = {}  # req_id -> leading blocks registered in the cache
+        self._cached_ahead: list[KVBlock] = []  # cached while scheduling (take_cached_ahead)
         self.num_lookup_tokens = 0  # prompt tokens looked up
         self.num_hit_tokens = 0  # of those, found in the cache
 
@@ -108,10 +109,11 @@ class KVCacheManager:
             new = self.pool.allocate(num_needed) if num_needed else []
         held.extend(new)
         # Drafts may be rejected: never cache blocks whose content is a guess.
-        self._cache_full_blocks(request, num_computed + num_new_tokens - num_draft_tokens)
+        self._cache_full_blocks(request, num_computed + num_new_tokens - num_draft_tokens, True)
         return new
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: Request, num_tokens: int, ahead: bool = False) -> None:
+        """ahead: the tokens are being scheduled, not yet computed (`take_cached_ahead`)."""
         if not self.enable_caching:
             return
         req_id = request.request_id
@@ -122,8 +124,21 @@ class KVCacheManager:
         hashes = update_block_hashes(request, self.block_size)
         blocks = self.req_blocks[req_id]
         for i in range(start, num_full):
-            self.pool.cache(blocks[i], hashes[i])
+            if self.pool.cache(blocks[i], hashes[i]) and ahead:
+                self._cached_ahead.append(blocks[i])
         self._num_cached[req_id] = num_full
+
+    def take_cached_ahead(self) -> list[KVBlock]:
+        """The blocks cached by allocations since the last call: their content is the
+        step being scheduled, written only if that step runs (else `forget`)."""
+        blocks, self._cached_ahead = self._cached_ahead, []
+        return blocks
+
+    def forget(self, blocks: Sequence[KVBlock]) -> None:
+        """Un-cache blocks whose step failed: no later lookup finds their (unwritten)
+        content."""
+        for block in blocks:
+            self.pool.uncache(block)
 
     def cache_computed(self, request: Request) -> None:
         """Register blocks that became full once sampled tokens were appended."""

@@ -38,7 +38,7 @@ from deepinfer.executor import StepHandle
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import FinishReason, Request, RequestStatus
 from sim.sim_executor import SimExecutor
-from tests.factories import StepClock
+from tests.factories import StepClock, make_config
 from tests.property.harness import (
     CORE_CHECKS,
     admissible,
@@ -47,7 +47,14 @@ from tests.property.harness import (
     step_bound,
     submit_due,
 )
-from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
+from tests.property.oracle import make_request
+from tests.property.strategies import (
+    EngineCase,
+    ReqSpec,
+    Workload,
+    any_case_and_workload,
+    scaled,
+)
 
 S = RequestStatus
 MAX_FAULTY_CALLS = 40  # calls of the executor that may fail (later ones never do)
@@ -73,19 +80,14 @@ class _Raises:
         self.raise_()
 
 
-class FailingExecutor:
-    """A SimExecutor whose calls fail where hypothesis picks: not at all, at launch or at
-    result, naming a nonempty subset of the step's requests or nobody."""
+class _OverSim:
+    """The Executor contract over a SimExecutor; subclasses decide `execute_async`."""
 
     needs_token_ids = False
 
-    def __init__(self, case: EngineCase, data: st.DataObject) -> None:
+    def __init__(self, case: EngineCase) -> None:
         cfg = case.config
         self.sim = SimExecutor(cfg, cfg.num_gpu_blocks, acceptance_rate=case.acceptance_rate)
-        self.data = data
-        self.engine: EngineCore | None = None
-        self.calls = 0
-        self.faults: list[Fault] = []
 
     def num_kv_blocks(self) -> int:
         return self.sim.num_kv_blocks()
@@ -93,8 +95,23 @@ class FailingExecutor:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_async(out).result()
 
+    def execute_async(self, out: SchedulerOutput) -> StepHandle:
+        return self.sim.execute_async(out)
+
     def shutdown(self) -> None:
         self.sim.shutdown()
+
+
+class FailingExecutor(_OverSim):
+    """A SimExecutor whose calls fail where hypothesis picks: not at all, at launch or at
+    result, naming a nonempty subset of the step's requests or nobody."""
+
+    def __init__(self, case: EngineCase, data: st.DataObject) -> None:
+        super().__init__(case)
+        self.data = data
+        self.engine: EngineCore | None = None
+        self.calls = 0
+        self.faults: list[Fault] = []
 
     def victims(self) -> dict[str, str]:
         return {rid: why for f in self.faults for rid, why in f.victims.items()}
@@ -260,3 +277,139 @@ def _check_log(entries: list[logging.LogRecord], faults: list[Fault]) -> None:
             want = (logging.ERROR, msg, f.exc)
         exc = entry.exc_info[1] if entry.exc_info else None
         assert (entry.levelno, entry.getMessage(), exc) == want
+
+
+class MidChunkFailure(_OverSim):
+    """A SimExecutor that fails (at launch, or when its result is awaited) the first step
+    in which a prompt is mid-chunk beside other requests, naming one of the others; it
+    records every step launched after that one."""
+
+    def __init__(self, case: EngineCase, at_launch: bool) -> None:
+        super().__init__(case)
+        self.at_launch = at_launch
+        self.failed: SchedulerOutput | None = None
+        self.handled = False  # the failure was raised (so the engine has handled it)
+        self.mid_chunk: dict[str, int] = {}  # prompt lengths of those mid-chunk then
+        self.named = ""
+        self.after: list[SchedulerOutput] = []
+        self.calls = 0
+
+    def execute_async(self, out: SchedulerOutput) -> StepHandle:
+        if self.failed is not None:
+            self.after.append(out)
+            return self.sim.execute_async(out)
+        self.calls += 1
+        mid = {sr.req_id: sr.num_prompt_tokens for sr in out.scheduled
+               if sr.is_prompt and sr.num_computed_tokens + sr.num_tokens < sr.num_prompt_tokens}  # fmt: skip
+        others = sorted({sr.req_id for sr in out.scheduled} - set(mid))
+        # Not the first launch: an async engine's first step() launches two steps and
+        # awaits the first, so only a later failed step is in flight between step() calls.
+        if not mid or not others or self.calls == 1:
+            return self.sim.execute_async(out)
+        self.failed, self.mid_chunk, self.named = out, mid, others[0]
+        exc = RequestFailed({self.named: f"{self.named}: bad token in step"})
+
+        def raise_() -> NoReturn:
+            self.handled = True
+            raise exc
+
+        if self.at_launch:
+            raise_()
+        return _Raises(raise_)
+
+
+@scaled(0.3)
+@given(
+    st.integers(4, 12),  # token budget
+    st.sampled_from([2, 4]),  # block size
+    st.lists(st.integers(1, 30), min_size=1, max_size=4),  # prompt lengths, after 1 and 2
+    # scheduling, where the step fails, and whether the client ends one of its requests
+    # while it is in flight
+    st.sampled_from(
+        [
+            "sync, launch",
+            "sync, result",
+            "async, launch",
+            "async, result",
+            "async, result, client abort",
+        ]
+    ),  # fmt: skip
+)
+def test_a_failed_step_restarts_its_mid_chunk_prompts_and_skips_requests_ended_meanwhile(
+    budget: int, block: int, lengths: list[int], mode: str
+) -> None:
+    """A prompt mid-chunk in a failed step that the failure does not name goes back to
+    the start: the next step lists it as preempted, its whole prompt is computed again,
+    and it ends as if nothing had failed; so does every other request not named, also
+    when one of the step's requests ended (a client abort while the step was in flight)
+    before the failure was handled. No block the failed step would have filled stays in
+    the prefix cache (they were cached when it was scheduled). Broken copies that fail
+    it: fail_step keeping those blocks cached (found by this test: a requeued prompt hit
+    its own unwritten blocks), restarting the prompt at token 1, leaving it out of the
+    next step's preempted set, or stopping at a request that ended meanwhile (`break`
+    for `continue`: when it comes first)."""
+    lengths = [1, 2, *lengths]  # two short prompts decode beside the longer ones' chunks
+    async_, at_launch, abort = mode.startswith("async"), "launch" in mode, "abort" in mode
+    cfg = make_config(block_size=block, num_gpu_blocks=64, max_num_seqs=8,
+                      max_num_batched_tokens=budget, async_scheduling=async_)  # fmt: skip
+    case = EngineCase(cfg, 0.0)
+    # Prompts share no prefix: a hit after the failure could only be a block it never wrote.
+    specs = [ReqSpec(f"r{i}", 0, tuple(range(100 * i + 1, 100 * i + n + 1)), 3)
+             for i, n in enumerate(lengths)]  # fmt: skip
+    ex = MidChunkFailure(case, at_launch)
+    engine = EngineCore(cfg, ex, clock=StepClock(), check_invariants=CORE_CHECKS)
+    reqs = {s.req_id: make_request(s) for s in specs}
+    for r in reqs.values():
+        engine.add_request(r)
+    client_aborted = ""
+    for _ in range(4 * step_bound(case, tuple(specs)) + 8):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        if abort and ex.failed is not None and not ex.handled and not client_aborted:
+            # The failed step is in flight: the client ends one of its other requests.
+            live = [sr.req_id for sr in ex.failed.scheduled
+                    if sr.req_id not in ex.mid_chunk and sr.req_id != ex.named
+                    and not reqs[sr.req_id].is_finished]  # fmt: skip
+            if live:
+                client_aborted = live[0]
+                engine.abort(client_aborted)
+                note("the client ended a request of the failed step in flight")
+    else:
+        raise AssertionError(f"unfinished\n{engine.scheduler.diagnose()}")
+    if ex.failed is None:
+        return  # no step had a prompt mid-chunk beside another request
+    note("a step with a prompt mid-chunk failed")
+    before = {sr.req_id: sr.num_computed_tokens for sr in ex.failed.scheduled}
+    for rid, n in ex.mid_chunk.items():
+        if rid == client_aborted:
+            continue
+        preempted_next = next(o.preempted_req_ids for o in ex.after if o.scheduled)
+        assert rid in preempted_next, f"{rid}: not reported preempted after the failure"
+        redone = sum(sr.num_tokens for o in ex.after for sr in o.scheduled
+                     if sr.req_id == rid and sr.is_prompt)  # fmt: skip
+        # Whole blocks written by earlier steps may be hit again; nothing else may.
+        written = before[rid] // block * block
+        hit = n - redone
+        assert 0 <= hit <= written and hit % block == 0, (
+            f"{rid}: {redone} of its {n} prompt tokens computed after the failure, "
+            f"{written} were in blocks written before it"
+        )
+    for spec in specs:
+        req = reqs[spec.req_id]
+        if spec.req_id in (ex.named, client_aborted):
+            assert req.status is S.ABORTED, f"{spec.req_id}: {req.status}"
+            continue
+        want, reason = expected_end(case, spec)
+        got = req.finish_reason.value if req.finish_reason is not None else None
+        assert (req.status, req.num_output_tokens, got) == (S.FINISHED, want, reason), spec
+    # The requests that ended in the failure keep no block of the failed step in the
+    # prefix cache: it was cached when scheduled and never written.
+    kv = engine.scheduler.kv
+    for spec in specs:
+        if spec.req_id in (ex.named, client_aborted):
+            hits = len(kv.find_cached_prefix(make_request(spec)))
+            valid = before[spec.req_id] // block
+            assert hits <= valid, f"{spec.req_id}: {hits} cached blocks, {valid} written"
+    pool = engine.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks, "idle, yet blocks are held"
