@@ -139,12 +139,14 @@ class EngineCore:
         if req is not None:
             req.times.finish = self.clock()
             self.records.append(_record(req))
+            self._compiling.pop(req_id, None)  # nothing waits on its compile any more
         return req
 
     def discard_in_flight(self) -> None:
         """Forget a launched step whose results will never be applied (its requests were
         aborted: an interrupted `generate`)."""
         self._in_flight = None
+        self.scheduler.forget_unapplied_steps()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None

@@ -313,6 +313,13 @@ class Scheduler(SchedulerChecks):
         self.waiting.add_preempted(req)
         self._preempted_since_last.add(req.request_id)
 
+    def forget_unapplied_steps(self) -> None:
+        """Every scheduled step whose results will never be applied (an interrupted
+        engine discards them): the blocks they cached ahead leave the prefix cache."""
+        for blocks in self._cached_ahead.values():
+            self.kv.forget(blocks)
+        self._cached_ahead.clear()
+
     def fail_step(self, outs: list[SchedulerOutput], errors: dict[str, str]) -> list[Request]:
         """Undo steps whose work the executor could not run (`outs`: the failed step, and
         the one scheduled after it under async scheduling). Requests in `errors` end as

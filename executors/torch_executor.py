@@ -186,6 +186,7 @@ class TorchExecutor:
         self.kv_cache.layers.clear()
         self.kv_cache.mtp_layers.clear()
         self.runner.graphs = self.runner.verify_graphs = self.runner.piecewise = None
+        self.runner.verify_graphs_by_len = {}
         self.runner.drafter = None
         if self.device.type == "cuda":
             self.model.to("meta")

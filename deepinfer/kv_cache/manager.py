@@ -141,9 +141,12 @@ class KVCacheManager:
             self.pool.uncache(block)
 
     def cache_computed(self, request: Request) -> None:
-        """Register blocks that became full once sampled tokens were appended."""
+        """Register blocks that became full once sampled tokens were appended: up to the
+        newest token, whose KV the next step writes (under async scheduling the computed
+        count already covers that step, which may still fail)."""
         if request.request_id in self.req_blocks:
-            self._cache_full_blocks(request, request.num_computed_tokens)
+            written = min(request.num_computed_tokens, request.num_tokens - 1)
+            self._cache_full_blocks(request, written)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Free blocks past what `num_tokens` tokens need (rejected draft slots)."""

@@ -134,3 +134,34 @@ def test_a_failed_step_skips_requests_ended_meanwhile_and_requeues_every_other()
             assert not sched.kv.holds_blocks(rid)
         sched.check_invariants()
         assert sched.schedule().preempted_req_ids == set(requeued)
+
+
+def test_under_async_scheduling_no_block_of_a_failed_step_stays_cached() -> None:
+    """Step 1's results are applied while step 2 (scheduled ahead) is in flight, so the
+    request's computed count already covers step 2's token; the block that token would
+    complete must not be cached until step 2 has run: here it fails, and a later prompt
+    with the same tokens finds nothing."""
+    cfg = make_config(block_size=4, num_gpu_blocks=16, async_scheduling=True)
+    s = Scheduler(cfg, 16)
+    s.add_request(make_request("r", 3, max_tokens=10))
+    o1 = s.schedule()  # the prompt; samples a token
+    o2 = s.schedule()  # that token's decode, ahead of step 1's results
+    tok = 9
+    s.update_from_output(o1, ModelRunnerOutput(sampled_token_ids={"r": [tok]}))
+    s.fail_step([o2], {})
+    prompt = [1, 2, 3, tok, 5]  # r's prompt, its token, one more
+    s.add_request(make_request("r2", prompt=prompt, max_tokens=1))
+    assert s.kv.find_cached_prefix(s.requests["r2"]) == []
+
+
+def test_an_engine_that_discards_its_step_in_flight_forgets_the_blocks_it_cached() -> None:
+    """An interrupted generate aborts the requests and discards the launched step: the
+    blocks that step would have filled leave the prefix cache with it."""
+    engine = make_engine(make_config(block_size=4, num_gpu_blocks=16, async_scheduling=True))
+    engine.add_request(make_request("r", 8, max_tokens=4))
+    engine.schedule()  # the whole prompt: both of its blocks are cached as it is scheduled
+    engine.abort("r")
+    engine.discard_in_flight()
+    again = make_request("r2", 9, max_tokens=1)  # the same 8 tokens, and one more
+    engine.add_request(again)
+    assert engine.scheduler.kv.find_cached_prefix(again) == []

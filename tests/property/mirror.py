@@ -195,9 +195,10 @@ class KVMirror(Checker):
             rid = sr.req_id
             if sr.samples and rid in live and rid in self.tables and rid in d.live_before_process:
                 toks = d.tokens(rid)
-                self.prefix.register(
-                    rid, self.tables[rid], toks, min(self.comp[rid], len(toks)) // self.bs
-                )
+                # Up to the newest token: its KV is written by the next step, which under
+                # async scheduling is in flight and may still fail.
+                written = min(self.comp[rid], len(toks) - 1)
+                self.prefix.register(rid, self.tables[rid], toks, written // self.bs)
         kv = d.sched.kv
         for rid in list(self.tables):
             if not kv.holds_blocks(rid):

@@ -1,0 +1,235 @@
+"""Structured requests whose grammars compile in a worker (DESIGN.md, structured outputs).
+
+The workload runs through `EngineCore.step()` over a model-less executor that samples
+tokens, so the engine asks it to compile each structured request's grammar
+(`prepare_grammar`, one future per schema). Hypothesis picks each schema's fate (it
+compiles, it fails to compile, or the executor refuses it at once), whether its compile
+is already done when first asked, when pending compiles end (between steps, or from
+another thread while the engine waits with nothing else to run), and client aborts. The
+rules:
+
+- a request is never scheduled before its grammar is ready; the others run meanwhile;
+- a refused grammar rejects its request in `add_request`, with the executor's reason; a
+  failed compile rejects only its requests, with "so_args: the grammar failed to
+  compile: <error>": in `add_request` if it had failed already, else with a finish time
+  in the `step()` that notices, which returns them;
+- every other request ends as its stop conditions say (finished with max_tokens), or
+  aborted if the client aborted it; every request ends exactly once, with one record
+  that agrees with it;
+- an engine with only compiles pending waits for one instead of reporting a stall.
+
+Broken copies that fail it: `_poll_grammars` not clearing `awaiting_grammar` (the
+request never starts) and `step()` dropping the rejected requests from its return. It
+found that an abort left the request's compile in `EngineCore._compiling`: an engine
+with nothing else to do then blocked in `step()` until that compile ended (now `finish`
+drops it).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from deepinfer.engine import EngineCore
+from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
+from deepinfer.request import Request, RequestStatus
+from deepinfer.sampling_params import SamplingParams
+from tests.factories import ScriptedExecutor, StepClock, make_config
+from tests.property.harness import CORE_CHECKS, note
+from tests.property.strategies import scaled
+
+S = RequestStatus
+SCHEMAS = ("[0-9]", "[a-z]+", "(x|y)z", "q{2}")
+FATES = ("compiles", "fails", "refused")
+
+
+class TokensOnly(ScriptedExecutor):
+    """Samples tokens but compiles no grammar (no `prepare_grammar`)."""
+
+    needs_token_ids = True
+
+
+class CompilingExecutor(ScriptedExecutor):
+    """ScriptedExecutor's tokens, plus one compile future per schema whose fate the test
+    decides; it checks that no structured request is scheduled before its grammar."""
+
+    needs_token_ids = True
+
+    def __init__(self, fates: dict[str, tuple[str, bool]], schema_of: dict[str, str]) -> None:
+        super().__init__(num_blocks=64)
+        self.fates = fates  # schema -> (fate, done before it is first asked)
+        self.schema_of = schema_of  # req_id -> its schema (structured requests)
+        self.compiles: dict[str, Future] = {}
+
+    def prepare_grammar(self, so_args: dict) -> Future:
+        schema = so_args["schema"]
+        fate, done_at_once = self.fates[schema]
+        if fate == "refused":
+            raise ValueError(f"SamplingParams.so_args.schema={schema!r}: refused here")
+        if schema not in self.compiles:
+            self.compiles[schema] = Future()
+            if done_at_once:
+                self.settle(schema)
+        return self.compiles[schema]
+
+    def settle(self, schema: str) -> None:
+        fut = self.compiles[schema]
+        if fut.done():
+            return
+        if self.fates[schema][0] == "fails":
+            fut.set_exception(RuntimeError(f"no grammar for {schema}"))
+        else:
+            fut.set_result(object())
+
+    def pending(self) -> list[str]:
+        return sorted(s for s, f in self.compiles.items() if not f.done())
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for sr in out.scheduled:
+            schema = self.schema_of.get(sr.req_id)
+            if schema is not None:
+                fut = self.compiles.get(schema)
+                assert fut is not None and fut.done() and fut.exception() is None, (
+                    f"{sr.req_id} scheduled before its grammar {schema!r} compiled"
+                )
+        return super().execute(out)
+
+
+def _unblock(ex: CompilingExecutor, stuck: threading.Event) -> None:
+    stuck.set()
+    for schema in ex.pending():
+        ex.settle(schema)
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[dict[str, tuple[str, bool]], list[tuple[str, str | None]]]:
+    """Each schema's (fate, done at once), and requests (id, schema or None)."""
+    fates = {s: (draw(st.sampled_from(FATES)), draw(st.booleans())) for s in SCHEMAS}
+    n = draw(st.integers(1, 8))
+    schemas = st.none() | st.sampled_from(SCHEMAS)
+    return fates, [(f"r{i}", draw(schemas)) for i in range(n)]
+
+
+@scaled(3.0)
+@given(workloads(), st.booleans(), st.data())
+def test_a_request_waits_for_its_grammar_and_a_failed_compile_rejects_it_alone(
+    wl: tuple[dict[str, tuple[str, bool]], list[tuple[str, str | None]]],
+    async_: bool,
+    data: st.DataObject,
+) -> None:
+    """The rules of the module docstring; and on an executor that compiles no grammar,
+    every structured request is rejected in `add_request`, naming the executor."""
+    fates, specs = wl
+    schema_of = {rid: s for rid, s in specs if s is not None}
+    ex = CompilingExecutor(fates, schema_of)
+    cfg = make_config(num_gpu_blocks=64, max_num_seqs=4, async_scheduling=async_)
+    if data.draw(st.integers(0, 9), label="executor without grammars") == 0:
+        _check_refused_by_an_executor_without_grammars(cfg, specs)
+        return
+    engine = EngineCore(cfg, ex, clock=StepClock(), check_invariants=CORE_CHECKS)
+    engine.scheduler.emit_token_ids = True
+    reqs: dict[str, Request] = {}
+    refused: dict[str, str] = {}
+    for rid, schema in specs:
+        so = {"schema_type": "regex", "schema": schema} if schema else None
+        reqs[rid] = Request(
+            rid, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True, so_args=so)
+        )
+        reason = engine.add_request(reqs[rid])
+        if reason is not None:
+            refused[rid] = reason
+    client_aborted: set[str] = set()
+    returned: set[str] = set()  # requests some step() returned
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        pending = ex.pending()
+        if pending and data.draw(st.booleans(), label="a compile ends now"):
+            ex.settle(data.draw(st.sampled_from(pending), label="which"))
+        live = sorted(r for r, q in reqs.items() if not q.is_finished)
+        if live and data.draw(st.integers(0, 9), label="client abort") == 0:
+            rid = data.draw(st.sampled_from(live), label="aborted")
+            engine.abort(rid)
+            client_aborted.add(rid)
+        waiting_only = all(q.awaiting_grammar for q in reqs.values() if not q.is_finished)
+        timer = None
+        if ex.pending() and waiting_only and engine.has_unfinished():
+            # Nothing else to run: the engine blocks on the compiles; one ends elsewhere.
+            note("the engine waited for a compile")
+            timer = threading.Timer(0.001, ex.settle, [ex.pending()[0]])
+            timer.start()
+        # Should the engine block on a compile while other work is ready, end every
+        # compile after a while so that the test fails instead of hanging.
+        stuck = threading.Event()
+        watchdog = threading.Timer(5.0, _unblock, [ex, stuck])
+        watchdog.start()
+        before = {r for r, q in reqs.items() if q.status is S.REJECTED}
+        ready = [r for r, sc in schema_of.items() if sc in ex.compiles and ex.compiles[sc].done()]
+        try:
+            changed = engine.step()
+        finally:
+            watchdog.cancel()
+            if timer is not None:
+                timer.join()
+        assert not stuck.is_set(), "step() blocked on a compile while other requests could run"
+        for rid in ready:  # a compile that had ended is noticed by the next step()
+            req = reqs[rid]
+            assert req.is_finished or not req.awaiting_grammar, f"{rid} waits for a ready grammar"
+        returned |= {r.request_id for r in changed}
+        for rid in {r for r, q in reqs.items() if q.status is S.REJECTED} - before:
+            assert rid in returned, f"{rid} was rejected in a step() that did not return it"
+    else:
+        raise AssertionError(f"unfinished\n{engine.scheduler.diagnose()}")
+
+    for rid, req in reqs.items():
+        recs = [r for r in engine.records if r.req_id == rid]
+        assert len(recs) == 1, f"{rid} ended {req.status.value} with {len(recs)} records"
+        assert (recs[0].status, recs[0].reason) == (req.status.value, req.reject_reason), rid
+        schema = schema_of.get(rid)
+        fate = fates[schema][0] if schema else "none"
+        if fate == "refused":
+            assert rid in refused and req.status is S.REJECTED, (rid, req.status)
+            assert refused[rid] == req.reject_reason and "refused here" in refused[rid]
+        elif rid in client_aborted:
+            assert req.status is S.ABORTED, (rid, req.status)
+            if fate == "fails" and schema in ex.compiles:
+                note("a request aborted while its grammar compiled, which then failed")
+        elif fate == "fails":
+            want = f"so_args: the grammar failed to compile: no grammar for {schema}"
+            assert (req.status, req.reject_reason) == (S.REJECTED, want), (rid, req.status)
+            if rid in refused:  # failed before it was asked: rejected on arrival
+                note("a compile had failed before the request came")
+                assert refused[rid] == want
+            else:
+                note("a compile failed while its request waited")
+                assert req.times.finish is not None, f"{rid}: rejected without a finish time"
+        else:
+            assert (req.status, req.num_output_tokens) == (S.FINISHED, 3), (rid, req.status)
+
+
+def _check_refused_by_an_executor_without_grammars(
+    cfg: object, specs: list[tuple[str, str | None]]
+) -> None:
+    engine = EngineCore(cfg, TokensOnly(64), clock=StepClock(), check_invariants=CORE_CHECKS)  # type: ignore[arg-type]
+    engine.scheduler.emit_token_ids = True
+    want = "SamplingParams.so_args: the TokensOnly executor does not support structured outputs"
+    reqs = {}
+    for rid, schema in specs:
+        so = {"schema_type": "regex", "schema": schema} if schema else None
+        reqs[rid] = Request(
+            rid, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True, so_args=so)
+        )
+        reason = engine.add_request(reqs[rid])
+        assert reason == (want if schema else None), (rid, reason)
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    for rid, schema in specs:
+        req = reqs[rid]
+        want_status = S.REJECTED if schema else S.FINISHED
+        assert req.status is want_status and req.reject_reason == (want if schema else None), rid
+        assert [r.reason for r in engine.records if r.req_id == rid] == [req.reject_reason]
