@@ -13,8 +13,9 @@ The step verifies the same number L of drafts for every request: the real execut
 replays a verify graph per query length 1 + L, and only for steps in which every
 request scores 1 + L tokens; a ragged step (per-request lengths) runs piecewise, with
 attention eager, and measured slower on the H200 than verifying the longer uniform
-length in a graph (benchmarks/RESULTS.md, 2026-12-04). L maximises E(L) / (S + n(L)) over 0..max_len, where E(L) sums the
-c_j of every request's first L drafts: the confidences of the whole batch set it. At
+length in a graph (benchmarks/RESULTS.md, 2026-12-04). L maximises E(L) / (S + n(L))
+over 0..max_len, where E(L) sums the c_j of every request's first L drafts: the
+confidences of the whole batch set it. At
 batch 1 almost every likely draft pays; as the batch grows n(L) grows B times faster
 than one request's yield, so the verify budget shrinks and speculation fades out
 instead of slowing the engine. A request with fewer than L drafts (its drafter chain

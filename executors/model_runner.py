@@ -162,7 +162,6 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(engine_config.seed)
         self.requests: dict[str, RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
-        self.verify_graphs: DecodeGraphs | None = None  # 1 + k tokens a request (speculation)
         # Query length -> its verify graphs: 1 + k, and 1 + L for the shorter uniform
         # steps that varlen (spec_policy) and trimmed drafts schedule.
         self.verify_graphs_by_len: dict[int, DecodeGraphs] = {}
@@ -211,7 +210,6 @@ class ModelRunner:
                 self.graphs = graphs
             else:
                 self.verify_graphs_by_len[q] = graphs
-        self.verify_graphs = self.verify_graphs_by_len.get(1 + self.max_drafts)
         if self.drafter is not None and not self.batch_invariant:
             # A pass's rows: up to 1 + k a request (pass 1 after a verify step).
             max_rows = max(sizes) * (1 + self.max_drafts)
@@ -226,6 +224,11 @@ class ModelRunner:
         if capture:
             piecewise.capture()
         self.piecewise = piecewise
+
+    @property
+    def verify_graphs(self) -> DecodeGraphs | None:
+        """The graphs of full verify steps, 1 + k tokens a request (speculation)."""
+        return self.verify_graphs_by_len.get(1 + self.max_drafts)
 
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks

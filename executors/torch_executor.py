@@ -185,7 +185,7 @@ class TorchExecutor:
         # the caches, the graphs (their private pools), the drafter and the weights.
         self.kv_cache.layers.clear()
         self.kv_cache.mtp_layers.clear()
-        self.runner.graphs = self.runner.verify_graphs = self.runner.piecewise = None
+        self.runner.graphs = self.runner.piecewise = None
         self.runner.verify_graphs_by_len = {}
         self.runner.drafter = None
         if self.device.type == "cuda":

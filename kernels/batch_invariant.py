@@ -9,9 +9,9 @@ cut into segments of MATMUL_SEGMENT_K, each segment is accumulated from zero in 
 element from its own row and column alone, so the tile shape does not matter: measured
 on the H200 (benchmarks/binv_matmul.py), 16..128-row and 16..256-column tiles and 64..256
 K-slices give the same bits. That frees the launch to follow M:
-- few rows (decode): one program per (tile, segment) writes its float32 segment sum and a
-  second kernel chains them: split-K whose split depends on K only, so that a GEMV
-  streams the weights from every SM;
+- few rows (decode): one program per (tile, segment) writes its float32 segment sum, and
+  the tile's last such program (up to 16 rows) or a second kernel chains them: split-K
+  whose split depends on K only, so that a GEMV streams the weights from every SM;
 - many rows (prefill): one program per tile chains the segments itself (no partials).
 (Thinking Machines' batch_invariant_ops fix the reduction order the same way; here the
 ops are called explicitly, not patched into aten.) Changing MATMUL_SEGMENT_K changes
@@ -75,6 +75,16 @@ def _segment_sum(a_ptrs, b_ptrs, m_ok, n_ok, offs_k, k_lo, k_hi, stride_ak, stri
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     return acc
+
+
+@triton.jit
+def _store_tile(acc, c_ptr, bias_ptr, batch, offs_m, offs_n, m_ok, n_ok,
+                stride_cb, stride_cm, stride_cn, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """c[batch, offs_m, offs_n] = acc (+ bias), rounded to c's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + batch * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 # M and the batch count change every step: no specialisation on them (a value of 1 or a
@@ -149,11 +159,8 @@ def _matmul_kernel(
                 for s in range(1, NUM_SEG):
                     acc += tl.load(p_ptr + s * plane_size + plane, mask=ok, other=0.0,
                                    cache_modifier=".cg")  # fmt: skip
-                if HAS_BIAS:
-                    acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                c_ptrs = (c_ptr + batch * stride_cb + offs_m[:, None] * stride_cm
-                          + offs_n[None, :] * stride_cn)  # fmt: skip
-                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+                _store_tile(acc, c_ptr, bias_ptr, batch, offs_m, offs_n, m_ok, n_ok,
+                            stride_cb, stride_cm, stride_cn, HAS_BIAS)  # fmt: skip
                 tl.store(lock_ptr + tile, 0)  # ready for the next call (stream-ordered)
     else:  # every segment here, chained in order as _chain_kernel does
         # One flat loop (nested loops per segment lost the software pipelining: 1.4x
@@ -170,12 +177,8 @@ def _matmul_kernel(
             if (k0 + BLOCK_K) % SEGMENT_K == 0 or k0 + BLOCK_K >= K:
                 acc = tl.where(k0 < SEGMENT_K, part, acc + part)  # the first sum as is
                 part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = (
-            c_ptr + batch * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        )
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        _store_tile(acc, c_ptr, bias_ptr, batch, offs_m, offs_n, m_ok, n_ok,
+                    stride_cb, stride_cm, stride_cn, HAS_BIAS)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M", "NUM_BATCH"])
@@ -255,8 +258,7 @@ def _launch(
     if bias is not None:
         assert bias.shape == (n,) and bias.stride(0) == 1
     cfg = cfg or matmul_config(a.dtype, m, n)
-    seg_k = cfg.get("seg", MATMUL_SEGMENT_K)
-    num_seg = triton.cdiv(k, seg_k)
+    num_seg = triton.cdiv(k, MATMUL_SEGMENT_K)
     split = cfg["split"] if num_seg > 1 else 0
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if split == 2:
@@ -270,7 +272,7 @@ def _launch(
         m, n, k, nb, num_seg,
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
-        HAS_BIAS=bias is not None, SPLIT=split, SEGMENT_K=seg_k,
+        HAS_BIAS=bias is not None, SPLIT=split, SEGMENT_K=MATMUL_SEGMENT_K,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=GROUP_M,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
