@@ -112,7 +112,7 @@ class KVCacheManager:
         self._cache_full_blocks(request, num_computed + num_new_tokens - num_draft_tokens, True)
         return new
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int, ahead: bool = False) -> None:
+    def _cache_full_blocks(self, request: Request, num_tokens: int, ahead: bool) -> None:
         """ahead: the tokens are being scheduled, not yet computed (`take_cached_ahead`)."""
         if not self.enable_caching:
             return
@@ -146,7 +146,7 @@ class KVCacheManager:
         count already covers that step, which may still fail)."""
         if request.request_id in self.req_blocks:
             written = min(request.num_computed_tokens, request.num_tokens - 1)
-            self._cache_full_blocks(request, written)
+            self._cache_full_blocks(request, written, False)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Free blocks past what `num_tokens` tokens need (rejected draft slots)."""

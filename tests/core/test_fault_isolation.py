@@ -165,3 +165,24 @@ def test_an_engine_that_discards_its_step_in_flight_forgets_the_blocks_it_cached
     again = make_request("r2", 9, max_tokens=1)  # the same 8 tokens, and one more
     engine.add_request(again)
     assert engine.scheduler.kv.find_cached_prefix(again) == []
+
+
+def test_blocks_that_accepted_drafts_complete_enter_the_prefix_cache() -> None:
+    """Drafts are never cached when scheduled (they are guesses); once verified, the
+    blocks the accepted ones complete are cached, up to the newest token (whose KV the
+    next step writes), so a follow-up prompt holding that text hits them."""
+    engine = make_engine(make_config(block_size=4, num_gpu_blocks=32, num_speculative_tokens=3),
+                         acceptance_rate=1.0)  # fmt: skip
+    req = make_request("r", 3, max_tokens=12)
+    engine.add_request(req)
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        if req.is_finished:
+            break
+        tokens = [*req.prompt, *req.output_token_ids]
+        written = len(tokens) - 1  # all but the newest token
+        probe = make_request(f"probe{checked}", prompt=[*tokens[:written], -1])
+        assert len(engine.scheduler.kv.find_cached_prefix(probe)) == written // 4, tokens
+        checked += 1
+    assert checked >= 2
