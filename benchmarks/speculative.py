@@ -69,8 +69,8 @@ class ForcedAcceptance:
         self.pending = inner.pending
         self.step_inputs = inner.step_inputs
 
-    def propose(self, inputs: list[DraftInput]) -> Drafts:
-        drafts = self.inner.propose(inputs)
+    def propose(self, inputs: list[DraftInput], num_drafts: int | None = None) -> Drafts:
+        drafts = self.inner.propose(inputs, num_drafts)
         for rid, toks in drafts.tokens.items():
             conf = [self.rng.betavariate(4 * self.a, 4 * (1 - self.a)) for _ in toks]
             good = [self.rng.random() < c for c in conf]

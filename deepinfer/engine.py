@@ -181,9 +181,10 @@ class EngineCore:
             if req.is_finished:
                 times.finish = now
                 self.records.append(_record(req))
+        if duration is None:
+            duration = now - (self._last_step_end if self._last_step_end is not None else now)
+        self.scheduler.observe_step_time(out.step_id, duration)
         if self.record_steps:
-            if duration is None:
-                duration = now - (self._last_step_end if self._last_step_end is not None else now)
             self.steps.append(self._step_record(out, now, duration))
         self._last_step_end = now
         if self.check:

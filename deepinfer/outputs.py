@@ -62,6 +62,9 @@ class SchedulerOutput:
     # the executor drops whatever it holds for them.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Drafts per request the drafter proposes after this step (varlen: what the next
+    # step may verify, spec_policy.proposals); None: the engine's num_speculative_tokens.
+    num_proposals: int | None = None
 
     @property
     def num_batched_tokens(self) -> int:

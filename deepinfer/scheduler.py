@@ -23,7 +23,7 @@ from deepinfer.outputs import (
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.request_queue import WaitingQueue
 from deepinfer.scheduler_checks import SchedulerChecks
-from deepinfer.spec_policy import draft_lengths
+from deepinfer.spec_policy import StepTimes, draft_lengths, proposals
 from deepinfer.stop_checker import check_stop
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,11 @@ class Scheduler(SchedulerChecks):
         self.num_rejected = 0
         self.num_preemptions = 0
         self._draft_len: dict[str, int] | None = None  # varlen: this step's draft lengths
+        # Varlen: measured step times price the draft lengths (spec_policy.StepTimes);
+        # step_id -> (requests, drafts each) of uniform decode / verify steps not yet timed.
+        self.step_times = StepTimes()
+        self._uniform_steps: dict[int, tuple[int, int]] = {}
+        self._proposals_in_flight: int | None = None  # drafts the latest step proposes
         # step_id -> blocks its allocations cached before it ran (kv.take_cached_ahead)
         self._cached_ahead: dict[int, list[KVBlock]] = {}
         self.num_draft_tokens = 0  # drafts verified (speculation)
@@ -120,7 +125,9 @@ class Scheduler(SchedulerChecks):
             # Each request's draft length from its latest confidences (under async
             # scheduling those of the step before the one in flight).
             conf = {r.request_id: r.spec_confidences for r in self.running}
-            self._draft_len = draft_lengths(conf, self.config.num_speculative_tokens)
+            self._draft_len = draft_lengths(
+                conf, self.config.num_speculative_tokens, times=self.step_times
+            )
         self._schedule_running(step)
         self._schedule_waiting(step)
         self.step_id += 1
@@ -130,6 +137,8 @@ class Scheduler(SchedulerChecks):
         out = SchedulerOutput(
             self.step_id, step.scheduled, self._finished_since_last, self._preempted_since_last
         )
+        if self._draft_len is not None and step.scheduled:
+            self._plan_proposals(out)
         self._finished_since_last = set()
         self._preempted_since_last = set()
         self.last_num_preempted = step.num_preempted
@@ -149,6 +158,8 @@ class Scheduler(SchedulerChecks):
             drafts = req.spec_token_ids[:k]
             if req.num_output_placeholders and k:
                 # The step in flight proposes this step's drafts: the executor fills them.
+                if self._proposals_in_flight is not None:
+                    k = min(k, self._proposals_in_flight)
                 drafts = [DRAFT_PLACEHOLDER] * k
             num_new = min(
                 num_known + len(drafts) - req.num_computed_tokens,
@@ -178,6 +189,26 @@ class Scheduler(SchedulerChecks):
             )
             step.budget -= num_new
             i += 1
+
+    def _plan_proposals(self, out: SchedulerOutput) -> None:
+        """Varlen: how many drafts the drafter proposes after `out` (spec_policy.proposals),
+        and whether its time prices a draft length (a uniform step: no prompt tokens, the
+        same drafts everywhere)."""
+        lengths = {len(sr.draft_token_ids) for sr in out.scheduled}
+        longest = max(lengths)
+        out.num_proposals = proposals(
+            longest, self.config.num_speculative_tokens, len(out.scheduled), self.step_times
+        )
+        self._proposals_in_flight = out.num_proposals
+        if len(lengths) == 1 and not any(sr.is_prompt for sr in out.scheduled):
+            self._uniform_steps[out.step_id] = (len(out.scheduled), longest)
+
+    def observe_step_time(self, step_id: int, seconds: float) -> None:
+        """A step's measured duration (wall time, or the simulator's): varlen prices its
+        draft lengths from these."""
+        shape = self._uniform_steps.pop(step_id, None)
+        if shape is not None:
+            self.step_times.observe(shape[0], shape[1], seconds)
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
         """The waiting queue in order: chunked prefills in progress first, then new starts."""
@@ -319,6 +350,7 @@ class Scheduler(SchedulerChecks):
         for blocks in self._cached_ahead.values():
             self.kv.forget(blocks)
         self._cached_ahead.clear()
+        self._uniform_steps.clear()
 
     def fail_step(self, outs: list[SchedulerOutput], errors: dict[str, str]) -> list[Request]:
         """Undo steps whose work the executor could not run (`outs`: the failed step, and
@@ -329,6 +361,7 @@ class Scheduler(SchedulerChecks):
         aborted = []
         for out in outs:  # blocks the failed steps would have filled hold nothing
             self.kv.forget(self._cached_ahead.pop(out.step_id, ()))
+            self._uniform_steps.pop(out.step_id, None)  # its time measures no step
         # In schedule order (not a set's): requeued requests re-enter the waiting queue in
         # an order that does not depend on the process's string hashing.
         for req_id in dict.fromkeys(sr.req_id for out in outs for sr in out.scheduled):

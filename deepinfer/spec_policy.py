@@ -4,28 +4,38 @@ Pure Python, so the scheduler runs it under both executors. Each request's draft
 come with confidences q_1..q_L (the drafter's probability of each draft); draft j is
 accepted, all drafts before it too, with probability about c_j = q_1 * ... * q_j.
 
-A step of n tokens costs about S + n token-times (S: the step's fixed cost, weights
-read and launches, in tokens: below S a step is memory-bound and one more token is
-nearly free) and yields E tokens in expectation (one per request, plus each verified
-draft's c_j).
+A step's cost: this engine's own measured seconds of steps of its batch size and
+draft length (`StepTimes`: decode and verify steps, an exponential moving average by
+batch bucket and length, on either executor: the simulator's steps last what its cost
+model says), scaled to the step by the model below; a length not measured yet in the
+bucket is priced from the nearest measured one by the model, and a bucket with nothing
+measured by the model alone. The model: a step of n tokens costs about S + n
+token-times (S: the step's fixed cost, weights read and launches, in tokens: below S a
+step is memory-bound and one more token is nearly free). The measurements matter
+where the model is wrong: on the H200 a batch of 256 verifying 1 or 2 drafts each ran
+piecewise and took longer than verifying 3 in a graph, which the model cannot know.
+A step yields E tokens in expectation (one per request, plus each verified draft's c_j).
 
 The step verifies the same number L of drafts for every request: the real executor
 replays a verify graph per query length 1 + L, and only for steps in which every
 request scores 1 + L tokens; a ragged step (per-request lengths) runs piecewise, with
 attention eager, and measured slower on the H200 than verifying the longer uniform
-length in a graph (benchmarks/RESULTS.md, 2026-12-04). L maximises E(L) / (S + n(L))
+length in a graph (benchmarks/RESULTS.md, 2026-12-04). L maximises E(L) / cost(L)
 over 0..max_len, where E(L) sums the c_j of every request's first L drafts: the
-confidences of the whole batch set it. At
-batch 1 almost every likely draft pays; as the batch grows n(L) grows B times faster
-than one request's yield, so the verify budget shrinks and speculation fades out
-instead of slowing the engine. A request with fewer than L drafts (its drafter chain
-ended at the block table's end) verifies what it has; such a ragged step runs piecewise
-on the real executor, and its cost here counts the tokens it verifies.
+confidences of the whole batch set it. At batch 1 almost every likely draft pays; as
+the batch grows n(L) grows B times faster than one request's yield, so the verify
+budget shrinks and speculation fades out instead of slowing the engine. A request with
+fewer than L drafts (its drafter chain ended at the block table's end) verifies what it
+has; such a ragged step runs piecewise on the real executor.
+
+The drafter then proposes `proposals(L)` = L + 1 drafts (at most max_len) after the
+step: chained passes past what the next step can use cost a pass each, and one more
+than this step's length lets the next one grow.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 # Fixed cost of a step in token-times: roughly the batch at which a decode step of a
 # DeepSeek-style MoE turns compute-bound. Fitted on the H200 (Moonlight shapes): 128
@@ -34,21 +44,111 @@ from collections.abc import Mapping, Sequence
 STEP_FIXED_COST_TOKENS = 200.0
 
 
+class StepTimes:
+    """Measured seconds of uniform decode / verify steps (no prompt tokens, every request
+    verifying the same number of drafts), by batch bucket (powers of two) and length.
+
+    Each bucket and length keeps an exponential moving average of seconds per model
+    unit (S + the step's tokens), so a step of another batch size in the bucket is
+    priced by the model's scaling from it. A measurement goes stale after `stale_after`
+    later steps of its bucket: the policy then measures that length again (once), since
+    costs move as contexts grow, and a length never tried cannot show it is cheaper."""
+
+    def __init__(
+        self,
+        fixed_cost_tokens: float = STEP_FIXED_COST_TOKENS,
+        smoothing: float = 0.25,
+        stale_after: int = 256,
+    ) -> None:
+        self.fixed_cost_tokens = fixed_cost_tokens
+        self.smoothing = smoothing
+        self.stale_after = stale_after
+        # bucket -> length -> (seconds per unit, the bucket's step count when measured)
+        self._per_unit: dict[int, dict[int, tuple[float, int]]] = {}
+        self._steps: dict[int, int] = {}  # bucket -> uniform steps measured in it
+
+    @staticmethod
+    def bucket(num_reqs: int) -> int:
+        return num_reqs.bit_length()  # 1; 2-3; 4-7; ...
+
+    def observe(self, num_reqs: int, length: int, seconds: float) -> None:
+        if num_reqs <= 0 or seconds <= 0:
+            return
+        bucket = self.bucket(num_reqs)
+        count = self._steps[bucket] = self._steps.get(bucket, 0) + 1
+        unit = seconds / (self.fixed_cost_tokens + num_reqs * (1 + length))
+        lengths = self._per_unit.setdefault(bucket, {})
+        old = lengths.get(length)
+        if old is not None:
+            unit = old[0] + self.smoothing * (unit - old[0])
+        lengths[length] = (unit, count)
+
+    def per_unit(self, num_reqs: int) -> dict[int, float]:
+        """length -> measured seconds per model unit in the batch's bucket, for the
+        lengths measured recently enough (maybe none)."""
+        bucket = self.bucket(num_reqs)
+        now = self._steps.get(bucket, 0)
+        return {
+            length: unit
+            for length, (unit, seen) in self._per_unit.get(bucket, {}).items()
+            if now - seen <= self.stale_after
+        }
+
+
+def _step_cost(
+    times: StepTimes | None, num_reqs: int, fixed_cost_tokens: float
+) -> tuple[Callable[[int, float], float], dict[int, float]]:
+    """cost(length, tokens) of a step of `num_reqs` requests: measured seconds per model
+    unit of the nearest length measured in the bucket times the model's units, or the
+    model's units alone where nothing is measured; and what is measured."""
+    measured = times.per_unit(num_reqs) if times is not None else {}
+
+    def cost(length: int, tokens: float) -> float:
+        if not measured:
+            return fixed_cost_tokens + tokens
+        nearest = min(measured, key=lambda m: (abs(m - length), m))
+        return measured[nearest] * (fixed_cost_tokens + tokens)
+
+    return cost, measured
+
+
+def proposals(length: int, max_len: int, num_reqs: int = 1, times: StepTimes | None = None) -> int:
+    """Drafts the drafter proposes after a step of `num_reqs` requests verifying up to
+    `length`: one more than that (the next step may grow), and as many as the length
+    that would pay best if every draft were accepted (a length the next step cannot
+    verify for want of drafts could never be chosen). With nothing measured that is
+    max_len; measured steps that make long lengths costly shrink it, down to one draft
+    (whose confidence keeps the policy informed)."""
+    fixed = times.fixed_cost_tokens if times is not None else STEP_FIXED_COST_TOKENS
+    cost, _ = _step_cost(times, num_reqs, fixed)
+    ideal = max(
+        range(max_len + 1),
+        key=lambda n: (num_reqs * (1 + n) / cost(n, num_reqs * (1 + n)), -n),
+    )
+    return min(max_len, max(length + 1, ideal))
+
+
 def draft_lengths(
     confidences: Mapping[str, Sequence[float]],
     max_len: int,
     fixed_cost_tokens: float = STEP_FIXED_COST_TOKENS,
     num_other_tokens: int = 0,
+    times: StepTimes | None = None,
 ) -> dict[str, int]:
     """How many of its drafts each request verifies next step (0..max_len).
 
     confidences: req_id -> its drafts' confidences (empty: no drafts); every listed
     request is one token of the step plus its drafts; num_other_tokens: the step's
-    other tokens (prompt chunks).
+    other tokens (prompt chunks); times: the engine's measured step times (None: the
+    model alone).
     """
+    if times is not None:
+        fixed_cost_tokens = times.fixed_cost_tokens
+    cost, measured = _step_cost(times, len(confidences), fixed_cost_tokens)
+
     expected = float(len(confidences))  # E(0): one token per request
     tokens = float(len(confidences) + num_other_tokens)  # n(0)
-    best_len, best_rate = 0, expected / (fixed_cost_tokens + tokens) if confidences else 0.0
+    rates = {0: expected / cost(0, tokens)} if confidences else {}
     cumulative = {rid: 1.0 for rid in confidences}
     for length in range(1, max_len + 1):
         drafting = [rid for rid, conf in confidences.items() if len(conf) >= length]
@@ -58,7 +158,10 @@ def draft_lengths(
             cumulative[rid] *= float(confidences[rid][length - 1])
             expected += cumulative[rid]
         tokens += len(drafting)
-        rate = expected / (fixed_cost_tokens + tokens)
-        if rate > best_rate:
-            best_len, best_rate = length, rate
+        rates[length] = expected / cost(length, tokens)
+    # With measurements to learn from, a length not measured (recently) in this bucket is
+    # tried first, the likeliest to pay of them: the model may misprice it either way.
+    unmeasured = [length for length in rates if times is not None and length not in measured]
+    candidates = unmeasured or list(rates)
+    best_len = max(candidates, key=lambda length: (rates[length], -length), default=0)
     return {rid: min(best_len, len(conf)) for rid, conf in confidences.items()}

@@ -53,15 +53,17 @@ class DraftGraphs(DecodeGraphs):
     def run_rows(
         self,
         hidden: torch.Tensor,
-        next_ids: list[int],
+        next_ids: list[int] | torch.Tensor,
         positions: list[int],
         block_tables: list[list[int]],
+        repeats: list[int] | None = None,
     ) -> torch.Tensor:
         """One pass over single-row queries: hidden [rows, hidden] at `positions`, the
-        next token of each, each row's block table -> block outputs [rows, hidden] (a
-        view of a static buffer: valid until the next run)."""
-        rows = len(next_ids)
-        size = self._load(next_ids, positions, block_tables)
+        next token of each (a list, or a device tensor [rows]), the block tables (each
+        shared by `repeats` consecutive rows; default one a row) -> block outputs [rows,
+        hidden] (a view of a static buffer: valid until the next run)."""
+        rows = len(positions)
+        size = self._load(next_ids, positions, block_tables, repeats)
         self.prev[:rows].copy_(hidden)
         graph = self.graphs.get(size)
         if graph is None:  # not captured (the CPU tests): the same buffers, eagerly

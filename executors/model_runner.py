@@ -255,7 +255,7 @@ class ModelRunner:
             result = self._sample(host.sample_rows, logits)
             if self.drafter is not None:
                 assert graphs.last_hidden is not None
-                self._draft(host, graphs.last_hidden[: len(host.input_ids)], result.output)
+                self._draft(host, graphs.last_hidden[: len(host.input_ids)], result.output, out)
             return result
         if self.piecewise is not None and len(host.input_ids) <= self.piecewise.max_size:
             md_host = self._metadata(host, torch.device("cpu"))
@@ -269,7 +269,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[indices])  # [N, vocab]
         result = self._sample(host.sample_rows, logits)
         if self.drafter is not None:
-            self._draft(host, hidden, result.output)
+            self._draft(host, hidden, result.output, out)
         if host.prompt_rows:
             result.output.prompt_logprobs = prompt_logprobs.compute(
                 self.model, hidden, host.prompt_rows
@@ -550,8 +550,11 @@ class ModelRunner:
             per_req[req_id] = logits[first : first + n]
         return StepResult(out, per_req)
 
-    def _draft(self, host: HostBatch, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
-        """The MTP layer's next drafts for every request that sampled (mtp_drafter.py)."""
+    def _draft(
+        self, host: HostBatch, hidden: torch.Tensor, out: ModelRunnerOutput, step: SchedulerOutput
+    ) -> None:
+        """The MTP layer's next drafts for every request that sampled (mtp_drafter.py):
+        as many as the step asks for (varlen), else the engine's num_speculative_tokens."""
         assert self.drafter is not None
         inputs = self.drafter.step_inputs(
             host.req_ids, host.context_lens, host.query_lens, host.input_ids, hidden,
@@ -560,7 +563,7 @@ class ModelRunner:
             {rid: self.requests[rid].block_table for rid in host.req_ids},
             {rid: self.requests[rid].num_prompt_tokens for rid in host.req_ids},
         )  # fmt: skip
-        drafts: Drafts = self.drafter.propose(inputs)
+        drafts: Drafts = self.drafter.propose(inputs, step.num_proposals)
         for rid, toks in drafts.tokens.items():
             self.requests[rid].drafts = toks
         out.draft_token_ids = drafts.tokens

@@ -146,7 +146,9 @@ class MTPDrafter:
             )
         return inputs
 
-    def propose(self, inputs: list[DraftInput]) -> Drafts:
+    def propose(self, inputs: list[DraftInput], num_drafts: int | None = None) -> Drafts:
+        """Up to `num_drafts` drafts per request (None: the drafter's k; at most k)."""
+        k = self.k if num_drafts is None else min(num_drafts, self.k)
         out = Drafts({}, {})
         inputs = [x for x in inputs if x.next_ids]
         if not inputs:
@@ -169,16 +171,14 @@ class MTPDrafter:
         reqs = [inputs[i] for i in drafting]
         last = h[ends[drafting].to(self.device)]  # [B, hidden]
         pos = [x.first_pos + len(x.next_ids) - 1 for x in reqs]  # position of each last row
-        for r in reqs:
-            out.tokens[r.req_id], out.confidences[r.req_id] = [], []
-        for j in range(self.k):
-            logits = self.mtp.compute_logits(self.model, last)  # [B, vocab]
-            probs = logits.softmax(dim=-1)
-            conf, ids = probs.max(dim=-1)
-            for r, t, c in zip(reqs, ids.tolist(), conf.tolist()):
-                out.tokens[r.req_id].append(t)
-                out.confidences[r.req_id].append(c)
-            if j + 1 == self.k:
+        # Each pass's drafts stay on the device, chained into the next pass as its input
+        # ids: the host reads them all at the end, with one synchronisation.
+        passes: list[tuple[list[DraftInput], torch.Tensor, torch.Tensor]] = []
+        for j in range(k):
+            logits = self.mtp.compute_logits(self.model, last)  # [B_j, vocab]
+            conf, ids = logits.softmax(dim=-1).max(dim=-1)  # [B_j] each
+            passes.append((reqs, ids, conf))
+            if j + 1 == k:
                 break
             # Chain: the next position needs a slot in the request's table.
             keep = [
@@ -187,13 +187,23 @@ class MTPDrafter:
             ]  # fmt: skip
             if not keep:
                 break
-            reqs = [reqs[i] for i in keep]
-            pos = [pos[i] + 1 for i in keep]
-            sel = torch.tensor(keep, device=self.device)
+            if len(keep) < len(reqs):
+                sel = torch.tensor(keep, device=self.device)
+                last, ids = last[sel], ids[sel]
+                reqs, pos = [reqs[i] for i in keep], [pos[i] for i in keep]
+            pos = [p + 1 for p in pos]
             last = self._run(
-                last[sel], ids[sel].tolist(), pos, [1] * len(reqs),
-                [r.block_table for r in reqs], len(reqs),
-            )  # fmt: skip
+                last, ids, pos, [1] * len(reqs), [r.block_table for r in reqs], len(reqs)
+            )
+        # float64 holds every token id exactly: one copy for ids and confidences.
+        flat = torch.cat([torch.stack([i.double(), c.double()]) for _, i, c in passes], dim=1)
+        all_ids, all_conf = flat.tolist()
+        at = 0
+        for reqs_j, _, _ in passes:
+            for r in reqs_j:
+                out.tokens.setdefault(r.req_id, []).append(int(all_ids[at]))
+                out.confidences.setdefault(r.req_id, []).append(all_conf[at])
+                at += 1
         return out
 
     def _absorbed(self, x: DraftInput) -> bool:
@@ -206,23 +216,24 @@ class MTPDrafter:
     def _run(
         self,
         hidden: torch.Tensor,
-        next_ids: list[int],
+        next_ids: list[int] | torch.Tensor,
         first_pos: list[int],
         query_lens: list[int],
         block_tables: list[list[int]],
         num_decode: int,
     ) -> torch.Tensor:
         """One MTP forward over a varlen batch -> block outputs [rows, hidden] (through the
-        graphs when they hold the rows: a view valid until the next pass)."""
+        graphs when they hold the rows: a view valid until the next pass). next_ids: a
+        list, or a device tensor [rows] (a chained pass: the previous pass's drafts)."""
         if self.graphs is not None and self.graphs.fits(len(next_ids), block_tables):
             positions_ = [p + i for p, n in zip(first_pos, query_lens) for i in range(n)]
-            tables = [t for t, n in zip(block_tables, query_lens) for _ in range(n)]
-            return self.graphs.run_rows(hidden, next_ids, positions_, tables)
+            return self.graphs.run_rows(hidden, next_ids, positions_, block_tables, query_lens)
         md = build_attention_metadata(
             query_lens, first_pos, block_tables, self.block_size, num_decode, self.device
         )
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(first_pos, query_lens)])
-        ids = torch.tensor(next_ids, dtype=torch.int64)
-        return self.mtp(
-            self.model, hidden, ids.to(self.device), positions.to(self.device), md, self.kv_cache
-        )
+        if isinstance(next_ids, torch.Tensor):
+            ids = next_ids.to(self.device)
+        else:
+            ids = torch.tensor(next_ids, dtype=torch.int64, device=self.device)
+        return self.mtp(self.model, hidden, ids, positions.to(self.device), md, self.kv_cache)

@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from deepinfer.engine import EngineCore
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.request import Request
@@ -126,10 +128,10 @@ class _TimedDrafter:
         finally:
             self.seconds += time.perf_counter() - t0
 
-    def propose(self, inputs: Any) -> Any:
+    def propose(self, inputs: Any, num_drafts: int | None = None) -> Any:
         t0 = time.perf_counter()
         try:
-            return self.inner.propose(inputs)
+            return self.inner.propose(inputs, num_drafts)
         finally:
             self.seconds += time.perf_counter() - t0
 
@@ -169,6 +171,7 @@ def profile_steps(
                 f"a {shape.kind} point needs the MTP drafter: the engine must speculate "
                 "(num_speculative_tokens > 0) on a model with an MTP layer"
             )
+    fill_context_kv(runner.kv_cache, seed)
     runs: list[_Runs] = [_Runs() for _ in shapes]
     for r in range(rounds):
         for shape, got in zip(shapes, runs):
@@ -181,6 +184,20 @@ def profile_steps(
             if r == rounds - 1 and on_point is not None:
                 on_point(got.point(shape, timed))
     return [got.point(shape, inner if shape.drafter else None) for shape, got in zip(shapes, runs)]
+
+
+def fill_context_kv(kv_cache: Any, seed: int) -> None:
+    """Random latents in every block (MTP layers too), as if real text had been cached.
+
+    A point's context is never prefilled: its requests attend to whatever the blocks
+    hold. Zeros (a fresh cache) give every request the same attention output, so the
+    requests of a decode point route to the same few experts, and on a MoE model a
+    step that reads 6 experts' weights instead of all of them measured up to 1.7x
+    faster than served steps of its shape (Moonlight, batch 32, context 256: 5.96 ms
+    profiled against 10.3 ms served)."""
+    gen = torch.Generator(device=kv_cache.layers[0].device).manual_seed(seed)
+    for layer in [*kv_cache.layers, *kv_cache.mtp_layers]:
+        layer.normal_(generator=gen)
 
 
 @dataclass

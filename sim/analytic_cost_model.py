@@ -213,8 +213,9 @@ class AnalyticCostModel:
         drafts: int | None = None,
         mtp_sink: list[float] | None = None,
     ) -> float:
-        """Seconds of `out` with the drafter proposing `drafts` after it (None: the
-        engine's num_speculative_tokens, or the most drafts a request verifies)."""
+        """Seconds of `out` with the drafter proposing `drafts` after it (None: the step's
+        num_proposals, or the engine's num_speculative_tokens, or the most drafts a
+        request verifies)."""
         n_tok = 0  # tokens computed this step
         n_logits = 0  # positions whose logits are computed (sampled + drafts to verify)
         pre_q = pre_pairs = pre_keys = pre_ctx = 0  # prefill form
@@ -301,8 +302,10 @@ class AnalyticCostModel:
             detail["overhead"] = GroupCost(0.0, 0.0, self._fixed)
         if sink is not None:
             sink[4] = t
-        if drafts is None:
+        if drafts is None:  # a varlen step names its drafter's proposals
             drafts = self.num_speculative_tokens or k
+            if drafts and out.num_proposals is not None:
+                drafts = out.num_proposals
         if drafts:
             parts = self._mtp_parts(total - self._fixed - t, n_sampling, drafts, dec_keys)
             t = parts[0] * self._layer_overhead + parts[1] + parts[2]

@@ -167,7 +167,10 @@ class ProfiledCostModel:
     # --- the CostModel protocol -------------------------------------------------
 
     def step_time(self, out: SchedulerOutput) -> float:
-        return self._price(out, self.num_speculative_tokens)
+        k = self.num_speculative_tokens
+        if k and out.num_proposals is not None:  # varlen: the drafter proposes fewer
+            k = out.num_proposals
+        return self._price(out, k)
 
     def _price(self, out: SchedulerOutput, num_drafts: int) -> float:
         """`out` followed by the drafter proposing `num_drafts` drafts (0: as many as a

@@ -110,11 +110,10 @@ class SimExecutor:
                 1 + ((salt + (pos + j) * 2654435761) % (_VOCAB - 1)) for j in range(accepted + 1)
             ]
             if self.k:
-                res.draft_token_ids[sr.req_id] = [
-                    1 + rng.randrange(_VOCAB - 1) for _ in range(self.k)
-                ]
+                k = self.k if out.num_proposals is None else min(out.num_proposals, self.k)
+                res.draft_token_ids[sr.req_id] = [1 + rng.randrange(_VOCAB - 1) for _ in range(k)]
                 if self.varlen:
-                    conf = [self._confidence(j) for j in range(1, self.k + 1)]
+                    conf = [self._confidence(j) for j in range(1, k + 1)]
                     self._confidences[sr.req_id] = conf
                     res.draft_confidences[sr.req_id] = conf
         return res

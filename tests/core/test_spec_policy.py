@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from deepinfer.spec_policy import draft_lengths
+import pytest
+
+from deepinfer.engine import EngineCore
+from deepinfer.outputs import DRAFT_PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
+from deepinfer.spec_policy import StepTimes, draft_lengths, proposals
+from tests.factories import (
+    ScriptedExecutor,
+    StepClock,
+    make_config,
+    make_request,
+)
 
 
 def test_a_lone_request_drafts_while_its_drafts_are_likely() -> None:
@@ -68,3 +78,174 @@ def test_the_length_maximises_expected_tokens_per_step_cost() -> None:
 
         pick = set(draft_lengths(batch, max_len=3, fixed_cost_tokens=s).values())
         assert pick == {max(range(4), key=rate)}, s
+
+
+# A batch of 256 on the H200 (Moonlight shapes, benchmarks/RESULTS.md 2026-12-04): step
+# milliseconds by drafts verified, the drafter's proposals after the step included.
+# Verifying 1 or 2 drafts runs piecewise (no graph at this batch) and costs more than 3.
+H200_B256_MS = {0: 17.9, 1: 41.7, 2: 44.7, 3: 38.9}
+
+
+def _measured(table: dict[int, float], batch: int) -> StepTimes:
+    times = StepTimes()
+    for length, ms in table.items():
+        times.observe(batch, length, ms / 1e3)
+    return times
+
+
+def test_measured_step_times_override_the_model_where_it_is_wrong() -> None:
+    """The model alone (S + n) verifies 1 draft of 256 confident requests; measured, 1 and
+    2 are slow and the pick is the best measured rate: 3 drafts at 0.8 confidence, none
+    at 0.5 (E(L) / T(L) against brute force over the table)."""
+    assert set(draft_lengths({f"r{i}": [0.8] * 3 for i in range(256)}, 3).values()) == {1}
+    for c in (0.8, 0.5):
+        conf = {f"r{i}": [c] * 3 for i in range(256)}
+        times = _measured(H200_B256_MS, 256)
+
+        def rate(length: int, c: float = c) -> float:
+            return sum(c**j for j in range(length + 1)) / H200_B256_MS[length]
+
+        best = max(H200_B256_MS, key=rate)
+        assert set(draft_lengths(conf, max_len=3, times=times).values()) == {best}
+        assert best == (3 if c == 0.8 else 0)
+
+
+def test_a_length_not_measured_in_the_batch_s_bucket_is_tried_first() -> None:
+    """With 0 and 3 measured, the unmeasured 1 and 2 are tried next, the likelier to pay
+    first (each priced from its nearest measured length: 2 from 3); lengths of another
+    bucket (batch 8 here) do not count; a measurement goes stale after `stale_after`
+    steps of its bucket and is taken again; drafts no request has are never tried."""
+    conf = {f"r{i}": [0.8] * 3 for i in range(256)}
+    times = _measured({0: 17.9, 3: 38.9}, 256)
+    times.observe(8, 1, 0.012)
+    times.observe(8, 2, 0.013)
+    assert set(draft_lengths(conf, max_len=3, times=times).values()) == {2}
+    times.observe(256, 2, 0.0447)
+    assert set(draft_lengths(conf, max_len=3, times=times).values()) == {1}
+    times.observe(256, 1, 0.0417)
+    assert set(draft_lengths(conf, max_len=3, times=times).values()) == {3}
+    for _ in range(times.stale_after + 1):
+        times.observe(300, 3, 0.0389 * (200 + 300 * 4) / (200 + 256 * 4))
+    assert times.per_unit(256).keys() == {3}
+    assert set(draft_lengths(conf, max_len=3, times=times).values()) == {1}
+    short = {f"r{i}": [0.8] for i in range(256)}
+    assert set(draft_lengths(short, max_len=3, times=_measured({0: 17.9}, 256)).values()) == {1}
+
+
+def test_a_measured_batch_prices_the_other_batches_of_its_bucket_by_the_model() -> None:
+    times = StepTimes()
+    times.observe(200, 2, 0.030)
+    (unit,) = times.per_unit(255).values()
+    assert unit * (times.fixed_cost_tokens + 200 * 3) == pytest.approx(0.030)
+    assert times.per_unit(256) == {} and times.per_unit(127) == {}
+
+
+def test_the_drafter_proposes_what_the_next_step_could_verify() -> None:
+    """One more draft than the step verifies, and as many as the best length at full
+    acceptance: all of them with nothing measured; 3 at batch 256 on the H200 table;
+    just one more when every draft costs more than it could yield."""
+    assert [proposals(n, 3) for n in range(5)] == [3, 3, 3, 3, 3]
+    h200 = _measured(H200_B256_MS, 256)
+    assert [proposals(n, 3, 256, h200) for n in range(4)] == [3, 3, 3, 3]
+    # Unmeasured longer lengths are priced from 3 by the model: worth proposing.
+    assert proposals(0, 5, 256, h200) == 5
+    costly = _measured({0: 10.0, 1: 25.0, 2: 40.0, 3: 55.0}, 256)
+    assert [proposals(n, 3, 256, costly) for n in range(4)] == [1, 2, 3, 3]
+
+
+class ConfidentExecutor(ScriptedExecutor):
+    """ScriptedExecutor's drafts, each with confidence c, as many as the step asks for."""
+
+    def __init__(self, num_blocks: int, k: int, c: float) -> None:
+        super().__init__(num_blocks, k, acceptance_rate=c)
+        self.c = c
+        self.outs: list[SchedulerOutput] = []
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.outs.append(out)
+        res = super().execute(out)
+        n = self.k if out.num_proposals is None else out.num_proposals
+        for rid, drafts in res.draft_token_ids.items():
+            res.draft_token_ids[rid] = drafts[:n]
+            res.draft_confidences[rid] = [self.c] * len(drafts[:n])
+        return res
+
+
+def _varlen_engine(ex: ConfidentExecutor, **overrides: object) -> EngineCore:
+    cfg = make_config(
+        enable_mtp_varlen=True, num_speculative_tokens=3, max_num_seqs=32,
+        num_gpu_blocks=1024, max_num_batched_tokens=256, **overrides,
+    )  # fmt: skip
+    return EngineCore(cfg, ex, clock=StepClock())
+
+
+def test_a_varlen_engine_settles_on_the_length_its_measured_steps_favour() -> None:
+    """32 requests whose steps take 10 / 12 / 20 / 30 ms verifying 0 / 1 / 2 / 3 drafts
+    (durations given to `process`, as the simulator does): after trying each length the
+    engine verifies 1 draft a request (the best E(L) / T(L) at confidence 0.75, where the
+    model alone would verify 3), and every step asks the drafter for at least one draft
+    more than it verifies."""
+    ms = {0: 10.0, 1: 12.0, 2: 20.0, 3: 30.0}
+    ex = ConfidentExecutor(1024, 3, 0.75)
+    engine = _varlen_engine(ex)
+    for i in range(32):
+        engine.add_request(make_request(f"r{i}", 4, max_tokens=80))
+    lengths, proposed = [], []
+    while engine.has_unfinished():
+        out = engine.schedule()
+        res = ex.execute(out)
+        verified = {len(sr.draft_token_ids) for sr in out.scheduled}
+        uniform = len(verified) == 1 and not any(sr.is_prompt for sr in out.scheduled)
+        longest = max(verified)
+        assert out.num_proposals is not None and out.num_proposals >= min(3, longest + 1)
+        if uniform and len(out.scheduled) == 32:
+            lengths.append(longest)
+            proposed.append(out.num_proposals)
+        engine.process(out, res, ms[longest] / 1e3 if uniform else 0.02)
+    assert {0, 1, 2, 3} <= set(lengths[:12])
+    settled = lengths[12:]
+    assert len(settled) > 10 and settled.count(1) >= 0.9 * len(settled), lengths
+    # 2 drafts proposed: 1 + 1, and 1 would be the best length were all accepted.
+    assert proposed[-5:] == [2] * 5
+
+
+def test_under_async_scheduling_a_step_verifies_no_more_drafts_than_the_one_in_flight_proposes() -> (
+    None
+):
+    """Placeholders stand for the proposal of the step in flight: never more of them than
+    that step was asked to propose (else they are padding, verified and rejected). The
+    steps run as the async loop runs them (each scheduled before the one in flight is
+    processed), with measured times that make the length move up and down and settle
+    on no drafts (one proposed a step, to keep confidences coming). Without the cap 15
+    steps verified more placeholders than the step in flight proposed."""
+    ms = {0: 10.0, 1: 25.0, 2: 40.0, 3: 55.0}  # drafts cost more than they yield
+    ex = ConfidentExecutor(1024, 3, 0.9)
+    engine = _varlen_engine(ex, async_scheduling=True)
+    for i in range(16):  # they finish one by one: the batch crosses buckets
+        engine.add_request(make_request(f"r{i}", 4, max_tokens=20 + 6 * i))
+    in_flight: SchedulerOutput | None = None
+    for _ in range(500):
+        out = engine.schedule()
+        if in_flight is not None:
+            res = ex.execute(in_flight)
+            verified = {len(sr.draft_token_ids) for sr in in_flight.scheduled}
+            uniform = len(verified) == 1 and not any(sr.is_prompt for sr in in_flight.scheduled)
+            engine.process(in_flight, res, ms[max(verified)] / 1e3 if uniform else 0.02)
+        in_flight = None if out.is_empty else out
+        if in_flight is None and not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished()
+    placeholders = 0
+    for before, out in zip(ex.outs, ex.outs[1:]):
+        for sr in out.scheduled:
+            if sr.draft_token_ids[:1] == [DRAFT_PLACEHOLDER]:
+                assert before.num_proposals is not None
+                assert len(sr.draft_token_ids) <= before.num_proposals, (before, out)
+                placeholders += 1
+    assert placeholders > 20
+    run = longest = 0  # steps in a row verifying nothing, proposing one draft
+    for o in ex.outs:
+        idle = o.num_proposals == 1 and all(not sr.draft_token_ids for sr in o.scheduled)
+        run = run + 1 if idle else 0
+        longest = max(longest, run)
+    assert longest >= 20

@@ -95,6 +95,41 @@ def test_batches_larger_than_every_graph_and_prefill_steps_run_eagerly(
     assert max_rel_error(d, tiny.hf) < 1e-4
 
 
+def test_loaded_buffers_follow_each_row_s_table_with_shared_tables_and_device_ids(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    """The static buffers a step loads: ids, positions, slots (page of the row's own
+    table), seq lens, padding on the scratch block; tables shared by consecutive rows
+    (`repeats`, the drafter's first pass) load as if listed per row, ids given as a
+    device tensor land as the list would, and a position past its table is refused."""
+    graphs = graph_runner(tiny_models["v3_plain"], sizes=[8]).graphs
+    assert graphs is not None
+    bs, scratch = graphs.block_size, graphs.scratch_block
+    tables = [[5, 9], [7], [3, 4, 6]]
+    positions = [4, 5, 2, 9, 10]  # rows: two of tables[0], one of [1], two of [2]
+    per_row = [tables[0], tables[0], tables[1], tables[2], tables[2]]
+
+    def snapshot() -> tuple[list[list[int]], list[list[int]]]:
+        return graphs._rows[:, :8].tolist(), graphs.block_tables[:8, :3].tolist()
+
+    assert graphs._load([11, 12, 13, 14, 15], positions, per_row) == 8
+    listed = snapshot()
+    ids = torch.tensor([11, 12, 13, 14, 15])
+    assert graphs._load(ids, positions, tables, repeats=[2, 1, 2]) == 8
+    assert snapshot() == listed
+    rows, table = listed
+    assert rows[0][:5] == [11, 12, 13, 14, 15]
+    assert rows[1] == positions + [0, 0, 0]
+    assert (
+        rows[2] == [9 * bs + 0, 9 * bs + 1, 7 * bs + 2, 6 * bs + 1, 6 * bs + 2] + [scratch * bs] * 3
+    )
+    assert rows[3] == [5, 6, 3, 10, 11, 1, 1, 1]
+    assert table[:5] == [[5, 9, scratch], [5, 9, scratch], [7, scratch, scratch]] + [[3, 4, 6]] * 2
+    assert table[5:] == [[scratch] * 3] * 3
+    with pytest.raises(ValueError, match="past its request's block table"):
+        graphs._load([1], [bs], [[7]])
+
+
 def test_cpu_runner_refuses_to_capture(tiny_models: dict[str, TinyModel]) -> None:
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         graph_runner(tiny_models["v3_plain"], sizes=[1]).enable_cuda_graphs([1], capture=True)

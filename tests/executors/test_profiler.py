@@ -110,3 +110,26 @@ def test_a_speculating_profile_on_the_gpu_replays_graphs_and_times_the_drafter(
     spec = [p for p in profile["points"] if p.get("drafter")]
     assert {p["kind"] for p in spec} == {"verify", "spec_decode", "spec_prefill"}
     assert all(0 < p["draft_s"] < p["median_s"] for p in spec)
+
+
+def test_profiled_contexts_hold_random_latents_not_a_fresh_cache_s_zeros() -> None:
+    """Every block of every layer (MTP layers too) gets N(0, 1) latents, the same for a
+    seed: with zeros all requests of a decode point attend alike and route to the same
+    experts, so the profile timed MoE steps that read a fraction of the served weights."""
+    import torch
+
+    from executors.kv_cache import PagedKVCache
+    from executors.profiler import fill_context_kv
+
+    def filled(seed: int) -> PagedKVCache:
+        cache = PagedKVCache(2, 8, 4, 16, torch.float32, torch.device("cpu"), True, 1)
+        fill_context_kv(cache, seed)
+        return cache
+
+    cache = filled(0)
+    for layer in [*cache.layers, *cache.mtp_layers]:
+        per_block = layer.flatten(1)  # [blocks, entries]
+        assert (per_block.std(dim=1) > 0.5).all() and abs(float(layer.mean())) < 0.2
+    assert not torch.equal(cache.layers[0], cache.layers[1])
+    assert torch.equal(filled(0).layers[1], cache.layers[1])
+    assert not torch.equal(filled(1).layers[1], cache.layers[1])

@@ -277,7 +277,7 @@ def _greedy_through_runner(
         assert runner.drafter is not None and runner.drafter.graphs is not None
         draft_graphs = runner.drafter.graphs
         run_rows = draft_graphs.run_rows
-        draft_graphs.run_rows = lambda h, i, p, t: rows.append(len(i)) or run_rows(h, i, p, t)  # type: ignore[method-assign]
+        draft_graphs.run_rows = lambda h, i, p, *t: rows.append(len(p)) or run_rows(h, i, p, *t)  # type: ignore[method-assign]
     outputs, accepted = _greedy(runner, engine_cfg, prompts_)
     return outputs, calls, rows, accepted
 

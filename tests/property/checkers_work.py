@@ -140,7 +140,7 @@ class WorkConservation(Checker):
         lengths = None  # varlen: each request's draft length from its last confidences
         if cfg.enable_mtp_varlen and cfg.num_speculative_tokens:
             conf = {rid: snap.state[rid].confidences for rid in running}
-            lengths = draft_lengths(conf, cfg.num_speculative_tokens)
+            lengths = draft_lengths(conf, cfg.num_speculative_tokens, times=snap.step_times)
         i = 0
         while i < len(running) and budget > 0:
             rid = running[i]
@@ -150,6 +150,8 @@ class WorkConservation(Checker):
             # drafts (the executor fills in the in-flight step's proposal).
             known = s.num_tokens + s.placeholders + s.pending_drafts
             k = lengths.get(rid, 0) if lengths is not None else cfg.num_speculative_tokens
+            if s.placeholders and k and snap.proposals_in_flight is not None:
+                k = min(k, snap.proposals_in_flight)  # varlen: what the step in flight proposes
             ndrafts = k if s.placeholders and k else len(s.drafts[:k])
             num_new = min(known + ndrafts - s.computed, budget, length - s.computed)
             if num_new <= 0:

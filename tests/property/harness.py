@@ -10,6 +10,7 @@ step numbers; steps with no work are skipped (they are not engine steps).
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -20,6 +21,7 @@ from hypothesis.control import currently_in_test_context
 from deepinfer.engine import EngineCore
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
+from deepinfer.spec_policy import StepTimes
 from sim.sim_executor import SimExecutor
 from tests.property.oracle import (  # noqa: F401  (re-exported: the checkers import them here)
     admissible,
@@ -93,6 +95,10 @@ class Snapshot:
     in_progress: list[str]  # waiting requests that hold blocks (chunked prefill between chunks)
     status: dict[str, RequestStatus]
     state: dict[str, ReqState]
+    # Varlen: the step times the scheduler measured (they price draft lengths) and the
+    # drafts the step in flight proposes (they cap its placeholders).
+    step_times: StepTimes | None = None
+    proposals_in_flight: int | None = None
 
 
 class Driver:
@@ -238,6 +244,8 @@ class Driver:
                 )
                 for rid, r in s.requests.items()
             },
+            step_times=copy.deepcopy(s.step_times),
+            proposals_in_flight=s._proposals_in_flight,
         )
         self.time.tick()
         out = self.engine.schedule()

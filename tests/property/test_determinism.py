@@ -72,11 +72,16 @@ def test_the_same_seed_and_workload_give_identical_results_twice(
     """Two runs of one engine configuration (seed included) over one workload give
     identical request records (timestamps included), output tokens, step records and
     draft acceptance; and driving schedule()/process() by hand gives the same
-    per-request results as EngineCore.step()."""
+    per-request results as EngineCore.step() (without varlen, whose lengths follow the
+    clock)."""
     case, workload = cw
     first, second = _run_with_step(case, workload), _run_with_step(case, workload)
     assert first == second
-    if first["stalled"] is None:
+    # Varlen prices its draft lengths by the steps' measured durations, and the two
+    # drivers' clocks time steps differently: their draft lengths, so their batches and
+    # preemptions, may differ. Outputs are lossless either way; the loops compare alike
+    # without varlen.
+    if first["stalled"] is None and not case.config.enable_mtp_varlen:
         d = run_case(case, workload)
         by_hand = {rid: r.output_token_ids for rid, r in d.reqs.items()}
         assert _results([r.to_dict() for r in d.engine.records], by_hand) == _results(
