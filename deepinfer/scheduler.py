@@ -58,7 +58,7 @@ class Scheduler(SchedulerChecks):
         # Varlen: measured step times price the draft lengths (spec_policy.StepTimes);
         # step_id -> (requests, drafts each) of uniform decode / verify steps not yet timed.
         self.step_times = StepTimes()
-        self._uniform_steps: dict[int, tuple[int, int]] = {}
+        self._uniform_steps: dict[int, tuple[int, int, int]] = {}
         self._proposals_in_flight: int | None = None  # drafts the latest step proposes
         # step_id -> blocks its allocations cached before it ran (kv.take_cached_ahead)
         self._cached_ahead: dict[int, list[KVBlock]] = {}
@@ -128,6 +128,7 @@ class Scheduler(SchedulerChecks):
             self._draft_len = draft_lengths(
                 conf, self.config.num_speculative_tokens, times=self.step_times
             )
+            self.step_times.note_choice(len(conf), max(self._draft_len.values(), default=0))
         self._schedule_running(step)
         self._schedule_waiting(step)
         self.step_id += 1
@@ -201,14 +202,17 @@ class Scheduler(SchedulerChecks):
         )
         self._proposals_in_flight = out.num_proposals
         if len(lengths) == 1 and not any(sr.is_prompt for sr in out.scheduled):
-            self._uniform_steps[out.step_id] = (len(out.scheduled), longest)
+            # Filed under the bucket its length was chosen for (the token budget or a
+            # preemption may have scheduled fewer than were running).
+            decided = len(self._draft_len) if self._draft_len else len(out.scheduled)
+            self._uniform_steps[out.step_id] = (len(out.scheduled), longest, decided)
 
     def observe_step_time(self, step_id: int, seconds: float) -> None:
         """A step's measured duration (wall time, or the simulator's): varlen prices its
         draft lengths from these."""
         shape = self._uniform_steps.pop(step_id, None)
         if shape is not None:
-            self.step_times.observe(shape[0], shape[1], seconds)
+            self.step_times.observe(*shape[:2], seconds, decided_reqs=shape[2])
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
         """The waiting queue in order: chunked prefills in progress first, then new starts."""
@@ -351,6 +355,7 @@ class Scheduler(SchedulerChecks):
             self.kv.forget(blocks)
         self._cached_ahead.clear()
         self._uniform_steps.clear()
+        self._proposals_in_flight = None
 
     def fail_step(self, outs: list[SchedulerOutput], errors: dict[str, str]) -> list[Request]:
         """Undo steps whose work the executor could not run (`outs`: the failed step, and
@@ -362,6 +367,7 @@ class Scheduler(SchedulerChecks):
         for out in outs:  # blocks the failed steps would have filled hold nothing
             self.kv.forget(self._cached_ahead.pop(out.step_id, ()))
             self._uniform_steps.pop(out.step_id, None)  # its time measures no step
+        self._proposals_in_flight = None  # no placeholder survives a failed step
         # In schedule order (not a set's): requeued requests re-enter the waiting queue in
         # an order that does not depend on the process's string hashing.
         for req_id in dict.fromkeys(sr.req_id for out in outs for sr in out.scheduled):

@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 # requests took 13.5 ms a step decoding and 29.3 ms verifying 3 drafts each (512 tokens,
 # with the drafter), so S + 512 = 2.17 (S + 128), S = 200 (benchmarks/RESULTS.md).
 STEP_FIXED_COST_TOKENS = 200.0
+MAX_ATTEMPTS = 3  # choices of an unmeasured length before it is no longer tried first
 
 
 class StepTimes:
@@ -66,15 +67,30 @@ class StepTimes:
         # bucket -> length -> (seconds per unit, the bucket's step count when measured)
         self._per_unit: dict[int, dict[int, tuple[float, int]]] = {}
         self._steps: dict[int, int] = {}  # bucket -> uniform steps measured in it
+        # bucket -> length -> times chosen since it was last measured: a length whose
+        # steps never come out uniform (prompts keep arriving, the token budget cuts the
+        # batch) is not tried for ever.
+        self._attempts: dict[int, dict[int, int]] = {}
 
     @staticmethod
     def bucket(num_reqs: int) -> int:
         return num_reqs.bit_length()  # 1; 2-3; 4-7; ...
 
-    def observe(self, num_reqs: int, length: int, seconds: float) -> None:
+    def note_choice(self, num_reqs: int, length: int) -> None:
+        """The policy chose `length` for a step of `num_reqs` running requests."""
+        attempts = self._attempts.setdefault(self.bucket(num_reqs), {})
+        attempts[length] = attempts.get(length, 0) + 1
+
+    def observe(
+        self, num_reqs: int, length: int, seconds: float, decided_reqs: int | None = None
+    ) -> None:
+        """A uniform step of `num_reqs` requests verifying `length` drafts each took
+        `seconds`; it is filed under the bucket of `decided_reqs` (the requests running
+        when its length was chosen; default num_reqs)."""
         if num_reqs <= 0 or seconds <= 0:
             return
-        bucket = self.bucket(num_reqs)
+        bucket = self.bucket(decided_reqs if decided_reqs is not None else num_reqs)
+        self._attempts.get(bucket, {}).pop(length, None)
         count = self._steps[bucket] = self._steps.get(bucket, 0) + 1
         unit = seconds / (self.fixed_cost_tokens + num_reqs * (1 + length))
         lengths = self._per_unit.setdefault(bucket, {})
@@ -82,6 +98,12 @@ class StepTimes:
         if old is not None:
             unit = old[0] + self.smoothing * (unit - old[0])
         lengths[length] = (unit, count)
+
+    def given_up(self, num_reqs: int) -> set[int]:
+        """Lengths chosen MAX_ATTEMPTS times in the bucket with no uniform step to show
+        for it: no longer tried first."""
+        attempts = self._attempts.get(self.bucket(num_reqs), {})
+        return {length for length, n in attempts.items() if n >= MAX_ATTEMPTS}
 
     def per_unit(self, num_reqs: int) -> dict[int, float]:
         """length -> measured seconds per model unit in the batch's bucket, for the
@@ -140,7 +162,7 @@ def draft_lengths(
     confidences: req_id -> its drafts' confidences (empty: no drafts); every listed
     request is one token of the step plus its drafts; num_other_tokens: the step's
     other tokens (prompt chunks); times: the engine's measured step times (None: the
-    model alone).
+    model alone; when given, its own fixed cost replaces fixed_cost_tokens).
     """
     if times is not None:
         fixed_cost_tokens = times.fixed_cost_tokens
@@ -161,7 +183,8 @@ def draft_lengths(
         rates[length] = expected / cost(length, tokens)
     # With measurements to learn from, a length not measured (recently) in this bucket is
     # tried first, the likeliest to pay of them: the model may misprice it either way.
-    unmeasured = [length for length in rates if times is not None and length not in measured]
+    skip = measured.keys() | (times.given_up(len(confidences)) if times is not None else set())
+    unmeasured = [length for length in rates if times is not None and length not in skip]
     candidates = unmeasured or list(rates)
     best_len = max(candidates, key=lambda length: (rates[length], -length), default=0)
     return {rid: min(best_len, len(conf)) for rid, conf in confidences.items()}

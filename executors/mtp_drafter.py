@@ -166,7 +166,7 @@ class MTPDrafter:
         )  # [rows, hidden]
         ends = torch.tensor([len(x.next_ids) for x in inputs]).cumsum(0) - 1
         drafting = [i for i, x in enumerate(inputs) if x.wants_drafts]
-        if not drafting:
+        if not drafting or k <= 0:  # pass 1 still wrote the MTP layer's KV
             return out
         reqs = [inputs[i] for i in drafting]
         last = h[ends[drafting].to(self.device)]  # [B, hidden]

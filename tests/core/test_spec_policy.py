@@ -6,7 +6,7 @@ import pytest
 
 from deepinfer.engine import EngineCore
 from deepinfer.outputs import DRAFT_PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
-from deepinfer.spec_policy import StepTimes, draft_lengths, proposals
+from deepinfer.spec_policy import MAX_ATTEMPTS, StepTimes, draft_lengths, proposals
 from tests.factories import (
     ScriptedExecutor,
     StepClock,
@@ -249,3 +249,26 @@ def test_under_async_scheduling_a_step_verifies_no_more_drafts_than_the_one_in_f
         run = run + 1 if idle else 0
         longest = max(longest, run)
     assert longest >= 20
+
+
+def test_a_length_whose_steps_never_come_out_uniform_is_not_tried_for_ever() -> None:
+    """Prompts arriving every step make every step mixed, so a chosen length may never
+    be timed: after MAX_ATTEMPTS choices without a measurement it is no longer tried
+    first, and the pick falls back on the rates (the model, scaled by what is measured).
+    A step the token budget cut to 25 of 40 running requests is filed under the bucket
+    its length was chosen for."""
+    conf = {f"r{i}": [0.8] * 3 for i in range(32)}
+    times = _measured({3: 30.0}, 32)
+    first = set(draft_lengths(conf, max_len=3, times=times).values())
+    assert first != {3}
+    (tried,) = first
+    for _ in range(MAX_ATTEMPTS):
+        assert set(draft_lengths(conf, max_len=3, times=times).values()) == {tried}
+        times.note_choice(32, tried)
+    assert tried in times.given_up(32)
+    assert set(draft_lengths(conf, max_len=3, times=times).values()) != {tried}
+    times.observe(32, tried, 0.02)
+    assert tried not in times.given_up(32)
+    budget_cut = StepTimes()
+    budget_cut.observe(25, 3, 0.03, decided_reqs=40)
+    assert budget_cut.per_unit(40).keys() == {3} and budget_cut.per_unit(25) == {}

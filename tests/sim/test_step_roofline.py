@@ -1,0 +1,50 @@
+"""benchmarks/step_roofline.py: a roofline bounds every measured step of the shipped
+profiles (a step faster than its roofline would mean the FLOP or byte count is wrong)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from deepinfer.model_config import load_model_config
+
+ROOT = Path(__file__).resolve().parents[2]
+PROFILES = sorted((ROOT / "sim" / "data" / "profiles").glob("*__h200.json"))
+
+
+@pytest.fixture(scope="module")
+def step_roofline():
+    spec = importlib.util.spec_from_file_location(
+        "step_roofline", ROOT / "benchmarks" / "step_roofline.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.stem)
+def test_no_measured_step_beats_its_roofline(step_roofline, path: Path) -> None:
+    profile = json.loads(path.read_text())
+    spec = load_model_config(profile["model"])
+    fractions = [
+        step_roofline.step_roofline_s(spec, p["groups"], 4.25e12, 751e12) / p["median_s"]
+        for p in profile["points"]
+        if not p.get("drafter")
+    ]
+    assert len(fractions) > 50
+    assert min(fractions) > 0.05 and max(fractions) < 1.0
+
+
+def test_compute_bound_prefill_and_weight_bound_decode(step_roofline) -> None:
+    """A long prompt is priced by its FLOPs, a lone decode by the weights it reads."""
+    spec = load_model_config("moonlight-16b-a3b")
+    bw, peak = 4.25e12, 751e12
+    prefill = step_roofline.step_roofline_s(spec, [[1, 16384, 0, True]], bw, peak)
+    assert prefill == pytest.approx(2 * 16384 * spec.active_params / peak, rel=0.3)
+    decode = step_roofline.step_roofline_s(spec, [[1, 1, 0, False]], bw, peak)
+    # Every active weight once, but of the embedding table only the token's row.
+    weights = spec.dtype_bytes * (spec.active_params - spec.embed_params)
+    assert decode == pytest.approx(weights / bw, rel=0.02)
