@@ -28,9 +28,12 @@ budget shrinks and speculation fades out instead of slowing the engine. A reques
 fewer than L drafts (its drafter chain ended at the block table's end) verifies what it
 has; such a ragged step runs piecewise on the real executor.
 
-The drafter then proposes `proposals(L)` = L + 1 drafts (at most max_len) after the
-step: chained passes past what the next step can use cost a pass each, and one more
-than this step's length lets the next one grow.
+The drafter then proposes `proposals` drafts after the step: L + 1 (the next step may
+grow), or more if a longer length would pay best were every draft accepted (at most
+max_len); chained passes past what the next step could use cost a pass each.
+
+Because the lengths follow measured times, a seeded request's sampled tokens may differ
+between runs under varlen (each run is exactly distributed; greedy output never moves).
 """
 
 from __future__ import annotations
