@@ -56,7 +56,8 @@ class Scheduler(SchedulerChecks):
         self.num_preemptions = 0
         self._draft_len: dict[str, int] | None = None  # varlen: this step's draft lengths
         # Varlen: measured step times price the draft lengths (spec_policy.StepTimes);
-        # step_id -> (requests, drafts each) of uniform decode / verify steps not yet timed.
+        # step_id -> (requests, drafts each, requests running when the length was chosen)
+        # of uniform decode / verify steps not yet timed.
         self.step_times = StepTimes()
         self._uniform_steps: dict[int, tuple[int, int, int]] = {}
         self._proposals_in_flight: int | None = None  # drafts the latest step proposes
