@@ -102,6 +102,10 @@ class StepTimes:
             unit = old[0] + self.smoothing * (unit - old[0])
         lengths[length] = (unit, count)
 
+    def num_measured(self, num_reqs: int) -> int:
+        """Uniform steps measured in the batch's bucket."""
+        return self._steps.get(self.bucket(num_reqs), 0)
+
     def given_up(self, num_reqs: int) -> set[int]:
         """Lengths chosen MAX_ATTEMPTS times in the bucket with no uniform step to show
         for it: no longer tried first."""

@@ -1,0 +1,85 @@
+"""Varlen's bookkeeping in the scheduler (deepinfer/spec_policy.py, scheduler.py).
+
+With confidence-scheduled drafts the scheduler asks the drafter, in each step, for the
+drafts the next step may verify, and learns what each draft length costs from the
+steps it times. Three rules, checked on every step of generated workloads with varlen
+forced on (random acceptance, preemption, async scheduling, chunking, the roles):
+- a step asks for at least one draft more than it verifies (capped at k) and never
+  more than k;
+- under async scheduling a step verifies no more placeholders than the step in flight
+  was asked to propose;
+- the times the policy learns from are those of exactly the uniform steps (no prompt
+  tokens, every request verifying the same number of drafts), each filed under the
+  bucket of the requests running when its length was chosen (the step's own requests
+  when none were).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import assume, given
+
+from deepinfer.outputs import DRAFT_PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
+from deepinfer.spec_policy import StepTimes
+from tests.property.harness import Checker, Driver, run_case
+from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
+
+
+class VarlenBookkeeping(Checker):
+    def __init__(self) -> None:
+        self.in_flight_proposals: int | None = None
+        self.pending: dict[int, int] = {}  # step_id -> bucket of a uniform step
+        self.uniform: Counter[int] = Counter()  # bucket -> uniform steps processed
+        self.processed = 0
+
+    def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
+        if not out.scheduled:
+            return
+        k = d.case.config.num_speculative_tokens
+        lengths = {len(sr.draft_token_ids) for sr in out.scheduled}
+        longest = max(lengths)
+        assert out.num_proposals is not None and min(k, longest + 1) <= out.num_proposals <= k, (
+            f"step {out.step_id}: asks for {out.num_proposals} drafts after verifying up to "
+            f"{longest} (k = {k})"
+        )
+        for sr in out.scheduled:
+            if sr.draft_token_ids[:1] == [DRAFT_PLACEHOLDER]:
+                assert in_flight and self.in_flight_proposals is not None
+                assert len(sr.draft_token_ids) <= self.in_flight_proposals, (
+                    f"step {out.step_id}: {sr.req_id} verifies {len(sr.draft_token_ids)} "
+                    f"placeholders; the step in flight proposes {self.in_flight_proposals}"
+                )
+        self.in_flight_proposals = out.num_proposals
+        if len(lengths) == 1 and not any(sr.is_prompt for sr in out.scheduled):
+            assert d.snap is not None  # none running when chosen: the step's own count
+            decided = len(d.snap.running) or len(out.scheduled)
+            self.pending[out.step_id] = StepTimes.bucket(decided)
+
+    def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
+        bucket = self.pending.pop(out.step_id, None)
+        self.processed += 1
+        if bucket is not None and self.processed > 1:  # the first step has no duration
+            self.uniform[bucket] += 1
+        times = d.sched.step_times
+        for b, n in self.uniform.items():
+            got = times.num_measured(1 << (b - 1))
+            assert got == n, (
+                f"after step {out.step_id}: {got} steps measured for batches of "
+                f"{1 << (b - 1)}-{(1 << b) - 1} running requests, {n} uniform ones ran"
+            )
+
+
+@scaled(0.5)
+@given(any_case_and_workload())
+def test_varlen_asks_for_verifiable_drafts_and_learns_from_uniform_steps(
+    cw: tuple[EngineCase, Workload],
+) -> None:
+    """Caught: `Scheduler._plan_proposals__mutmut_4` (no proposals asked for),
+    `_plan_proposals__mutmut_15` (uniform steps taken for two lengths),
+    `observe_step_time__mutmut_1` (no time recorded) and `_7` (filed under the scheduled
+    requests' bucket: a budget-cut step lands in the wrong one)."""
+    case, workload = cw
+    assume(case.config.num_speculative_tokens > 0)
+    case = EngineCase(case.config.replace(enable_mtp_varlen=True), case.acceptance_rate)
+    run_case(case, workload, VarlenBookkeeping())
