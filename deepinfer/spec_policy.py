@@ -125,12 +125,15 @@ class StepTimes:
 
 
 def _step_cost(
-    times: StepTimes | None, num_reqs: int, fixed_cost_tokens: float
+    times: StepTimes | None, num_reqs: int, fixed_cost_tokens: float = STEP_FIXED_COST_TOKENS
 ) -> tuple[Callable[[int, float], float], dict[int, float]]:
     """cost(length, tokens) of a step of `num_reqs` requests: measured seconds per model
     unit of the nearest length measured in the bucket times the model's units, or the
-    model's units alone where nothing is measured; and what is measured."""
+    model's units alone where nothing is measured; and what is measured. With `times`,
+    the model's fixed cost is the one its units were measured in."""
     measured = times.per_unit(num_reqs) if times is not None else {}
+    if times is not None:
+        fixed_cost_tokens = times.fixed_cost_tokens
 
     def cost(length: int, tokens: float) -> float:
         if not measured:
@@ -148,8 +151,7 @@ def proposals(length: int, max_len: int, num_reqs: int = 1, times: StepTimes | N
     verify for want of drafts could never be chosen). With nothing measured that is
     max_len; measured steps that make long lengths costly shrink it, down to one draft
     (whose confidence keeps the policy informed)."""
-    fixed = times.fixed_cost_tokens if times is not None else STEP_FIXED_COST_TOKENS
-    cost, _ = _step_cost(times, num_reqs, fixed)
+    cost, _ = _step_cost(times, num_reqs)
     ideal = max(
         range(max_len + 1),
         key=lambda n: (num_reqs * (1 + n) / cost(n, num_reqs * (1 + n)), -n),
@@ -171,8 +173,6 @@ def draft_lengths(
     other tokens (prompt chunks); times: the engine's measured step times (None: the
     model alone; when given, its own fixed cost replaces fixed_cost_tokens).
     """
-    if times is not None:
-        fixed_cost_tokens = times.fixed_cost_tokens
     cost, measured = _step_cost(times, len(confidences), fixed_cost_tokens)
 
     expected = float(len(confidences))  # E(0): one token per request
@@ -190,8 +190,9 @@ def draft_lengths(
         rates[length] = expected / cost(length, tokens)
     # With measurements to learn from, a length not measured (recently) in this bucket is
     # tried first, the likeliest to pay of them: the model may misprice it either way.
-    skip = measured.keys() | (times.given_up(len(confidences)) if times is not None else set())
-    unmeasured = [length for length in rates if times is not None and length not in skip]
-    candidates = unmeasured or list(rates)
+    candidates = list(rates)
+    if times is not None:
+        skip = measured.keys() | times.given_up(len(confidences))
+        candidates = [length for length in rates if length not in skip] or candidates
     best_len = max(candidates, key=lambda length: (rates[length], -length), default=0)
     return {rid: min(best_len, len(conf)) for rid, conf in confidences.items()}
