@@ -143,7 +143,6 @@ class Scheduler(SchedulerChecks):
             self._plan_proposals(out)
         self._finished_since_last = set()
         self._preempted_since_last = set()
-        self.last_num_preempted = step.num_preempted
         return out
 
     def _schedule_running(self, step: _StepPlan) -> None:

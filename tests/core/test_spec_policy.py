@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from deepinfer.engine import EngineCore
@@ -272,3 +274,27 @@ def test_a_length_whose_steps_never_come_out_uniform_is_not_tried_for_ever() -> 
     budget_cut = StepTimes()
     budget_cut.observe(25, 3, 0.03, decided_reqs=40)
     assert budget_cut.per_unit(40).keys() == {3} and budget_cut.per_unit(25) == {}
+
+
+def test_with_a_prompt_beside_every_step_the_engine_stops_trying_an_unmeasured_length() -> None:
+    """A short prompt arrives every step, so no step is uniform and no length is ever
+    measured after the first: the scheduler counts its choices, and after MAX_ATTEMPTS
+    of the same unmeasured length it picks by rate instead of trying it for ever (the
+    review's scenario; failed with the choice not counted)."""
+    ex = ConfidentExecutor(1024, 3, 0.8)
+    engine = _varlen_engine(ex)
+    for i in range(24):  # below max_num_seqs: each new prompt starts at once
+        engine.add_request(make_request(f"r{i}", 4, max_tokens=60))
+    chosen: list[int] = []
+    for n in range(40):
+        engine.add_request(make_request(f"p{n}", 2, max_tokens=1))
+        out = engine.schedule()
+        verified = [len(sr.draft_token_ids) for sr in out.scheduled if not sr.is_prompt]
+        if verified and n > 4:
+            chosen.append(max(verified))
+        engine.process(out, ex.execute(out), 0.01)
+    runs = [len(list(g)) for _, g in itertools.groupby(chosen)]
+    times = engine.scheduler.step_times
+    assert times.num_measured(24) <= 1 and len(chosen) > 20
+    # Each length tried at most MAX_ATTEMPTS times in a row, until one settles.
+    assert all(r <= MAX_ATTEMPTS for r in runs[:-1]), chosen
