@@ -2,18 +2,22 @@
 
 A decode step launches some 50 kernels per layer; from Python each launch costs
 more than the kernel itself at small batches, so the step is launch-bound.
-Graphs replay the whole forward (embedding to logits) with one launch.
+Graphs replay the whole forward (embedding to the final norm) with one launch; the
+runner computes the logits of the rows it samples outside the graph, so no captured
+size keeps a [rows, vocab] float32 output alive (Moonlight's vocabulary: 640 KiB a
+row, 1.3 GiB for 512 requests scoring 4 tokens) and every query length can have a
+graph at every batch size.
 
 A graph reads fixed buffers, so a step copies its inputs into them and runs the
 graph of the smallest captured size >= its batch. Padding rows are requests of
 one token at position 0 whose block table points at a scratch block that the
 scheduler never hands out (the KV cache holds one extra block for it), so their
-cache writes and attention reads touch no real request's data; their logits are
-never read. Graphs serve pure-decode steps (every request schedules one token) and,
+cache writes and attention reads touch no real request's data; their hidden states
+are never read. Graphs serve pure-decode steps (every request schedules one token) and,
 with `query_len` = 1 + k, verify steps in which every request scores 1 + k tokens
 (the runner keeps one DecodeGraphs per query length, so graphs are bucketed by
-requests and tokens per request); prefill chunks and ragged steps run eagerly. The
-final hidden states come back too (`last_hidden`: the MTP drafter reads them).
+requests and tokens per request); prefill chunks and ragged steps run piecewise. `run`
+returns the final hidden states (the sampler's logits and the MTP drafter read them).
 Without `capture()` (on the CPU, in tests) `run` executes the same padded forward
 over the same buffers eagerly.
 """
@@ -88,7 +92,6 @@ class DecodeGraphs:
         self._empty = torch.zeros(0, dtype=torch.int64, device=dev)
         self._zero = torch.zeros(1, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # size -> [size * q, vocab] float32
         self.hidden: dict[int, torch.Tensor] = {}  # size -> [size * q, hidden]
         self.last_hidden: torch.Tensor | None = None  # of the latest run (its first rows)
         self.pool = None
@@ -111,12 +114,11 @@ class DecodeGraphs:
             prefill_max_query_len=0,
         )
 
-    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, size: int) -> torch.Tensor:
         t = size * self.query_len
-        hidden = self.model(
+        return self.model(
             self.input_ids[:t], self.positions[:t], self.metadata(size), self.kv_caches
         )  # [t, hidden]
-        return hidden, self.model.compute_logits(hidden)  # [t, vocab]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -127,7 +129,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.hidden[size], self.logits[size] = self._forward(size)
+                self.hidden[size] = self._forward(size)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = graph
@@ -152,17 +154,17 @@ class DecodeGraphs:
         block_tables: list[list[int]],
     ) -> torch.Tensor:
         """query_len tokens per request (input_ids, positions: [b * query_len], request
-        by request) -> logits [size * query_len, vocab] float32 (rows past
-        len(input_ids) are padding); `last_hidden` holds the hidden states. Valid until
-        the next run."""
+        by request) -> final-normed hidden [size * query_len, hidden] (rows past
+        len(input_ids) are padding), also kept as `last_hidden`. Valid until the next
+        run."""
         size = self._load(input_ids, positions, block_tables)
         graph = self.graphs.get(size)
         if graph is None:  # not captured (the CPU tests): the same buffers, run eagerly
-            self.last_hidden, logits = self._forward(size)
-            return logits
-        graph.replay()
-        self.last_hidden = self.hidden[size]
-        return self.logits[size]
+            self.last_hidden = self._forward(size)
+        else:
+            graph.replay()
+            self.last_hidden = self.hidden[size]
+        return self.last_hidden
 
     def _load(
         self,

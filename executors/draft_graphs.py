@@ -40,12 +40,12 @@ class DraftGraphs(DecodeGraphs):
             self.max_size, embed.shape[1], dtype=embed.dtype, device=embed.device
         )
 
-    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.mtp(
+    def _forward(self, size: int) -> torch.Tensor:
+        # [size, hidden]; the drafter computes logits for the rows it reads
+        return self.mtp(
             self.model, self.prev[:size], self.input_ids[:size], self.positions[:size],
             self.metadata(size), self.kv_caches[0],
-        )  # fmt: skip  # [size, hidden]
-        return out, out[:0]  # no logits: the drafter computes them for the rows it reads
+        )  # fmt: skip
 
     def fits(self, num_rows: int, block_tables: list[list[int]]) -> bool:
         return num_rows <= self.max_size and max(map(len, block_tables)) <= self.max_blocks_per_seq
@@ -67,7 +67,6 @@ class DraftGraphs(DecodeGraphs):
         self.prev[:rows].copy_(hidden)
         graph = self.graphs.get(size)
         if graph is None:  # not captured (the CPU tests): the same buffers, eagerly
-            out, _ = self._forward(size)
-            return out[:rows]
+            return self._forward(size)[:rows]
         graph.replay()
         return self.hidden[size][:rows]

@@ -45,26 +45,6 @@ from executors.structured_outputs import (
     TokenMasks,
 )
 
-# Verify graphs shorter than 1 + k: every captured batch size keeps its own float32
-# logits output ([size * q, vocab]) alive, so the sizes of one query length are taken,
-# smallest first, while their outputs fit in this many bytes (Moonlight's vocabulary:
-# batches up to 40-96 requests); larger such steps run piecewise. Without the bound a
-# varlen engine of 256 sequences (k = 5) ran out of memory capturing them.
-SHORT_VERIFY_GRAPH_MAX_BYTES = 512 << 20
-
-
-def short_verify_sizes(sizes: list[int], query_len: int, vocab_size: int) -> list[int]:
-    """The prefix of `sizes` (sorted) whose verify graphs' logits fit the byte bound
-    (at least the smallest size)."""
-    taken: list[int] = []
-    total = 0
-    for size in sorted(sizes):
-        total += size * query_len * vocab_size * 4
-        if total > SHORT_VERIFY_GRAPH_MAX_BYTES and taken:
-            break
-        taken.append(size)
-    return taken
-
 
 @dataclass
 class RequestState:
@@ -197,12 +177,9 @@ class ModelRunner:
         if self.max_drafts and 1 + self.max_drafts <= self.block_size:  # padding: one block
             query_lens += range(1 + self.max_drafts, 1, -1)
         for q in query_lens:
-            q_sizes = sizes
-            if 1 < q < 1 + self.max_drafts:  # shorter verify steps: up to the byte bound
-                q_sizes = short_verify_sizes(sizes, q, self.vocab_size)
             graphs = DecodeGraphs(
                 self.model, self.kv_cache.layers, self.block_size, max_blocks,
-                self.kv_cache.scratch_block, q_sizes, query_len=q,
+                self.kv_cache.scratch_block, sizes, query_len=q,
             )  # fmt: skip
             if capture:
                 graphs.capture()
@@ -245,14 +222,14 @@ class ModelRunner:
         host = self.collect(out.scheduled)
         graphs = self._graphs_for(host)
         if graphs is not None:
-            all_logits = graphs.run(host.input_ids, host.positions, host.block_tables)
-            # A copy: the graph's output buffer is overwritten by the next replay.
+            hidden = graphs.run(host.input_ids, host.positions, host.block_tables)
+            # Logits of the sampled rows only, outside the graph (no padding rows).
             n = len(host.logits_indices)
             if host.logits_indices == list(range(n)):
-                logits = all_logits[:n].clone()
+                sampled = hidden[:n]
             else:
-                logits = all_logits[torch.tensor(host.logits_indices, device=self.device)]
-            result = self._sample(host.sample_rows, logits)
+                sampled = hidden[torch.tensor(host.logits_indices, device=self.device)]
+            result = self._sample(host.sample_rows, self.model.compute_logits(sampled))
             if self.drafter is not None:
                 assert graphs.last_hidden is not None
                 self._draft(host, graphs.last_hidden[: len(host.input_ids)], result.output, out)

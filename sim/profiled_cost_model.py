@@ -4,11 +4,12 @@ A profile (`deepinfer profile`, shipped under sim/data/profiles/) holds whole en
 steps of the real executor. A step is predicted as a non-negative combination of
 features that follow its physics:
 
-  graph, piecewise,     fixed costs of a step replayed as a CUDA graph (pure decode), as
-  eager, mixed          piecewise graphs (any prompt chunk or multi-token query, up to the
-                        profile's `piecewise_max_tokens`), run eagerly (larger steps), and
-                        of a non-decode step that also carries decodes (the absorbed
-                        attention path's launches)
+  graph, piecewise,     fixed costs of a step replayed as a CUDA graph (pure decode), of
+  eager, mixed          any other step (a prompt chunk or a multi-token query: piecewise
+                        graphs), the extra of one run eagerly (past the profile's
+                        `piecewise_max_tokens`: never cheaper than in graphs, even where
+                        the profile measured no eager step), and of a non-decode step
+                        that also carries decodes (the absorbed attention path's launches)
   reqs, prompt_reqs     per-request host work (inputs, block tables, sampler state)
   tokens                per-token work the groups below do not price
   decode_max_context    the longest decode context: split-KV decode attention is bound by
@@ -278,7 +279,7 @@ class ProfiledCostModel:
         piecewise = eager and tokens <= self._piecewise_max
         head = [
             0.0 if eager else 1.0,
-            1.0 if piecewise else 0.0,
+            1.0 if eager else 0.0,
             1.0 if eager and not piecewise else 0.0,
             1.0 if eager and has_decode else 0.0,
             float(len(out.scheduled)),

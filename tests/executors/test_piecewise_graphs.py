@@ -29,9 +29,9 @@ def piecewise_calls(runner: ModelRunner) -> list[int]:
 
 
 def test_token_buckets_cover_every_count_up_to_the_limit() -> None:
-    assert default_token_buckets(8192) == [
-        16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
-    ]  # fmt: skip
+    small = [16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536]
+    assert default_token_buckets(16384) == small + list(range(2048, 8193, 512))
+    assert default_token_buckets(3000) == small + [2048, 2560, 3000]
     assert default_token_buckets(100) == [16, 32, 48, 64, 96, 100]
     assert default_token_buckets(16) == [16]
 

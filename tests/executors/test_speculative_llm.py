@@ -317,6 +317,19 @@ def test_verify_steps_run_through_graph_buffers_and_give_the_same_tokens() -> No
 
 
 @needs_demo
+def _varlen_demo_runner(model: torch.nn.Module) -> tuple[ModelRunner, EngineConfig]:
+    """A CPU runner of the demo model (k = 3, varlen) over a cache with a scratch block."""
+    cfg = model.config
+    engine_cfg = EngineConfig(block_size=16, num_gpu_blocks=64, num_speculative_tokens=3,
+                              enable_mtp_varlen=True)  # fmt: skip
+    cache = PagedKVCache(
+        cfg.num_hidden_layers, 64, 16, cfg.kv_entry_dim, torch.float32, torch.device("cpu"),
+        scratch_block=True, num_mtp_layers=1,
+    )  # fmt: skip
+    runner = ModelRunner(model, cache, engine_cfg, eos_token_id=1, max_model_len=512)
+    return runner, engine_cfg
+
+
 def test_shorter_uniform_verify_steps_take_their_own_graphs(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Varlen steps verify one length L for every request (spec_policy): with graphs on,
     a step of 1 + L tokens a request takes the graphs captured for that query length
@@ -338,13 +351,7 @@ def test_shorter_uniform_verify_steps_take_their_own_graphs(monkeypatch) -> None
     monkeypatch.setattr(scheduler_module, "draft_lengths", alternating)
     outputs, served = [], []
     for graphs in (False, True):
-        engine_cfg = EngineConfig(block_size=16, num_gpu_blocks=64, num_speculative_tokens=3,
-                                  enable_mtp_varlen=True)  # fmt: skip
-        cache = PagedKVCache(
-            cfg.num_hidden_layers, 64, 16, cfg.kv_entry_dim, torch.float32, torch.device("cpu"),
-            scratch_block=True, num_mtp_layers=1,
-        )  # fmt: skip
-        runner = ModelRunner(model, cache, engine_cfg, eos_token_id=1, max_model_len=512)
+        runner, engine_cfg = _varlen_demo_runner(model)
         if graphs:
             runner.enable_cuda_graphs([1, 2, 4], capture=False)
             assert sorted(runner.verify_graphs_by_len) == [2, 3, 4]
@@ -356,17 +363,17 @@ def test_shorter_uniform_verify_steps_take_their_own_graphs(monkeypatch) -> None
     assert {2, 3} <= set(served) and 4 not in served
 
 
-def test_shorter_verify_graphs_keep_their_logits_within_the_byte_bound() -> None:
-    """Each captured size keeps its float32 logits: the sizes taken (smallest first) stay
-    within SHORT_VERIFY_GRAPH_MAX_BYTES, and the next size would not have."""
-    from executors.cuda_graphs import default_capture_sizes
-    from executors.model_runner import SHORT_VERIFY_GRAPH_MAX_BYTES, short_verify_sizes
-
-    sizes = default_capture_sizes(512)
-    for q in (2, 3, 4, 5):
-        taken = short_verify_sizes(sizes, q, 163840)
-        assert taken == sizes[: len(taken)]
-        row_bytes = q * 163840 * 4
-        assert sum(taken) * row_bytes <= SHORT_VERIFY_GRAPH_MAX_BYTES
-        assert (sum(taken) + sizes[len(taken)]) * row_bytes > SHORT_VERIFY_GRAPH_MAX_BYTES
-    assert short_verify_sizes([64, 128], 6, 10**9) == [64]  # always one graph
+def test_every_verify_length_is_graphed_at_every_batch_size() -> None:
+    """The graphs end at the final norm (the logits of the sampled rows are computed
+    outside them), so no size keeps a [rows, vocab] output alive and every query length
+    1..1 + k has a graph at every captured batch size."""
+    cfg = ModelConfig.from_dict(read_hf_config(DEMO_MODEL_DIR))
+    model = load_model(DEMO_MODEL_DIR, cfg, dtype=torch.float32, device=torch.device("cpu"))
+    runner, _ = _varlen_demo_runner(model)
+    runner.enable_cuda_graphs([1, 2, 4, 8], capture=False)
+    assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8]
+    assert sorted(runner.verify_graphs_by_len) == [2, 3, 4]
+    for q, g in runner.verify_graphs_by_len.items():
+        assert g.sizes == [1, 2, 4, 8]
+        hidden = g.run([5] * 3 * q, list(range(q)) * 3, [[0], [1], [2]])
+        assert hidden.shape == (4 * q, cfg.hidden_size)  # padded to 4 requests
