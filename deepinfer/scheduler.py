@@ -198,8 +198,9 @@ class Scheduler(SchedulerChecks):
         lengths = {len(sr.draft_token_ids) for sr in out.scheduled}
         longest = max(lengths)
         out.num_proposals = proposals(
-            longest, self.config.num_speculative_tokens, len(out.scheduled), self.step_times
-        )
+            longest, self.config.num_speculative_tokens, len(out.scheduled), self.step_times,
+            out.step_id,
+        )  # fmt: skip
         self._proposals_in_flight = out.num_proposals
         if len(lengths) == 1 and not any(sr.is_prompt for sr in out.scheduled):
             # Filed under the bucket its length was chosen for (the token budget or a

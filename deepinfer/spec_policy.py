@@ -13,7 +13,9 @@ measured by the model alone. The model: a step of n tokens costs about S + n
 token-times (S: the step's fixed cost, weights read and launches, in tokens: below S a
 step is memory-bound and one more token is nearly free). The measurements matter
 where the model is wrong: on the H200 a batch of 256 verifying 1 or 2 drafts each ran
-piecewise and took longer than verifying 3 in a graph, which the model cannot know.
+piecewise and took longer than verifying 3 in a graph, which the model cannot know
+(verify graphs now exist for every length, but the point stands for what a profile or
+a model cannot see).
 A step yields E tokens in expectation (one per request, plus each verified draft's c_j).
 
 The step verifies the same number L of drafts for every request: the real executor
@@ -28,9 +30,13 @@ budget shrinks and speculation fades out instead of slowing the engine. A reques
 fewer than L drafts (its drafter chain ended at the block table's end) verifies what it
 has; such a ragged step runs piecewise on the real executor.
 
-The drafter then proposes `proposals` drafts after the step: L + 1 (the next step may
-grow), or more if a longer length would pay best were every draft accepted (at most
-max_len); chained passes past what the next step could use cost a pass each.
+Lengths not measured recently are tried next to the best measured one only (a hill
+climb), so a bucket's exploration costs a step or two, not one step per length. The
+drafter then proposes `proposals` drafts after the step: L + 1 while L + 1 is not
+measured (the next step may grow by one) and every PROBE_EVERY steps (a step of low
+confidences that chose a shorter L is no ratchet), else L (at least one, whose
+confidence keeps the policy informed); each chained pass past what the next step uses
+costs a pass of the MTP layer and the head.
 
 Because the lengths follow measured times, a seeded request's sampled tokens may differ
 between runs under varlen (each run is exactly distributed; greedy output never moves).
@@ -144,19 +150,31 @@ def _step_cost(
     return cost, measured
 
 
-def proposals(length: int, max_len: int, num_reqs: int = 1, times: StepTimes | None = None) -> int:
+PROBE_EVERY = 4  # steps: a length measured worse is still proposed this often
+
+
+def proposals(
+    length: int,
+    max_len: int,
+    num_reqs: int = 1,
+    times: StepTimes | None = None,
+    step_id: int = 0,
+) -> int:
     """Drafts the drafter proposes after a step of `num_reqs` requests verifying up to
-    `length`: one more than that (the next step may grow), and as many as the length
-    that would pay best if every draft were accepted (a length the next step cannot
-    verify for want of drafts could never be chosen). With nothing measured that is
-    max_len; measured steps that make long lengths costly shrink it, down to one draft
-    (whose confidence keeps the policy informed)."""
-    cost, _ = _step_cost(times, num_reqs)
-    ideal = max(
-        range(max_len + 1),
-        key=lambda n: (num_reqs * (1 + n) / cost(n, num_reqs * (1 + n)), -n),
-    )
-    return min(max_len, max(length + 1, ideal))
+    `length`: one more while that longer length is unmeasured in the batch's bucket (the
+    hill climb in `draft_lengths` tries it next, or prices it by the model once given
+    up) and every PROBE_EVERY steps (so a step
+    of unusually low confidences that chose a shorter length is not a ratchet: the
+    longer one, measured better, becomes choosable again); else `length`. A chained
+    pass a step for a length measured worse cost varlen 13% at batch 1 on the H200
+    (benchmarks/RESULTS.md). Pass 1 runs whatever this says: it writes the MTP layer's
+    KV of the step's tokens."""
+    if length >= max_len:
+        return max_len
+    if times is None or step_id % PROBE_EVERY == 0:
+        return length + 1
+    measured = times.per_unit(num_reqs)
+    return max(1, length) if length + 1 in measured else length + 1
 
 
 def draft_lengths(
@@ -189,10 +207,14 @@ def draft_lengths(
         tokens += len(drafting)
         rates[length] = expected / cost(length, tokens)
     # With measurements to learn from, a length not measured (recently) in this bucket is
-    # tried first, the likeliest to pay of them: the model may misprice it either way.
+    # tried first, since the model may misprice it either way; but only next to the best
+    # measured length (a hill climb): trying every length, 0 and 1 included at a batch
+    # where 5 pays, cost 3% / 15% of a 40-step run at batch 256 / 32 in the simulator.
     candidates = list(rates)
     if times is not None:
         skip = measured.keys() | times.given_up(len(confidences))
-        candidates = [length for length in rates if length not in skip] or candidates
+        best = max(measured.keys() & rates.keys(), key=lambda n: (rates[n], -n), default=None)
+        untried = [n for n in rates if n not in skip and (best is None or abs(n - best) <= 1)]
+        candidates = untried or candidates
     best_len = max(candidates, key=lambda length: (rates[length], -length), default=0)
     return {rid: min(best_len, len(conf)) for rid, conf in confidences.items()}
