@@ -156,20 +156,22 @@ def test_the_drafter_proposes_what_the_next_step_could_verify() -> None:
 
 
 class ConfidentExecutor(ScriptedExecutor):
-    """ScriptedExecutor's drafts, each with confidence c, as many as the step asks for."""
+    """ScriptedExecutor's drafts, each with confidence c, as many as the step asks for;
+    with `cs`, the n-th step's drafts have confidence cs[n % len(cs)] instead."""
 
-    def __init__(self, num_blocks: int, k: int, c: float) -> None:
+    def __init__(self, num_blocks: int, k: int, c: float, cs: tuple[float, ...] = ()) -> None:
         super().__init__(num_blocks, k, acceptance_rate=c)
-        self.c = c
+        self.cs = cs or (c,)
         self.outs: list[SchedulerOutput] = []
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        c = self.cs[len(self.outs) % len(self.cs)]
         self.outs.append(out)
         res = super().execute(out)
         n = self.k if out.num_proposals is None else out.num_proposals
         for rid, drafts in res.draft_token_ids.items():
             res.draft_token_ids[rid] = drafts[:n]
-            res.draft_confidences[rid] = [self.c] * len(drafts[:n])
+            res.draft_confidences[rid] = [c] * len(drafts[:n])
         return res
 
 
@@ -212,19 +214,13 @@ def test_a_varlen_engine_settles_on_the_length_its_measured_steps_favour() -> No
     assert proposed[-8:].count(2) == 8 // PROBE_EVERY and len(probes) >= 3, proposed
 
 
-def test_under_async_scheduling_a_step_verifies_no_more_drafts_than_the_one_in_flight_proposes() -> (
-    None
-):
-    """Placeholders stand for the proposal of the step in flight: never more of them than
-    that step was asked to propose (else they are padding, verified and rejected). The
-    steps run as the async loop runs them (each scheduled before the one in flight is
-    processed), with measured times that make the length move up and down and settle
-    on no drafts (one proposed a step, to keep confidences coming). Without the cap 15
-    steps verified more placeholders than the step in flight proposed."""
-    ms = {0: 10.0, 1: 25.0, 2: 40.0, 3: 55.0}  # drafts cost more than they yield
-    ex = ConfidentExecutor(1024, 3, 0.9)
+def _run_async(ex: ConfidentExecutor, ms: dict[int, float]) -> int:
+    """16 requests finishing one by one (the batch crosses buckets), stepped as the async
+    loop steps them (each scheduled before the one in flight is processed), uniform
+    steps lasting ms[drafts]; checks that no step verifies more placeholders than the
+    step in flight was asked to propose, and returns how many requests verified some."""
     engine = _varlen_engine(ex, async_scheduling=True)
-    for i in range(16):  # they finish one by one: the batch crosses buckets
+    for i in range(16):
         engine.add_request(make_request(f"r{i}", 4, max_tokens=20 + 6 * i))
     in_flight: SchedulerOutput | None = None
     for _ in range(500):
@@ -245,7 +241,23 @@ def test_under_async_scheduling_a_step_verifies_no_more_drafts_than_the_one_in_f
                 assert before.num_proposals is not None
                 assert len(sr.draft_token_ids) <= before.num_proposals, (before, out)
                 placeholders += 1
-    assert placeholders > 20
+    return placeholders
+
+
+def test_under_async_scheduling_a_step_verifies_no_more_drafts_than_the_one_in_flight_proposes() -> (
+    None
+):
+    """Placeholders stand for the proposal of the step in flight: never more of them than
+    that step was asked to propose (else they are padding, verified and rejected).
+    Confidences alternating 0.95 / 0.3 a step, with drafts cheap: the policy wants 3
+    drafts after a confident step and none after a doubtful one, so a step scheduled
+    on confident drafts while a doubtful step (proposing 1) is in flight must be cut to
+    1 (without the cap this failed); and with drafts that cost more than they yield the
+    engine settles on none, one draft proposed a step to keep confidences coming."""
+    cheap = {0: 10.0, 1: 14.0, 2: 18.0, 3: 22.0}
+    assert _run_async(ConfidentExecutor(1024, 3, 0.9, cs=(0.95, 0.3)), cheap) > 20
+    ex = ConfidentExecutor(1024, 3, 0.9)
+    assert _run_async(ex, {0: 10.0, 1: 25.0, 2: 40.0, 3: 55.0}) > 20
     run = longest = 0  # steps in a row verifying nothing, proposing one draft
     for o in ex.outs:
         idle = o.num_proposals == 1 and all(not sr.draft_token_ids for sr in o.scheduled)

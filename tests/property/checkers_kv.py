@@ -14,8 +14,15 @@ from tests.property.mirror import KVMirror
 
 
 class BlockSafety(Checker):
+    """Ref counts equal holders; and under async scheduling, no block that the step in
+    flight writes leaves its request before that step is processed: the slots of its
+    tokens (below the computed count, after any rollback of rejected drafts) and the
+    k - 1 slots past them where its drafter writes the chained drafts' KV."""
+
     def __init__(self, mirror: KVMirror) -> None:
         self.mirror = mirror
+        self.sent: dict[str, list[int]] = {}  # the step in flight's tables, by request
+        self.sent_step = -1
 
     def _check(self, d: Driver, when: str) -> None:
         pool, held = d.sched.kv.pool, self.mirror.held()
@@ -30,12 +37,28 @@ class BlockSafety(Checker):
 
     def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
         self._check(d, f"step {out.step_id} scheduled")
+        if d.case.config.async_scheduling:
+            kv = d.sched.kv
+            self.sent = {sr.req_id: kv.block_ids(sr.req_id) for sr in out.scheduled}
+            self.sent_step = out.step_id
 
     def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         self._check(d, f"step {out.step_id} processed")
-
-    def on_abort(self, d: Driver, req_id: str) -> None:
-        self._check(d, f"abort of {req_id}")
+        if self.sent_step <= out.step_id:
+            return  # the step just processed is the latest: nothing else in flight
+        cfg = d.case.config
+        for rid, table in self.sent.items():
+            req = d.sched.requests.get(rid)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # ended: the step in flight's results for it are dropped
+            k = cfg.num_speculative_tokens
+            written = min(req.num_computed_tokens + max(k - 1, 0), max_model_len(d.case))
+            need = -(-written // cfg.block_size)
+            held = d.sched.kv.block_ids(rid)
+            assert held[:need] == table[:need], (
+                f"step {out.step_id} processed: {rid} holds {held}, but step "
+                f"{self.sent_step}, in flight, writes {written} slots of {table}"
+            )
 
 
 class EndedHoldNothing(BlockSafety):
