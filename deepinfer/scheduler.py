@@ -9,6 +9,7 @@ DESIGN.md section 3 is the specification; rule names below follow it.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 from deepinfer.config import EngineConfig, EngineRole
@@ -23,7 +24,7 @@ from deepinfer.outputs import (
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.request_queue import WaitingQueue
 from deepinfer.scheduler_checks import SchedulerChecks
-from deepinfer.spec_policy import StepTimes, draft_lengths, proposals
+from deepinfer.spec_policy import PROBE_EVERY, StepTimes, draft_lengths, proposals
 from deepinfer.stop_checker import check_stop
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ class Scheduler(SchedulerChecks):
         self.num_rejected = 0
         self.num_preemptions = 0
         self._draft_len: dict[str, int] | None = None  # varlen: this step's draft lengths
+        # varlen: the longest length verified in each of the last PROBE_EVERY steps
+        self._recent_lengths: deque[int] = deque(maxlen=PROBE_EVERY)
         # Varlen: measured step times price the draft lengths (spec_policy.StepTimes);
         # step_id -> (requests, drafts each, requests running when the length was chosen)
         # of uniform decode / verify steps not yet timed.
@@ -197,15 +200,19 @@ class Scheduler(SchedulerChecks):
         same drafts everywhere)."""
         lengths = {len(sr.draft_token_ids) for sr in out.scheduled}
         longest = max(lengths)
+        # The bucket its length was chosen in (the token budget or a preemption may have
+        # scheduled fewer than were running): the proposals and the timing read that one.
+        decided = len(self._draft_len) if self._draft_len else len(out.scheduled)
+        # From the longest length of the last few steps, not this one's alone: one step
+        # of low confidences must not keep the next ones from their length (under async
+        # the step after next is capped by this step's proposals).
+        self._recent_lengths.append(longest)
         out.num_proposals = proposals(
-            longest, self.config.num_speculative_tokens, len(out.scheduled), self.step_times,
-            out.step_id,
+            max(self._recent_lengths), self.config.num_speculative_tokens, decided,
+            self.step_times, out.step_id,
         )  # fmt: skip
         self._proposals_in_flight = out.num_proposals
         if len(lengths) == 1 and not any(sr.is_prompt for sr in out.scheduled):
-            # Filed under the bucket its length was chosen for (the token budget or a
-            # preemption may have scheduled fewer than were running).
-            decided = len(self._draft_len) if self._draft_len else len(out.scheduled)
             self._uniform_steps[out.step_id] = (len(out.scheduled), longest, decided)
 
     def observe_step_time(self, step_id: int, seconds: float) -> None:

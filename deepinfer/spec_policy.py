@@ -8,8 +8,9 @@ A step's cost: this engine's own measured seconds of steps of its batch size and
 draft length (`StepTimes`: decode and verify steps, an exponential moving average by
 batch bucket and length, on either executor: the simulator's steps last what its cost
 model says), scaled to the step by the model below; a length not measured yet in the
-bucket is priced from the nearest measured one by the model, and a bucket with nothing
-measured by the model alone. The model: a step of n tokens costs about S + n
+bucket is priced from the nearest measured one by the model, a bucket with nothing
+measured from the nearest bucket that has, and with nothing measured anywhere by the
+model alone. The model: a step of n tokens costs about S + n
 token-times (S: the step's fixed cost, weights read and launches, in tokens: below S a
 step is memory-bound and one more token is nearly free). The measurements matter
 where the model is wrong: on the H200 a batch of 256 verifying 1 or 2 drafts each ran
@@ -32,11 +33,12 @@ has; such a ragged step runs piecewise on the real executor.
 
 Lengths not measured recently are tried next to the best measured one only (a hill
 climb), so a bucket's exploration costs a step or two, not one step per length. The
-drafter then proposes `proposals` drafts after the step: L + 1 while L + 1 is not
-measured (the next step may grow by one) and every PROBE_EVERY steps (a step of low
-confidences that chose a shorter L is no ratchet), else L (at least one, whose
-confidence keeps the policy informed); each chained pass past what the next step uses
-costs a pass of the MTP layer and the head.
+drafter then proposes `proposals` drafts after the step, from the longest L of the last
+PROBE_EVERY steps (so one step of low confidences that chose a shorter L is no
+ratchet): L + 1 while L + 1 is not measured (the next step may grow by one) and every
+PROBE_EVERY steps, else L (at least one, whose confidence keeps the policy informed);
+each chained pass past what the next step uses costs a pass of the MTP layer and the
+head.
 
 Because the lengths follow measured times, a seeded request's sampled tokens may differ
 between runs under varlen (each run is exactly distributed; greedy output never moves).
@@ -118,6 +120,26 @@ class StepTimes:
         attempts = self._attempts.get(self.bucket(num_reqs), {})
         return {length for length, n in attempts.items() if n >= MAX_ATTEMPTS}
 
+    def prices(self, num_reqs: int) -> dict[int, float]:
+        """What prices a step of `num_reqs` requests: the bucket's own `per_unit`, or,
+        while it has none, the nearest bucket's (seconds per model unit carry across
+        buckets by the model's scaling), so that a batch crossing a power of two (256
+        requests, one finishes: 255) does not explore every length again."""
+        own = self.per_unit(num_reqs)
+        if own:
+            return own
+        here = self.bucket(num_reqs)
+        for bucket in sorted(self._per_unit, key=lambda b: (abs(b - here), -b)):
+            now = self._steps.get(bucket, 0)
+            fresh = {
+                length: unit
+                for length, (unit, seen) in self._per_unit[bucket].items()
+                if now - seen <= self.stale_after
+            }
+            if fresh:
+                return fresh
+        return {}
+
     def per_unit(self, num_reqs: int) -> dict[int, float]:
         """length -> measured seconds per model unit in the batch's bucket, for the
         lengths measured recently enough (maybe none)."""
@@ -134,10 +156,11 @@ def _step_cost(
     times: StepTimes | None, num_reqs: int, fixed_cost_tokens: float = STEP_FIXED_COST_TOKENS
 ) -> tuple[Callable[[int, float], float], dict[int, float]]:
     """cost(length, tokens) of a step of `num_reqs` requests: measured seconds per model
-    unit of the nearest length measured in the bucket times the model's units, or the
-    model's units alone where nothing is measured; and what is measured. With `times`,
-    the model's fixed cost is the one its units were measured in."""
-    measured = times.per_unit(num_reqs) if times is not None else {}
+    unit of the nearest length measured in the bucket (in the nearest bucket while its
+    own has none: `StepTimes.prices`) times the model's units, or the model's units
+    alone where nothing is measured; and what is measured. With `times`, the model's
+    fixed cost is the one its units were measured in."""
+    measured = times.prices(num_reqs) if times is not None else {}
     if times is not None:
         fixed_cost_tokens = times.fixed_cost_tokens
 
@@ -160,20 +183,21 @@ def proposals(
     times: StepTimes | None = None,
     step_id: int = 0,
 ) -> int:
-    """Drafts the drafter proposes after a step of `num_reqs` requests verifying up to
-    `length`: one more while that longer length is unmeasured in the batch's bucket (the
-    hill climb in `draft_lengths` tries it next, or prices it by the model once given
-    up) and every PROBE_EVERY steps (so a step
-    of unusually low confidences that chose a shorter length is not a ratchet: the
-    longer one, measured better, becomes choosable again); else `length`. A chained
-    pass a step for a length measured worse cost varlen 13% at batch 1 on the H200
-    (benchmarks/RESULTS.md). Pass 1 runs whatever this says: it writes the MTP layer's
-    KV of the step's tokens."""
+    """Drafts the drafter proposes after a step whose requests were decided in the batch
+    bucket of `num_reqs`, where `length` is the longest length verified lately (the
+    scheduler passes the longest of its last PROBE_EVERY steps, so one step of low
+    confidences that chose a shorter length does not keep the next ones from theirs):
+    one more while that longer length is unmeasured in the bucket (the hill climb in
+    `draft_lengths` tries it next, or prices it by the model once given up) and every
+    PROBE_EVERY steps (confidences can rise); else `length`, at least 1 (its confidence
+    keeps the policy informed). A chained pass a step for a length measured worse cost
+    varlen 13% at batch 1 on the H200 (benchmarks/RESULTS.md). Pass 1 runs whatever this
+    says: it writes the MTP layer's KV of the step's tokens."""
     if length >= max_len:
         return max_len
     if times is None or step_id % PROBE_EVERY == 0:
         return length + 1
-    measured = times.per_unit(num_reqs)
+    measured = times.prices(num_reqs)
     return max(1, length) if length + 1 in measured else length + 1
 
 

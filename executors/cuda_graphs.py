@@ -16,8 +16,9 @@ cache writes and attention reads touch no real request's data; their hidden stat
 are never read. Graphs serve pure-decode steps (every request schedules one token) and,
 with `query_len` = 1 + k, verify steps in which every request scores 1 + k tokens
 (the runner keeps one DecodeGraphs per query length, so graphs are bucketed by
-requests and tokens per request); prefill chunks and ragged steps run piecewise. `run`
-returns the final hidden states (the sampler's logits and the MTP drafter read them).
+requests and tokens per request); prefill chunks and ragged steps run piecewise (or
+eagerly past the largest token bucket). `run` returns the final hidden states (the
+sampler's logits and the MTP drafter read them).
 Without `capture()` (on the CPU, in tests) `run` executes the same padded forward
 over the same buffers eagerly.
 """

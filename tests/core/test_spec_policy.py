@@ -150,9 +150,21 @@ def test_a_measured_batch_prices_the_other_batches_of_its_bucket_by_the_model() 
 
 
 def test_the_drafter_proposes_what_the_next_step_could_verify() -> None:
-    """One more draft than the step verifies (the next step may grow by one), at most k."""
+    """One more draft than the length (the next step may grow by one), at most k, while
+    that longer length has no price in the bucket, and on probe steps; else the length
+    itself, at least 1. A bucket with nothing measured is priced from the nearest one."""
     assert [proposals(n, 3) for n in range(5)] == [1, 2, 3, 3, 3]
     assert proposals(0, 5) == 1 and proposals(5, 5) == 5
+    times = _measured({0: 10.0, 1: 12.0}, 32)
+    assert proposals(0, 3, 32, times, step_id=1) == 1  # 1 measured: at least one still
+    assert proposals(1, 3, 32, times, step_id=1) == 2  # 2 unmeasured
+    times.observe(32, 2, 0.020)
+    assert proposals(1, 3, 32, times, step_id=1) == 1  # 2 measured: no pass for it
+    assert proposals(1, 3, 32, times, step_id=PROBE_EVERY) == 2  # but on a probe step
+    assert times.per_unit(20) == {} and times.prices(20) == times.per_unit(32)
+    assert proposals(1, 3, 20, times, step_id=1) == 1  # 16-31 priced from 32-63
+    times.observe(20, 3, 0.030)
+    assert times.prices(20).keys() == {3}  # its own, once it has any
 
 
 class ConfidentExecutor(ScriptedExecutor):
@@ -195,14 +207,15 @@ def test_a_varlen_engine_settles_on_the_length_its_measured_steps_favour() -> No
     engine = _varlen_engine(ex)
     for i in range(32):
         engine.add_request(make_request(f"r{i}", 4, max_tokens=80))
-    lengths, proposed = [], []
+    lengths, proposed, recent = [], [], []
     while engine.has_unfinished():
         out = engine.schedule()
         res = ex.execute(out)
         verified = {len(sr.draft_token_ids) for sr in out.scheduled}
         uniform = len(verified) == 1 and not any(sr.is_prompt for sr in out.scheduled)
         longest = max(verified)
-        assert out.num_proposals in (max(1, longest), min(3, longest + 1))
+        recent = (recent + [longest])[-PROBE_EVERY:]  # the scheduler's base: the latest max
+        assert out.num_proposals in (max(1, max(recent)), min(3, max(recent) + 1))
         if uniform and len(out.scheduled) == 32:
             lengths.append(longest)
             proposed.append(out.num_proposals)
@@ -266,6 +279,23 @@ def test_under_async_scheduling_a_step_verifies_no_more_drafts_than_the_one_in_f
     assert longest >= 20
 
 
+def test_under_async_scheduling_one_doubtful_step_does_not_hold_the_length_down() -> None:
+    """Drafts cheap (3 pays best) and confident, but every 21st step's confidences dip
+    to 0.3, so the step after it chooses less. Under async scheduling a step's length is
+    chosen from the confidences of the step before the one in flight and capped by the
+    in-flight step's proposals: those must still cover the length of the steps before
+    the dip, or the engine stays at the shorter length until measurements go stale (the
+    review's scenario: 67 steps at 1 draft of 83)."""
+    cheap = {0: 10.0, 1: 14.0, 2: 18.0, 3: 22.0}
+    ex = ConfidentExecutor(1024, 3, 0.95, cs=(0.95,) * 20 + (0.3,))
+    assert _run_async(ex, cheap) > 20
+    lengths = [max((len(sr.draft_token_ids) for sr in o.scheduled), default=0) for o in ex.outs]
+    climbed = lengths.index(3)
+    for i in range(climbed, len(lengths) - 3):  # after any shorter step, 3 again within 3
+        assert lengths[i] == 3 or 3 in lengths[i + 1 : i + 4], (i, lengths)
+    assert lengths.count(3) > 0.6 * len(lengths), lengths
+
+
 def test_a_length_whose_steps_never_come_out_uniform_is_not_tried_for_ever() -> None:
     """Prompts arriving every step make every step mixed, so a chosen length may never
     be timed: after MAX_ATTEMPTS choices without a measurement it is no longer tried
@@ -310,4 +340,5 @@ def test_with_a_prompt_beside_every_step_the_engine_stops_trying_an_unmeasured_l
     times = engine.scheduler.step_times
     assert times.num_measured(24) <= 1 and len(chosen) > 20
     # Each length tried at most MAX_ATTEMPTS times in a row, until one settles.
-    assert all(r <= MAX_ATTEMPTS for r in runs[:-1]), chosen
+    settled = runs.index(max(runs))
+    assert max(runs) > MAX_ATTEMPTS and all(r <= MAX_ATTEMPTS for r in runs[:settled]), chosen

@@ -316,7 +316,6 @@ def test_verify_steps_run_through_graph_buffers_and_give_the_same_tokens() -> No
     assert len(rows) > 10 and max(rows) > 3  # chained passes and multi-row first passes
 
 
-@needs_demo
 def _varlen_demo_runner(model: torch.nn.Module) -> tuple[ModelRunner, EngineConfig]:
     """A CPU runner of the demo model (k = 3, varlen) over a cache with a scratch block."""
     cfg = model.config
@@ -330,6 +329,7 @@ def _varlen_demo_runner(model: torch.nn.Module) -> tuple[ModelRunner, EngineConf
     return runner, engine_cfg
 
 
+@needs_demo
 def test_shorter_uniform_verify_steps_take_their_own_graphs(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Varlen steps verify one length L for every request (spec_policy): with graphs on,
     a step of 1 + L tokens a request takes the graphs captured for that query length
@@ -363,6 +363,7 @@ def test_shorter_uniform_verify_steps_take_their_own_graphs(monkeypatch) -> None
     assert {2, 3} <= set(served) and 4 not in served
 
 
+@needs_demo
 def test_every_verify_length_is_graphed_at_every_batch_size() -> None:
     """The graphs end at the final norm (the logits of the sampled rows are computed
     outside them), so no size keeps a [rows, vocab] output alive and every query length

@@ -52,13 +52,16 @@ class BlockSafety(Checker):
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # ended: the step in flight's results for it are dropped
             k = cfg.num_speculative_tokens
-            written = min(req.num_computed_tokens + max(k - 1, 0), max_model_len(d.case))
+            written = min(req.num_computed_tokens + max(k - 1, 0), d.sched.max_model_len)
             need = -(-written // cfg.block_size)
             held = d.sched.kv.block_ids(rid)
             assert held[:need] == table[:need], (
                 f"step {out.step_id} processed: {rid} holds {held}, but step "
                 f"{self.sent_step}, in flight, writes {written} slots of {table}"
             )
+
+    def on_abort(self, d: Driver, req_id: str) -> None:
+        self._check(d, f"abort of {req_id}")
 
 
 class EndedHoldNothing(BlockSafety):

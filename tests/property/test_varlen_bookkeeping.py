@@ -4,9 +4,10 @@ With confidence-scheduled drafts the scheduler asks the drafter, in each step, f
 drafts the next step may verify, and learns what each draft length costs from the
 steps it times. Three rules, checked on every step of generated workloads with varlen
 forced on (random acceptance, preemption, async scheduling, chunking, the roles):
-- a step asks for as many drafts as it verifies (at least one), or one more (capped
-  at k) whenever that longer length is not measured in the step's bucket, and every
-  PROBE_EVERY steps (a probe);
+- a step asks for as many drafts as the longest length of the last PROBE_EVERY steps
+  (at least one), or one more (capped at k) whenever that longer length has no price
+  in the bucket its lengths were chosen in (StepTimes.prices), and every PROBE_EVERY
+  steps (a probe);
 - under async scheduling a step verifies no more placeholders than the step in flight
   was asked to propose;
 - the times the policy learns from are those of exactly the uniform steps (no prompt
@@ -30,6 +31,7 @@ from tests.property.strategies import EngineCase, Workload, any_case_and_workloa
 class VarlenBookkeeping(Checker):
     def __init__(self) -> None:
         self.in_flight_proposals: int | None = None
+        self.recent: list[int] = []  # the longest length of each of the last steps
         self.pending: dict[int, int] = {}  # step_id -> bucket of a uniform step
         self.uniform: Counter[int] = Counter()  # bucket -> uniform steps processed
         self.processed = 0
@@ -40,13 +42,17 @@ class VarlenBookkeeping(Checker):
         k = d.case.config.num_speculative_tokens
         lengths = {len(sr.draft_token_ids) for sr in out.scheduled}
         longest = max(lengths)
+        self.recent = (self.recent + [longest])[-PROBE_EVERY:]
+        base = max(self.recent)
+        assert d.snap is not None  # the bucket its lengths were chosen in
+        decided = len(d.snap.running) or len(out.scheduled)
         times = d.sched.step_times  # as _plan_proposals read it: observed only in process
-        known = times.per_unit(len(out.scheduled)).keys()
-        grows = longest + 1 not in known or out.step_id % PROBE_EVERY == 0
-        want = min(k, longest + 1) if grows else max(1, longest)
+        known = times.prices(decided).keys()
+        grows = base + 1 not in known or out.step_id % PROBE_EVERY == 0
+        want = min(k, base + 1) if grows else max(1, base)
         assert out.num_proposals == want, (
             f"step {out.step_id}: asks for {out.num_proposals} drafts after verifying up to "
-            f"{longest} (k = {k}; {longest + 1} measured: {longest + 1 in known})"
+            f"{longest}, {base} lately (k = {k}; {base + 1} priced: {base + 1 in known})"
         )
         for sr in out.scheduled:
             if sr.draft_token_ids[:1] == [DRAFT_PLACEHOLDER]:
