@@ -36,11 +36,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import executors.model_runner as runner_module
@@ -62,7 +62,7 @@ class ForcedAcceptance:
     def __init__(self, inner: MTPDrafter, a: float, seed: int = 0) -> None:
         self.inner = inner
         self.a = min(max(a, 1e-3), 1 - 1e-3)
-        self.rng = random.Random(seed)
+        self.rng = np.random.default_rng(seed)
         self.accepted: dict[str, int] = {}  # req_id -> drafts its next verification accepts
         # The runner's bookkeeping (what each request's drafter pass still owes) is the
         # real drafter's: the same object, so the runner reads and clears it as usual.
@@ -71,11 +71,17 @@ class ForcedAcceptance:
 
     def propose(self, inputs: list[DraftInput], num_drafts: int | None = None) -> Drafts:
         drafts = self.inner.propose(inputs, num_drafts)
-        for rid, toks in drafts.tokens.items():
-            conf = [self.rng.betavariate(4 * self.a, 4 * (1 - self.a)) for _ in toks]
-            good = [self.rng.random() < c for c in conf]
-            self.accepted[rid] = good.index(False) if False in good else len(good)
-            drafts.confidences[rid] = conf
+        # One numpy draw for the whole step: this stand-in's host work is not the engine's
+        # (a Python draw per draft cost ~1 ms a step at batch 256, inside the timed step).
+        rids = list(drafts.tokens)
+        width = max((len(t) for t in drafts.tokens.values()), default=0)
+        conf = self.rng.beta(4 * self.a, 4 * (1 - self.a), size=(len(rids), width))
+        good = self.rng.random(size=conf.shape) < conf  # [requests, width]
+        first_bad = np.where(good.all(axis=1), width, (~good).argmax(axis=1))
+        for i, rid in enumerate(rids):
+            n = len(drafts.tokens[rid])
+            self.accepted[rid] = min(int(first_bad[i]), n)
+            drafts.confidences[rid] = conf[i, :n].tolist()
         return drafts
 
     def verify(
