@@ -255,17 +255,41 @@ def _run_shape(
 
 
 def profile_host(
-    engine: EngineCore, num_requests: int = 96, seed: int = 0, max_prompt: int = 1024
+    engine: EngineCore,
+    num_requests: int = 96,
+    seed: int = 0,
+    max_prompt: int = 1024,
+    decode_batch: int = 0,
 ) -> list[dict[str, Any]]:
     """Host time of the core around each step (schedule, then output processing) in a
-    real run: per step the request and token counts and the two times."""
+    real run: per step the request and token counts and the two times. A mixed wave of
+    `num_requests` (prompts of 16..max_prompt tokens), then, with `decode_batch`, that
+    many short prompts at once, so that decode steps of the engine's largest batches are
+    sampled too (the cost model's host fit extrapolated from ~96 requests before)."""
     rng = random.Random(seed)
     vocab = engine.executor.config.vocab_size
     max_prompt = min(max_prompt, engine.scheduler.max_model_len // 2)
+    samples = _host_wave(engine, rng, vocab, "h", num_requests, (16, max_prompt), (8, 48))
+    if decode_batch:
+        short = (16, min(64, max_prompt) + 1)
+        samples += _host_wave(engine, rng, vocab, "d", decode_batch, short, (12, 24))
+    return samples
+
+
+def _host_wave(
+    engine: EngineCore,
+    rng: random.Random,
+    vocab: int,
+    tag: str,
+    num_requests: int,
+    prompt_range: tuple[int, int],
+    new_range: tuple[int, int],
+) -> list[dict[str, Any]]:
+    """Submit `num_requests` at once and time the core around every step until done."""
     for i in range(num_requests):
-        n = rng.randrange(16, max_prompt)
-        params = SamplingParams(max_tokens=rng.randrange(8, 48), ignore_eos=True)
-        engine.add_request(Request(f"h{i}", [rng.randrange(vocab) for _ in range(n)], params))
+        n = rng.randrange(*prompt_range)
+        params = SamplingParams(max_tokens=rng.randrange(*new_range), ignore_eos=True)
+        engine.add_request(Request(f"{tag}{i}", [rng.randrange(vocab) for _ in range(n)], params))
     samples = []
     while engine.has_unfinished():
         t0 = time.perf_counter()

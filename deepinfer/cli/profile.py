@@ -114,7 +114,10 @@ def run_profile(args: argparse.Namespace) -> int:
             rounds=args.rounds,
         )  # fmt: skip
     with drafter_detached(executor.runner):  # the core's host work of a plain engine
-        host = profile_host(engine, num_requests=24 if args.quick else 96, seed=cfg.seed)
+        host = profile_host(
+            engine, num_requests=24 if args.quick else 96, seed=cfg.seed,
+            decode_batch=min(cfg.max_num_seqs, 32 if args.quick else 512),
+        )  # fmt: skip
     warm = executor.warmup
     profile = {
         "version": PROFILE_VERSION,

@@ -26,4 +26,7 @@ def test_profile_measures_every_step_kind_and_the_host(tmp_path: Path) -> None:
     for p in data["points"]:
         assert p["reps"] == 3 and 0 < p["p10_s"] <= p["median_s"] <= p["p90_s"], p
     assert data["host"] and all(h["num_reqs"] > 0 for h in data["host"])
+    # The host is also sampled at the engine's largest batch (max_num_seqs, 256 here),
+    # decoding: a wave of 32 short prompts in quick mode, all running together.
+    assert any(h["num_reqs"] == 32 and h["num_tokens"] == 32 for h in data["host"])
     assert json.loads(out.read_text())["meta"]["engine"]["num_gpu_blocks"] == 256
