@@ -69,6 +69,11 @@ class LLM:
             # What the front-end needs of the model (model_dir, vocab_size, eos_token_id).
             self.executor: Any = self.engine.infos[0]
         else:
+            if executor == "sim":
+                raise ValueError(
+                    "LLM(executor='sim'): the offline API generates text with a model; the "
+                    "simulator replays request traces (`deepinfer simulate`, sim.simulate)"
+                )
             self.executor = get_executor_class(executor)(self.config, model, **kwargs)
             self.engine = EngineCore(
                 self.config, self.executor, model_max_len=self.executor.max_model_len,
@@ -101,23 +106,34 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the prompts' order.
 
         Every prompt is checked before any is queued (a bad one is a ValueError naming
         it), and so is every `so_args` this executor cannot serve; their grammars start
         compiling here. An interrupted call (Ctrl-C) aborts its requests, so the LLM stays
-        usable.
+        usable. `priority`: one int a prompt, lower starts first (vLLM's meaning); only
+        with `policy="priority"`.
         """
         batch = _as_list(prompts)
         params = _params_for(batch, sampling_params)
+        priorities = self._priorities(priority, len(batch))
         encoded = [self._tokenize(p) for p in batch]
         for i, (_, ids) in enumerate(encoded):
             self._check_prompt(i, ids)
         for sp in params:
+            if sp.stop and self.tokenizer is None:
+                raise ValueError(
+                    f"SamplingParams.stop={list(sp.stop)!r}: stop strings are matched in the "
+                    f"text, and {self.executor.model_dir} has no tokenizer (use stop_token_ids)"
+                )
             if sp.so_args is not None:
                 self._prepare_grammar(sp.so_args)
-        tracked = [self._track(text, ids, sp) for (text, ids), sp in zip(encoded, params)]
+        tracked = [
+            self._track(text, ids, sp, prio)
+            for (text, ids), sp, prio in zip(encoded, params, priorities)
+        ]
         completions = {c.req.request_id: c for t in tracked for c in t.completions}
         try:
             self._run(completions, use_tqdm)
@@ -170,7 +186,24 @@ class LLM:
             )
         prepare(so_args)
 
-    def _track(self, text: str | None, token_ids: list[int], sp: SamplingParams) -> TrackedPrompt:
+    def _priorities(self, priority: Sequence[int] | None, num_prompts: int) -> list[int]:
+        if priority is None:
+            return [0] * num_prompts
+        if self.config.policy != "priority":
+            raise ValueError(
+                f"priority: the engine schedules {self.config.policy!r}; priorities need "
+                "policy='priority' (LLM(..., policy='priority'))"
+            )
+        values = list(priority)
+        if len(values) != num_prompts:
+            raise ValueError(f"priority: {len(values)} values for {num_prompts} prompts")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"priority: expected ints, got {values!r}")
+        return values
+
+    def _track(
+        self, text: str | None, token_ids: list[int], sp: SamplingParams, priority: int = 0
+    ) -> TrackedPrompt:
         """Queue the prompt's n completions (one engine request each)."""
         rid = str(next(self._ids))
         tracked = TrackedPrompt(rid, text, token_ids)
@@ -179,17 +212,21 @@ class LLM:
             if sp.n > 1:  # each completion samples on its own (seed + k when seeded)
                 seed = None if sp.seed is None else sp.seed + k
                 sub = dataclasses.replace(sp, n=1, best_of=None, seed=seed, seq_seed=seed)
-            req = self._make_request(rid if sp.n == 1 else f"{rid}#{k}", token_ids, sub)
+            req = self._make_request(rid if sp.n == 1 else f"{rid}#{k}", token_ids, sub, priority)
             tracked.completions.append(TrackedCompletion(req, k, self._detokenizer(token_ids, sub)))
             self.engine.add_request(req)
         return tracked
 
-    def _make_request(self, req_id: str, token_ids: list[int], sp: SamplingParams) -> Request:
+    def _make_request(
+        self, req_id: str, token_ids: list[int], sp: SamplingParams, priority: int = 0
+    ) -> Request:
         eos = self._eos_ids[0] if self._eos_ids else None
         extra = [t for t in self._eos_ids[1:] if t not in sp.stop_token_ids]
         if extra and not sp.ignore_eos:  # generation_config's other end tokens stop too
             sp = dataclasses.replace(sp, stop_token_ids=list(sp.stop_token_ids) + extra)
-        return Request(req_id, token_ids, sp, self.engine.clock(), eos_token_id=eos)
+        return Request(
+            req_id, token_ids, sp, self.engine.clock(), eos_token_id=eos, priority=priority
+        )
 
     def _detokenizer(self, token_ids: list[int], sp: SamplingParams) -> Any:
         if self.tokenizer is None:

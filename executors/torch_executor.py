@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from deepinfer import envs
-from deepinfer.config import EngineConfig
+from deepinfer.config import EngineConfig, EngineRole
 from deepinfer.executor import Done, completed
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from executors.batch_invariant import check_supported
@@ -62,6 +62,12 @@ class TorchExecutor:
             raise ValueError(
                 f"data_parallel_size={engine_config.data_parallel_size}: a TorchExecutor is one "
                 "rank; LLM(...) and `deepinfer generate` launch the ranks"
+            )
+        if engine_config.role is EngineRole.DECODE:
+            raise ValueError(
+                "role='decode': its prompts count as already cached, but the torch executor "
+                "cannot import a prompt's KV cache from a prefill engine (no KV transfer "
+                "yet), so it would decode from blocks nothing wrote; use role='normal'"
             )
         self.engine_config = engine_config
         self.model_dir: Path = resolve_model_dir(

@@ -51,6 +51,8 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"--- {out.request_id} ({out.outputs[0].finish_reason})")
         for c in out.outputs:
             print((out.prompt or "") + c.text)
+            if c.logprobs is not None:  # --logprobs N: each sampled token, then the top N
+                _print_logprobs(c.token_ids, c.logprobs, c.cumulative_logprob)
     if isinstance(llm.engine, DataParallelEngine):  # (drafts are counted by each rank)
         llm.shutdown()
         return 0
@@ -63,3 +65,18 @@ def run_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _print_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Any]], cumulative: float | None
+) -> None:
+    """One line a generated token: its id, text and logprob, then the most likely ones."""
+    for j, (tok, entries) in enumerate(zip(token_ids, logprobs)):
+        top = sorted(entries.items(), key=lambda kv: kv[1].rank or 0)
+        alts = ", ".join(f"{t} {e.logprob:.3f}" for t, e in top if t != tok or e.rank)
+        mine = entries.get(tok)
+        text = mine.decoded_token if mine is not None and mine.decoded_token is not None else ""
+        value = f"{mine.logprob:.3f}" if mine is not None else "?"
+        print(f"  [{j}] {tok} {text!r} {value}  top: {alts}")
+    if cumulative is not None:
+        print(f"  cumulative logprob {cumulative:.3f}")

@@ -10,7 +10,9 @@ from typing import Any
 from deepinfer.cli.engine_options import parse_bool
 from deepinfer.sampling_params import SamplingParams
 
-# Fields the command line leaves out: refused options and the alias of `seed`.
+# Fields the command line leaves out: `best_of` (refused unless it equals n), the
+# alias of `seed`, and `prompt_logprobs` (the offline API returns them with the prompt;
+# `generate` prints completions and, with --logprobs, their tokens' logprobs).
 _SKIPPED = ("best_of", "prompt_logprobs", "seq_seed")
 _LISTS = {"stop": str, "stop_token_ids": int}
 _OPTIONAL_INTS = ("max_tokens", "logprobs", "seed")

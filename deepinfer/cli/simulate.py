@@ -86,10 +86,10 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument(
         "--acceptance-rate",
         type=_acceptance,
-        default=0.7,
-        help="draft acceptance when speculating: one probability for every draft position, "
-        "or an acceptance file (path, or a name under sim/data/acceptance/) written by "
-        "`deepinfer measure-acceptance` (default: %(default)s)",
+        default=None,
+        help="draft acceptance when speculating (--num-speculative-tokens): one probability "
+        "for every draft position, or an acceptance file (path, or a name under "
+        "sim/data/acceptance/) written by `deepinfer measure-acceptance` (default: 0.7)",
     )
     p.add_argument(
         "--out", type=Path, default=None, help="write a JSON report with per-request records"
@@ -153,6 +153,17 @@ def run_simulate(args: argparse.Namespace) -> int:
         trace = _retime(trace, args.request_rate, engine.seed, args.time_scale)
     slo = parse_slo(args.slo) if args.slo else None
     mask_us = args.grammar_mask_us
+    # Options that cannot apply are refused, not accepted and ignored.
+    if args.acceptance_rate is not None and not engine.num_speculative_tokens:
+        raise ValueError(
+            "--acceptance-rate: the engine does not speculate (add --num-speculative-tokens)"
+        )
+    if mask_us is not None and not any(r.structured for r in trace.requests):
+        raise ValueError(
+            f"--grammar-mask-us: no request of {path} is structured (add --structured, or "
+            "so_args / structured in the trace)"
+        )
+    acceptance = 0.7 if args.acceptance_rate is None else args.acceptance_rate
     with tqdm(
         total=len(trace),
         desc="simulating",
@@ -169,7 +180,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             args.cost_model,
             profile=args.profile,
             slo=slo,
-            acceptance_rate=args.acceptance_rate,
+            acceptance_rate=acceptance,
             check_invariants=args.check_invariants,
             on_progress=bar.update,
             grammar_mask_per_token_s=None if mask_us is None else mask_us * 1e-6,

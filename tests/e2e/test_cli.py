@@ -149,3 +149,16 @@ def test_batch_invariant_simulation_without_a_profile_of_the_mode_exits_2() -> N
     assert proc.returncode == 2, proc.stderr
     assert "deepinfer profile --model moonlight-16b-a3b --batch-invariant true" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_options_that_cannot_apply_are_refused_not_ignored(capsys) -> None:
+    """An acceptance rate without speculation, a mask cost without structured requests:
+    both were accepted and changed nothing."""
+    trace = "traces/example.jsonl"
+    assert cli.main(["simulate", trace, "--acceptance-rate", "0.9", "--no-progress"]) == 2
+    assert "--acceptance-rate" in capsys.readouterr().err
+    assert cli.main(["simulate", trace, "--grammar-mask-us", "30", "--no-progress"]) == 2
+    assert "--grammar-mask-us" in capsys.readouterr().err
+    args = ["simulate", trace, "--no-progress", "--num-speculative-tokens", "2"]
+    args += ["--model", "executors/demo/deepinfer-demo/config.json"]  # (it has an MTP layer)
+    assert cli.main([*args, "--acceptance-rate", "0.9"]) == 0
