@@ -205,6 +205,11 @@ def _simulate_ranks(
 ) -> SimResult:  # fmt: skip
     """data_parallel_size ranks in lock-step (sim/data_parallel.py); num_blocks per rank."""
     n = engine.data_parallel_size
+    if any(r.structured for r in trace.requests):  # as LLM refuses so_args over ranks
+        raise ValueError(
+            f"structured requests with data_parallel_size={n}: the engine does not serve "
+            "structured outputs over several ranks yet (LLM refuses so_args there)"
+        )
     if engine.async_scheduling:
         raise ValueError(
             f"async_scheduling=True with data_parallel_size={n}: the simulator runs the ranks "

@@ -16,7 +16,8 @@ ENGINE_HELP = {
     "max_num_batched_tokens": "most tokens in one step",
     "max_model_len": "longest request (prompt + output)",
     "enable_chunked_prefill": "split long prompts across steps",
-    "prefill_watermark": "KV usage above which no new prompt starts (GPU_CACHE_PREFILL_WATERMARK)",
+    "prefill_watermark": "KV usage above which no new prompt starts, in the normal role "
+    "(GPU_CACHE_PREFILL_WATERMARK; the prefill and decode roles do not use it)",
     "enable_prefix_caching": "reuse cached KV blocks of equal prefixes",
     "role": "normal, prefill (finish after the first token) or decode (prompt arrives cached)",
     "num_speculative_tokens": "draft tokens verified per step (0: no speculation)",

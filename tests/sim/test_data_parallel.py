@@ -134,3 +134,12 @@ def test_unsupported_simulated_layouts_are_refused() -> None:
     with pytest.raises(ValueError, match="lists no nvlink_bandwidth"):
         ExpertParallelCost(MOONLIGHT, cpu, 2, expert_parallel=True, analytic=None)
     assert LeastLoadBalancer(2).pick() == 0
+
+
+def test_structured_requests_over_several_ranks_are_refused_as_the_llm_refuses_them() -> None:
+    """LLM refuses so_args with data_parallel_size > 1; the simulator ran them."""
+    trace = [dataclasses.replace(r, structured=True) for r in _trace(4)]
+    cfg = EngineConfig(num_gpu_blocks=64, block_size=16, data_parallel_size=2)
+    with pytest.raises(ValueError, match="structured.*data_parallel_size=2"):
+        simulate(trace, engine=cfg, cost_model="unit")
+    assert simulate(trace, engine=cfg.replace(data_parallel_size=1), cost_model="unit")
