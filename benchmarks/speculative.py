@@ -75,6 +75,8 @@ class ForcedAcceptance:
         # (a Python draw per draft cost ~1 ms a step at batch 256, inside the timed step).
         rids = list(drafts.tokens)
         width = max((len(t) for t in drafts.tokens.values()), default=0)
+        if not width:  # no request sampled (prompt chunks only), or no drafts at all
+            return drafts
         conf = self.rng.beta(4 * self.a, 4 * (1 - self.a), size=(len(rids), width))
         good = self.rng.random(size=conf.shape) < conf  # [requests, width]
         first_bad = np.where(good.all(axis=1), width, (~good).argmax(axis=1))

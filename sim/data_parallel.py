@@ -23,7 +23,7 @@ from deepinfer.data_parallel.rank_loop import rank_load
 from deepinfer.engine import EngineCore, StepEvent, StepEventKind
 from deepinfer.records import StepRecord
 from deepinfer.request import Request
-from sim.cost_model import CostModel, mask_time
+from sim.cost_model import CostModel
 from sim.expert_parallel_cost import ExpertParallelCost
 
 
@@ -58,12 +58,11 @@ def serve_data_parallel(
     rounds: ExpertParallelCost,
     stats: DataParallelStats,
     steps: list[StepRecord],
-    mask_per_token_s: float = 0.0,
     on_progress: Callable[[int], None] | None = None,
 ) -> Generator[simpy.events.Event, Any, None]:
     """The simpy process: admit arrivals through the balancer, run lock-step rounds. A
-    rank's step costs its host time plus its device time, or its structured requests'
-    token masks where those take longer (filled on the host beside the forward)."""
+    rank's step costs its host time plus its device time (no structured requests here:
+    the engine does not serve them over several ranks, and simulate() refuses them)."""
     balancer = LeastLoadBalancer(len(cores))
     stats.requests_per_rank = [0] * len(cores)
     stats.steps_per_rank = [0] * len(cores)
@@ -88,8 +87,7 @@ def serve_data_parallel(
                 if kind is StepEventKind.SCHEDULED:
                     seconds[r] += cost.cpu_time(out)
                 elif kind is StepEventKind.LAUNCHED:
-                    masks = mask_time(out, mask_per_token_s) if mask_per_token_s else 0.0
-                    seconds[r] += max(cost.step_time(out), masks)
+                    seconds[r] += cost.step_time(out)
                     tokens[r] += out.num_batched_tokens
                 else:
                     waiting.append(events)

@@ -237,9 +237,7 @@ def _simulate_ranks(
     stats = DataParallelStats()
     steps: list[StepRecord] = []
     env.process(
-        serve_data_parallel(
-            env, cores, deque(requests), cost, rounds, stats, steps, mask_s, on_progress
-        )
+        serve_data_parallel(env, cores, deque(requests), cost, rounds, stats, steps, on_progress)
     )
     env.run()
     records = _in_trace_order(requests, cores)

@@ -52,7 +52,7 @@ def run_generate(args: argparse.Namespace) -> int:
         for c in out.outputs:
             print((out.prompt or "") + c.text)
             if c.logprobs is not None:  # --logprobs N: each sampled token, then the top N
-                _print_logprobs(c.token_ids, c.logprobs, c.cumulative_logprob)
+                _print_logprobs(c.token_ids, c.logprobs, c.cumulative_logprob, params.logprobs)
     if isinstance(llm.engine, DataParallelEngine):  # (drafts are counted by each rank)
         llm.shutdown()
         return 0
@@ -68,15 +68,22 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _print_logprobs(
-    token_ids: list[int], logprobs: list[dict[int, Any]], cumulative: float | None
+    token_ids: list[int],
+    logprobs: list[dict[int, Any]],
+    cumulative: float | None,
+    top_n: int | None,
 ) -> None:
-    """One line a generated token: its id, text and logprob, then the most likely ones."""
+    """One line a generated token: its id, text, logprob and rank, then the top N (the
+    sampled token comes with them even when it ranks lower, as in vLLM)."""
     for j, (tok, entries) in enumerate(zip(token_ids, logprobs)):
-        top = sorted(entries.items(), key=lambda kv: kv[1].rank or 0)
-        alts = ", ".join(f"{t} {e.logprob:.3f}" for t, e in top if t != tok or e.rank)
+        top = sorted(
+            ((t, e) for t, e in entries.items() if e.rank is not None and e.rank <= (top_n or 0)),
+            key=lambda kv: kv[1].rank,
+        )
+        alts = ", ".join(f"{t} {e.logprob:.3f}" for t, e in top)
         mine = entries.get(tok)
         text = mine.decoded_token if mine is not None and mine.decoded_token is not None else ""
-        value = f"{mine.logprob:.3f}" if mine is not None else "?"
+        value = f"{mine.logprob:.3f} (rank {mine.rank})" if mine is not None else "?"
         print(f"  [{j}] {tok} {text!r} {value}  top: {alts}")
     if cumulative is not None:
         print(f"  cumulative logprob {cumulative:.3f}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import torch
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "host_overhead.py"
 
 
@@ -25,5 +27,9 @@ def test_decode_steps_of_the_whole_batch_prepare_graph_inputs(tmp_path: Path, mo
     out = tmp_path / "host.json"
     monkeypatch.setattr("sys.argv", ["host_overhead", "--batches", "1,8", "--steps", "3",
                                      "--json", str(out)])  # fmt: skip
-    bench.main()
+    threads = torch.get_num_threads()
+    try:
+        bench.main()  # (sets one torch thread, as it measures: restored for later tests)
+    finally:
+        torch.set_num_threads(threads)
     assert out.exists()

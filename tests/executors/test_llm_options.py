@@ -63,7 +63,8 @@ def test_generate_prints_the_logprobs_it_was_asked_for(capsys: pytest.CaptureFix
     assert main([*args, "--logprobs", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     tokens = [line for line in lines if line.startswith("  [")]
-    assert len(tokens) == 4 and all("top: " in line for line in tokens)
+    assert len(tokens) == 4 and all("(rank " in line for line in tokens)
+    assert all(len(line.split("top: ")[1].split(", ")) == 2 for line in tokens)  # the top 2
     assert any(line.startswith("  cumulative logprob -") for line in lines)
     assert main(args) == 0
     assert "cumulative logprob" not in capsys.readouterr().out

@@ -44,3 +44,19 @@ def test_forced_acceptance_follows_the_rate_it_is_given(
         runner_module.verify = verify
     # Drafts before the first corrupted one: k = 2 accepts (a + a^2) / 2 of them.
     assert acceptance[0.2] < 0.3 < 0.7 < acceptance[0.9]
+
+
+def test_forced_acceptance_passes_a_step_with_no_drafts_through(speculative) -> None:
+    """A step of prompt chunks only samples nothing: the drafter returns no drafts (the
+    numpy draw of an empty batch raised)."""
+    from executors.mtp_drafter import Drafts
+
+    class NoDrafts:
+        pending: dict = {}
+        step_inputs: dict = {}
+
+        def propose(self, inputs, num_drafts=None):  # type: ignore[no-untyped-def]
+            return Drafts({}, {})
+
+    forced = speculative.ForcedAcceptance(NoDrafts(), 0.8)
+    assert forced.propose([], 3) == Drafts({}, {}) and forced.accepted == {}

@@ -142,4 +142,5 @@ def test_structured_requests_over_several_ranks_are_refused_as_the_llm_refuses_t
     cfg = EngineConfig(num_gpu_blocks=64, block_size=16, data_parallel_size=2)
     with pytest.raises(ValueError, match="structured.*data_parallel_size=2"):
         simulate(trace, engine=cfg, cost_model="unit")
-    assert simulate(trace, engine=cfg.replace(data_parallel_size=1), cost_model="unit")
+    one = simulate(trace, engine=cfg.replace(data_parallel_size=1), cost_model="unit")
+    assert [r.status for r in one.requests] == ["finished"] * 4
