@@ -125,17 +125,9 @@ class StepTimes:
         while it has none, the nearest bucket's (seconds per model unit carry across
         buckets by the model's scaling), so that a batch crossing a power of two (256
         requests, one finishes: 255) does not explore every length again."""
-        own = self.per_unit(num_reqs)
-        if own:
-            return own
         here = self.bucket(num_reqs)
-        for bucket in sorted(self._per_unit, key=lambda b: (abs(b - here), -b)):
-            now = self._steps.get(bucket, 0)
-            fresh = {
-                length: unit
-                for length, (unit, seen) in self._per_unit[bucket].items()
-                if now - seen <= self.stale_after
-            }
+        for bucket in sorted(self._per_unit.keys() | {here}, key=lambda b: (abs(b - here), -b)):
+            fresh = self._fresh(bucket)
             if fresh:
                 return fresh
         return {}
@@ -143,7 +135,9 @@ class StepTimes:
     def per_unit(self, num_reqs: int) -> dict[int, float]:
         """length -> measured seconds per model unit in the batch's bucket, for the
         lengths measured recently enough (maybe none)."""
-        bucket = self.bucket(num_reqs)
+        return self._fresh(self.bucket(num_reqs))
+
+    def _fresh(self, bucket: int) -> dict[int, float]:
         now = self._steps.get(bucket, 0)
         return {
             length: unit
