@@ -1,7 +1,7 @@
 """Real-executor throughput on a dummy model in published shapes, beside HF transformers.
 
     python benchmarks/model_speed.py [--model moonlight-16b-a3b] [--no-hf] [--eager]
-        [--json OUT.json]      # then: python benchmarks/plot_model_speed.py OUT.json
+        [--async-scheduling] [--json OUT.json]      # then: python benchmarks/plot_model_speed.py OUT.json
 
 Builds transformers' DeepseekV3ForCausalLM from the preset config directly on
 the GPU (random weights), copies the same weights into deepinfer's model, and
@@ -222,6 +222,11 @@ def main() -> None:
         action="store_true",
         help="also time decode without CUDA graphs (first context only)",
     )
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="also time decode with async scheduling (step N+1 launched while N runs)",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     args = p.parse_args()
@@ -234,7 +239,7 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",") if x]
     contexts = [int(x) for x in args.contexts.split(",") if x]
     prefills = [int(x) for x in args.prefill.split(",") if x]
-    cfg = sweep_config(max(batches), max(contexts), args.new_tokens, max(prefills))
+    cfg = sweep_config(max(batches), max(contexts), args.new_tokens, max(prefills, default=0))
     ex, hf, spec = build(args.model, dev, cfg, with_hf=not args.no_hf)
     hf_limit = args.hf_max_kv_gib * 2**30
     rows = []
@@ -269,6 +274,10 @@ def main() -> None:
                 _, eager = ours(ex, cfg, prompts, args.new_tokens, f"e{b}.{ctx}")
                 ex.runner.graphs = graphs
                 row["eager_tok_s"] = b / eager
+            if args.async_scheduling:
+                run_cfg = cfg.replace(async_scheduling=True)
+                _, overlapped = ours(ex, run_cfg, prompts, args.new_tokens, f"a{b}.{ctx}")
+                row["async_tok_s"] = b / overlapped
             if hf is not None and hf_kv_bytes(ex, b * (ctx + args.new_tokens)) <= hf_limit:
                 row["hf_tok_s"] = hf_tok_s(hf, prompts, args.new_tokens, prefill=False)
             rows.append(row)
@@ -283,9 +292,9 @@ def main() -> None:
 def print_table(rows: list[dict]) -> None:
     print(
         "| kind | size | deepinfer tok/s | roofline tok/s | deepinfer / roofline "
-        "| eager tok/s | HF tok/s | deepinfer / HF |"
+        "| async tok/s (/ roofline) | eager tok/s | HF tok/s | deepinfer / HF |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if r["kind"] == "prefill":
             size = f"{r['tokens']:,} tokens"
@@ -293,10 +302,12 @@ def print_table(rows: list[dict]) -> None:
             size = f"batch {r['batch']}, ctx {r['context']:,}"
         ours_s, roof, hf_s = r["ours_tok_s"], r["roofline_tok_s"], r.get("hf_tok_s")
         eager = f"{r['eager_tok_s']:,.0f}" if r.get("eager_tok_s") else "-"
+        a = r.get("async_tok_s")
+        overlapped = f"{a:,.0f} ({a / roof:.2f})" if a else "-"
         hf_txt = f"{hf_s:,.0f} | {ours_s / hf_s:.1f}x" if hf_s else "- | -"
         print(
             f"| {r['kind']} | {size} | {ours_s:,.0f} | {roof:,.0f} | {ours_s / roof:.2f} "
-            f"| {eager} | {hf_txt} |"
+            f"| {overlapped} | {eager} | {hf_txt} |"
         )
 
 

@@ -2,23 +2,32 @@
 
     python benchmarks/profile_step.py [--model moonlight-16b-a3b] [--prefill 16384]
         [--batches 1,64] [--context 1024] [--rows 25] [--trace-dir DIR] [--batch-invariant]
+        [--async-scheduling]
 
 For each case it runs the step once to warm up, then profiles a second identical
 step and prints the CUDA kernels by total device time, plus the step's wall time
 against the sum of device time (a large gap means the step is launch- or
 host-bound). `--trace-dir` also writes Chrome traces (open in Perfetto).
+
+The host's parts of a step (the scheduler, the runner's batch building, the forward's
+launch, sampling, the drafter, the engine's output processing) are marked as profiler
+regions, and the GPU's idle time is charged to the region the host was in when the
+GPU ran dry: "GPU idle by host region" says what to move off the critical path.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 from model_speed import build, random_prompts
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
@@ -51,7 +60,10 @@ def run_case(
                 core.step()
             continue
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with (
+            _mark_regions(core, ex),
+            profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+        ):
             t0 = time.perf_counter()
             n = 0
             while core.has_unfinished() and (n < max(decode_steps, 1)):
@@ -59,6 +71,7 @@ def run_case(
                 n += 1
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / n
+        _print_idle(prof, n)
         events = prof.key_averages()
         # Kernels only (aten ops on the CPU side would count their kernels twice).
         device_us = (
@@ -72,6 +85,74 @@ def run_case(
         if trace_dir is not None:
             trace_dir.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(trace_dir / f"{tag}.json"))
+
+
+# (object, method) pairs whose calls become profiler regions; the innermost region the
+# host is in when the GPU runs out of work is charged with the idle time.
+def _mark_regions(core: EngineCore, ex) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    runner = ex.runner
+    targets = [
+        (core, "schedule"),
+        (core, "process"),
+        (runner, "update_states"),
+        (runner, "collect"),
+        (runner, "launch"),
+        (runner, "_sample"),
+        (runner, "_finish"),
+        (runner, "_draft"),
+    ]
+    if runner.graphs is not None:
+        targets += [(runner.graphs, "run"), (runner.graphs, "_load")]
+    if runner.piecewise is not None:
+        targets.append((runner.piecewise, "run"))
+    for obj, name in targets:
+        fn = getattr(obj, name)
+        label = f"host:{type(obj).__name__}.{name}"
+
+        @functools.wraps(fn)
+        def marked(*a, _fn=fn, _label=label, **kw):
+            with record_function(_label):
+                return _fn(*a, **kw)
+
+        setattr(obj, name, marked)
+        stack.callback(delattr, obj, name)  # the instance attribute shadowed the method
+    return stack
+
+
+def _print_idle(prof, steps: int) -> None:
+    """GPU idle gaps between kernels, each moment charged to the innermost host region
+    then running ("(engine)" outside them: the engine's own loop)."""
+    events = [e for e in prof.events() if e.time_range is not None]
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == DeviceType.CUDA
+        and not e.name.startswith("host:")  # (the regions' device-side twins)
+        and e.time_range.end > e.time_range.start
+    )
+    regions = [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == DeviceType.CPU and e.name.startswith("host:")
+    ]
+    if not kernels:
+        return
+    idle: Counter[str] = Counter()
+    end = kernels[0][1]
+    for start, stop in kernels[1:]:
+        if start > end:  # idle from `end` to `start`: split it at the regions' edges
+            cuts = sorted({end, start} | {t for r in regions for t in r[:2] if end < t < start})
+            for a, b in zip(cuts, cuts[1:]):
+                mid = (a + b) / 2
+                inside = [r for r in regions if r[0] <= mid < r[1]]
+                label = min(inside, key=lambda r: r[1] - r[0])[2] if inside else "(engine)"
+                idle[label] += b - a
+        end = max(end, stop)
+    total = sum(idle.values())
+    print(f"GPU idle between kernels: {total / steps / 1e3:.3f} ms/step, by host region:")
+    for label, us in idle.most_common(10):
+        print(f"  {label:<40} {us / steps / 1e3:8.3f} ms/step")
 
 
 def _all_decoding(core: EngineCore) -> bool:
@@ -99,6 +180,9 @@ def main() -> None:
     p.add_argument(
         "--batch-invariant", action="store_true", help="profile steps in batch-invariant mode"
     )
+    p.add_argument(
+        "--async-scheduling", action="store_true", help="launch step N+1 while step N runs"
+    )
     args = p.parse_args()
     dev = torch.device("cuda")
     cfg = EngineConfig(
@@ -108,6 +192,7 @@ def main() -> None:
         max_num_batched_tokens=16384,
         enable_prefix_caching=False,
         batch_invariant=args.batch_invariant,
+        async_scheduling=args.async_scheduling,
     )
     ex, _, spec = build(args.model, dev, cfg, with_hf=False)
     for n in [int(x) for x in args.prefill.split(",") if x]:

@@ -89,6 +89,7 @@ def replay(
     pending = deque(sorted(requests, key=lambda r: r.arrival_time))
     result = ReplayResult(records=[])
     last_end = time.perf_counter()
+    scheduled: dict[int, SchedulerOutput] = {}  # step id -> the step, until its result
     while pending or engine.has_unfinished():
         now = engine.clock()
         while pending and pending[0].arrival_time <= now:
@@ -97,16 +98,19 @@ def replay(
             time.sleep(max(0.0, pending[0].arrival_time - engine.clock()))
             continue
         start = time.perf_counter()
-        outs: list[SchedulerOutput] = []
+        num_steps = len(engine.steps)
         for kind, out in engine.step_events():
             if kind is StepEventKind.SCHEDULED:
-                outs.append(out)
+                scheduled[out.step_id] = out
         end = time.perf_counter()
-        if outs:
-            shape = [(r.num_tokens, r.num_computed_tokens, r.is_prompt) for r in outs[0].scheduled]
-            result.steps.append(
-                StepSample(shape, end - start, engine.steps[-1].duration, start - last_end)
-            )
+        if len(engine.steps) > num_steps:  # (under async scheduling: the step before the
+            # one this round scheduled)
+            rec = engine.steps[-1]
+            for step_id in [i for i in scheduled if i < rec.step_id]:  # failed ones
+                del scheduled[step_id]
+            step = scheduled.pop(rec.step_id)
+            shape = [(r.num_tokens, r.num_computed_tokens, r.is_prompt) for r in step.scheduled]
+            result.steps.append(StepSample(shape, end - start, rec.duration, start - last_end))
         last_end = end
     result.wall_s = time.monotonic() - t0
     result.engine_steps = list(engine.steps)

@@ -35,6 +35,8 @@ class StepEventKind(enum.Enum):
 # (kind, the step it concerns): a plain tuple, made three times per step.
 StepEvent = tuple[StepEventKind, SchedulerOutput]
 _SCHEDULED, _LAUNCHED, _AWAIT = StepEventKind.SCHEDULED, StepEventKind.LAUNCHED, StepEventKind.AWAIT
+# A launched step: its output, the executor's handle, the clock at its launch.
+_InFlight = tuple[SchedulerOutput, StepHandle, float]
 
 
 class EngineCore:
@@ -62,7 +64,7 @@ class EngineCore:
         self.record_steps = record_steps
         self.records: list[RequestRecord] = []  # one per request that reached a terminal state
         self.steps: list[StepRecord] = []
-        self._in_flight: tuple[SchedulerOutput, StepHandle, float] | None = None
+        self._in_flight: _InFlight | None = None
         self._last_step_end: float | None = None
         # Structured requests whose grammar is compiling (req_id -> request, its compile),
         # and those rejected since the last step() because it failed.
@@ -210,8 +212,13 @@ class EngineCore:
         The loop is the same for every executor; only the driver differs. `step()` runs
         it in wall-clock time and ignores the events; the simulator advances simulated
         time at each: host time after `SCHEDULED`, the step's device time from
-        `LAUNCHED`, and it resumes an `AWAIT` once that time has passed. With async
-        scheduling step N+1 is scheduled while step N runs, so its host time overlaps.
+        `LAUNCHED`, and it resumes an `AWAIT` once that time has passed.
+
+        With async scheduling the loop is a two-step pipeline: step N+1 is scheduled and
+        launched while step N runs, then N's results are applied. The scheduler assumed
+        N's tokens (placeholders); an executor that overlaps (the torch one) feeds N's
+        sampled tokens to N+1 on the device, so the host's work for N+1 and for N's
+        results hides behind the device's; one that cannot finishes N first.
         """
         if self._compiling:
             self._poll_grammars()
@@ -225,15 +232,25 @@ class EngineCore:
                 return []
             yield _SCHEDULED, out
             try:
-                self._launch(out)
+                self._in_flight = self._launch(out)
             except Exception as exc:  # one request's bad work must not stop the engine
                 return self._fail([out], exc)
             yield _LAUNCHED, out
-        next_out = None
+        next_out: SchedulerOutput | None = None
+        launched: _InFlight | None = None
+        launch_error: Exception | None = None
         if self.config.async_scheduling:
             next_out = self.schedule()
-            if not next_out.is_empty:
+            if next_out.is_empty:
+                next_out = None
+            else:
                 yield _SCHEDULED, next_out
+                try:
+                    launched = self._launch(next_out)
+                except Exception as exc:  # failed before its device work: N still runs
+                    launch_error = exc
+                else:
+                    yield _LAUNCHED, next_out
         assert self._in_flight is not None
         out, handle, start = self._in_flight
         yield _AWAIT, out
@@ -241,31 +258,31 @@ class EngineCore:
         try:
             res = handle.result()
         except Exception as exc:
-            return self._fail([out] if next_out is None else [out, next_out], exc)
-        changed = self.process(out, res, self.clock() - start)
-        if next_out is not None and not next_out.is_empty:
-            try:
-                self._launch(next_out)
-            except Exception as exc:
-                return changed + self._fail([next_out], exc)
-            yield _LAUNCHED, next_out
+            if next_out is None:
+                return self._fail([out], exc)
+            return self._fail([out, next_out], exc, launch_error)
+        now = self.clock()
+        # A pipelined step's device work began when the step before it ended.
+        began = start if self._last_step_end is None else max(start, self._last_step_end)
+        changed = self.process(out, res, now - began)
+        if launch_error is not None:
+            assert next_out is not None
+            return changed + self._fail([next_out], launch_error)
+        self._in_flight = launched
         return changed
 
-    def _fail(self, outs: list[SchedulerOutput], exc: Exception) -> list[Request]:
+    def _fail(
+        self, outs: list[SchedulerOutput], exc: Exception, launch_error: Exception | None = None
+    ) -> list[Request]:
         """The executor raised: abort the requests it names (RequestFailed) or, when it
-        names none, every request of the failed step; requeue the rest; go on."""
+        names none, every request of the failed step; requeue the rest; go on.
+        launch_error: the step after it (outs[1]) failed at its launch too; the same rule
+        aborts its requests, unless `exc` names them."""
         self._in_flight = None
-        if isinstance(exc, RequestFailed):
-            errors = exc.reasons
-            logger.warning("step %d: %s", outs[0].step_id, exc)
-        else:
-            errors = {sr.req_id: f"{type(exc).__name__}: {exc}" for sr in outs[0].scheduled}
-            logger.error(
-                "step %d failed; aborting its %d requests",
-                outs[0].step_id,
-                len(errors),
-                exc_info=exc,
-            )
+        errors: dict[str, str] = {}
+        if launch_error is not None:
+            errors.update(_errors(outs[1], launch_error))
+        errors.update(_errors(outs[0], exc))
         aborted = self.scheduler.fail_step(outs, errors)
         now = self.clock()
         for req in aborted:
@@ -275,9 +292,9 @@ class EngineCore:
             self.scheduler.check_invariants()
         return aborted
 
-    def _launch(self, out: SchedulerOutput) -> None:
+    def _launch(self, out: SchedulerOutput) -> _InFlight:
         start = self.clock()  # before the call: a synchronous executor returns when done
-        self._in_flight = (out, self.executor.execute_async(out), start)
+        return (out, self.executor.execute_async(out), start)
 
     def _step_record(self, out: SchedulerOutput, now: float, duration: float) -> StepRecord:
         s = self.scheduler
@@ -293,6 +310,16 @@ class EngineCore:
             kv_usage=s.kv.usage,
             num_preempted=len(out.preempted_req_ids),
         )
+
+
+def _errors(out: SchedulerOutput, exc: Exception) -> dict[str, str]:
+    """req_id -> reason of the requests a failure of `out` aborts (logged)."""
+    if isinstance(exc, RequestFailed):
+        logger.warning("step %d: %s", out.step_id, exc)
+        return exc.reasons
+    errors = {sr.req_id: f"{type(exc).__name__}: {exc}" for sr in out.scheduled}
+    logger.error("step %d failed; aborting its %d requests", out.step_id, len(errors), exc_info=exc)
+    return errors
 
 
 def _compile_error(compile_: futures.Future) -> str | None:

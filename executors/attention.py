@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from executors.host_copy import to_device_async
+
 
 @dataclass
 class AttentionMetadata:
@@ -35,8 +37,9 @@ class AttentionMetadata:
     prefill_max_query_len: int  # longest prefill query (host int: the prefill kernel's grid)
 
     def to(self, device: torch.device) -> AttentionMetadata:
+        """On `device`, copied without waiting for its queued work (executors/host_copy)."""
         moved = {
-            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            k: to_device_async(v, device) if isinstance(v, torch.Tensor) else v
             for k, v in vars(self).items()
         }
         return AttentionMetadata(**moved)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -153,12 +154,16 @@ class DecodeGraphs:
         input_ids: list[int],
         positions: list[int],
         block_tables: list[list[int]],
+        fill: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """query_len tokens per request (input_ids, positions: [b * query_len], request
         by request) -> final-normed hidden [size * query_len, hidden] (rows past
         len(input_ids) are padding), also kept as `last_hidden`. Valid until the next
-        run."""
+        run. fill: completes the input-id buffer on the device (ids the step before
+        samples, ModelRunner.launch)."""
         size = self._load(input_ids, positions, block_tables)
+        if fill is not None:
+            fill(self.input_ids)
         graph = self.graphs.get(size)
         if graph is None:  # not captured (the CPU tests): the same buffers, run eagerly
             self.last_hidden = self._forward(size)

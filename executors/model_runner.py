@@ -11,10 +11,18 @@ Speculation: a request scheduled with k drafts is scored on 1 + k rows and verif
 by executors/spec_decode.py (greedy prefix match, or lossless rejection sampling);
 afterwards the model's MTP layer proposes the next drafts (executors/mtp_drafter.py),
 which go back in ModelRunnerOutput with their confidences.
+
+`launch` queues a step and returns its handle (executors/step_handle.py) without
+waiting for the device. Under async scheduling the engine launches step N+1 before it
+reads step N: a request whose newest token N samples takes it from N's device tensor
+(`HostBatch.deferred`), so nothing waits. What needs N's tokens on the host first
+(drafts, grammars, prompt logprobs, a sampler setting that reads the request's history)
+finishes N before N+1 is built (`_overlaps`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,18 +34,26 @@ from deepinfer.outputs import (
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
+    TokenLogprob,
 )
 from deepinfer.sampling_params import SamplingParams
 from executors import prompt_logprobs
 from executors.attention import AttentionMetadata, build_attention_metadata
 from executors.batch_invariant import set_batch_invariant
 from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
+from executors.host_copy import to_device
 from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
 from executors.mtp_drafter import Drafts, MTPDrafter
 from executors.piecewise_graphs import PiecewiseGraphs, default_token_buckets
-from executors.sampler import SamplingState, sample_tokens
+from executors.sampler import (
+    DeviceSample,
+    SamplingState,
+    sample_on_device,
+    sample_tokens,
+)
 from executors.spec_decode import VerifyRequest, verify
+from executors.step_handle import PendingStep, StepResult
 from executors.structured_outputs import (
     GrammarCompiler,
     GrammarState,
@@ -68,6 +84,7 @@ class _Segment:
     absorbed: bool  # the absorbed (decode) MLA path
     samples: bool  # ends with the request's sampled rows
     drafts: list[int]  # drafts verified at its end (when it samples)
+    deferred: int | None = None  # index of the token the step in flight samples
 
 
 @dataclass
@@ -86,6 +103,9 @@ class HostBatch:
     # req_id -> (first row in logits_indices, number of rows, drafts to verify)
     sample_rows: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
     prompt_rows: list[prompt_logprobs.PromptRow] = field(default_factory=list)
+    # (row of input_ids, index into the step in flight's `tokens`): ids sampled by the
+    # step still running, filled in on the device (input_ids holds 0 there).
+    deferred: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -98,12 +118,6 @@ class Batch:
     md: AttentionMetadata
     logits_indices: torch.Tensor  # [N] batch rows whose logits are sampled
     sample_rows: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
-
-
-@dataclass
-class StepResult:
-    output: ModelRunnerOutput
-    logits: dict[str, torch.Tensor]  # req_id -> [rows, vocab] float32 logits that were sampled
 
 
 class ModelRunner:
@@ -141,6 +155,7 @@ class ModelRunner:
         )
         self.generator = torch.Generator(self.device).manual_seed(engine_config.seed)
         self.requests: dict[str, RequestState] = {}
+        self._pending: PendingStep | None = None  # the latest step launched and not read
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
         # Query length -> its verify graphs: 1 + k, and 1 + L for the shorter uniform
         # steps that varlen (spec_policy) and trimmed drafts schedule.
@@ -211,39 +226,40 @@ class ModelRunner:
         return self.kv_cache.num_blocks
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.step(out).output
+        return self.launch(out).result()
 
-    @torch.inference_mode()
     def step(self, out: SchedulerOutput) -> StepResult:
         """Run one step; also returns the sampled logits (for tests and logprobs)."""
+        return self.launch(out).step_result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        """Queue one step's device work; the handle's `result()` reads it back."""
+        prev = self._pending if self._pending is not None and not self._pending.done() else None
+        if prev is not None and not self._overlaps(out, prev):
+            prev.step_result()  # (a failure is raised again by its own handle)
+            prev = None
+        self._pending = None
         self.update_states(out)
         if out.is_empty:
-            return StepResult(ModelRunnerOutput(), {})
-        host = self.collect(out.scheduled)
-        graphs = self._graphs_for(host)
-        if graphs is not None:
-            hidden = graphs.run(host.input_ids, host.positions, host.block_tables)
-            # Logits of the sampled rows only, outside the graph (no padding rows).
-            n = len(host.logits_indices)
-            if host.logits_indices == list(range(n)):
-                sampled = hidden[:n]
-            else:
-                sampled = hidden[torch.tensor(host.logits_indices, device=self.device)]
-            result = self._sample(host.sample_rows, self.model.compute_logits(sampled))
-            if self.drafter is not None:
-                assert graphs.last_hidden is not None
-                self._draft(host, graphs.last_hidden[: len(host.input_ids)], result.output, out)
-            return result
-        if self.piecewise is not None and len(host.input_ids) <= self.piecewise.max_size:
-            md_host = self._metadata(host, torch.device("cpu"))
-            md = md_host.to(self.device)
-            hidden = self.piecewise.run(host.input_ids, host.positions, md_host.slot_mapping, md)
-            indices = torch.tensor(host.logits_indices, dtype=torch.int64).to(self.device)
-        else:
-            batch = self.to_device(host)
-            hidden = self.model(batch.input_ids, batch.positions, batch.md, self.kv_cache.layers)
-            indices = batch.logits_indices
+            return PendingStep(result=StepResult(ModelRunnerOutput()))
+        host = self.collect(out.scheduled, prev)
+        hidden, indices = self._forward(host, self._fill(host, prev))
         logits = self.model.compute_logits(hidden[indices])  # [N, vocab]
+        if self._deferrable(host):
+            rows = sorted(host.sample_rows.items(), key=lambda kv: kv[1][0])
+            states = [self.requests[rid] for rid, _ in rows]
+            sample = sample_on_device(
+                logits, [st.sampling for st in states], self.generator, self.batch_invariant
+            )
+            sample.copy_to_host()  # queued now: behind this step, ahead of the next
+            pending = PendingStep(
+                lambda: self._finish(rows, states, sample, logits),
+                tokens=sample.token_ids,
+                rows={rid: i for i, (rid, _) in enumerate(rows)},
+            )
+            self._pending = pending
+            return pending
         result = self._sample(host.sample_rows, logits)
         if self.drafter is not None:
             self._draft(host, hidden, result.output, out)
@@ -251,7 +267,95 @@ class ModelRunner:
             result.output.prompt_logprobs = prompt_logprobs.compute(
                 self.model, hidden, host.prompt_rows
             )
-        return result
+        return PendingStep(result=result)
+
+    def _forward(
+        self, host: HostBatch, fill: Callable[[torch.Tensor], None] | None
+    ) -> tuple[torch.Tensor, slice | torch.Tensor]:
+        """The step's final hidden states [T, hidden] and the index of its sampled rows;
+        `fill` completes the device's input ids (deferred tokens) before the forward."""
+        t = len(host.input_ids)
+        graphs = self._graphs_for(host)
+        if graphs is not None:
+            hidden = graphs.run(host.input_ids, host.positions, host.block_tables, fill)[:t]
+        elif self.piecewise is not None and t <= self.piecewise.max_size:
+            md_host = self._metadata(host, torch.device("cpu"))
+            md = md_host.to(self.device)
+            hidden = self.piecewise.run(
+                host.input_ids, host.positions, md_host.slot_mapping, md, fill
+            )
+        else:
+            batch = self.to_device(host)
+            if fill is not None:
+                fill(batch.input_ids)
+            hidden = self.model(batch.input_ids, batch.positions, batch.md, self.kv_cache.layers)
+        n = len(host.logits_indices)
+        if host.logits_indices == list(range(n)):
+            return hidden, slice(0, n)
+        return hidden, to_device(host.logits_indices, torch.int64, self.device)
+
+    def _overlaps(self, out: SchedulerOutput, prev: PendingStep) -> bool:
+        """Whether `out` can be built while `prev` (launched, unread) runs: it will not
+        need the host to see prev's tokens (`_deferrable`), and its requests that prev
+        samples for read no history (seeds, penalties and min_tokens count outputs)."""
+        if self.drafter is not None:
+            return False
+        for sr in out.scheduled:
+            state = self.requests.get(sr.req_id)
+            if sr.draft_token_ids or (sr.block_table is None and state is None):
+                return False
+            params = (
+                sr.sampling_params or SamplingParams()
+                if sr.block_table is not None or state is None
+                else state.sampling.params
+            )
+            if params.so_args is not None or params.prompt_logprobs is not None:
+                return False
+            if sr.req_id in prev.rows and (
+                sr.block_table is not None
+                or params.seq_seed is not None
+                or params.repetition_penalty != 1
+                or params.frequency_penalty
+                or params.presence_penalty
+                or (state is not None and len(state.sampling.output_token_ids) < params.min_tokens)
+            ):
+                return False
+        return True
+
+    def _deferrable(self, host: HostBatch) -> bool:
+        """Whether the step's sampling can stay on the device until its result is read:
+        no drafts to verify or propose, no grammar, no prompt logprobs."""
+        return (
+            self.drafter is None
+            and not host.prompt_rows
+            and not any(drafts for _, _, drafts in host.sample_rows.values())
+            and all(self.requests[rid].grammar is None for rid in host.sample_rows)
+        )
+
+    def _fill(
+        self, host: HostBatch, prev: PendingStep | None
+    ) -> Callable[[torch.Tensor], None] | None:
+        """Copies prev's sampled tokens into the deferred rows of a device input-id tensor."""
+        if not host.deferred:
+            return None
+        assert prev is not None and prev.tokens is not None
+        tokens = prev.tokens
+        dst = [row for row, _ in host.deferred]
+        src = [i for _, i in host.deferred]
+        k = len(dst)
+        if dst == src == list(range(k)):  # the same requests first, in the same order
+
+            def fill(ids: torch.Tensor) -> None:
+                ids[:k].copy_(tokens[:k])
+
+            return fill
+        dst_t = to_device(dst, torch.int64, self.device)
+        src_t = to_device(src, torch.int64, self.device)
+
+        def fill_rows(ids: torch.Tensor) -> None:
+            ids[dst_t] = tokens[src_t]
+
+        return fill_rows
 
     def _graphs_for(self, host: HostBatch) -> DecodeGraphs | None:
         """The graphs of the step's query length when every request has that many tokens
@@ -336,8 +440,11 @@ class ModelRunner:
             ]
         return [_Segment(sr.req_id, start, tokens, self._absorbed(sr, start), sr.samples, drafts)]
 
-    def collect(self, scheduled: list[ScheduledRequest]) -> HostBatch:
-        """Check the block tables, record history, flatten to lists, absorbed rows first."""
+    def collect(
+        self, scheduled: list[ScheduledRequest], prev: PendingStep | None = None
+    ) -> HostBatch:
+        """Check the block tables, record history, flatten to lists, absorbed rows first.
+        prev: the step in flight, unread (`launch`): the tokens it samples are deferred."""
         starts = {r.req_id: self._start(r) for r in scheduled}
         failed = self._check(scheduled)
         if failed:  # before any device work: the engine aborts these and requeues the rest
@@ -346,11 +453,18 @@ class ModelRunner:
         for sr in scheduled:
             state = self.requests[sr.req_id]
             drafts = self._drafts(sr, state)
-            tokens = self._step_tokens(sr, state, drafts)
+            deferred = (
+                prev is not None
+                and sr.req_id in prev.rows
+                and not drafts
+                and len(sr.token_ids or ()) == sr.num_tokens - 1
+            )
+            tokens = self._step_tokens(sr, state, drafts, deferred)
             start = starts[sr.req_id]
             end = start + sr.num_tokens
             state.num_computed = end  # less the rejected drafts, once verified
-            self._record_history(state, start, tokens[: len(tokens) - len(drafts)])
+            # (a deferred token is recorded when prev's result is read)
+            self._record_history(state, start, tokens[: len(tokens) - len(drafts) - deferred])
             if sr.samples and state.grammar is not None:
                 # Outputs before the sampled position (drafts aside): the matcher has them.
                 n_out = max(0, end - len(drafts) - state.num_prompt_tokens)
@@ -358,6 +472,12 @@ class ModelRunner:
                     state.grammar.catch_up(state.sampling.output_token_ids[:n_out])
                 except GrammarViolation as e:
                     raise RequestFailed({sr.req_id: str(e)}) from None
+            if deferred:  # (no drafts, so it is one segment's last token)
+                segments.append(_Segment(
+                    sr.req_id, start, tokens, self._absorbed(sr, start), sr.samples, [],
+                    deferred=len(tokens) - 1,
+                ))  # fmt: skip
+                continue
             segments += self._segments(sr, start, tokens, drafts)
         segments.sort(key=lambda seg: not seg.absorbed)  # stable: otherwise in step order
         host = HostBatch(
@@ -381,6 +501,9 @@ class ModelRunner:
                 host.prompt_rows += prompt_logprobs.chunk_rows(
                     rid, state.prompt_ids, start, start + len(tokens), len(host.input_ids),
                     params.prompt_logprobs)  # fmt: skip
+            if seg.deferred is not None:
+                assert prev is not None
+                host.deferred.append((len(host.input_ids) + seg.deferred, prev.rows[rid]))
             host.input_ids.extend(tokens)
             host.positions.extend(range(start, start + len(tokens)))
         return host
@@ -413,10 +536,10 @@ class ModelRunner:
         md = self._metadata(host, self.device)
         return Batch(
             req_ids=host.req_ids,
-            input_ids=torch.tensor(host.input_ids, dtype=torch.int64).to(self.device),
-            positions=torch.tensor(host.positions, dtype=torch.int64).to(self.device),
+            input_ids=to_device(host.input_ids, torch.int64, self.device),
+            positions=to_device(host.positions, torch.int64, self.device),
             md=md,
-            logits_indices=torch.tensor(host.logits_indices, dtype=torch.int64).to(self.device),
+            logits_indices=to_device(host.logits_indices, torch.int64, self.device),
             sample_rows=host.sample_rows,
         )
 
@@ -444,17 +567,21 @@ class ModelRunner:
         return drafts
 
     @staticmethod
-    def _step_tokens(sr: ScheduledRequest, state: RequestState, drafts: list[int]) -> list[int]:
+    def _step_tokens(
+        sr: ScheduledRequest, state: RequestState, drafts: list[int], deferred: bool = False
+    ) -> list[int]:
         """Token ids of the step's positions, drafts last.
 
         Under async scheduling the newest sampled token may be unknown to the scheduler:
-        it is then missing just before the drafts and the runner's own sample fills in.
+        it is then missing just before the drafts and the runner's own sample fills in
+        (0 when `deferred`: the step in flight samples it, and the device fills it in).
         """
         tokens = list(sr.token_ids or [])
         if sr.draft_token_ids[:1] == [DRAFT_PLACEHOLDER]:
             tokens += drafts  # the scheduler sent none of them
-        if len(tokens) == sr.num_tokens - 1 and state.last_token is not None:
-            tokens.insert(len(tokens) - len(drafts), state.last_token)
+        if len(tokens) == sr.num_tokens - 1 and (deferred or state.last_token is not None):
+            last = 0 if deferred else state.last_token
+            tokens.insert(len(tokens) - len(drafts), last)
         if len(tokens) != sr.num_tokens:
             raise ValueError(
                 f"request {sr.req_id!r}: {sr.num_tokens} tokens scheduled but "
@@ -494,7 +621,7 @@ class ModelRunner:
             self.masks.apply(logits, grammars)
         out = ModelRunnerOutput()
         if not rows:
-            return StepResult(out, {})
+            return StepResult(out)
         if any(drafts for _, (_, _, drafts) in rows):
             reqs = [
                 VerifyRequest(first, drafts, self.requests[rid].sampling)
@@ -503,14 +630,39 @@ class ModelRunner:
             verified = verify(logits, reqs, self.generator, self.batch_invariant)
             tokens, logprobs = verified.tokens, verified.logprobs
         else:
-            states = [self.requests[rid].sampling for rid, _ in rows]
-            result = sample_tokens(logits, states, self.generator, self.batch_invariant)
+            sampling = [self.requests[rid].sampling for rid, _ in rows]
+            result = sample_tokens(logits, sampling, self.generator, self.batch_invariant)
             tokens, logprobs = [[t] for t in result.token_ids], result.logprobs
+        states = [self.requests[rid] for rid, _ in rows]
+        return self._record(rows, states, tokens, logprobs, logits, out)
+
+    def _finish(
+        self,
+        rows: list[tuple[str, tuple[int, int, list[int]]]],
+        states: list[RequestState],
+        sample: DeviceSample,
+        logits: torch.Tensor,
+    ) -> StepResult:
+        """A deferred step's sampled tokens, read back (this waits for the device)."""
+        res = sample.to_host([st.sampling.params for st in states])
+        tokens = [[t] for t in res.token_ids]
+        return self._record(rows, states, tokens, res.logprobs, logits, ModelRunnerOutput())
+
+    @staticmethod
+    def _record(
+        rows: list[tuple[str, tuple[int, int, list[int]]]],
+        states: list[RequestState],
+        tokens: list[list[int]],
+        logprobs: list[list[TokenLogprob]] | None,
+        logits: torch.Tensor,
+        out: ModelRunnerOutput,
+    ) -> StepResult:
+        """Apply each request's sampled tokens (rows and states in the same order) to its
+        state (the state of a request dropped meanwhile is no longer the runner's)."""
         if logprobs is not None:
             out.logprobs = {}
-        per_req: dict[str, torch.Tensor] = {}
-        for (req_id, (first, n, _)), toks in zip(rows, tokens):
-            state = self.requests[req_id]
+        result = StepResult(out, logits)
+        for (req_id, (first, n, _)), state, toks in zip(rows, states, tokens):
             if state.grammar is not None and not state.grammar.done:
                 try:  # those past the grammar's end (a draft ended it) are dropped
                     toks = toks[: state.grammar.accept(toks)]
@@ -524,8 +676,8 @@ class ModelRunner:
             out.sampled_token_ids[req_id] = toks
             if out.logprobs is not None and logprobs is not None:
                 out.logprobs[req_id] = logprobs[first : first + len(toks)]
-            per_req[req_id] = logits[first : first + n]
-        return StepResult(out, per_req)
+            result.rows[req_id] = (first, n)
+        return result
 
     def _draft(
         self, host: HostBatch, hidden: torch.Tensor, out: ModelRunnerOutput, step: SchedulerOutput

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -139,11 +140,17 @@ class PiecewiseGraphs:
         return next((s for s in self.sizes if s >= num_tokens), None)
 
     def run(
-        self, input_ids: list[int], positions: list[int], slots: torch.Tensor, md: AttentionMetadata
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: torch.Tensor,
+        md: AttentionMetadata,
+        fill: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """One step's forward -> final-normed hidden [T, hidden] (a view of a buffer,
         valid until the next run). slots: [T] int64 on the host (md.slot_mapping's
-        values); md: the step's metadata on the device, for the eager attention."""
+        values); md: the step's metadata on the device, for the eager attention;
+        fill: completes the input ids on the device (DecodeGraphs.run)."""
         t = len(input_ids)
         size = self.size_for(t)
         if size is None:
@@ -157,6 +164,8 @@ class PiecewiseGraphs:
         if self._rows.is_cuda:  # pinned: the copy need not wait for the host
             rows = rows.pin_memory()
         self._rows[:, :size].copy_(rows, non_blocking=True)
+        if fill is not None:
+            fill(self._rows[0])
         graphs = self.graphs.get(size)
         for k in range(len(self.layers) + 1):
             if graphs is None:  # not captured (the CPU tests): the same pieces, eagerly

@@ -22,6 +22,7 @@ seconds, inside median_s).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
@@ -77,6 +78,8 @@ class StepSession:
                 ))  # fmt: skip
                 self.drafts[rid] = k
         self.computed = {sr.req_id: sr.num_computed_tokens for sr in self.first}
+        self.live: dict[str, str] = {}  # prompt request -> its copy in the runner (pipelined)
+        self.copies = 0
         self.last = {sr.req_id: sr.token_ids[-1] for sr in self.first if sr.token_ids}
         self.proposed: dict[str, list[int]] = {}
 
@@ -89,14 +92,34 @@ class StepSession:
 
     def finish(self) -> SchedulerOutput:
         """The step that drops the shape's requests from the runner."""
-        done = {sr.req_id for sr in self.first}
+        done = {sr.req_id for sr in self.first} | set(self.live.values())
         return SchedulerOutput(step_id=-1, scheduled=[], finished_req_ids=done)
 
-    def next_step(self) -> SchedulerOutput:
+    def next_step(self, pipelined: bool = False) -> SchedulerOutput:
+        """The shape's next step. pipelined (async scheduling, no drafts): it is built
+        before the step before it is read, as the scheduler builds it: each decode
+        request one token further, its newest token left to the runner (taken from the
+        step in flight on the device); prompt chunks come as new requests (a chunk sent
+        again whole would make the runner read the step in flight first)."""
         scheduled = []
+        finished: set[str] = set()
         for sr in self.first:
             if sr.is_prompt:
+                if pipelined:
+                    self.copies += 1
+                    rid = f"{sr.req_id}#{self.copies}"
+                    finished.add(self.live.pop(sr.req_id, sr.req_id))
+                    self.live[sr.req_id] = rid
+                    sr = dataclasses.replace(sr, req_id=rid)
                 scheduled.append(sr)
+                continue
+            if pipelined:
+                self.computed[sr.req_id] += 1
+                scheduled.append(ScheduledRequest(
+                    req_id=sr.req_id, num_tokens=1, num_computed_tokens=self.computed[sr.req_id] - 1,
+                    is_prompt=False, samples=True, new_block_ids=[], token_ids=[],
+                    num_prompt_tokens=sr.num_prompt_tokens,
+                ))  # fmt: skip
                 continue
             k = self.drafts[sr.req_id]
             drafts = list(self.proposed.get(sr.req_id, ()))[:k]
@@ -107,7 +130,7 @@ class StepSession:
                 token_ids=[self.last[sr.req_id]] + drafts, draft_token_ids=drafts,
                 num_prompt_tokens=sr.num_prompt_tokens,
             ))  # fmt: skip
-        return SchedulerOutput(step_id=-1, scheduled=scheduled)
+        return SchedulerOutput(step_id=-1, scheduled=scheduled, finished_req_ids=finished)
 
 
 class _TimedDrafter:
@@ -206,6 +229,7 @@ class _Runs:
 
     times: list[float] = field(default_factory=list)
     drafting: list[float] = field(default_factory=list)
+    pipelined: list[float] = field(default_factory=list)  # per round (plain shapes)
     compiled: int = 0
 
     def point(self, shape: StepShape, drafter: Any) -> dict[str, Any]:
@@ -225,6 +249,8 @@ class _Runs:
         if drafter is not None:
             point["drafter"] = drafter.k  # drafts it proposes after the step
             point["draft_s"] = statistics.median(self.drafting)
+        if self.pipelined:
+            point["pipelined_s"] = statistics.median(self.pipelined)
         return point
 
 
@@ -250,8 +276,26 @@ def _run_shape(
         if timed is not None:
             got.drafting.append(timed.seconds)
         session.advance(res)
+    if timed is None and not any(session.drafts.values()):
+        got.pipelined.append(_pipelined(executor, session, reps))
     executor.execute(session.finish())
     got.compiled += total_compiled() - compiled
+
+
+def _pipelined(executor: Any, session: StepSession, reps: int) -> float:
+    """Seconds per step with each step launched before the one before it is read (async
+    scheduling, ModelRunner.launch): the runner's host work overlaps the device's, so
+    this is the longer of the two. Timed over `reps` steps once the pipeline is full."""
+    in_flight = executor.execute_async(session.next_step(pipelined=True))
+    t0 = 0.0
+    for i in range(reps + 1):
+        launched = executor.execute_async(session.next_step(pipelined=True))
+        in_flight.result()
+        if i == 0:
+            t0 = time.perf_counter()  # from the first step read with another queued
+        in_flight = launched
+    in_flight.result()
+    return (time.perf_counter() - t0) / (reps + 1)
 
 
 def profile_host(

@@ -32,6 +32,7 @@ import torch
 
 from deepinfer.outputs import TokenLogprob
 from deepinfer.sampling_params import SamplingParams
+from executors.host_copy import to_device, to_device_async
 from kernels import ops as kernel_ops
 
 _MASK64 = (1 << 64) - 1
@@ -78,6 +79,84 @@ class SamplerOutput:
     # Per row: [chosen token, then the top-`logprobs` tokens (ranks 1..n)]; an
     # empty list for a row that asked for none. None when no row asked.
     logprobs: list[list[TokenLogprob]] | None = None
+
+
+@dataclass
+class LogprobTensors:
+    """The logprobs a step returns, still on the device (`to_lists` reads them back)."""
+
+    chosen: torch.Tensor  # [num_reqs] float32: the sampled token's logprob
+    ranks: torch.Tensor  # [num_reqs] int64
+    top_vals: torch.Tensor  # [num_reqs, n_max]
+    top_ids: torch.Tensor  # [num_reqs, n_max]
+
+    def to_lists(
+        self, token_ids: list[int], params: list[SamplingParams]
+    ) -> list[list[TokenLogprob]]:
+        """Per row: the chosen token, then the top-n tokens with ranks 1..n."""
+        ranks, chosen = self.ranks.tolist(), self.chosen.tolist()
+        top_vals, top_ids = self.top_vals.tolist(), self.top_ids.tolist()
+        out: list[list[TokenLogprob]] = []
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                out.append([])
+                continue
+            row = [TokenLogprob(token_ids[i], chosen[i], ranks[i])]
+            n = min(p.logprobs, len(top_ids[i]))
+            row += [TokenLogprob(top_ids[i][j], top_vals[i][j], j + 1) for j in range(n)]
+            out.append(row)
+        return out
+
+
+@dataclass
+class DeviceSample:
+    """`sample_on_device`'s result: nothing read back yet, so the host need not wait."""
+
+    token_ids: torch.Tensor  # [num_reqs] int64
+    logprobs: LogprobTensors | None
+    # The copy back (copy_to_host): host tensors and the event that marks it done.
+    _host: tuple[torch.Tensor, LogprobTensors | None] | None = None
+    _copied: torch.cuda.Event | None = None
+
+    def copy_to_host(self) -> None:
+        """Queue the copy of the results into pinned host memory now. Read later with
+        `.tolist()`, a device tensor waits for everything queued on the stream by then,
+        such as the next step, launched meanwhile (async scheduling)."""
+        if self.token_ids.device.type != "cuda":
+            return
+
+        def back(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        lp = self.logprobs
+        host_lp = None
+        if lp is not None:
+            host_lp = LogprobTensors(
+                *(back(t) for t in (lp.chosen, lp.ranks, lp.top_vals, lp.top_ids))
+            )
+        self._host = (back(self.token_ids), host_lp)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def to_host(self, params: list[SamplingParams]) -> SamplerOutput:
+        """Wait for the device (for the copy back, when queued) and read the tokens (and
+        logprobs)."""
+        token_ids, logprobs = self.token_ids, self.logprobs
+        if self._host is not None:
+            assert self._copied is not None
+            self._copied.synchronize()
+            token_ids, logprobs = self._host
+        ids = token_ids.tolist()
+        lists = None if logprobs is None else logprobs.to_lists(ids, params)
+        return SamplerOutput(token_ids=ids, logprobs=lists)
+
+
+def rows_of(rows: list[int], n: int, device: torch.device) -> slice | torch.Tensor:
+    """An index of `rows` among n: a slice when they are all of them, in order."""
+    if rows == list(range(n)):
+        return slice(None)
+    return to_device(rows, torch.int64, device)
 
 
 def _mix_seed(seed: int, step: int) -> int:
@@ -132,11 +211,12 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
 
 def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Keep each row's k largest logits (ties at the k-th value are kept). k <= 0: off.
-    logits: [num_reqs, vocab]; k: [num_reqs] int."""
-    k = k.to(device=logits.device, dtype=torch.long).clamp(max=logits.shape[-1])
-    k_max = int(k.max()) if k.numel() else 0
+    logits: [num_reqs, vocab]; k: [num_reqs] int, best on the host (its max sizes the
+    top-k: read from the device, it would wait for the step)."""
+    k_max = min(int(k.max()), logits.shape[-1]) if k.numel() else 0
     if k_max <= 0:
         return logits
+    k = to_device_async(k, logits.device).to(torch.long).clamp(max=logits.shape[-1])
     top = logits.topk(k_max, dim=-1).values  # [num_reqs, k_max], descending
     kth = top.gather(1, (k.clamp(min=1) - 1)[:, None])  # [num_reqs, 1]
     kth = kth.masked_fill((k <= 0)[:, None], float("-inf"))  # disabled rows keep all
@@ -184,7 +264,9 @@ def random_sample(
     shared = [i for i, g in enumerate(generators) if g is None]
     if shared:
         noise = torch.empty(len(shared), probs.shape[-1], dtype=probs.dtype, device=probs.device)
-        q[shared] = noise.exponential_(generator=batch_generator)
+        q[rows_of(shared, len(generators), probs.device)] = noise.exponential_(
+            generator=batch_generator
+        )
     for i, g in enumerate(generators):
         if g is not None:
             q[i].exponential_(generator=g)
@@ -245,11 +327,12 @@ def process_logits(logits: torch.Tensor, states: list[SamplingState]) -> Process
     if not rnd:
         return Processed(logits, rnd, None)
     sub = [params[i] for i in rnd]
-    x = apply_temperature(logits[rnd], _row_tensor([p.temperature for p in sub], device))
+    x = logits[rows_of(rnd, len(params), device)]
+    x = apply_temperature(x, _row_tensor([p.temperature for p in sub], device))
     if any(p.min_p > 0 for p in sub):
         x = apply_min_p(x, _row_tensor([p.min_p for p in sub], device))
     if any(p.top_k > 0 for p in sub):
-        x = apply_top_k(x, torch.tensor([p.top_k for p in sub], device=device))
+        x = apply_top_k(x, torch.tensor([p.top_k for p in sub]))
     if any(p.top_p < 1 for p in sub):
         x = apply_top_p(x, _row_tensor([p.top_p for p in sub], device))
     return Processed(logits, rnd, x.softmax(dim=-1))
@@ -278,6 +361,19 @@ def sample_tokens(
     logprobs' log-softmax runs row by row (`raw_logprobs`); greedy and seeded rows are
     batch-invariant in either mode, unseeded random rows in neither (they share a draw).
     """
+    params = [s.params for s in states]
+    return sample_on_device(logits, states, generator, batch_invariant).to_host(params)
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    states: list[SamplingState],
+    generator: torch.Generator | None = None,
+    batch_invariant: bool = False,
+) -> DeviceSample:
+    """`sample_tokens` short of reading the result back: every step is queued on the
+    device and the host does not wait (unless a row's penalties or min_tokens need its
+    history copied over, which only the host holds)."""
     assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
     logits = logits.float()
     raw = raw_logprobs(logits, states, batch_invariant)
@@ -286,37 +382,34 @@ def sample_tokens(
     if proc.random_rows:
         assert proc.probs is not None
         gens = [states[i].seeded_generator(logits.device) for i in proc.random_rows]
-        token_ids[proc.random_rows] = random_sample(proc.probs, gens, generator)
+        rows = rows_of(proc.random_rows, len(states), logits.device)
+        token_ids[rows] = random_sample(proc.probs, gens, generator)
     params = [s.params for s in states]
-    logprobs = gather_logprobs(raw, token_ids, params) if raw is not None else None
-    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+    logprobs = logprob_tensors(raw, token_ids, params) if raw is not None else None
+    return DeviceSample(token_ids, logprobs)
 
 
 def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return to_device(values, torch.float32, device)
+
+
+def logprob_tensors(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
+) -> LogprobTensors:
+    """The chosen token's logprob and rank (how many tokens are at least as likely, 1: the
+    most likely; vLLM's count) and the top-n, on the device.
+    logprobs: [num_reqs, vocab]; token_ids: [num_reqs]."""
+    n_max = min(max(p.logprobs or 0 for p in params), logprobs.shape[-1])
+    chosen = logprobs.gather(1, token_ids[:, None])  # [num_reqs, 1]
+    ranks = (logprobs >= chosen).sum(dim=-1)  # [num_reqs]
+    top_vals, top_ids = logprobs.topk(n_max, dim=-1)  # [num_reqs, n_max]
+    return LogprobTensors(chosen[:, 0], ranks, top_vals, top_ids)
 
 
 def gather_logprobs(
     logprobs: torch.Tensor | None, token_ids: torch.Tensor, params: list[SamplingParams]
 ) -> list[list[TokenLogprob]]:
-    """Per row: the chosen token, ranked by how many tokens are at least as likely
-    (1: the most likely; vLLM's count), then the top-n tokens with ranks 1..n.
-    logprobs: [num_reqs, vocab]; token_ids: [num_reqs]."""
+    """Per row: the chosen token with its logprob and rank, then the top-n tokens with
+    ranks 1..n (`logprob_tensors`, read back). logprobs: [num_reqs, vocab]."""
     assert logprobs is not None
-    vocab = logprobs.shape[-1]
-    n_max = min(max(p.logprobs or 0 for p in params), vocab)
-    chosen = logprobs.gather(1, token_ids[:, None])  # [num_reqs, 1]
-    ranks = (logprobs >= chosen).sum(dim=-1).tolist()  # [num_reqs]
-    top_vals, top_ids = logprobs.topk(n_max, dim=-1)  # [num_reqs, n_max]
-    ids, chosen_l = token_ids.tolist(), chosen[:, 0].tolist()
-    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-    out: list[list[TokenLogprob]] = []
-    for i, p in enumerate(params):
-        if p.logprobs is None:
-            out.append([])
-            continue
-        row = [TokenLogprob(ids[i], chosen_l[i], ranks[i])]
-        n = min(p.logprobs, vocab)
-        row += [TokenLogprob(top_ids_l[i][j], top_vals_l[i][j], j + 1) for j in range(n)]
-        out.append(row)
-    return out
+    return logprob_tensors(logprobs, token_ids, params).to_lists(token_ids.tolist(), params)

@@ -16,7 +16,6 @@ import torch
 
 from deepinfer import envs
 from deepinfer.config import EngineConfig, EngineRole
-from deepinfer.executor import Done, completed
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from executors.batch_invariant import check_supported
 from executors.distributed.expert_parallel import ExpertParallel
@@ -29,6 +28,7 @@ from executors.kv_cache import (
 )
 from executors.loader import load_model, read_model_config, resolve_dtype, resolve_model_dir
 from executors.model_runner import ModelRunner
+from executors.step_handle import PendingStep
 from executors.structured_outputs import GrammarCompiler
 from executors.warmup import WarmupReport, warm_up
 
@@ -176,9 +176,10 @@ class TorchExecutor:
         assert self.runner.grammars is not None
         return self.runner.grammars.submit(so_args)
 
-    def execute_async(self, out: SchedulerOutput) -> Done:
-        """Runs synchronously; the handle is already complete."""
-        return completed(self.execute(out))
+    def execute_async(self, out: SchedulerOutput) -> PendingStep:
+        """Queues the step on the device; the handle's `result()` waits for it
+        (executors/step_handle.py: async scheduling launches the next step first)."""
+        return self.runner.launch(out)
 
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks

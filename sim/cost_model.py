@@ -121,6 +121,7 @@ def resolve_cost_model(
     profile: str | Path | None = None,
     num_speculative_tokens: int = 0,
     batch_invariant: bool = False,
+    async_scheduling: bool = False,
 ) -> tuple[CostModel, dict[str, Any]]:
     """The cost model and what the report says of it: its name, whether it is calibrated
     on the real executor, and the profile it fitted.
@@ -132,9 +133,12 @@ def resolve_cost_model(
     hardware) in the engine's mode, else "analytic" (uncalibrated). An object needs
     `step_time(out)`; one without `cpu_time` is wrapped so its host time reads as zero.
     batch_invariant: the engine's mode; a cost model that cannot price it is refused
-    (`check_mode`).
+    (`check_mode`). async_scheduling: the engine launches a step while the one before
+    runs (the profiled model then prices steps from the profile's pipelined times).
     """
-    cost, meta = _resolve(spec, model, hardware, profile, batch_invariant, num_speculative_tokens)
+    cost, meta = _resolve(
+        spec, model, hardware, profile, batch_invariant, num_speculative_tokens, async_scheduling
+    )
     check_mode(cost, batch_invariant, model.name, hardware.name)
     return cost, meta
 
@@ -170,6 +174,7 @@ def _resolve(
     profile: str | Path | None,
     batch_invariant: bool,
     num_speculative_tokens: int,
+    async_scheduling: bool = False,
 ) -> tuple[CostModel, dict[str, Any]]:
     if spec is None:
         found = find_profile(model.name, hardware.name, batch_invariant)
@@ -189,12 +194,17 @@ def _resolve(
                     f"profile --model {model.name} --out PROFILE.json` and pass it, or use "
                     "cost model 'analytic'"
                 )
-            cost = ProfiledCostModel(path, model, hardware, num_speculative_tokens)
+            cost = ProfiledCostModel(
+                path, model, hardware, num_speculative_tokens, async_scheduling=async_scheduling
+            )
             meta: dict[str, Any] = {
                 "cost_model": "profiled",
                 "calibrated": True,
                 "profile": str(path),
             }
+            if async_scheduling:  # whether overlapped steps are measured or taken as serial
+                piped = cost.prices_pipelining and not num_speculative_tokens
+                meta["async_steps"] = "pipelined" if piped else "sequential"
             if num_speculative_tokens:  # whether verify steps are measured or guessed
                 meta["verify_steps"] = "profiled" if cost.prices_speculation else "analytic"
             return cost, meta

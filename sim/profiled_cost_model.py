@@ -108,10 +108,16 @@ class ProfiledCostModel:
         model: ModelConfig,
         hardware: HardwareSpec,
         num_speculative_tokens: int = 0,
+        *,
+        async_scheduling: bool = False,
     ) -> None:
         """num_speculative_tokens: the drafts the simulated engine's MTP drafter proposes
         after every step (0: it does not speculate; a step that verifies drafts then
-        stands for a drafter proposing as many as it verifies)."""
+        stands for a drafter proposing as many as it verifies). async_scheduling: steps
+        are launched while the one before runs, so the runner's host work hides behind
+        the device's: plain steps are priced from the profile's pipelined times
+        (`pipelined_s`, each point's steps launched back to back), where it has them,
+        unless the engine speculates (its runner does not overlap steps)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be >= 0")
         data = profile if isinstance(profile, dict) else load_profile(profile)
@@ -123,9 +129,27 @@ class ProfiledCostModel:
         self._analytic = AnalyticCostModel(model, hardware, load_cost_coefficients())
         points = data["points"]
         outs = [shape_output(p["groups"]) for p in points]
-        y = np.array([p["median_s"] for p in points], dtype=float)
         # The plain fit: steps without the drafter (a non-speculating engine's).
         plain = [i for i, p in enumerate(points) if not p.get("drafter")]
+        # A speculating runner reads each step before it builds the next (its drafter
+        # reads the tokens on the host): its steps take their sequential times under
+        # async scheduling too.
+        self.prices_pipelining = all("pipelined_s" in points[i] for i in plain)
+        overlaps = async_scheduling and not num_speculative_tokens
+        pipelined = overlaps and self.prices_pipelining
+        if overlaps and not pipelined:
+            warnings.warn(
+                f"async_scheduling: profile {self.profile_name} has no pipelined step times "
+                "(measured before `deepinfer profile` timed them): steps are priced as if "
+                "each waited for the host's work on the one before, so the simulated engine "
+                "is slower than the real one; profile the model again",
+                stacklevel=2,
+            )
+        y = np.array(
+            [p["pipelined_s" if pipelined and i in plain else "median_s"]
+             for i, p in enumerate(points)],
+            dtype=float,
+        )  # fmt: skip
         x = np.array([self.features(outs[i]) for i in plain])
         self.coef = nnls_relative(x, y[plain])
         self._coef = [float(c) for c in self.coef]  # plain floats: the per-step path

@@ -101,6 +101,7 @@ def simulate(
         profile,
         engine.num_speculative_tokens,
         batch_invariant=engine.batch_invariant,
+        async_scheduling=engine.async_scheduling,
     )
     if grammar_mask_per_token_s is None:
         grammar_mask_per_token_s = getattr(cost, "grammar_mask_per_token_s", 0.0)
@@ -167,9 +168,11 @@ def _serve(
     step's results are back when both are done, and the host is busy meanwhile.
 
     One simpy timeout per step: the host's work is booked on `host_free` (when the host
-    is next idle) and a launch starts once it is done, so only an await has to wait."""
+    is next idle) and a launch starts once it is done, so only an await has to wait.
+    Under async scheduling a step is launched while the one before it runs: its device
+    work starts when that one's ends (`device_free`)."""
     ready_at: dict[int, float] = {}  # step id -> simulated time its results are back
-    host_free = 0.0
+    host_free = device_free = 0.0
     reported = 0
     while pending or core.has_unfinished():
         while pending and pending[0].arrival_time <= env.now:
@@ -186,7 +189,8 @@ def _serve(
                 start = host_free if host_free > now else now
                 masks = mask_time(out, mask_per_token_s) if mask_per_token_s else 0.0
                 host_free = start + masks
-                ready_at[out.step_id] = start + max(cost.step_time(out), masks)
+                device_free = (device_free if device_free > start else start) + cost.step_time(out)
+                ready_at[out.step_id] = max(device_free, host_free)
             else:
                 done = ready_at.pop(out.step_id)
                 wait = (done if done > host_free else host_free) - now

@@ -61,7 +61,11 @@ def run_point(task: PointTask, ctx: SweepContext) -> dict[str, Any]:
     try:
         engine = cfg.engine_config()
         cost, cost_meta = _cost_model(
-            cfg.model, cfg.hardware, cfg.cost_model, engine.num_speculative_tokens
+            cfg.model,
+            cfg.hardware,
+            cfg.cost_model,
+            engine.num_speculative_tokens,
+            engine.async_scheduling,
         )
     except Exception as e:  # e.g. cost_model 'profiled' where no profile exists
         return row | {"status": "invalid", "meets_slo": False, "reason": _one_line(e)}
@@ -127,7 +131,11 @@ def _model(name: str) -> Any:
 
 @functools.lru_cache(maxsize=16)
 def _cost_model(
-    model: str, hardware: str, name: str | None, num_speculative_tokens: int
+    model: str,
+    hardware: str,
+    name: str | None,
+    num_speculative_tokens: int,
+    async_scheduling: bool = False,
 ) -> tuple[Any, dict[str, Any]]:
     """Resolved once per worker process: fitting a profile costs more than a short run,
     and a cost model is pure (the same step always costs the same)."""
@@ -135,5 +143,9 @@ def _cost_model(
     from sim.hardware import get_hardware
 
     return resolve_cost_model(
-        name, _model(model), get_hardware(hardware), num_speculative_tokens=num_speculative_tokens
+        name,
+        _model(model),
+        get_hardware(hardware),
+        num_speculative_tokens=num_speculative_tokens,
+        async_scheduling=async_scheduling,
     )

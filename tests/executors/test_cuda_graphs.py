@@ -47,7 +47,7 @@ def graph_calls(runner: ModelRunner) -> list[int]:
     graphs = runner.graphs
     assert graphs is not None
     run = graphs.run
-    graphs.run = lambda ids, pos, tables: calls.append(len(ids)) or run(ids, pos, tables)
+    graphs.run = lambda ids, pos, tables, *f: calls.append(len(ids)) or run(ids, pos, tables, *f)
     return calls
 
 

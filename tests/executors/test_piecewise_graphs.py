@@ -24,7 +24,7 @@ def piecewise_calls(runner: ModelRunner) -> list[int]:
     pw = runner.piecewise
     assert pw is not None
     run = pw.run
-    pw.run = lambda ids, pos, slots, md: calls.append(len(ids)) or run(ids, pos, slots, md)
+    pw.run = lambda ids, pos, slots, md, *f: calls.append(len(ids)) or run(ids, pos, slots, md, *f)
     return calls
 
 

@@ -60,6 +60,36 @@ def test_a_plain_profile_steps_decodes_forward_as_the_scheduler_does(tmp_path: P
     assert kinds == {"decode", "prefill", "mixed", "short_prompts"}
     # Two rounds over the grid, three timed runs of each point in each.
     assert all(p["reps"] == 6 and p["p10_s"] <= p["median_s"] for p in profile["points"])
+    # Each point also ran pipelined (async scheduling: launched before the step before
+    # it is read): on the CPU, where nothing overlaps, about as long as one by one.
+    for p in profile["points"]:
+        assert 0.3 * p["median_s"] < p["pipelined_s"] < 3 * p["median_s"], p
+
+
+def test_async_scheduling_prices_plain_steps_from_the_pipelined_times(tmp_path: Path) -> None:
+    """The profiled model under async scheduling fits the pipelined times (halved here:
+    its steps cost half); a profile without them is priced sequentially, with a warning."""
+    from deepinfer.outputs import ScheduledRequest, SchedulerOutput
+    from executors.demo import demo_model_path
+    from sim.hardware import get_hardware
+    from sim.profiled_cost_model import ProfiledCostModel
+
+    out = tmp_path / "p.json"
+    assert cli.main(["profile", "--model", "deepinfer-demo", *SMALL_ENGINE, "--out", str(out)]) == 0
+    profile = json.loads(out.read_text())
+    for p in profile["points"]:
+        p["pipelined_s"] = p["median_s"] / 2
+    spec, hw = load_model_config(demo_model_path() / "config.json"), get_hardware("cpu")
+    step = SchedulerOutput(0, [ScheduledRequest(str(i), 1, 300, False, True, []) for i in range(4)])
+    plain = ProfiledCostModel(profile, spec, hw).step_time(step)
+    piped = ProfiledCostModel(profile, spec, hw, async_scheduling=True)
+    assert piped.prices_pipelining
+    assert piped.step_time(step) == pytest.approx(plain / 2, rel=1e-6)
+    for p in profile["points"]:
+        del p["pipelined_s"]
+    with pytest.warns(UserWarning, match="no pipelined step times"):
+        old = ProfiledCostModel(profile, spec, hw, async_scheduling=True)
+    assert old.step_time(step) == pytest.approx(plain, rel=1e-6)
 
 
 @pytest.mark.parametrize(

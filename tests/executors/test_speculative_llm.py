@@ -273,7 +273,7 @@ def _greedy_through_runner(
         verify = runner.verify_graphs
         assert verify is not None and verify.query_len == 4
         run = verify.run
-        verify.run = lambda i, p, t: calls.append(len(t)) or run(i, p, t)  # type: ignore[method-assign]
+        verify.run = lambda i, p, t, *f: calls.append(len(t)) or run(i, p, t, *f)  # type: ignore[method-assign]
         assert runner.drafter is not None and runner.drafter.graphs is not None
         draft_graphs = runner.drafter.graphs
         run_rows = draft_graphs.run_rows
@@ -357,7 +357,7 @@ def test_shorter_uniform_verify_steps_take_their_own_graphs(monkeypatch) -> None
             assert sorted(runner.verify_graphs_by_len) == [2, 3, 4]
             for q, g in runner.verify_graphs_by_len.items():
                 run = g.run
-                g.run = lambda i, p, t, q=q, run=run: served.append(q) or run(i, p, t)  # type: ignore[method-assign]
+                g.run = lambda i, p, t, *f, q=q, run=run: served.append(q) or run(i, p, t, *f)  # type: ignore[method-assign]
         outputs.append(_greedy(runner, engine_cfg, prompts_)[0])
     assert outputs[0] == outputs[1]
     assert {2, 3} <= set(served) and 4 not in served

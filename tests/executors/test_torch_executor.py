@@ -62,7 +62,8 @@ def test_executor_satisfies_the_protocol_and_exposes_the_model(
     ref = tiny.hf(torch.tensor([prompt])).logits[0, -1].argmax().item()
     assert out.sampled_token_ids == {"a": [ref]}
     fut = ex.execute_async(SchedulerOutput(2, [_decode_step("a", 6, ref)]))
-    assert fut.done() and len(fut.result().sampled_token_ids["a"]) == 1
+    assert not fut.done()  # queued: read back by result()
+    assert len(fut.result().sampled_token_ids["a"]) == 1 and fut.done()
     ex.shutdown()
 
 

@@ -47,6 +47,14 @@ def device_time(step_id: int) -> float:
     return 0.25 * (1 + step_id % 4)
 
 
+def _reasons(f: Failure) -> dict[str, str]:
+    """The requests a failure aborts: those it names, else all of its step's."""
+    if isinstance(f.error, RequestFailed):
+        return f.error.reasons
+    text = f"{type(f.error).__name__}: {f.error}"
+    return {sr.req_id: text for sr in f.out.scheduled}
+
+
 class LoopClock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -73,13 +81,29 @@ class Failure:
 class _Handle:
     def __init__(self, ex: FaultySim, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         self.ex, self.out, self.res = ex, out, res
+        # The device runs one step at a time: one launched while another runs (async
+        # scheduling) starts when that one ends.
         self.launched_at = ex.clock.now
+        self.ready_at = max(ex.clock.now, ex.device_free) + device_time(out.step_id)
+        self.before = ex.last  # the step the device ran before this one
+        self.read = False
+        ex.device_free, ex.last = self.ready_at, self
+
+    def duration(self) -> float:
+        """The duration the loop should record: its device time, counted from when the
+        step before it ended. When the engine never read that step (it failed along
+        with the step before it), the loop cannot know when the device was free: from
+        this step's launch."""
+        if self.before is not None and not self.before.read:
+            return self.ready_at - self.launched_at
+        return device_time(self.out.step_id)
 
     def result(self, timeout: float | None = None) -> ModelRunnerOutput:
-        # The device ran while the host went on (async): the result is there at launch +
-        # device time, or now if the host took longer.
+        # The device ran while the host went on (async): the result is there when the
+        # device finished it, or now if the host took longer.
+        self.read = True
         clock = self.ex.clock
-        clock.now = max(clock.now, self.launched_at + device_time(self.out.step_id))
+        clock.now = max(clock.now, self.ready_at)
         fault = self.ex.faults.get(self.out.step_id)
         if fault is not None and not fault.at_launch:
             self.ex.fail(self.out, fault)
@@ -100,6 +124,9 @@ class FaultySim:
         self.scheduled_events: set[int] = set()  # step ids the loop announced as SCHEDULED
         self.failures: list[Failure] = []
         self.unannounced: list[int] = []  # step ids launched with no SCHEDULED event first
+        self.device_free = 0.0  # when the device ends the last step launched
+        self.last: _Handle | None = None  # the last step launched
+        self.handles: dict[int, _Handle] = {}  # step id -> its handle
 
     def num_kv_blocks(self) -> int:
         return self.inner.num_kv_blocks()
@@ -114,7 +141,8 @@ class FaultySim:
         if fault is not None and fault.at_launch:
             self.fail(out, fault)
         self.launched.append(out.step_id)
-        return _Handle(self, out, self.inner.execute(out))
+        handle = self.handles[out.step_id] = _Handle(self, out, self.inner.execute(out))
+        return handle
 
     def fail(self, out: SchedulerOutput, fault: Fault) -> None:
         live = set(self.engine_ref[0].scheduler.requests)
@@ -202,34 +230,46 @@ class Loop:
             f"events: steps {self.ex.unannounced} launched with no SCHEDULED event ({seen})"
         )
         for rec in self.engine.steps[n_steps:]:  # the step whose results came
-            want = (self.clock.now, device_time(rec.step_id))
+            want = (self.clock.now, self.ex.handles[rec.step_id].duration())
             assert (rec.time, rec.duration) == want, (
                 f"step {rec.step_id}: recorded (time, duration) {(rec.time, rec.duration)}; "
-                f"its results came at {want[0]}, {want[1]} after its launch"
+                f"its results came at {want[0]}, {want[1]} after the device began it"
             )
-        for f in self.ex.failures[n_failures:]:
-            # Failing when collected under async, the step scheduled meanwhile fails with it.
-            undone = [f.out] + [o for o in scheduled if o is not f.out and not f.at_launch]
+        fails = self.ex.failures[n_failures:]
+        at_launch = [f for f in fails if f.at_launch]
+        collected = [f for f in fails if not f.at_launch]
+        if collected:
+            # Failing when collected under async, the step launched meanwhile fails with
+            # it; when its launch failed too, that error's reasons apply, after these.
+            (g,) = collected
+            undone = [g.out] + [o for o in scheduled if o is not g.out]
             if len(undone) > 1:
-                note("a step failed with the next one scheduled")
-            self.check_failure(f, undone, returned)
+                note("a step failed with the next one launched")
+            reasons = {**(_reasons(at_launch[0]) if at_launch else {}), **_reasons(g)}
+            self.check_failure(g, undone, reasons, g.live, returned)
+        elif at_launch:
+            (f,) = at_launch
+            # (async: launched before the step in flight was applied, which may have
+            # finished some of its requests: those stay finished)
+            live = f.live - {r.request_id for r in returned if r.status is S.FINISHED}
+            self.check_failure(f, [f.out], _reasons(f), live, returned)
 
     def check_failure(
-        self, f: Failure, undone: list[SchedulerOutput], returned: list[Request]
+        self,
+        f: Failure,
+        undone: list[SchedulerOutput],
+        reasons: dict[str, str],
+        live: set[str],
+        returned: list[Request],
     ) -> None:
-        """The requests the error names (all of the failed step's when it names none) end
+        """The requests the errors name (all of the failed step's when one names none) end
         aborted with its reason, returned by the loop; every other request of the failed
-        step, and of the step scheduled after it, is requeued holding no block."""
+        step, and of the step launched after it, is requeued holding no block."""
         note(
             f"a step failed ({'at launch' if f.at_launch else 'collected'}, {type(f.error).__name__})"
         )
-        if isinstance(f.error, RequestFailed):
-            reasons = f.error.reasons
-        else:
-            text = f"{type(f.error).__name__}: {f.error}"
-            reasons = {sr.req_id: text for sr in f.out.scheduled}
         where = f"step {f.out.step_id} failed ({f.error!r})"
-        for rid in {sr.req_id for o in undone for sr in o.scheduled} & f.live:
+        for rid in {sr.req_id for o in undone for sr in o.scheduled} & live:
             req = self.reqs[rid]
             if rid in reasons:
                 assert (req.status, req.reject_reason) == (S.ABORTED, reasons[rid]), (

@@ -68,6 +68,7 @@ class Fault:
     out: SchedulerOutput
     exc: Exception
     victims: dict[str, str]  # req_id -> reason
+    at_launch: bool = False
 
 
 class _Raises:
@@ -137,7 +138,7 @@ class FailingExecutor(_OverSim):
             assert self.engine is not None
             live = self.engine.scheduler.requests
             victims = {r: why for r, why in reasons.items() if r in live}
-            self.faults.append(Fault(out, exc, victims))
+            self.faults.append(Fault(out, exc, victims, where == "launch"))
             raise exc
 
         note(f"a step failed at {where}, {type(exc).__name__}")
@@ -195,7 +196,19 @@ def _run(
             continue
         before = len(ex.faults)
         changed = {r.request_id for r in engine.step()}
-        for f in ex.faults[before:]:
+        new = ex.faults[before:]
+        for f in new:
+            if f.at_launch and case.config.async_scheduling:
+                # Launched while the step before ran, the failed step is handled with that
+                # one's result: the requests it finished stay finished, and when it failed
+                # too its error's reasons come first.
+                first = {r for g in new if not g.at_launch for r in g.victims}
+                f.victims = {
+                    r: why
+                    for r, why in f.victims.items()
+                    if reqs[r].status is not S.FINISHED and r not in first
+                }
+        for f in new:
             missing = set(f.victims) - changed
             assert not missing, f"step {f.out.step_id} failed ({f.exc!r}); step() omits {missing}"
         clock, steps = clock + 1, steps + 1
@@ -282,7 +295,7 @@ def _check_log(entries: list[logging.LogRecord], faults: list[Fault]) -> None:
 class MidChunkFailure(_OverSim):
     """A SimExecutor that fails (at launch, or when its result is awaited) the first step
     in which a prompt is mid-chunk beside other requests, naming one of the others; it
-    records every step launched after that one."""
+    records every step launched after the engine handled that failure."""
 
     def __init__(self, case: EngineCase, at_launch: bool) -> None:
         super().__init__(case)
@@ -296,7 +309,8 @@ class MidChunkFailure(_OverSim):
 
     def execute_async(self, out: SchedulerOutput) -> StepHandle:
         if self.failed is not None:
-            self.after.append(out)
+            if self.handled:  # (async: the step launched before the failure fails with it)
+                self.after.append(out)
             return self.sim.execute_async(out)
         self.calls += 1
         mid = {sr.req_id: sr.num_prompt_tokens for sr in out.scheduled
@@ -397,7 +411,10 @@ def test_a_failed_step_restarts_its_mid_chunk_prompts_and_skips_requests_ended_m
         )
     for spec in specs:
         req = reqs[spec.req_id]
-        if spec.req_id in (ex.named, client_aborted):
+        # (async: a failed step was launched before the step before it was applied, which
+        # may have finished the request it names: that request ends as it would have)
+        ended_first = async_ and req.status is S.FINISHED
+        if spec.req_id in (ex.named, client_aborted) and not ended_first:
             assert req.status is S.ABORTED, f"{spec.req_id}: {req.status}"
             continue
         want, reason = expected_end(case, spec)

@@ -1,0 +1,78 @@
+"""The handle of a launched step (ModelRunner.launch), what `execute_async` returns.
+
+Launching queues a step's device work (the forward and the sampler's kernels) and
+returns at once; `result()` waits for the device, reads the sampled tokens back and
+applies them to the runner's request state. Async scheduling launches step N+1
+before it asks for step N's result, so the host's work for both hides behind the
+device's; N+1 reads N's tokens from `tokens`, on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.outputs import ModelRunnerOutput
+
+
+@dataclass
+class StepResult:
+    output: ModelRunnerOutput
+    # The step's sampled logits [N, vocab] and each request's rows in them (first, count).
+    sampled_logits: torch.Tensor | None = None
+    rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def logits(self) -> dict[str, torch.Tensor]:
+        """req_id -> [rows, vocab]: the logits its tokens were sampled from (for tests and
+        logprobs; sliced on demand, not for every request of every step)."""
+        if self.sampled_logits is None:
+            return {}
+        return {rid: self.sampled_logits[a : a + n] for rid, (a, n) in self.rows.items()}
+
+
+class PendingStep:
+    """A step whose results may still be on the device.
+
+    `tokens` [num_sampled] int64 (device): each sampling request's token, in the order of
+    `rows` (req_id -> index); set while the result is unread, for the next step to read.
+    """
+
+    def __init__(
+        self,
+        finish: Callable[[], StepResult] | None = None,
+        *,
+        result: StepResult | None = None,
+        tokens: torch.Tensor | None = None,
+        rows: dict[str, int] | None = None,
+    ) -> None:
+        assert (finish is None) != (result is None)
+        self._finish = finish
+        self._result = result
+        self._error: BaseException | None = None
+        self.tokens = tokens
+        self.rows = rows or {}
+
+    def done(self) -> bool:
+        """Whether the result was read (or reading it failed)."""
+        return self._finish is None
+
+    def step_result(self) -> StepResult:
+        """Wait for the step and apply it (once); a failure is raised on every call."""
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self.tokens = None
+            try:
+                self._result = finish()
+            except BaseException as e:
+                self._error = e
+                raise
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        return self.step_result().output

@@ -1,0 +1,190 @@
+"""Async scheduling on the real executor: step N+1 is launched before step N is read,
+its requests taking N's sampled tokens on the device (ModelRunner.launch).
+
+The same outputs as without it; the overlap really happens (deferred input ids); and
+what needs N's tokens on the host (seeds, penalties, min_tokens, drafts) is served by
+finishing N first, with the same outputs again.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.outputs import SchedulerOutput
+from executors.model_runner import ModelRunner
+from tests.executors.harness import load_runner
+from tests.executors.test_cuda_graphs import graph_runner
+from tests.executors.test_llm import hf_greedy, prompts
+from tests.executors.test_torch_executor import _decode_step, _prompt_step
+from tests.executors.tiny_models import TinyModel
+
+GREEDY_10 = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def _count_deferred(llm: LLM) -> list[int]:
+    """Per launched step, how many input ids came from the step before on the device."""
+    runner: ModelRunner = llm.executor.runner  # type: ignore[attr-defined]
+    counts: list[int] = []
+    collect = runner.collect
+
+    def spy(scheduled, prev=None):  # type: ignore[no-untyped-def]
+        host = collect(scheduled, prev)
+        counts.append(len(host.deferred))
+        return host
+
+    runner.collect = spy  # type: ignore[method-assign]
+    return counts
+
+
+@pytest.mark.parametrize(
+    ("graphs", "mixed"),
+    [(False, False), (False, True), (True, False), (True, True)],
+    ids=["eager", "eager-mixed", "decode-graphs", "piecewise"],
+)
+def test_launch_reads_the_tokens_of_the_step_in_flight_on_the_device(
+    tiny_models: dict[str, TinyModel], graphs: bool, mixed: bool
+) -> None:
+    """Two steps launched back to back, the first unread: the second's input is the
+    first's sampled token (on every forward path: eager, the decode graphs, the piecewise
+    graphs beside a prompt), and reading both gives the sequential runner's tokens."""
+    tiny = tiny_models["v3_mtp"]
+    prompt, other = prompts(4, [9, 5])
+    want = hf_greedy(tiny, prompt, 3)
+    if graphs:  # (not captured: the graphs' padded buffers, run eagerly)
+        runner = graph_runner(tiny, sizes=[1, 2])
+        runner.enable_cuda_graphs([1, 2], capture=False, token_buckets=[8, 32])
+    else:
+        runner = load_runner(tiny.path)
+    first = runner.execute(SchedulerOutput(1, [_prompt_step("a", prompt, [0, 1, 2])]))
+    assert first.sampled_token_ids["a"] == want[:1]
+    n = len(prompt)
+    second = runner.launch(SchedulerOutput(2, [_decode_step("a", n, want[0])]))
+    third_step = [_decode_step("a", n + 1, None)]  # its token: the second step's
+    if mixed:
+        third_step.append(_prompt_step("b", other, [5, 6]))
+    third = runner.launch(SchedulerOutput(3, third_step))
+    assert not second.done() and not third.done()
+    assert second.result().sampled_token_ids["a"] == want[1:2]
+    sampled = third.result().sampled_token_ids
+    assert sampled["a"] == want[2:3]
+    if mixed:
+        assert sampled["b"] == hf_greedy(tiny, other, 1)
+    state = runner.requests["a"]
+    assert state.sampling.output_token_ids == want and state.last_token == want[2]
+
+
+def test_async_generate_overlaps_steps_and_matches_transformers(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    tiny = tiny_models["v3_mtp"]
+    batch = prompts(11, [7, 13, 5, 10])
+    llm = LLM(str(tiny.path), device="cpu", dtype="float32", block_size=4, async_scheduling=True)
+    deferred = _count_deferred(llm)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+    for p, out in zip(batch, outs):
+        assert out.outputs[0].token_ids == hf_greedy(tiny, p, 12)
+    # Every decode step after the first took its requests' ids from the step before.
+    assert sum(1 for d in deferred if d == len(batch)) >= 10, deferred
+
+
+@pytest.mark.parametrize(
+    ("params", "overlaps"),
+    [
+        (dict(temperature=0.9, seq_seed=5), False),  # the seeded draw counts outputs
+        (dict(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4), False),
+        (dict(temperature=0.0, min_tokens=6, logprobs=2), True),  # once it has 6 outputs
+    ],
+    ids=["seeded", "penalties", "min-tokens-logprobs"],
+)
+def test_history_dependent_requests_give_the_same_outputs_with_async_scheduling(
+    tiny_models: dict[str, TinyModel], params: dict, overlaps: bool
+) -> None:
+    """A step with a request whose sampler reads its own history is not overlapped (the
+    step before is read first): the same tokens and logprobs with async scheduling as
+    without, for it and for the greedy requests beside it."""
+    tiny = tiny_models["v2_group"]
+    batch = prompts(12, [6, 9, 4])
+    sps = [
+        SamplingParams(max_tokens=10, ignore_eos=True, **params),
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=7),
+    ]
+    results = []
+    for async_ in (False, True):
+        llm = LLM(
+            str(tiny.path), device="cpu", dtype="float32", block_size=4, async_scheduling=async_
+        )
+        deferred = _count_deferred(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], sps, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, _logprobs(o.outputs[0].logprobs)) for o in outs])
+        assert any(deferred) == (async_ and overlaps), deferred
+    assert [tokens for tokens, _ in results[0]] == [tokens for tokens, _ in results[1]]
+    for (_, want), (_, got) in zip(*results):  # (batches differ: float rounding too)
+        assert [[(t, r) for t, _, r in row] for row in got] == [
+            [(t, r) for t, _, r in row] for row in want
+        ]
+        assert [v for row in got for _, v, _ in row] == pytest.approx(
+            [v for row in want for _, v, _ in row], abs=1e-5
+        )
+
+
+def _logprobs(rows: list[dict] | None) -> list[list[tuple[int, float, int]]]:
+    return [sorted((t, lp.logprob, lp.rank) for t, lp in row.items()) for row in rows or []]
+
+
+def test_drafts_and_rejections_finish_the_step_before(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    """With an MTP drafter every step reads the one before (its drafts come from the
+    host's view of the tokens): async scheduling still matches transformers' greedy."""
+    tiny = tiny_models["v3_mtp"]
+    batch = prompts(13, [8, 5])
+    llm = LLM(
+        str(tiny.path),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        async_scheduling=True,
+        num_speculative_tokens=2,
+    )
+    deferred = _count_deferred(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY_10, use_tqdm=False)
+    for p, out in zip(batch, outs):
+        assert out.outputs[0].token_ids == hf_greedy(tiny, p, 10)
+    assert not any(deferred)
+
+
+@pytest.mark.gpu
+def test_overlapped_steps_on_cuda_graphs_generate_what_sequential_steps_do(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    """On CUDA with graphs (decode and piecewise, chunked prompts beside decodes), in
+    float32: async scheduling overlaps steps and generates transformers' greedy tokens."""
+    tiny = tiny_models["v3_mtp"]
+    batch = prompts(14, [7, 30, 3, 19, 25])
+    sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 9, 14)]
+    sps += [SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True), GREEDY_10]
+    outs = {}
+    for async_ in (False, True):
+        llm = LLM(
+            str(tiny.path),
+            device="cuda",
+            dtype="float32",
+            block_size=16,
+            max_num_seqs=8,
+            max_num_batched_tokens=16,
+            async_scheduling=async_,
+        )
+        assert llm.executor.runner.graphs is not None
+        deferred = _count_deferred(llm)
+        res = llm.generate([{"prompt_token_ids": p} for p in batch], sps, use_tqdm=False)
+        outs[async_] = [o.outputs[0].token_ids for o in res]
+        assert any(deferred) == async_
+        llm.executor.shutdown()
+    for i, (p, sp) in enumerate(zip(batch, sps)):
+        if sp.temperature == 0.0:
+            assert outs[True][i] == outs[False][i] == hf_greedy(tiny, p, sp.max_tokens)
+        else:  # unseeded: another batch composition draws other noise
+            assert len(outs[True][i]) == len(outs[False][i]) == sp.max_tokens
