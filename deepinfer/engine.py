@@ -35,8 +35,9 @@ class StepEventKind(enum.Enum):
 # (kind, the step it concerns): a plain tuple, made three times per step.
 StepEvent = tuple[StepEventKind, SchedulerOutput]
 _SCHEDULED, _LAUNCHED, _AWAIT = StepEventKind.SCHEDULED, StepEventKind.LAUNCHED, StepEventKind.AWAIT
-# A launched step: its output, the executor's handle, the clock at its launch.
-_InFlight = tuple[SchedulerOutput, StepHandle, float]
+# A launched step: its output, the executor's handle, the clock at its launch, and the
+# clock when the launch returned if the executor did the step's work inside it (else None).
+_InFlight = tuple[SchedulerOutput, StepHandle, float, float | None]
 
 
 class EngineCore:
@@ -149,6 +150,14 @@ class EngineCore:
         aborted: an interrupted `generate`)."""
         self._in_flight = None
         self.scheduler.forget_unapplied_steps()
+        self._discard_executor_step()
+
+    def _discard_executor_step(self) -> None:
+        """Tell an executor that holds a launched step for the next one (the torch one)
+        that it will not be read."""
+        discard = getattr(self.executor, "discard_pending", None)
+        if discard is not None:
+            discard()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -252,7 +261,7 @@ class EngineCore:
                 else:
                     yield _LAUNCHED, next_out
         assert self._in_flight is not None
-        out, handle, start = self._in_flight
+        out, handle, start, ended = self._in_flight
         yield _AWAIT, out
         self._in_flight = None
         try:
@@ -261,10 +270,13 @@ class EngineCore:
             if next_out is None:
                 return self._fail([out], exc)
             return self._fail([out, next_out], exc, launch_error)
-        now = self.clock()
-        # A pipelined step's device work began when the step before it ended.
+        # A pipelined step's device work began when the step before it ended, and ended
+        # when its result came, unless its launch did the work (then N+1's launch, before
+        # this, may have done N+1's too).
         began = start if self._last_step_end is None else max(start, self._last_step_end)
-        changed = self.process(out, res, now - began)
+        end = self.clock() if ended is None else ended
+        changed = self.process(out, res, end - began)
+        self._last_step_end = end
         if launch_error is not None:
             assert next_out is not None
             return changed + self._fail([next_out], launch_error)
@@ -279,6 +291,7 @@ class EngineCore:
         launch_error: the step after it (outs[1]) failed at its launch too; the same rule
         aborts its requests, unless `exc` names them."""
         self._in_flight = None
+        self._discard_executor_step()
         errors: dict[str, str] = {}
         if launch_error is not None:
             errors.update(_errors(outs[1], launch_error))
@@ -294,7 +307,13 @@ class EngineCore:
 
     def _launch(self, out: SchedulerOutput) -> _InFlight:
         start = self.clock()  # before the call: a synchronous executor returns when done
-        return (out, self.executor.execute_async(out), start)
+        handle = self.executor.execute_async(out)
+        returned = self.clock()
+        # Done on return, with time passed (a simulated clock passes none in a launch):
+        # the launch did the work.
+        done = getattr(handle, "done", None)
+        ended = returned if returned > start and done is not None and done() else None
+        return (out, handle, start, ended)
 
     def _step_record(self, out: SchedulerOutput, now: float, duration: float) -> StepRecord:
         s = self.scheduler

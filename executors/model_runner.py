@@ -225,6 +225,11 @@ class ModelRunner:
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
+    def discard_pending(self) -> None:
+        """Forget the step in flight: the engine will not read it (it failed, or an
+        interrupted generate dropped it); no later step may wait for it."""
+        self._pending = None
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.launch(out).result()
 
@@ -237,7 +242,12 @@ class ModelRunner:
         """Queue one step's device work; the handle's `result()` reads it back."""
         prev = self._pending if self._pending is not None and not self._pending.done() else None
         if prev is not None and not self._overlaps(out, prev):
-            prev.step_result()  # (a failure is raised again by its own handle)
+            try:
+                prev.step_result()
+            except Exception as e:  # prev's own handle raises it to the engine, which
+                # then fails this step too (requeues its requests): it was never built
+                self._pending = None
+                return PendingStep.failed(e)
             prev = None
         self._pending = None
         self.update_states(out)

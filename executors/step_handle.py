@@ -55,6 +55,15 @@ class PendingStep:
         self.tokens = tokens
         self.rows = rows or {}
 
+    @classmethod
+    def failed(cls, error: BaseException) -> PendingStep:
+        """A handle whose result is `error`."""
+
+        def raise_() -> StepResult:
+            raise error
+
+        return cls(raise_)
+
     def done(self) -> bool:
         """Whether the result was read (or reading it failed)."""
         return self._finish is None

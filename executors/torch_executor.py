@@ -184,10 +184,15 @@ class TorchExecutor:
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
+    def discard_pending(self) -> None:
+        """The engine dropped its step in flight (EngineCore._fail, discard_in_flight)."""
+        self.runner.discard_pending()
+
     def shutdown(self) -> None:
         if self.runner.grammars is not None:
             self.runner.grammars.shutdown()
         self.runner.requests.clear()
+        self.runner.discard_pending()
         # What holds device memory goes, even while the caller still holds this executor:
         # the caches, the graphs (their private pools), the drafter and the weights.
         self.kv_cache.layers.clear()

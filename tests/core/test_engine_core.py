@@ -50,3 +50,38 @@ def test_the_per_step_self_checks_run_only_when_asked(asked: bool | None) -> Non
     engine.add_request(make_request("a", 6, max_tokens=3))
     run_to_completion(engine)
     assert bool(calls) == bool(asked), f"check_invariants={asked}: {len(calls)} checks ran"
+
+
+class _ManualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _TimedSyncExecutor(ScriptedExecutor):
+    """Does each step's work inside execute_async (as the torch runner does for a step
+    with drafts or grammars): step k takes k seconds on the clock."""
+
+    def __init__(self, num_blocks: int, clock: _ManualClock) -> None:
+        super().__init__(num_blocks)
+        self.clock = clock
+
+    def execute_async(self, out):  # type: ignore[no-untyped-def]
+        self.clock.now += out.step_id
+        return super().execute_async(out)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_done_inside_its_launch_is_timed_there(async_scheduling: bool) -> None:
+    """Under async scheduling step N+1 is launched before N is applied; when the launch
+    itself runs the step, N's duration must not take N+1's time with it (the varlen
+    policy prices draft lengths from these durations)."""
+    clock = _ManualClock()
+    cfg = make_config(num_gpu_blocks=40, async_scheduling=async_scheduling)
+    engine = EngineCore(cfg, _TimedSyncExecutor(40, clock), clock=clock)
+    engine.add_request(make_request("a", 4, max_tokens=6))
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.duration for s in engine.steps] == [float(s.step_id) for s in engine.steps]

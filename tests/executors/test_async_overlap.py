@@ -188,3 +188,43 @@ def test_overlapped_steps_on_cuda_graphs_generate_what_sequential_steps_do(
             assert outs[True][i] == outs[False][i] == hf_greedy(tiny, p, sp.max_tokens)
         else:  # unseeded: another batch composition draws other noise
             assert len(outs[True][i]) == len(outs[False][i]) == sp.max_tokens
+
+
+def test_a_failed_read_fails_the_step_launched_after_it_without_aborting_its_own_requests(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    """Step N's result fails when it is read (here: inside the launch of N+1, which wants
+    prompt logprobs and so reads N first). N's requests end aborted with the error; a
+    request only in N+1 is requeued and ends normally, and the runner keeps no step of
+    theirs in flight."""
+    tiny = tiny_models["v3_mtp"]
+    llm = LLM(str(tiny.path), device="cpu", dtype="float32", block_size=4, async_scheduling=True)
+    runner: ModelRunner = llm.executor.runner  # type: ignore[attr-defined]
+    finish = runner._finish
+    calls = {"n": 0}
+
+    def flaky(*args):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 4:  # N4, read inside the launch of N5 (c wants prompt logprobs)
+            raise RuntimeError("transient read failure")
+        return finish(*args)
+
+    runner._finish = flaky  # type: ignore[method-assign]
+    a, c = prompts(15, [6, 5])
+    sps = [
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=1),
+    ]
+    engine = llm.engine
+    from deepinfer.request import Request
+
+    engine.add_request(Request("a", a, sps[0]))
+    for _ in range(3):  # a's prompt, then decodes launched before the last is read
+        engine.step()
+    engine.add_request(Request("c", c, sps[1]))
+    while engine.has_unfinished():
+        engine.step()
+    by_id = {r.req_id: r for r in engine.records}
+    assert by_id["a"].status == "aborted" and "transient read failure" in by_id["a"].reason
+    assert by_id["c"].status == "finished" and by_id["c"].num_output_tokens == 3
+    assert runner._pending is None or runner._pending.done()
