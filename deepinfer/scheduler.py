@@ -144,7 +144,10 @@ class Scheduler(SchedulerChecks):
         )
         if self._draft_len is not None and step.scheduled:
             self._plan_proposals(out)
-        self._finished_since_last = set()
+        if step.scheduled:  # an empty step is never launched: the next one tells the
+            # executor which requests ended (else it would hold their state for good; a
+            # preempted one's state is rebuilt when it resumes, or dropped when it ends)
+            self._finished_since_last = set()
         self._preempted_since_last = set()
         return out
 

@@ -228,3 +228,29 @@ def test_a_failed_read_fails_the_step_launched_after_it_without_aborting_its_own
     assert by_id["a"].status == "aborted" and "transient read failure" in by_id["a"].reason
     assert by_id["c"].status == "finished" and by_id["c"].num_output_tokens == 3
     assert runner._pending is None or runner._pending.done()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_runner_drops_the_state_of_requests_that_ended_as_the_engine_drained(
+    tiny_models: dict[str, TinyModel], async_scheduling: bool
+) -> None:
+    """The step that would announce the last requests' end is empty and never launched:
+    the next launched step announces them, so the runner holds no state of a past wave."""
+    from deepinfer.request import Request
+
+    tiny = tiny_models["v3_mtp"]
+    llm = LLM(
+        str(tiny.path),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        async_scheduling=async_scheduling,
+    )
+    runner: ModelRunner = llm.executor.runner  # type: ignore[attr-defined]
+    engine = llm.engine
+    for wave, lengths in enumerate(([5, 7], [6])):
+        for i, p in enumerate(prompts(16 + wave, lengths)):
+            engine.add_request(Request(f"w{wave}.{i}", p, GREEDY_10))
+        while engine.has_unfinished():
+            engine.step()
+    assert not [rid for rid in runner.requests if rid.startswith("w0.")]

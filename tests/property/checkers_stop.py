@@ -62,7 +62,9 @@ class StopConditions(Checker):
 
 class EndedAreAnnounced(Checker):
     """Every request that ends (finished in an update, or aborted) is in the next step's
-    `finished_req_ids` and nothing else is: the executor drops its state then."""
+    `finished_req_ids` and nothing else is: the executor drops its state then. An empty
+    step is never launched, so the ids it lists stay for the next one too (else the
+    executor would keep their state for good once the engine drains)."""
 
     def __init__(self) -> None:
         self.ended: set[str] = set()
@@ -79,4 +81,5 @@ class EndedAreAnnounced(Checker):
             f"{sorted(out.finished_req_ids)} as finished; ended since the last step: "
             f"{sorted(self.ended)}"
         )
-        self.ended = set()
+        if out.scheduled:
+            self.ended = set()
