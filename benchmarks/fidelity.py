@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_requests": args.num_requests,
         "traces": args.traces,
         "hardware": hardware,
-        "engine": vars(cfg) | {"role": cfg.role.value},
+        "engine": {k: getattr(cfg, k) for k in cfg.field_names()} | {"role": cfg.role.value},
         "startup_s": executor.startup_seconds,
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }

@@ -41,7 +41,10 @@ class EngineConfig:
     role: EngineRole = EngineRole.NORMAL
     num_speculative_tokens: int = 0
     enable_mtp_varlen: bool = field(default_factory=envs.enable_mtp_varlen)
-    async_scheduling: bool = False
+    # Step N+1 scheduled and launched while step N runs (the runner feeds N's tokens to
+    # N+1 on the device). None: on, except with several data-parallel ranks, whose
+    # lock-step rounds do not overlap (expert parallelism refuses it).
+    async_scheduling: bool | None = None
     policy: str = "fcfs"  # "fcfs" or "priority"
     seed: int = 0
     # Attention data parallelism: this many ranks, each with its own scheduler and KV
@@ -86,6 +89,13 @@ class EngineConfig:
                 "so a verification step fits in one batch"
             )
         _positive("data_parallel_size", self.data_parallel_size)
+        if self.async_scheduling is None:  # (`replace` keeps it automatic)
+            object.__setattr__(self, "_async_auto", True)
+            object.__setattr__(self, "async_scheduling", self.data_parallel_size == 1)
+        elif not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"async_scheduling={self.async_scheduling!r}: expected True, False or None"
+            )
         if self.enable_expert_parallel:
             self._check_expert_parallel()
         if not isinstance(self.batch_invariant, bool):
@@ -146,6 +156,8 @@ class EngineConfig:
         return cls(**dict(values))
 
     def replace(self, **changes: Any) -> EngineConfig:
+        if getattr(self, "_async_auto", False) and "async_scheduling" not in changes:
+            changes["async_scheduling"] = None  # decided again for the new config
         return dataclasses.replace(self, **changes)
 
 

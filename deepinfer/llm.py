@@ -261,6 +261,11 @@ class LLM:
                         bar.update(1)
                 if not self.engine.has_unfinished():
                     break
+            # Async scheduling launched a step for requests that then ended: read it, so
+            # the engine is idle when generate returns (it did no work that counts).
+            sched = getattr(self.engine, "scheduler", None)  # (data-parallel ranks: none)
+            while sched is not None and self.engine.has_unfinished() and not sched.has_unfinished():
+                self.engine.step()
 
 
 def _launch_ranks(

@@ -14,8 +14,15 @@ from deepinfer.sampling_params import SamplingParams
 
 
 def make_config(**overrides: object) -> EngineConfig:
+    """A small engine config. It steps synchronously (step N applied before N+1 is
+    scheduled) unless asked: these unit tests follow one step at a time; the property
+    suite draws both modes, and the LLM tests run the engine's default (async)."""
     base: dict[str, object] = dict(
-        block_size=4, num_gpu_blocks=10, max_num_seqs=8, max_num_batched_tokens=16
+        block_size=4,
+        num_gpu_blocks=10,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+        async_scheduling=False,
     )
     base.update(overrides)
     return EngineConfig(**base)  # type: ignore[arg-type]

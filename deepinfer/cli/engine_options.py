@@ -22,7 +22,7 @@ ENGINE_HELP = {
     "role": "normal, prefill (finish after the first token) or decode (prompt arrives cached)",
     "num_speculative_tokens": "draft tokens verified per step (0: no speculation)",
     "enable_mtp_varlen": "confidence-scheduled variable-length drafts",
-    "async_scheduling": "schedule step N+1 while step N runs",
+    "async_scheduling": "schedule and launch step N+1 while step N runs",
     "policy": "fcfs or priority",
     "seed": "seed for everything random",
     "data_parallel_size": "attention data-parallel ranks, each with its own scheduler and KV cache",
@@ -44,6 +44,7 @@ _ALIASES = {"enable_expert_parallel": "--expert-parallel"}
 _DEFAULT_TEXT = {
     "num_gpu_blocks": "derived from GPU memory minus weights",
     "max_model_len": "the model's, capped by what the cache holds",
+    "async_scheduling": "true; false with several data-parallel ranks",
 }
 
 

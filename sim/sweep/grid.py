@@ -133,6 +133,7 @@ def build_grid(raw: Mapping[str, Any], source: str = "grid") -> Grid:
     varied = tuple(k for k, v in axes.items() if len(v) > 1)
     base = dataclasses.asdict(EngineConfig())
     base["role"] = EngineConfig().role.value
+    base["async_scheduling"] = None  # the default decides per config (data parallelism)
     configs, invalid = [], []
     for combo in itertools.product(*axes.values()):
         chosen = dict(zip(axes, combo, strict=True))

@@ -72,3 +72,23 @@ def test_cpu_threads_default_to_one_and_are_overridable(monkeypatch) -> None:
     monkeypatch.setenv("DEEPINFER_CPU_THREADS", "0")
     with pytest.raises(ValueError, match="DEEPINFER_CPU_THREADS"):
         envs.cpu_threads()
+
+
+def test_async_scheduling_is_on_by_default_except_over_several_ranks() -> None:
+    """The default launches step N+1 while step N runs; a data-parallel engine (lock-step
+    rounds, and expert parallelism refuses it) steps synchronously. The default is decided
+    again when a config is replaced, an explicit setting is kept."""
+
+    auto = EngineConfig()
+    assert auto.async_scheduling is True
+    assert EngineConfig(data_parallel_size=2).async_scheduling is False
+    assert auto.replace(data_parallel_size=2).async_scheduling is False
+    assert auto.replace(data_parallel_size=2).replace(data_parallel_size=1).async_scheduling
+    ep = auto.replace(data_parallel_size=2, enable_expert_parallel=True)
+    assert ep.async_scheduling is False
+    off = EngineConfig(async_scheduling=False)
+    assert off.replace(max_num_seqs=4).async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(data_parallel_size=2, enable_expert_parallel=True, async_scheduling=True)
+    with pytest.raises(ValueError, match="async_scheduling='yes'"):
+        EngineConfig(async_scheduling="yes")  # type: ignore[arg-type]

@@ -122,6 +122,7 @@ def test_block_theft_interleaving_in_one_step() -> None:
         max_num_batched_tokens=64,
         prefill_watermark=1.0,
         enable_prefix_caching=True,
+        async_scheduling=False,  # (the script counts steps one at a time)
     )
     a = ReqSpec("a", 0, tuple(range(1, 13)) + (50,), max_tokens=1)  # blocks 0-2 full, 3 not
     b = ReqSpec("b", 3, (1, 2, 3, 4, 60), max_tokens=2)  # its first block is A's first

@@ -75,7 +75,9 @@ def test_a_run_whose_last_arrivals_are_all_rejected_ends() -> None:
 def test_unit_cost_model_prices_every_step_the_same() -> None:
     reqs = [TraceRequest(f"r{i}", 0.0, 10, 3) for i in range(3)]
     result = simulate(
-        reqs, engine=EngineConfig(num_gpu_blocks=50, block_size=4), cost_model=UnitCostModel(0.001)
+        reqs,
+        engine=EngineConfig(num_gpu_blocks=50, block_size=4, async_scheduling=False),
+        cost_model=UnitCostModel(0.001),
     )
     assert result.summary["duration_s"] == pytest.approx(0.001 * len(result.steps))
 
@@ -100,7 +102,7 @@ def test_same_trace_same_results_twice(tmp_path: Path) -> None:
 
 def test_async_scheduling_overlaps_cpu_time() -> None:
     trace = load_trace(TRACES / "azure_code_small.json", max_requests=30)
-    sync = simulate(trace, engine=EngineConfig(num_gpu_blocks=400))
+    sync = simulate(trace, engine=EngineConfig(num_gpu_blocks=400, async_scheduling=False))
     overlap = simulate(trace, engine=EngineConfig(num_gpu_blocks=400, async_scheduling=True))
     assert overlap.summary["tpot_ms_mean"] < sync.summary["tpot_ms_mean"]
     assert all(r.status == "finished" for r in overlap.requests)
