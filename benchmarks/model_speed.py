@@ -185,6 +185,7 @@ def sweep_config(
         max_num_seqs=batch,
         max_num_batched_tokens=budget,
         enable_prefix_caching=False,
+        async_scheduling=False,  # the baseline; --async-scheduling times the overlap beside
     )
     # every request's tokens, with the extra ones it decodes while the batch prefills
     extra = -(-batch * context // budget)

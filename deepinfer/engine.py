@@ -227,7 +227,9 @@ class EngineCore:
         launched while step N runs, then N's results are applied. The scheduler assumed
         N's tokens (placeholders); an executor that overlaps (the torch one) feeds N's
         sampled tokens to N+1 on the device, so the host's work for N+1 and for N's
-        results hides behind the device's; one that cannot finishes N first.
+        results hides behind the device's. A step the executor cannot overlap
+        (`can_overlap`: drafts, grammars, history-reading samplers) is launched once N is
+        applied, as without async scheduling (its scheduling still overlapped N).
         """
         if self._compiling:
             self._poll_grammars()
@@ -248,18 +250,21 @@ class EngineCore:
         next_out: SchedulerOutput | None = None
         launched: _InFlight | None = None
         launch_error: Exception | None = None
+        early = False  # N+1 launched before N is applied
         if self.config.async_scheduling:
             next_out = self.schedule()
             if next_out.is_empty:
                 next_out = None
             else:
                 yield _SCHEDULED, next_out
-                try:
-                    launched = self._launch(next_out)
-                except Exception as exc:  # failed before its device work: N still runs
-                    launch_error = exc
-                else:
-                    yield _LAUNCHED, next_out
+                early = self._can_overlap(next_out)
+                if early:
+                    try:
+                        launched = self._launch(next_out)
+                    except Exception as exc:  # failed before its device work: N still runs
+                        launch_error = exc
+                    else:
+                        yield _LAUNCHED, next_out
         assert self._in_flight is not None
         out, handle, start, ended = self._in_flight
         yield _AWAIT, out
@@ -275,11 +280,19 @@ class EngineCore:
         # this, may have done N+1's too).
         began = start if self._last_step_end is None else max(start, self._last_step_end)
         end = self.clock() if ended is None else ended
-        changed = self.process(out, res, end - began)
+        changed = self.process(out, res, end - min(began, end))
         self._last_step_end = end
         if launch_error is not None:
             assert next_out is not None
             return changed + self._fail([next_out], launch_error)
+        if next_out is not None and not early:  # (it needed N's results on the host)
+            try:
+                launched = self._launch(next_out)
+            except Exception as exc:
+                return changed + self._fail([next_out], exc)
+            self._in_flight = launched
+            yield _LAUNCHED, next_out
+            return changed
         self._in_flight = launched
         return changed
 
@@ -305,14 +318,22 @@ class EngineCore:
             self.scheduler.check_invariants()
         return aborted
 
+    def _can_overlap(self, out: SchedulerOutput) -> bool:
+        """Whether the executor runs `out` beside the step in flight when launched now (an
+        executor without `can_overlap` does). One that must read the step in flight
+        first, or that runs `out` inside its launch (a speculating runner), gets `out`
+        once the step in flight is applied: its results are not held back by `out`'s
+        work, and each step's time is its own."""
+        check = getattr(self.executor, "can_overlap", None)
+        return check is None or bool(check(out))
+
     def _launch(self, out: SchedulerOutput) -> _InFlight:
         start = self.clock()  # before the call: a synchronous executor returns when done
         handle = self.executor.execute_async(out)
         returned = self.clock()
         # Done on return, with time passed (a simulated clock passes none in a launch):
         # the launch did the work.
-        done = getattr(handle, "done", None)
-        ended = returned if returned > start and done is not None and done() else None
+        ended = returned if returned > start and _done(handle) else None
         return (out, handle, start, ended)
 
     def _step_record(self, out: SchedulerOutput, now: float, duration: float) -> StepRecord:
@@ -329,6 +350,12 @@ class EngineCore:
             kv_usage=s.kv.usage,
             num_preempted=len(out.preempted_req_ids),
         )
+
+
+def _done(handle: StepHandle) -> bool:
+    """Whether the handle's result is there (one without `done()`: not known, no)."""
+    done = getattr(handle, "done", None)
+    return bool(done is not None and done())
 
 
 def _errors(out: SchedulerOutput, exc: Exception) -> dict[str, str]:

@@ -245,8 +245,10 @@ class ModelRunner:
             try:
                 prev.step_result()
             except Exception as e:  # prev's own handle raises it to the engine, which
-                # then fails this step too (requeues its requests): it was never built
+                # then fails this step too (requeues its requests): it was never built;
+                # the requests it says ended are dropped all the same
                 self._pending = None
+                self._drop(out)
                 return PendingStep.failed(e)
             prev = None
         self._pending = None
@@ -304,10 +306,18 @@ class ModelRunner:
             return hidden, slice(0, n)
         return hidden, to_device(host.logits_indices, torch.int64, self.device)
 
-    def _overlaps(self, out: SchedulerOutput, prev: PendingStep) -> bool:
+    def can_overlap(self, out: SchedulerOutput) -> bool:
+        """Whether `launch(out)` now runs `out` beside the step in flight: it queues its
+        work without reading it back (`_deferrable`) and needs nothing of the step in
+        flight on the host (EngineCore launches it after that step otherwise)."""
+        prev = self._pending if self._pending is not None and not self._pending.done() else None
+        return self._overlaps(out, prev)
+
+    def _overlaps(self, out: SchedulerOutput, prev: PendingStep | None) -> bool:
         """Whether `out` can be built while `prev` (launched, unread) runs: it will not
         need the host to see prev's tokens (`_deferrable`), and its requests that prev
-        samples for read no history (seeds, penalties and min_tokens count outputs)."""
+        samples for read no history (seeds, penalties and min_tokens count outputs).
+        With no step in flight: only whether `out` itself stays on the device."""
         if self.drafter is not None:
             return False
         for sr in out.scheduled:
@@ -321,13 +331,20 @@ class ModelRunner:
             )
             if params.so_args is not None or params.prompt_logprobs is not None:
                 return False
-            if sr.req_id in prev.rows and (
-                sr.block_table is not None
-                or params.seq_seed is not None
-                or params.repetition_penalty != 1
-                or params.frequency_penalty
-                or params.presence_penalty
-                or (state is not None and len(state.sampling.output_token_ids) < params.min_tokens)
+            if (
+                prev is not None
+                and sr.req_id in prev.rows
+                and (
+                    sr.block_table is not None
+                    or params.seq_seed is not None
+                    or params.repetition_penalty != 1
+                    or params.frequency_penalty
+                    or params.presence_penalty
+                    or (
+                        state is not None
+                        and len(state.sampling.output_token_ids) < params.min_tokens
+                    )
+                )
             ):
                 return False
         return True
@@ -384,11 +401,15 @@ class ModelRunner:
             return None
         return graphs
 
-    def update_states(self, out: SchedulerOutput) -> None:
+    def _drop(self, out: SchedulerOutput) -> None:
+        """Forget the requests `out` says ended or were preempted."""
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             self.requests.pop(req_id, None)
             if self.drafter is not None:
                 self.drafter.pending.pop(req_id, None)
+
+    def update_states(self, out: SchedulerOutput) -> None:
+        self._drop(out)
         for sr in out.scheduled:
             if sr.block_table is not None:
                 if self.drafter is not None:  # (re)started: nothing of its past is pending

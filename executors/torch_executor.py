@@ -184,6 +184,10 @@ class TorchExecutor:
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
+    def can_overlap(self, out: SchedulerOutput) -> bool:
+        """Whether `out`, launched now, runs beside the step in flight (ModelRunner)."""
+        return self.runner.can_overlap(out)
+
     def discard_pending(self) -> None:
         """The engine dropped its step in flight (EngineCore._fail, discard_in_flight)."""
         self.runner.discard_pending()

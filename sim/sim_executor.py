@@ -126,5 +126,11 @@ class SimExecutor:
     def execute_async(self, out: SchedulerOutput) -> Done:
         return Done(self.execute(out))
 
+    def can_overlap(self, out: SchedulerOutput) -> bool:
+        """As the torch executor: a speculating step (its drafter reads the tokens on the
+        host) or one with structured requests (their grammar accepts the tokens on the
+        host) is launched once the step in flight is applied."""
+        return not self.k and not any(sr.structured for sr in out.scheduled)
+
     def shutdown(self) -> None:
         pass

@@ -143,7 +143,7 @@ def simulate(
     env.run()
     records = _in_trace_order(requests, [core])
     meta = _meta(trace, spec, hw, engine, cost_meta, num_blocks, [core], mask_s)
-    meta["num_steps"] = core.scheduler.step_id
+    meta["num_steps"] = len(core.steps)  # (under async scheduling some schedules are empty)
     if engine.num_speculative_tokens:
         drafts = executor.num_draft_tokens
         meta["draft_acceptance_rate"] = executor.num_accepted_tokens / drafts if drafts else None

@@ -254,3 +254,29 @@ def test_the_runner_drops_the_state_of_requests_that_ended_as_the_engine_drained
         while engine.has_unfinished():
             engine.step()
     assert not [rid for rid in runner.requests if rid.startswith("w0.")]
+
+
+def test_a_step_that_cannot_overlap_is_launched_after_the_one_in_flight_is_applied(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    """A prompt wanting prompt logprobs arrives while a plain decode runs: its step needs
+    the host to have read the decode, so the engine applies the decode first and then
+    launches it; every step's time is its own."""
+    from deepinfer.request import Request
+
+    tiny = tiny_models["v3_mtp"]
+    llm = LLM(
+        str(tiny.path), device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=256
+    )
+    engine = llm.engine
+    engine.add_request(Request("a", prompts(17, [6])[0], GREEDY_10))
+    for _ in range(3):
+        engine.step()
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    engine.add_request(Request("p", prompts(18, [120])[0], sp))
+    while engine.has_unfinished():
+        engine.step()
+    durations = {s.step_id: s.duration for s in engine.steps}
+    # (Credited with the prompt's work, the decode before it left the prompt's step less
+    # than none.)
+    assert min(durations.values()) >= 0, durations
