@@ -15,9 +15,10 @@ which go back in ModelRunnerOutput with their confidences.
 `launch` queues a step and returns its handle (executors/step_handle.py) without
 waiting for the device. Under async scheduling the engine launches step N+1 before it
 reads step N: a request whose newest token N samples takes it from N's device tensor
-(`HostBatch.deferred`), so nothing waits. What needs N's tokens on the host first
+(`HostBatch.deferred`), so nothing waits. A step that needs N's tokens on the host
 (drafts, grammars, prompt logprobs, a sampler setting that reads the request's history)
-finishes N before N+1 is built (`_overlaps`).
+cannot overlap (`can_overlap`): the engine launches it once N is applied, and a launch
+that finds N unread anyway reads N first.
 """
 
 from __future__ import annotations
