@@ -232,9 +232,11 @@ def test_text_that_may_start_a_stop_string_is_held_back(tok: Tokenizer) -> None:
     assert emitted == "the lazy " and emitted + detok.flush() == detok.text
 
 
+# Text, not special tokens: "<|eos|>" encodes to the EOS id, which decoding skips (as
+# vLLM's skip_special_tokens), so it would not come back as text (hypothesis found it).
 unicode_text = st.text(
     st.characters(blacklist_categories=("Cs",), blacklist_characters="\ufffd"), max_size=40
-)
+).filter(lambda t: not any(special in t for special in (BOS, EOS, EOT)))
 
 
 @settings(max_examples=150, deadline=None)
