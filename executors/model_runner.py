@@ -242,7 +242,8 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> PendingStep:
         """Queue one step's device work; the handle's `result()` reads it back."""
         prev = self._pending if self._pending is not None and not self._pending.done() else None
-        if prev is not None and not self._overlaps(out, prev):
+        on_device = self._on_device(out)
+        if prev is not None and not (on_device and self._independent(out, prev)):
             try:
                 prev.step_result()
             except Exception as e:  # prev's own handle raises it to the engine, which
@@ -259,7 +260,7 @@ class ModelRunner:
         host = self.collect(out.scheduled, prev)
         hidden, indices = self._forward(host, self._fill(host, prev))
         logits = self.model.compute_logits(hidden[indices])  # [N, vocab]
-        if self._deferrable(host):
+        if on_device:
             rows = sorted(host.sample_rows.items(), key=lambda kv: kv[1][0])
             states = [self.requests[rid] for rid, _ in rows]
             sample = sample_on_device(
@@ -309,56 +310,55 @@ class ModelRunner:
 
     def can_overlap(self, out: SchedulerOutput) -> bool:
         """Whether `launch(out)` now runs `out` beside the step in flight: it queues its
-        work without reading it back (`_deferrable`) and needs nothing of the step in
+        work without reading it back (`_on_device`) and needs nothing of the step in
         flight on the host (EngineCore launches it after that step otherwise)."""
         prev = self._pending if self._pending is not None and not self._pending.done() else None
-        return self._overlaps(out, prev)
+        return self._on_device(out) and (prev is None or self._independent(out, prev))
 
-    def _overlaps(self, out: SchedulerOutput, prev: PendingStep | None) -> bool:
-        """Whether `out` can be built while `prev` (launched, unread) runs: it will not
-        need the host to see prev's tokens (`_deferrable`), and its requests that prev
-        samples for read no history (seeds, penalties and min_tokens count outputs).
-        With no step in flight: only whether `out` itself stays on the device."""
+    def _params(self, sr: ScheduledRequest) -> SamplingParams | None:
+        """The request's sampling params (None: no state held, and none sent)."""
+        if sr.block_table is not None:
+            return sr.sampling_params or SamplingParams()
+        state = self.requests.get(sr.req_id)
+        return None if state is None else state.sampling.params
+
+    def _on_device(self, out: SchedulerOutput) -> bool:
+        """Whether the step's sampling can stay on the device until its result is read:
+        no drafts to verify or propose, no grammar, no prompt logprobs."""
         if self.drafter is not None:
             return False
         for sr in out.scheduled:
-            state = self.requests.get(sr.req_id)
-            if sr.draft_token_ids or (sr.block_table is None and state is None):
-                return False
-            params = (
-                sr.sampling_params or SamplingParams()
-                if sr.block_table is not None or state is None
-                else state.sampling.params
-            )
-            if params.so_args is not None or params.prompt_logprobs is not None:
-                return False
+            params = self._params(sr)
             if (
-                prev is not None
-                and sr.req_id in prev.rows
-                and (
-                    sr.block_table is not None
-                    or params.seq_seed is not None
-                    or params.repetition_penalty != 1
-                    or params.frequency_penalty
-                    or params.presence_penalty
-                    or (
-                        state is not None
-                        and len(state.sampling.output_token_ids) < params.min_tokens
-                    )
-                )
+                sr.draft_token_ids
+                or params is None
+                or params.so_args is not None
+                or params.prompt_logprobs is not None
             ):
                 return False
         return True
 
-    def _deferrable(self, host: HostBatch) -> bool:
-        """Whether the step's sampling can stay on the device until its result is read:
-        no drafts to verify or propose, no grammar, no prompt logprobs."""
-        return (
-            self.drafter is None
-            and not host.prompt_rows
-            and not any(drafts for _, _, drafts in host.sample_rows.values())
-            and all(self.requests[rid].grammar is None for rid in host.sample_rows)
-        )
+    def _independent(self, out: SchedulerOutput, prev: PendingStep) -> bool:
+        """Whether `out` can be built while `prev` (launched, unread) runs: its requests
+        that prev samples for are not new to the runner and read no history (seeds,
+        penalties and min_tokens count outputs)."""
+        for sr in out.scheduled:
+            if sr.req_id not in prev.rows:
+                continue
+            state = self.requests.get(sr.req_id)
+            params = self._params(sr)
+            if (
+                sr.block_table is not None
+                or state is None
+                or params is None
+                or params.seq_seed is not None
+                or params.repetition_penalty != 1
+                or params.frequency_penalty
+                or params.presence_penalty
+                or len(state.sampling.output_token_ids) < params.min_tokens
+            ):
+                return False
+        return True
 
     def _fill(
         self, host: HostBatch, prev: PendingStep | None

@@ -9,6 +9,7 @@ event, a step's device time when its result is collected.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from hypothesis import example, given
@@ -122,7 +123,7 @@ class FaultySim:
         clock: LoopClock,
         faults: dict[int, Fault],
         engine_ref: list,
-        apart: set[int] = frozenset(),  # type: ignore[assignment]
+        apart: Collection[int] = (),
     ) -> None:
         self.inner, self.clock, self.faults, self.engine_ref = inner, clock, faults, engine_ref
         self.apart = apart  # step ids that cannot run beside the step in flight
@@ -179,7 +180,7 @@ class Loop:
         case: EngineCase,
         workload: Workload,
         faults: dict[int, Fault],
-        apart: set[int] = frozenset(),  # type: ignore[assignment]
+        apart: Collection[int] = (),
     ) -> None:
         cfg = case.config
         self.case, self.workload = case, workload
