@@ -364,6 +364,9 @@ def _small_workload(async_scheduling: bool) -> tuple[EngineCase, Workload]:
 @example(_small_workload(False), {1: Fault(True, True, 2), 3: Fault(False, False, 0)}, set())
 # async, step 4 launched only once step 3 is applied, which fails when collected
 @example(_small_workload(True), {3: Fault(at_launch=False, named=True, victim=0)}, {4})
+# async, step 4 (r3's first) failing at its launch, naming r3, and step 3 when collected:
+# r3 ends aborted with step 4's reason
+@example(_small_workload(True), {3: Fault(False, False, 0), 4: Fault(True, True, 3)}, set())
 def test_the_engine_loop_announces_times_and_isolates_failed_steps(
     cw: tuple[EngineCase, Workload], faults: dict[int, Fault], apart: set[int]
 ) -> None:
