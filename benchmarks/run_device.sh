@@ -4,6 +4,7 @@
 #   bash benchmarks/run_device.sh dp [ARGS of benchmarks/data_parallel.py]   (several GPUs;
 #     not in all: NCCL tests, the all-to-all sweep, DP + EP throughput against the simulator)
 #   bash benchmarks/run_device.sh async   (not in all: async scheduling's tests and figures)
+#   bash benchmarks/run_device.sh decode  (not in all: decode-path tests, tok/s, kernel profile)
 #   bash benchmarks/run_device.sh spec [ARGS of benchmarks/speculative.py]   (not in all: the
 #     whole sweep takes longer than one device call; e.g. spec --ks 3 --acceptance 0.85)
 # The model sweep's JSON plots here with benchmarks/plot_model_speed.py (matplotlib).
@@ -23,17 +24,32 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
-# Async scheduling (not in all): its GPU tests and those of the paths it touches, decode
-# with and without it, then the served Azure trace with it against the simulator.
-if [[ $what == async ]]; then
-  python3 -m pytest -q -m gpu tests/executors/test_async_overlap.py \
-    tests/executors/test_cuda_graphs.py tests/executors/test_piecewise_graphs.py \
-    tests/executors/test_speculative_llm.py tests/executors/test_torch_executor.py \
-    -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+# Decode speed and async scheduling (not in all): the GPU tests of the decode path (decode:
+# its kernels too; async: speculation too), decode tok/s sync and async, then a kernel
+# profile of decode at batch 1 and 256 (decode), or the served Azure trace against the
+# simulator (async).
+if [[ $what == decode || $what == async ]]; then
+  tests=(tests/executors/test_async_overlap.py tests/executors/test_cuda_graphs.py
+    tests/executors/test_piecewise_graphs.py tests/executors/test_torch_executor.py)
+  if [[ $what == decode ]]; then
+    tests+=(tests/kernels/test_fused_moe.py tests/kernels/test_moe_router.py
+      tests/kernels/test_mla_decode.py tests/executors/test_projection_fusion.py)
+  else
+    tests+=(tests/executors/test_speculative_llm.py)
+  fi
+  python3 -m pytest -q -m gpu "${tests[@]}" -p no:cacheprovider 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -8
   status=${PIPESTATUS[0]}
   python3 benchmarks/model_speed.py --no-hf --async-scheduling --prefill "" --contexts 1024 \
     --json "$OUT/model_speed_async.json" 2>&1 | grep -v Warning \
     | tee "$OUT/model_speed_async.log" | tail -7
+fi
+if [[ $what == decode ]]; then
+  python3 benchmarks/profile_step.py --prefill "" --batches 1,256 --rows 30 2>&1 \
+    | grep -v "^-" | cut -c1-60,100-240 > "$OUT/profile.log"
+  grep "^==" "$OUT/profile.log"
+fi
+if [[ $what == async ]]; then
   python3 benchmarks/fidelity.py --out "$OUT/fidelity_async" --model moonlight-16b-a3b \
     --device cuda --num-requests 200 --traces azure_code_small.json --num-gpu-blocks 20000 \
     --max-num-seqs 256 --max-num-batched-tokens 8192 --async-scheduling true 2>&1 \

@@ -26,7 +26,7 @@ from torch import nn
 from deepinfer import envs
 from deepinfer.model_config import PRESETS_DIR, ModelConfig, known_models
 from executors.distributed.expert_parallel import ExpertParallel
-from executors.models.deepseek import DeepseekForCausalLM
+from executors.models.deepseek import DeepseekForCausalLM, fuse_projections
 from executors.models.moe import shard_experts
 from executors.models.mtp import DeepseekMTP
 
@@ -186,6 +186,7 @@ def build_model(
         if name.endswith("mlp.gate"):
             module.float()
     model.to_empty(device=device)
+    fuse_projections(model)
     model.tie_weights()
     model.requires_grad_(False)
     return model.eval()

@@ -5,6 +5,12 @@ Weights use the executor's (transformers') fused layout, so no repacking:
 w13 = gate_up_proj [E, 2I, H] (gate rows first), w2 = down_proj [E, H, I].
 Each BLOCK_M-row block of the aligned pairs belongs to one expert, so a program
 streams that expert's weight tile once for up to BLOCK_M tokens.
+
+Shared experts can ride along (`shared`): their gate/up rows [2 * S * I, H] and down
+columns [H, S * I] are cut into S experts of the routed size I, numbered E .. E + S - 1,
+which every token picks with weight 1 (`moe_router(num_shared=S)`). At decode this
+replaces the shared MLP's three GEMVs, its activation and the add with nothing: its
+weights stream through the same launches as the routed experts'.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ def _block_ids(num_blocks_m, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 def _moe_gate_up_kernel(
     x_ptr,  # [T, K]
     w_ptr,  # [E, 2N, K]
+    sw_ptr,  # [2 * NUM_SHARED * N, K]: shared gate rows, then shared up rows
     act_ptr,  # [num_pairs, N]: silu(gate) * up per pair
     sorted_ptr,  # [max_blocks * BLOCK_M] int32 pair ids
     block_expert_ptr,  # [max_blocks] int32
@@ -64,6 +71,9 @@ def _moe_gate_up_kernel(
     stride_we,
     stride_wn,
     stride_act,
+    num_routed,
+    stride_swn,
+    NUM_SHARED: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -84,6 +94,11 @@ def _moe_gate_up_kernel(
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + N * stride_wn  # up rows follow the N gate rows
+    if NUM_SHARED > 0:  # noqa: SIM102 (a constexpr test: no code without shared experts)
+        if expert >= num_routed:  # slice (expert - E) of the shared MLP's rows
+            rows = (expert - num_routed) * N + offs_n
+            g_ptrs = sw_ptr + rows[None, :] * stride_swn + offs_k[:, None]
+            u_ptrs = g_ptrs + NUM_SHARED * N * stride_swn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -106,6 +121,7 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     act_ptr,  # [num_pairs, K]
     w_ptr,  # [E, N, K]
+    sw_ptr,  # [N, NUM_SHARED * K]: the shared MLP's down projection
     topk_w_ptr,  # [num_pairs] float32
     out_ptr,  # [num_pairs, N] float32: weighted expert output per pair
     sorted_ptr,
@@ -118,6 +134,9 @@ def _moe_down_kernel(
     stride_act,
     stride_we,
     stride_wn,
+    num_routed,
+    stride_swn,
+    NUM_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -136,6 +155,10 @@ def _moe_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None] * stride_act + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    if NUM_SHARED > 0:  # noqa: SIM102 (a constexpr test: no code without shared experts)
+        if expert >= num_routed:  # columns (expert - E) * K .. of the shared down weight
+            cols = (expert - num_routed) * K + offs_k
+            w_ptrs = sw_ptr + offs_n[None, :].to(tl.int64) * stride_swn + cols[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
@@ -170,17 +193,26 @@ def fused_moe(
     topk_ids: torch.Tensor,
     config: dict[str, int] | None = None,
     out: torch.Tensor | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Same contract as `kernels.reference.fused_moe_ref`: x [T, H], w13 [E, 2I, H],
     w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] -> [T, H] in x.dtype.
     Weights must be contiguous in their last dim; no host synchronisation. `config`
-    overrides the table's launch settings; `out` [T, H] receives the result."""
+    overrides the table's launch settings; `out` [T, H] receives the result. `shared`
+    = (gate/up [2SI, H], down [H, SI]): ids E + s pick slice s of the shared MLP."""
     t, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
     k = topk_ids.shape[1]
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     assert w2.shape == (num_experts, hidden, inter)
+    num_shared = 0
+    sw13, sw2 = w13, w2  # unread unless shared
+    if shared is not None:
+        sw13, sw2 = shared
+        num_shared = sw13.shape[0] // two_i
+        assert sw13.shape == (num_shared * two_i, hidden) and sw13.stride(1) == 1
+        assert sw2.shape == (hidden, num_shared * inter) and sw2.stride(1) == 1
     out = torch.empty_like(x) if out is None else out
     assert out.shape == x.shape and out.stride(1) == 1
     if t == 0:
@@ -190,20 +222,21 @@ def fused_moe(
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     num_pairs = t * k
-    al = moe_align(topk_ids, num_experts, bm)
+    al = moe_align(topk_ids, num_experts + num_shared, bm)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
     _moe_gate_up_kernel[(al.max_blocks * triton.cdiv(inter, bn),)](
-        x, w13, act, al.sorted_pairs, al.block_expert, al.num_padded,
+        x, w13, sw13, act, al.sorted_pairs, al.block_expert, al.num_padded,
         num_pairs, al.max_blocks, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISION=precision, **launch,
+        num_experts, sw13.stride(0), NUM_SHARED=num_shared, TOP_K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISION=precision, **launch,
     )  # fmt: skip
     part = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*k, H]
     weights = topk_weights.reshape(-1).float()
     _moe_down_kernel[(al.max_blocks * triton.cdiv(hidden, bn),)](
-        act, w2, weights, part, al.sorted_pairs, al.block_expert, al.num_padded,
+        act, w2, sw2, weights, part, al.sorted_pairs, al.block_expert, al.num_padded,
         num_pairs, al.max_blocks, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1),
+        num_experts, sw2.stride(0), NUM_SHARED=num_shared,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISION=precision, **launch,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))

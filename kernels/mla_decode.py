@@ -30,7 +30,8 @@ MIN_INVARIANT_KEYS_PER_SPLIT = 256
 # divisibility by 16): a new value would otherwise compile a new kernel mid-serving.
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits", "min_keys"])
 def _mla_decode_split_kernel(
-    q_ptr,  # [T, H, L + R]
+    q_ptr,  # [T, H, L(+ R)]: the latent query
+    qpe_ptr,  # [T, H, R]: its rope part (q_ptr + L when one tensor holds both)
     kv_ptr,  # [N, PAGE, L + R], last dim contiguous
     bt_ptr,  # [B, max_blocks]
     seq_lens_ptr,  # [B]
@@ -43,6 +44,8 @@ def _mla_decode_split_kernel(
     sm_scale_log2,
     stride_qt,
     stride_qh,
+    stride_pt,
+    stride_ph,
     stride_kvb,
     stride_kvs,
     stride_bt,
@@ -101,7 +104,8 @@ def _mla_decode_split_kernel(
     offs_r = tl.arange(0, R)
     q_row = q_ptr + (tok * stride_qt + heads * stride_qh)[:, None]
     q_nope = tl.load(q_row + offs_l[None, :], mask=row_ok[:, None], other=0.0)  # [ROWS, L]
-    q_pe = tl.load(q_row + L + offs_r[None, :], mask=row_ok[:, None], other=0.0)  # [ROWS, R]
+    pe_row = qpe_ptr + (tok * stride_pt + heads * stride_ph)[:, None]
+    q_pe = tl.load(pe_row + offs_r[None, :], mask=row_ok[:, None], other=0.0)  # [ROWS, R]
 
     m_i = tl.full([QG * BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([QG * BLOCK_H], tl.float32)
@@ -232,9 +236,12 @@ def mla_decode(
     config: dict[str, int] | None = None,
     out: torch.Tensor | None = None,
     keys_per_split: int | None = None,
+    q_pe: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `kernels.reference.mla_decode_ref` (and the executor's entry
-    point `kernels.ops.mla_decode_attention`): q [T, H, L + R] -> [T, H, L]. No host
+    point `kernels.ops.mla_decode_attention`): q [T, H, L + R] -> [T, H, L], or q
+    [T, H, L] with its rope part q_pe [T, H, R] in another tensor (any strides but the
+    last: no copy to join them). No host
     synchronisation: the split count comes from T, H and the block table's width, an
     upper bound on the context. L, R and block_size must be powers of two. `num_splits`,
     `config` override the heuristics; `out` [T, H, L] receives the result.
@@ -243,9 +250,13 @@ def mla_decode(
     are cut into pieces of exactly this many from key 0, always through the split-and-merge
     path, with the single-query launch config: nothing depends on the other requests (the
     split count only sizes the grid; pieces past a query's keys stay empty)."""
-    t, h, d = q.shape
+    t, h, _ = q.shape
+    if q_pe is None:
+        q_pe = q[..., kv_lora_rank:]
+    d = kv_lora_rank + q_pe.shape[2]
     page = kv_cache.shape[1]
     lat, rope = kv_lora_rank, d - kv_lora_rank
+    assert q.shape[2] in (lat, d) and q_pe.shape == (t, h, rope) and q_pe.stride(2) == 1
     assert kv_cache.shape[2] == d and kv_cache.stride(2) == 1 and q.stride(2) == 1
     assert lat & (lat - 1) == 0 and rope & (rope - 1) == 0 and page & (page - 1) == 0
     if out is None:
@@ -282,10 +293,10 @@ def mla_decode(
         part_out = part_lse = out  # unused
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _mla_decode_split_kernel[(head_blocks, t, num_splits)](
-        q, kv_cache, block_tables, seq_lens, query_start_loc,
+        q, q_pe, kv_cache, block_tables, seq_lens, query_start_loc,
         out, part_out, part_lse,
         block_tables.shape[0], h, scale * LOG2E,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), num_splits, min_keys,
         L=lat, R=rope, PAGE=page, BLOCK_H=block_h, QG=qg, BLOCK_N=cfg["BLOCK_N"],
         SPLIT=num_splits > 1, PRECISION=precision, NUM_STAGES=cfg["num_stages"],

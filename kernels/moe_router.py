@@ -108,8 +108,8 @@ def _moe_router_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, H] gate weight
     bias_ptr,  # [E] e_score_correction_bias (read when HAS_BIAS)
-    weights_ptr,  # [T, TOP_K] float32 out
-    ids_ptr,  # [T, TOP_K] int64 out
+    weights_ptr,  # [T, TOP_K + NUM_SHARED] float32 out
+    ids_ptr,  # [T, TOP_K + NUM_SHARED] int64 out
     T,
     E,
     H,
@@ -132,6 +132,7 @@ def _moe_router_kernel(
     E_POW2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    NUM_SHARED: tl.constexpr,
 ):
     offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_mask = offs_t < T
@@ -210,6 +211,15 @@ def _moe_router_kernel(
         if SCALE:
             w_j = w_j * routed_scaling_factor
         tl.store(weights_ptr + offs_t * stride_wt + j, w_j, mask=t_mask)
+    # Shared experts as always-chosen experts E, E + 1, ... of weight 1 (the fused MoE
+    # runs them beside the routed ones): written here, so they cost no launch.
+    for j in tl.static_range(NUM_SHARED):
+        tl.store(ids_ptr + offs_t * stride_it + TOP_K + j, (E + j).to(tl.int64), mask=t_mask)
+        tl.store(
+            weights_ptr + offs_t * stride_wt + TOP_K + j,
+            tl.full([BLOCK_T], 1.0, tl.float32),
+            mask=t_mask,
+        )
 
 
 def moe_router(
@@ -227,11 +237,14 @@ def moe_router(
     config: dict | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     batch_invariant: bool = False,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `kernels.reference.moe_router_ref`: x [T, H], weight [E, H],
     bias [E] (used by noaux_tc only) -> (weights [T, top_k] float32, ids [T, top_k] int64),
     ids in descending order of the (biased, group-limited) choice. `config` overrides the
     launch settings of `router_config`; `out` = (weights, ids) receives the result.
+    num_shared: that many columns more, ids E, E + 1, ... with weight 1 (shared experts
+    for `kernels.fused_moe`'s `shared`).
     batch_invariant: the float32 logits come from the fixed-config GEMM of
     kernels.batch_invariant (not cuBLAS) and the selection runs in 16-token tiles for any
     T, so a token's experts and weights never depend on the batch."""
@@ -240,13 +253,14 @@ def moe_router(
     assert weight.shape[1] == hidden and x.stride(1) == 1 and weight.stride(1) == 1
     assert scoring in SCORING and topk_method in TOPK_METHODS, (scoring, topk_method)
     assert 1 <= top_k <= num_experts and num_experts % n_group == 0
+    cols = top_k + num_shared
     if out is None:
-        weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
-        ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+        weights = torch.empty(t, cols, dtype=torch.float32, device=x.device)
+        ids = torch.empty(t, cols, dtype=torch.int64, device=x.device)
     else:
         weights, ids = out
         assert weights.dtype == torch.float32 and ids.dtype == torch.int64
-        assert weights.shape == ids.shape == (t, top_k) and weights.stride(1) == ids.stride(1) == 1
+        assert weights.shape == ids.shape == (t, cols) and weights.stride(1) == ids.stride(1) == 1
     if t == 0:
         return weights, ids
     has_bias = topk_method == "noaux_tc"
@@ -292,7 +306,7 @@ def moe_router(
         TOPK_GROUP=topk_group if group_mode else 1,
         NORMALISE=normalised, SCALE=scale_after_norm or not normalised,
         UPCAST=bool(cfg["UPCAST"]), LOGITS_IN=logits_in, E_POW2=e_pow2, BLOCK_T=cfg["BLOCK_T"],
-        BLOCK_H=block_h,
+        BLOCK_H=block_h, NUM_SHARED=num_shared,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return weights, ids

@@ -123,17 +123,19 @@ def mla_decode_attention(
     scale: float,
     backend: str | None = None,
     keys_per_split: int | None = None,
+    q_pe: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA over the paged latent cache (the FlashMLA interface).
 
-    q: [T, H, L + R] (W_UK folded into the nope part), kv_cache: [N, block_size, L + R],
+    q: [T, H, L + R] (W_UK folded into the nope part), or [T, H, L] with the rope part
+    q_pe [T, H, R] given apart (the kernel reads both, no join), kv_cache: [N, block_size, L + R],
     block_tables: [B, max_blocks], seq_lens: [B], query_start_loc: [B + 1] -> [T, H, L]
     (still latent: the caller applies W_UV). Keys are whole cache entries, values their
     first L dims; query i of a request with q_len queries sees keys up to
     seq_len - q_len + i. The kernel needs L, R and block_size powers of two.
     keys_per_split (batch-invariant mode): every query reduces over its keys in pieces
     of this many, merged in order, whatever the batch (`mla_decode`); the kernel only."""
-    rope = q.shape[-1] - kv_lora_rank
+    rope = q.shape[-1] - kv_lora_rank if q_pe is None else q_pe.shape[-1]
     shapes_ok = _is_pow2(kv_lora_rank) and _is_pow2(rope) and _is_pow2(kv_cache.shape[1])
     if keys_per_split is not None:
         _require_triton("mla_decode_attention", q, backend, shapes_ok)
@@ -142,8 +144,10 @@ def mla_decode_attention(
 
         return mla_decode(
             q, kv_cache, block_tables, seq_lens, query_start_loc, kv_lora_rank, scale,
-            keys_per_split=keys_per_split,
+            keys_per_split=keys_per_split, q_pe=q_pe,
         )  # fmt: skip
+    if q_pe is not None:
+        q = torch.cat([q, q_pe], dim=-1)
     return mla_decode_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, kv_lora_rank, scale)
 
 
@@ -188,16 +192,19 @@ def fused_moe(
     topk_ids: torch.Tensor,
     backend: str | None = None,
     batch_invariant: bool = False,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x: [T, H], w13: [E, 2I, H], w2: [E, H, I], topk_*: [T, k] -> [T, H].
-    batch_invariant: the Triton kernel (its rows never depend on T: kernels/fused_moe.py)."""
+    batch_invariant: the Triton kernel (its rows never depend on T: kernels/fused_moe.py).
+    shared = (gate/up [2SI, H], down [H, SI]) of a shared MLP: ids E .. E + S - 1 stand
+    for its S slices of I features (`moe_router(num_shared=S)` adds them)."""
     if batch_invariant:
         _require_triton("fused_moe", x, backend, True)
     if use_triton(x, backend):
         from kernels.fused_moe import fused_moe as triton_fused_moe
 
-        return triton_fused_moe(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+        return triton_fused_moe(x, w13, w2, topk_weights, topk_ids, shared=shared)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, shared)
 
 
 def moe_router(
@@ -214,10 +221,12 @@ def moe_router(
     routed_scaling_factor: float,
     backend: str | None = None,
     batch_invariant: bool = False,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, H], weight: [E, H], bias: [E] or None -> (weights [T, k] float32, ids [T, k]
     int64); see `kernels.reference.moe_router_ref`. The kernel holds up to 256 experts.
-    batch_invariant: float32 logits from the batch-invariant GEMM, fixed token tiles."""
+    batch_invariant: float32 logits from the batch-invariant GEMM, fixed token tiles.
+    num_shared: S columns more, ids E .. E + S - 1 of weight 1 (`fused_moe`'s `shared`)."""
     args = (x, weight, bias, top_k, scoring, topk_method, n_group, topk_group, normalise,
             scale_after_norm, routed_scaling_factor)  # fmt: skip
     if batch_invariant:
@@ -225,8 +234,13 @@ def moe_router(
     if weight.shape[0] <= 256 and use_triton(x, backend):
         from kernels.moe_router import moe_router as triton_moe_router
 
-        return triton_moe_router(*args, batch_invariant=batch_invariant)
-    return moe_router_ref(*args)
+        return triton_moe_router(*args, batch_invariant=batch_invariant, num_shared=num_shared)
+    weights, ids = moe_router_ref(*args)
+    if num_shared:
+        t, e = x.shape[0], weight.shape[0]
+        ids = torch.cat([ids, torch.arange(e, e + num_shared, device=x.device).expand(t, -1)], 1)
+        weights = torch.cat([weights, weights.new_ones(t, num_shared)], 1)
+    return weights, ids
 
 
 def rmsnorm(

@@ -124,8 +124,11 @@ def fused_moe_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j].
+    shared = (gate/up [2SI, H] gate rows first, down [H, SI]): ids E + s stand for slice
+    s (intermediate features s*I .. (s+1)*I) of a shared MLP, which sum to all of it.
 
     x: [T, H], w13: [E, 2I, H] (gate rows first), w2: [E, H, I], topk_weights: [T, k],
     topk_ids: [T, k] -> [T, H] in x.dtype. The kernel's rounding: both GEMMs and the
@@ -137,7 +140,8 @@ def fused_moe_ref(
     acc = _acc_dtype(x.dtype)
     flat_ids = topk_ids.reshape(-1).long()  # [T*k]
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    num_experts = w13.shape[0] + (0 if shared is None else shared[1].shape[1] // w2.shape[2])
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     flat_w = topk_weights.reshape(-1).to(acc)
     out = torch.zeros(t, x.shape[1], dtype=acc, device=x.device)
     start = 0
@@ -146,12 +150,32 @@ def fused_moe_ref(
             continue
         pairs = order[start : start + n]
         tok = pairs // k
-        gate, up = F.linear(x[tok].to(acc), w13[e].to(acc)).chunk(2, dim=-1)  # [n, I] each
+        w13_e, w2_e = _expert(w13, w2, shared, e)
+        gate, up = F.linear(x[tok].to(acc), w13_e.to(acc)).chunk(2, dim=-1)  # [n, I] each
         act = (F.silu(gate) * up).to(x.dtype).to(acc)  # [n, I], rounded as the kernel's
-        y = F.linear(act, w2[e].to(acc))  # [n, H]
+        y = F.linear(act, w2_e.to(acc))  # [n, H]
         out.index_add_(0, tok, y * flat_w[pairs, None])
         start += n
     return out.to(x.dtype)
+
+
+def _expert(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None,
+    e: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert e's gate/up [2I, H] and down [H, I]; e >= E is slice e - E of the shared
+    MLP (gate/up [2SI, H], down [H, SI])."""
+    if e < w13.shape[0]:
+        return w13[e], w2[e]
+    assert shared is not None
+    sw13, sw2 = shared
+    inter, s = w2.shape[2], e - w13.shape[0]
+    half = sw13.shape[0] // 2
+    rows = slice(s * inter, (s + 1) * inter)
+    gate_up = torch.cat([sw13[:half][rows], sw13[half:][rows]])
+    return gate_up, sw2[:, rows]
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

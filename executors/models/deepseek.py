@@ -60,6 +60,16 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(normed)
 
 
+def fuse_projections(model: nn.Module) -> None:
+    """One GEMM where the checkpoint has several over one input (layers.fuse_linears): the
+    MLA projections of x, and gate/up of every gated MLP (dense layers, shared experts,
+    which the MoE then also runs inside its fused kernel at decode). Parameter names and
+    shapes stay the checkpoint's; call after the parameters are allocated."""
+    for module in model.modules():
+        if isinstance(module, MLAttention | GatedMLP):
+            module.fuse()
+
+
 class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -14,7 +14,7 @@ from torch import nn
 
 from deepinfer.model_config import ModelConfig
 from executors.attention import AttentionMetadata, gather_latent_cache
-from executors.models.layers import Linear, RMSNorm
+from executors.models.layers import Linear, RMSNorm, fuse_linears
 from executors.models.rope import softmax_scale
 from kernels import ops as kernel_ops
 
@@ -42,10 +42,18 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = Linear(h * self.v_dim, hidden, bias=bias)
+        # fuse(): one GEMM for the projections of x (q or q_a, and kv_a): [Nq + L + R, hidden]
+        self.in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None
         # Batch-invariant mode (executors/batch_invariant.py): the absorbed products run on
         # the fixed-config GEMM and decode attention cuts keys at multiples of this.
         self.batch_invariant = False
         self.decode_keys_per_split: int | None = None
+
+    def fuse(self) -> None:
+        """Make the two projections of x (q_proj or q_a_proj, and kv_a_proj_with_mqa) views
+        of one weight, computed by one GEMM (layers.fuse_linears)."""
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        self.in_proj = fuse_linears([first, self.kv_a_proj_with_mqa])
 
     def forward(
         self,
@@ -70,14 +78,18 @@ class MLAttention(nn.Module):
         [RMSNorm(c_kv) | RoPE(k_pe)] written to the cache at `slot_mapping` [T]."""
         t = x.shape[0]
         cos, sin = cos_sin
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        if self.in_proj is None:
+            q, kv = first(x), self.kv_a_proj_with_mqa(x)
+        else:  # [T, Nq + L + R] -> views [T, Nq], [T, L + R] (rows strided)
+            both = kernel_ops.linear(x, *self.in_proj, first.batch_invariant)
+            q, kv = both.split([first.out_features, self.kv_a_proj_with_mqa.out_features], -1)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, dn + R]
         # One op: q_pe rotated in place; [RMSNorm(c_kv) | RoPE(k_pe)] into the cache.
         kernel_ops.mla_rope_cache(
-            q[..., self.nope_dim :], self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight,
+            q[..., self.nope_dim :], kv, self.kv_a_layernorm.weight,
             self.kv_a_layernorm.eps, cos, sin, kv_cache, slot_mapping, self.interleave,
         )  # fmt: skip
         return q
@@ -117,7 +129,7 @@ class MLAttention(nn.Module):
             q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [Td, H, L]
         n = md.num_decode_reqs
         o_lat = kernel_ops.mla_decode_attention(
-            torch.cat([q_lat, q_pe], dim=-1),  # [Td, H, L + R]
+            q_lat,  # [Td, H, L], and q_pe [Td, H, R] read where it lies
             kv_cache,
             md.block_tables[:n],
             md.seq_lens[:n],
@@ -125,10 +137,15 @@ class MLAttention(nn.Module):
             self.kv_lora_rank,
             self.scale,
             keys_per_split=self.decode_keys_per_split,
+            q_pe=q_pe,
         )  # [Td, H, L]
         if self.batch_invariant:  # per head: [H, Td, L] @ [H, L, dv]
             return kernel_ops.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), True).transpose(0, 1)
-        return torch.einsum("thl,hvl->thv", o_lat, w_uv)  # [Td, H, dv]
+        # Written through a transposed view, so [Td, H, dv] comes out contiguous and o_proj
+        # reads it without a copy.
+        out = o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_dim)
+        torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
     def _prefill(
         self,

@@ -65,6 +65,36 @@ def test_fused_moe_matches_reference(t, e, k, hidden, inter, cfg, skew, device) 
     assert rel_err(out, ref) < 1e-5
 
 
+def _shared_mlp(x, sw13, sw2):
+    """The shared MLP as transformers runs it: down(silu(gate(x)) * up(x)), float64."""
+    gate, up = torch.nn.functional.linear(x, sw13).chunk(2, dim=-1)
+    return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, sw2)
+
+
+@pytest.mark.parametrize("t,e,k,hidden,inter,cfg", TINY[:3])
+@pytest.mark.parametrize("num_shared", [1, 2])
+def test_shared_experts_ride_in_the_fused_moe(t, e, k, hidden, inter, cfg, num_shared, device):
+    """ids E .. E + S - 1 of weight 1 stand for the S slices of a shared MLP (gate/up
+    [2SI, H], down [H, SI]): the kernel's output is routed experts plus the whole shared
+    MLP, and the twin computes the same."""
+    gen = torch.Generator().manual_seed(t + e + num_shared)
+    x, w13, w2, weights, ids = _moe_inputs(t, e, k, hidden, inter, torch.float32, device, gen)
+    si = num_shared * inter
+    sw13 = (torch.randn(2 * si, hidden, generator=gen) / hidden**0.5).to(device)
+    sw2 = (torch.randn(hidden, si, generator=gen) / si**0.5).to(device)
+    tail = torch.arange(e, e + num_shared, device=device).expand(t, -1)
+    ids_s = torch.cat([ids, tail], 1)
+    weights_s = torch.cat([weights, torch.ones(t, num_shared, device=device)], 1)
+    out = torch.full_like(x, float("nan"))
+    fused_moe(x, w13, w2, weights_s, ids_s, config=cfg, out=out, shared=(sw13, sw2))
+    d = [a.double() for a in (x, w13, w2, weights)]
+    want = fused_moe_ref(*d, ids) + _shared_mlp(d[0], sw13.double(), sw2.double())
+    assert torch.isfinite(out).all(), "unwritten output rows"
+    assert rel_err(out, want) < 1e-5
+    twin = fused_moe_ref(*d[:3], weights_s.double(), ids_s, (sw13.double(), sw2.double()))
+    assert rel_err(twin, want) < 1e-12
+
+
 def test_config_table_covers_every_batch_size() -> None:
     assert moe_config(1)["BLOCK_M"] == 16
     assert moe_config(10**9) == CONFIGS[-1][1]
@@ -84,3 +114,21 @@ def test_fused_moe_bf16_moonlight_shapes(t, skew) -> None:
     ref = fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64, 128])
+def test_shared_experts_in_moe_bf16_moonlight_shapes(t) -> None:
+    """Moonlight's two shared experts (I = 2 x 1408) inside the fused launches."""
+    gen = torch.Generator().manual_seed(t)
+    x, w13, w2, weights, ids = _moe_inputs(t, 64, 6, 2048, 1408, torch.bfloat16, "cuda", gen)
+    sw13 = (torch.randn(4 * 1408, 2048, generator=gen) / 2048**0.5).to("cuda", torch.bfloat16)
+    sw2 = (torch.randn(2048, 2 * 1408, generator=gen) / 2816**0.5).to("cuda", torch.bfloat16)
+    tail = torch.arange(64, 66, device="cuda").expand(t, -1)
+    ids_s = torch.cat([ids, tail], 1)
+    weights_s = torch.cat([weights, torch.ones(t, 2, device="cuda")], 1)
+    out = fused_moe(x, w13, w2, weights_s, ids_s, shared=(sw13, sw2))
+    torch.cuda.synchronize()
+    d = [a.double() for a in (x, w13, w2, weights)]
+    want = fused_moe_ref(*d, ids) + _shared_mlp(d[0], sw13.double(), sw2.double())
+    assert rel_err(out, want) < 1e-2

@@ -95,3 +95,20 @@ def test_default_launch_settings(q_lens, table_cols, device) -> None:
     out = torch.full((sum(q_lens), 16, 64), float("nan"), device=device)
     mla_decode(*case.args(), out=out)
     assert rel_err(out, mla_decode_ref(*case.clean_args())) < 1e-5
+
+
+@pytest.mark.parametrize("q_lens,seq_lens,heads,lat,rope,block_size,splits,qg", TINY_CASES[1:3])
+def test_rope_part_read_apart_equals_joined(
+    q_lens, seq_lens, heads, lat, rope, block_size, splits, qg, device
+) -> None:
+    """q [T, H, L] and q_pe [T, H, R] in separate tensors (strided views, as the absorbed
+    path produces them) give the same bits as the joined q [T, H, L + R]."""
+    gen = torch.Generator().manual_seed(sum(seq_lens))
+    case = make_mla_case(q_lens, seq_lens, heads, lat, rope, block_size, torch.float32, device, gen)
+    args = list(case.clean_args())
+    q = args[0]
+    cfg = {"BLOCK_H": 16, "QG": qg, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+    joined = mla_decode(*args, num_splits=splits, config=cfg)
+    q_lat = q[..., :lat].transpose(0, 1).contiguous().transpose(0, 1)  # [T, H, L], head-major
+    apart = mla_decode(q_lat, *args[1:], num_splits=splits, config=cfg, q_pe=q[..., lat:])
+    assert torch.equal(apart, joined)

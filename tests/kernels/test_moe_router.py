@@ -135,6 +135,21 @@ def test_ops_backends_agree(device) -> None:
     assert_same_routing(got, want, decision_gaps(x, w, bias, r), e, tol=1e-6, w_tol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_shared_expert_columns(backend, device) -> None:
+    """num_shared=S appends ids E .. E + S - 1 of weight 1 to every token's routing, after
+    the routed choice, which is unchanged."""
+    e, r = TINY["moonlight_noaux_one_group"]
+    gen = torch.Generator().manual_seed(3)
+    x, w, bias = _inputs(5, e, 32, r, torch.float32, torch.float32, device, gen)
+    weights, ids = ops.moe_router(x, w, bias, *r.values(), backend=backend)
+    weights_s, ids_s = ops.moe_router(x, w, bias, *r.values(), backend=backend, num_shared=2)
+    k = r["top_k"]
+    assert torch.equal(ids_s[:, :k], ids) and torch.equal(weights_s[:, :k], weights)
+    assert ids_s[:, k:].tolist() == [[e, e + 1]] * 5
+    assert weights_s[:, k:].tolist() == [[1.0, 1.0]] * 5
+
+
 def test_config_bounds_the_register_tile() -> None:
     """A few float32 tokens take the per-lane path (BLOCK_T < 16) with at most 8k
     accumulators; everything else uses 16- or 32-token tl.dot tiles."""
