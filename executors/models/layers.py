@@ -31,8 +31,10 @@ def fuse_linears(linears: Sequence[Linear]) -> tuple[torch.Tensor, torch.Tensor 
     input, so one GEMM computes all their outputs: at decode one weight read in one launch
     instead of several small ones. Each linear's parameters become views of the fused
     tensors, so memory is not doubled and loading a linear fills the fused weight. Call
-    once the parameters are allocated on their device; moving the model afterwards
-    would copy the views apart."""
+    once the parameters are allocated on their device, and keep the result in
+    non-persistent buffers: `.to()` then moves it too (the executor's shutdown moves the
+    model to meta to free it), though a moved copy no longer shares the linears'
+    storage, so load weights before any such move."""
     biases = [lin.bias for lin in linears]
     if any(b is None for b in biases) and any(b is not None for b in biases):
         raise ValueError("fuse_linears: either every linear has a bias or none has")
@@ -72,7 +74,8 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-        self.gate_up: torch.Tensor | None = None  # set by fuse()
+        self.gate_up: torch.Tensor | None
+        self.register_buffer("gate_up", None, persistent=False)  # set by fuse()
 
     def fuse(self) -> None:
         self.gate_up = fuse_linears([self.gate_proj, self.up_proj])[0]

@@ -43,7 +43,11 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = Linear(h * self.v_dim, hidden, bias=bias)
         # fuse(): one GEMM for the projections of x (q or q_a, and kv_a): [Nq + L + R, hidden]
-        self.in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # (non-persistent buffers: not in the checkpoint, but moved with the model)
+        self.in_proj_weight: torch.Tensor | None
+        self.in_proj_bias: torch.Tensor | None
+        self.register_buffer("in_proj_weight", None, persistent=False)
+        self.register_buffer("in_proj_bias", None, persistent=False)
         # Batch-invariant mode (executors/batch_invariant.py): the absorbed products run on
         # the fixed-config GEMM and decode attention cuts keys at multiples of this.
         self.batch_invariant = False
@@ -51,9 +55,12 @@ class MLAttention(nn.Module):
 
     def fuse(self) -> None:
         """Make the two projections of x (q_proj or q_a_proj, and kv_a_proj_with_mqa) views
-        of one weight, computed by one GEMM (layers.fuse_linears)."""
+        of one weight, computed by one GEMM (layers.fuse_linears). Left apart when only
+        one has a bias (attention_bias without q LoRA: q_proj never has one)."""
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
-        self.in_proj = fuse_linears([first, self.kv_a_proj_with_mqa])
+        if (first.bias is None) != (self.kv_a_proj_with_mqa.bias is None):
+            return
+        self.in_proj_weight, self.in_proj_bias = fuse_linears([first, self.kv_a_proj_with_mqa])
 
     def forward(
         self,
@@ -79,10 +86,11 @@ class MLAttention(nn.Module):
         t = x.shape[0]
         cos, sin = cos_sin
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
-        if self.in_proj is None:
+        if self.in_proj_weight is None:
             q, kv = first(x), self.kv_a_proj_with_mqa(x)
         else:  # [T, Nq + L + R] -> views [T, Nq], [T, L + R] (rows strided)
-            both = kernel_ops.linear(x, *self.in_proj, first.batch_invariant)
+            w, b = self.in_proj_weight, self.in_proj_bias
+            both = kernel_ops.linear(x, w, b, first.batch_invariant)
             q, kv = both.split([first.out_features, self.kv_a_proj_with_mqa.out_features], -1)
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
