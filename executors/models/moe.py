@@ -99,6 +99,8 @@ class MoE(nn.Module):
         self.ep: ExpertParallel | None = None
         self.gate = Router(cfg)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        # The shared MLP is num_shared experts' worth wide (moe_intermediate_size each).
+        self.num_shared = cfg.n_shared_experts
         self.shared_experts = (
             GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
             if cfg.n_shared_experts > 0
@@ -109,9 +111,7 @@ class MoE(nn.Module):
         # x: [T, hidden] -> [T, hidden]
         shared = self._shared_in_moe(x)
         if shared is not None:
-            weights, ids = self.gate(
-                x, num_shared=shared[1].shape[1] // self.experts.intermediate_size
-            )
+            weights, ids = self.gate(x, num_shared=self.num_shared)
             return self.experts(x, weights, ids, shared)
         if self.ep is None:
             weights, ids = self.gate(x)

@@ -22,6 +22,11 @@ from tests.executors.tiny_models import TinyModel
 GREEDY_10 = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
+def _cpu_llm(tiny: TinyModel, **engine: object) -> LLM:
+    """The tiny model in float32 on the CPU, 4-token blocks, `engine` settings on top."""
+    return LLM(str(tiny.path), device="cpu", dtype="float32", block_size=4, **engine)
+
+
 def _count_deferred(llm: LLM) -> list[int]:
     """Per launched step, how many input ids came from the step before on the device."""
     runner: ModelRunner = llm.executor.runner  # type: ignore[attr-defined]
@@ -79,7 +84,7 @@ def test_async_generate_overlaps_steps_and_matches_transformers(
 ) -> None:
     tiny = tiny_models["v3_mtp"]
     batch = prompts(11, [7, 13, 5, 10])
-    llm = LLM(str(tiny.path), device="cpu", dtype="float32", block_size=4, async_scheduling=True)
+    llm = _cpu_llm(tiny, async_scheduling=True)
     deferred = _count_deferred(llm)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
@@ -113,9 +118,7 @@ def test_history_dependent_requests_give_the_same_outputs_with_async_scheduling(
     ]
     results = []
     for async_ in (False, True):
-        llm = LLM(
-            str(tiny.path), device="cpu", dtype="float32", block_size=4, async_scheduling=async_
-        )
+        llm = _cpu_llm(tiny, async_scheduling=async_)
         deferred = _count_deferred(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], sps, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, _logprobs(o.outputs[0].logprobs)) for o in outs])
@@ -141,14 +144,7 @@ def test_drafts_and_rejections_finish_the_step_before(
     host's view of the tokens): async scheduling still matches transformers' greedy."""
     tiny = tiny_models["v3_mtp"]
     batch = prompts(13, [8, 5])
-    llm = LLM(
-        str(tiny.path),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
-        async_scheduling=True,
-        num_speculative_tokens=2,
-    )
+    llm = _cpu_llm(tiny, async_scheduling=True, num_speculative_tokens=2)
     deferred = _count_deferred(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY_10, use_tqdm=False)
     for p, out in zip(batch, outs):
@@ -198,7 +194,7 @@ def test_a_failed_read_fails_the_step_launched_after_it_without_aborting_its_own
     request only in N+1 is requeued and ends normally, and the runner keeps no step of
     theirs in flight."""
     tiny = tiny_models["v3_mtp"]
-    llm = LLM(str(tiny.path), device="cpu", dtype="float32", block_size=4, async_scheduling=True)
+    llm = _cpu_llm(tiny, async_scheduling=True)
     runner: ModelRunner = llm.executor.runner  # type: ignore[attr-defined]
     finish = runner._finish
     calls = {"n": 0}
@@ -239,13 +235,7 @@ def test_the_runner_drops_the_state_of_requests_that_ended_as_the_engine_drained
     from deepinfer.request import Request
 
     tiny = tiny_models["v3_mtp"]
-    llm = LLM(
-        str(tiny.path),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
-        async_scheduling=async_scheduling,
-    )
+    llm = _cpu_llm(tiny, async_scheduling=async_scheduling)
     runner: ModelRunner = llm.executor.runner  # type: ignore[attr-defined]
     engine = llm.engine
     for wave, lengths in enumerate(([5, 7], [6])):
@@ -265,9 +255,7 @@ def test_a_step_that_cannot_overlap_is_launched_after_the_one_in_flight_is_appli
     from deepinfer.request import Request
 
     tiny = tiny_models["v3_mtp"]
-    llm = LLM(
-        str(tiny.path), device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=256
-    )
+    llm = _cpu_llm(tiny, max_num_batched_tokens=256)
     engine = llm.engine
     engine.add_request(Request("a", prompts(17, [6])[0], GREEDY_10))
     for _ in range(3):
