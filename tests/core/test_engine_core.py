@@ -84,4 +84,49 @@ def test_a_step_done_inside_its_launch_is_timed_there(async_scheduling: bool) ->
     engine.add_request(make_request("a", 4, max_tokens=6))
     while engine.has_unfinished():
         engine.step()
+    assert [r.finish_reason for r in engine.records] == ["length"]
+    assert len(engine.steps) >= 6
     assert [s.duration for s in engine.steps] == [float(s.step_id) for s in engine.steps]
+
+
+class _Pending:
+    """A handle whose step is still running after its launch returned: `result()` waits
+    `wait` seconds on the clock. With `has_done` it says so (`done()` False); without,
+    it is a handle that cannot tell (the engine must then not ask)."""
+
+    def __init__(self, value, clock: _ManualClock, wait: float, has_done: bool) -> None:  # type: ignore[no-untyped-def]
+        self._value, self._clock, self._wait = value, clock, wait
+        if has_done:
+            self.done = lambda: False
+
+    def result(self, timeout: float | None = None):  # type: ignore[no-untyped-def]
+        self._clock.now += self._wait
+        return self._value
+
+
+class _HostThenDeviceExecutor(ScriptedExecutor):
+    """Each launch takes 0.25 s of host time and returns before step k's k seconds of
+    device time, which the handle's result() waits for."""
+
+    def __init__(self, num_blocks: int, clock: _ManualClock, has_done: bool) -> None:
+        super().__init__(num_blocks)
+        self.clock, self.has_done = clock, has_done
+
+    def execute_async(self, out):  # type: ignore[no-untyped-def]
+        self.clock.now += 0.25
+        res = self.execute(out)
+        return _Pending(res, self.clock, float(out.step_id), self.has_done)
+
+
+@pytest.mark.parametrize("has_done", [True, False])
+def test_a_launch_that_returns_before_its_step_ends_is_timed_at_the_result(has_done) -> None:
+    """Time passed in the launch does not make the launch the step's end: unless the
+    handle says the step is done, the step ends when its result comes (launch + device)."""
+    clock = _ManualClock()
+    cfg = make_config(num_gpu_blocks=40)
+    engine = EngineCore(cfg, _HostThenDeviceExecutor(40, clock, has_done), clock=clock)
+    engine.add_request(make_request("a", 4, max_tokens=6))
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.finish_reason for r in engine.records] == ["length"]
+    assert [s.duration for s in engine.steps] == [0.25 + s.step_id for s in engine.steps]
