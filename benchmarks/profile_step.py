@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from model_speed import build, random_prompts
+from model_speed import build, random_prompts, sweep_config
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -48,7 +48,12 @@ def run_case(
     """Prefill `prompts` (profiled when decode_steps == 0), else profile decode steps."""
     for attempt in ("warm", "prof"):
         core = EngineCore(cfg, ex, model_max_len=ex.max_model_len)
-        sp = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
+        # The first prompts decode while the last ones prefill: each request generates
+        # one token a prefill step more, so that none finishes before the batch is whole.
+        prefill_steps = -(-sum(map(len, prompts)) // cfg.max_num_batched_tokens)
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=decode_steps + prefill_steps + 1, ignore_eos=True
+        )
         for i, p in enumerate(prompts):
             core.add_request(Request(f"{tag}-{attempt}-{i}", p, sp))
         while core.has_unfinished() and (decode_steps == 0 or not _all_decoding(core)):
@@ -59,6 +64,7 @@ def run_case(
             while core.has_unfinished():
                 core.step()
             continue
+        batch = len(core.scheduler.running)
         torch.cuda.synchronize()
         with (
             _mark_regions(core, ex),
@@ -78,7 +84,7 @@ def run_case(
             sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / n
         )
         print(
-            f"\n== {tag}: {n} step(s), wall {wall * 1e3:.2f} ms/step, "
+            f"\n== {tag}: {n} step(s) of {batch} requests, wall {wall * 1e3:.2f} ms/step, "
             f"device busy {device_us / 1e3:.2f} ms/step ({device_us / 1e6 / wall:.0%})"
         )
         print(events.table(sort_by=sort_by, row_limit=rows, max_name_column_width=60))
@@ -185,17 +191,15 @@ def main() -> None:
     )
     args = p.parse_args()
     dev = torch.device("cuda")
-    cfg = EngineConfig(
-        block_size=64,
-        num_gpu_blocks=4096,
-        max_num_seqs=256,
-        max_num_batched_tokens=16384,
-        enable_prefix_caching=False,
-        batch_invariant=args.batch_invariant,
-        async_scheduling=args.async_scheduling,
-    )
+    batches = [int(x) for x in args.batches.split(",") if x]
+    prefills = [int(x) for x in args.prefill.split(",") if x]
+    # A cache that holds the largest batch whole (as the sweep sizes it): with too few
+    # blocks some requests would wait or be preempted and the step would not be batch B.
+    cfg = sweep_config(
+        max([*batches, 256]), args.context, args.decode_steps + 1, max([*prefills, 1])
+    ).replace(batch_invariant=args.batch_invariant, async_scheduling=args.async_scheduling)
     ex, _, spec = build(args.model, dev, cfg, with_hf=False)
-    for n in [int(x) for x in args.prefill.split(",") if x]:
+    for n in prefills:
         prompts = random_prompts(max(n // 1024, 1), min(n, 1024), spec.vocab_size, n)
         run_case(
             ex,
@@ -207,7 +211,7 @@ def main() -> None:
             args.trace_dir,
             args.sort,
         )
-    for b in [int(x) for x in args.batches.split(",") if x]:
+    for b in batches:
         prompts = random_prompts(b, args.context, spec.vocab_size, b)
         run_case(
             ex,

@@ -26,18 +26,20 @@ import triton.language as tl
 
 # K per segment: a multiple of every BLOCK_K below, so a slice never straddles two.
 MATMUL_SEGMENT_K = 512
-# Launch configs by rows (M): the first whose max_m >= M. "split": 0, one program per
-# tile chains every segment; 1, one program per (tile, K segment), then the chaining
-# kernel; 2, the same with the tile's last segment program chaining (no second launch).
-# A split config gives way to the last (whole) one when it has max_tiles tiles or more:
-# the tiles alone then fill the GPU. Tuned on the H200 at Moonlight's shapes
-# (benchmarks/binv_matmul.py, RESULTS.md); any config gives the same bits.
+# Launch configs by rows (M): the first with max_m >= M and fewer than max_tiles tiles
+# (no max_tiles: any number). "split": 0, one program per tile chains every segment; 1,
+# one program per (tile, K segment), then the chaining kernel; 2, the same with the tile's
+# last segment program chaining (no second launch). Split-K pays where the tiles alone
+# leave SMs idle; with many tiles the whole-K programs win. Tuned on the H200 at
+# Moonlight's shapes (benchmarks/binv_matmul.py, RESULTS.md); any config gives the same
+# bits.
 MATMUL_CONFIGS_16BIT: tuple[dict[str, int], ...] = (
     {"max_m": 16, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "split": 2, "num_warps": 4, "num_stages": 4},
-    {"max_m": 64, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "split": 1, "num_warps": 4, "num_stages": 4,
+    {"max_m": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "split": 2, "num_warps": 4, "num_stages": 4,
      "max_tiles": 66},
-    {"max_m": 256, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "split": 1, "num_warps": 8, "num_stages": 3,
-     "max_tiles": 66},
+    {"max_m": 64, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "split": 0, "num_warps": 4, "num_stages": 4},
+    {"max_m": 256, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "split": 0, "num_warps": 4, "num_stages": 4,
+     "max_tiles": 1024},
     {"max_m": 1 << 62, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "split": 0, "num_warps": 8, "num_stages": 4},
 )  # fmt: skip
 # float32 (router logits, float32 models): IEEE dots on the CUDA cores.
@@ -52,11 +54,11 @@ LOG_SOFTMAX_BLOCK = 4096  # columns per chunk of a row (fixed: the sum order dep
 def matmul_config(dtype: torch.dtype, m: int, n: int) -> dict[str, int]:
     """The launch config for an [m, K] @ [K, n] product in `dtype`."""
     configs = MATMUL_CONFIGS_16BIT if dtype.itemsize <= 2 else MATMUL_CONFIGS_FP32
-    cfg = next(c for c in configs if m <= c["max_m"])
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
-    if tiles >= cfg.get("max_tiles", tiles + 1):
-        cfg = configs[-1]
-    return dict(cfg)
+    for cfg in configs:
+        tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+        if m <= cfg["max_m"] and tiles < cfg.get("max_tiles", tiles + 1):
+            return dict(cfg)
+    return dict(configs[-1])
 
 
 @triton.jit

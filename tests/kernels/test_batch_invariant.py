@@ -117,6 +117,22 @@ def test_keys_per_split_follows_the_engine_not_the_batch() -> None:
     assert invariant_keys_per_split(100) == 256
 
 
+LINEAR_SHAPES = [(576, 2048, False), (3072, 512, True), (2048, 2048, False), (32000, 2048, False)]
+
+
+def test_the_gpu_linear_test_reaches_every_matmul_config() -> None:
+    """The row-invariance test below runs 257 rows and subsets of every size in BATCHES
+    at LINEAR_SHAPES: between them they must launch each 16-bit config (else a config
+    could differ in bits from the others untested)."""
+    configs = bi.MATMUL_CONFIGS_16BIT
+    reached = {
+        configs.index(bi.matmul_config(torch.bfloat16, m, n))
+        for m in (*BATCHES, 257)
+        for n, _, _ in LINEAR_SHAPES
+    }
+    assert reached == set(range(len(configs)))
+
+
 def test_ops_refuse_the_mode_without_the_triton_kernels() -> None:
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="batch-invariant linear: needs the Triton kernels"):
@@ -127,8 +143,7 @@ def test_ops_refuse_the_mode_without_the_triton_kernels() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k,bias", [(576, 2048, False), (3072, 512, True), (2048, 2048, False),
-                                      (32000, 2048, False)])  # fmt: skip
+@pytest.mark.parametrize("n,k,bias", LINEAR_SHAPES)
 def test_linear_rows_are_batch_invariant(n, k, bias) -> None:
     x = randn(257, k, seed=n)
     w = randn(n, k, seed=n + 1, scale=0.02)
