@@ -155,6 +155,17 @@ class EngineConfig:
             )
         return cls(**dict(values))
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready, such that `from_dict` rebuilds this config: the role
+        by name, and an automatic async_scheduling as None (dataclasses.asdict writes
+        the value it resolved to, which a copy would then keep for any
+        data_parallel_size)."""
+        d = dataclasses.asdict(self)
+        d["role"] = self.role.value
+        if getattr(self, "_async_auto", False):
+            d["async_scheduling"] = None
+        return d
+
     def replace(self, **changes: Any) -> EngineConfig:
         if getattr(self, "_async_auto", False) and "async_scheduling" not in changes:
             changes["async_scheduling"] = None  # decided again for the new config

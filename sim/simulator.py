@@ -270,7 +270,7 @@ def _meta(
         "hardware": hw.name,
         "num_gpu_blocks": num_blocks,
         "max_model_len": cores[0].scheduler.max_model_len,
-        "engine": _config_dict(engine),
+        "engine": engine.to_dict(),
         **cost_meta,
         "num_evictions": sum(c.scheduler.kv.pool.num_evictions for c in cores),
         "grammar_mask_per_token_s": mask_s,
@@ -280,9 +280,3 @@ def _meta(
 SCHEDULED, LAUNCHED = StepEventKind.SCHEDULED, StepEventKind.LAUNCHED
 
 
-def _config_dict(cfg: EngineConfig) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    d = asdict(cfg)
-    d["role"] = cfg.role.value
-    return d

@@ -131,9 +131,7 @@ def build_grid(raw: Mapping[str, Any], source: str = "grid") -> Grid:
             raise ValueError(f"{source}: key {key!r}: empty list")
         axes[key] = [check_value(key, v, source) for v in values]
     varied = tuple(k for k, v in axes.items() if len(v) > 1)
-    base = dataclasses.asdict(EngineConfig())
-    base["role"] = EngineConfig().role.value
-    base["async_scheduling"] = None  # the default decides per config (data parallelism)
+    base = EngineConfig().to_dict()  # async_scheduling None: decided per config
     configs, invalid = [], []
     for combo in itertools.product(*axes.values()):
         chosen = dict(zip(axes, combo, strict=True))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from deepinfer import EngineConfig
@@ -92,3 +94,17 @@ def test_async_scheduling_is_on_by_default_except_over_several_ranks() -> None:
         EngineConfig(data_parallel_size=2, enable_expert_parallel=True, async_scheduling=True)
     with pytest.raises(ValueError, match="async_scheduling='yes'"):
         EngineConfig(async_scheduling="yes")  # type: ignore[arg-type]
+
+
+def test_to_dict_round_trips_with_the_async_default_still_automatic() -> None:
+    """from_dict(cfg.to_dict()) is cfg, and a copy of a default config decides async
+    scheduling again for its own data_parallel_size (asdict's resolved True would be
+    kept, and a data-parallel copy refused by the simulator); an explicit one stays."""
+    auto = EngineConfig(role="prefill", max_num_seqs=8)
+    copy = EngineConfig.from_dict(auto.to_dict())
+    assert copy == auto and copy.to_dict() == auto.to_dict()
+    assert auto.to_dict()["async_scheduling"] is None and auto.to_dict()["role"] == "prefill"
+    assert copy.replace(data_parallel_size=2).async_scheduling is False
+    on = EngineConfig(async_scheduling=True)
+    assert EngineConfig.from_dict(on.to_dict()).replace(max_num_seqs=4).async_scheduling is True
+    json.dumps(auto.to_dict())  # JSON-ready
