@@ -201,6 +201,28 @@ def sweep_mla(ceil: dict) -> None:
         sweep("mla", run, configs, batch * ctx * 576 * 2, ceil, **key)
 
 
+def bench_binv_mla(ceil: dict) -> None:
+    """Batch-invariant decode attention (fixed pieces of keys_per_split keys) against the
+    normal split choice, as the engine runs it: Moonlight's 16 heads, a block table as
+    wide as an 8k-context graph's (the binv grid follows the width, not the context)."""
+    width = 8192 // 64
+    for batch, ctx in [(b, c) for b in (1, 64, 256) for c in (1024, 4096)]:
+        q, kv, table, seq, qsl, lat, scale = mla_inputs(batch, ctx, 16)
+        wide = torch.zeros(batch, width, dtype=table.dtype, device=DEV)
+        wide[:, : table.shape[1]] = table
+        args = (q, kv, wide, seq, qsl, lat, scale)
+        nbytes = batch * ctx * 576 * 2 + batch * 16 * (576 + 512) * 2
+        flops = 2 * batch * 16 * ctx * (576 + 512)
+        record("mla_decode normal", f"H=16 B={batch} ctx={ctx}",
+               lambda a=args: mla_decode(*a), nbytes, flops, ceil)  # fmt: skip
+        for keys in (256, 512, 1024):
+            record(f"mla_decode binv {keys}", f"H=16 B={batch} ctx={ctx}",
+                   lambda a=args, k=keys: mla_decode(*a, keys_per_split=k), nbytes, flops,
+                   ceil)  # fmt: skip
+        del args, kv
+        torch.cuda.empty_cache()
+
+
 def moe_inputs(t: int, e: int = 64, k: int = 6, hidden: int = 2048, inter: int = 1408):
     bf = {"device": DEV, "dtype": torch.bfloat16}
     x = torch.randn(t, hidden, **bf)
@@ -447,7 +469,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-sweep", action="store_true", help="skip the launch-setting sweeps")
-    p.add_argument("--only", default="accuracy,mla,moe,rmsnorm,router,prefill")
+    p.add_argument(
+        "--only", default="accuracy,mla,moe,rmsnorm,router,prefill", help="also: binv_mla"
+    )
     a = p.parse_args()
     only = set(a.only.split(","))
     torch.manual_seed(0)
@@ -467,6 +491,8 @@ def main() -> None:
         bench_mla(ceil, a.quick)
         if not a.no_sweep:
             sweep_mla(ceil)
+    if "binv_mla" in only:
+        bench_binv_mla(ceil)
     if "prefill" in only:
         bench_prefill(ceil)
         if not a.no_sweep:

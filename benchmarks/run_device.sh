@@ -92,6 +92,15 @@ if [[ $what == all || $what == binv ]]; then
   [[ $what == binv ]] && status=$rc
   python3 benchmarks/batch_invariant.py --json "$OUT/batch_invariant.json" 2>&1 \
     | grep -v Warning | tee "$OUT/batch_invariant.log" | tail -12
+  # Where batch 256 goes: a kernel profile in each mode, and the decode attention's fixed
+  # pieces (256/512/1024 keys) against the normal split choice.
+  for mode in --batch-invariant ""; do
+    python3 benchmarks/profile_step.py $mode --prefill "" --batches 256 --rows 40 2>&1 \
+      | grep -v "^-" | cut -c1-60,100-240 > "$OUT/profile_b256${mode:+_binv}.log"
+  done
+  grep -h "^==" "$OUT"/profile_b256*.log
+  python3 benchmarks/kernels_bench.py --only binv_mla 2>&1 | grep -v Warning \
+    | tee "$OUT/binv_mla.log" | grep "mla_decode" | tail -24
 fi
 if [[ $what == spec ]]; then
   # Speculation: decode tok/s with over without, Moonlight shapes + an MTP layer, the
