@@ -157,6 +157,17 @@ def _error_table(predicted: list[tuple[str, list[Any], float, float]]) -> dict[s
     return table
 
 
+def overlaps(cfg: EngineConfig, hardware: str) -> bool:
+    """Whether a step's host work runs beside the device's: async scheduling, without
+    speculation (its runner reads each step first), on a device that is not the host's
+    CPU (there the launch runs the step)."""
+    return (
+        cfg.async_scheduling
+        and not cfg.num_speculative_tokens
+        and not get_hardware(hardware).runs_on_host
+    )
+
+
 def run_workload(
     executor: Any,
     cfg: EngineConfig,
@@ -188,7 +199,7 @@ def run_workload(
         "sim_steps": sim.meta["num_steps"],
         "cost_model": meta,
         "requests": compare_requests(real.records, sim.requests),
-        "steps": compare_steps(real, cost, samples := [], cfg.async_scheduling),
+        "steps": compare_steps(real, cost, samples := [], overlaps(cfg, hardware)),
         "step_samples": samples,
     }
     res["_records"] = {
@@ -306,7 +317,7 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
             steps = step_errors(
                 [(x["kind"], x["shape"], x["wall_s"]) for x in samples if "shape" in x],
                 cost,
-                cfg.async_scheduling,
+                overlaps(cfg, meta["hardware"]),
             )
             results.append({"workload": wname, "requests": q, "steps": steps})
     print_tables(results)

@@ -49,11 +49,14 @@ def run_case(
     for attempt in ("warm", "prof"):
         core = EngineCore(cfg, ex, model_max_len=ex.max_model_len)
         # The first prompts decode while the last ones prefill: each request generates
-        # one token a prefill step more, so that none finishes before the batch is whole.
-        prefill_steps = -(-sum(map(len, prompts)) // cfg.max_num_batched_tokens)
-        sp = SamplingParams(
-            temperature=0.0, max_tokens=decode_steps + prefill_steps + 1, ignore_eos=True
-        )
+        # one token a prefill step more (and one for the decodes that share the budget
+        # meanwhile), so that none finishes before the batch is whole. A prefill case
+        # stops at one token: a second would add a decode step to the one profiled
+        # (under async scheduling it is launched before the prefill is read).
+        extra = 0
+        if decode_steps:
+            extra = -(-sum(map(len, prompts)) // cfg.max_num_batched_tokens) + 1
+        sp = SamplingParams(temperature=0.0, max_tokens=decode_steps + extra + 1, ignore_eos=True)
         for i, p in enumerate(prompts):
             core.add_request(Request(f"{tag}-{attempt}-{i}", p, sp))
         while core.has_unfinished() and (decode_steps == 0 or not _all_decoding(core)):
@@ -64,7 +67,7 @@ def run_case(
             while core.has_unfinished():
                 core.step()
             continue
-        batch = len(core.scheduler.running)
+        batch = len(core.scheduler.running) or len(prompts)  # (a prefill: all waiting)
         torch.cuda.synchronize()
         with (
             _mark_regions(core, ex),
@@ -74,6 +77,7 @@ def run_case(
             n = 0
             while core.has_unfinished() and (n < max(decode_steps, 1)):
                 core.step()
+                batch = min(batch, len(core.scheduler.running) or batch)
                 n += 1
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / n

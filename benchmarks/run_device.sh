@@ -54,6 +54,10 @@ if [[ $what == async ]]; then
     --device cuda --num-requests 200 --traces azure_code_small.json --num-gpu-blocks 20000 \
     --max-num-seqs 256 --max-num-batched-tokens 8192 --async-scheduling true 2>&1 \
     | grep -v Warning | tee "$OUT/fidelity_async.log" | tail -30
+  # The served prompt steps replayed as the profiler replays its points: is the gap
+  # between the price of a mixed step and its served time in its shape or its context?
+  python3 benchmarks/step_variance.py --served "$OUT/fidelity_async/fidelity.json" \
+    --steps 12 2>&1 | grep -v Warning | tee "$OUT/served_replay.log" | tail -15
 fi
 if [[ $what == all || $what == tests ]]; then
   python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=10 2>&1 \

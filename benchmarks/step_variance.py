@@ -1,17 +1,25 @@
 """Is a step's time a function of its shape alone? The same mixed step, repeated.
 
     python benchmarks/step_variance.py [--model moonlight-16b-a3b] [--reps 40]
+        [--served DIR/fidelity.json [--steps 12]]
 
 For a few mixed shapes (one prompt chunk beside D decodes) times `executor.execute`:
   steady  the same requests again (what `deepinfer profile` times)
   new     the prompt is a request the runner has never seen (what a served trace does)
 and a fixed pure-Python loop between steps (the host CPU's own speed), then prints the
 p10 / p50 / p90 / max of each: a spread at one shape is noise the cost model cannot see.
+
+--served: instead, the prompt-bearing steps a fidelity run served (its `step_samples`, the
+longest first), each replayed here as the profiler replays its points (`StepSession`, one
+group a request, steady), beside the wall time the engine took for it and the cost
+model's price: replayed close to the price but above the served wall says the served
+engine ran that shape faster than any replay of it (its context, not its shape).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -42,15 +50,48 @@ def _row(name: str, times: list[float]) -> str:
     return f"{name:34s} p10 {p10:7.2f}  p50 {p50:7.2f}  p90 {p90:7.2f}  max {a.max():7.2f} ms"
 
 
+def replay_served(ex: TorchExecutor, path: Path, steps: int, reps: int) -> None:
+    """The served prompt-bearing steps of a fidelity run, replayed one by one."""
+    workloads = json.loads(path.read_text())["workloads"]
+    samples = [s for w in workloads for s in w.get("step_samples", []) if s["prompts"]]
+    samples.sort(key=lambda s: -s["tokens"])
+    rng = random.Random(0)
+    print(
+        "| tokens | prompts | decodes | served ms | replayed p50 ms | price ms | replayed / served |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for sample in samples[:steps]:
+        groups = tuple((1, q, c, bool(p), 0) for q, c, p in sample["shape"])
+        session = StepSession(StepShape(sample["kind"], groups), ex.runner, rng, reps)
+        session.advance(ex.execute(SchedulerOutput(-1, session.first)))
+        times = []
+        for _ in range(reps):
+            out = session.next_step()
+            t0 = time.perf_counter()
+            session.advance(ex.execute(out))
+            times.append(time.perf_counter() - t0)
+        ex.execute(session.finish())
+        replayed = float(np.median(times))
+        decodes = sum(1 for r in sample["shape"] if not r[2])
+        print(f"| {sample['tokens']} | {sample['prompts']} | {decodes} | "
+              f"{1e3 * sample['wall_s']:.1f} | {1e3 * replayed:.1f} | {1e3 * sample['pred_s']:.1f} | "
+              f"{replayed / sample['wall_s']:.2f} |", flush=True)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="moonlight-16b-a3b")
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--served", type=Path, default=None, help="a fidelity.json to replay")
+    p.add_argument("--steps", type=int, default=12, help="--served: how many steps")
     args = p.parse_args()
     cfg = EngineConfig(num_gpu_blocks=20000, max_num_seqs=256, max_num_batched_tokens=8192)
     ex = TorchExecutor(cfg, args.model, load_format="dummy", enforce_eager=args.enforce_eager)
     print(f"start-up {ex.startup_seconds:.1f} s, graphs {'off' if args.enforce_eager else 'on'}")
+    if args.served is not None:
+        replay_served(ex, args.served, args.steps, min(args.reps, 8))
+        return
     rng = random.Random(0)
     for decodes, prompt, ctx in (
         (10, 150, 6000),

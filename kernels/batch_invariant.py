@@ -9,10 +9,11 @@ cut into segments of MATMUL_SEGMENT_K, each segment is accumulated from zero in 
 element from its own row and column alone, so the tile shape does not matter: measured
 on the H200 (benchmarks/binv_matmul.py), 16..128-row and 16..256-column tiles and 64..256
 K-slices give the same bits. That frees the launch to follow M:
-- few rows (decode): one program per (tile, segment) writes its float32 segment sum, and
-  the tile's last such program (up to 16 rows) or a second kernel chains them: split-K
-  whose split depends on K only, so that a GEMV streams the weights from every SM;
-- many rows (prefill): one program per tile chains the segments itself (no partials).
+- few rows and few tiles (decode): one program per (tile, segment) writes its float32
+  segment sum, and the tile's last such program chains them: split-K whose split
+  depends on K only, so that a GEMV streams the weights from every SM;
+- enough tiles to fill the GPU (prefill, or a wide N): one program per tile chains the
+  segments itself (no partials). MATMUL_CONFIGS_16BIT says where each applies.
 (Thinking Machines' batch_invariant_ops fix the reduction order the same way; here the
 ops are called explicitly, not patched into aten.) Changing MATMUL_SEGMENT_K changes
 every result in this mode, and the profile measured with it.

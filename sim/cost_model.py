@@ -203,8 +203,7 @@ def _resolve(
                 "profile": str(path),
             }
             if async_scheduling:  # whether overlapped steps are measured or taken as serial
-                piped = cost.prices_pipelining and not num_speculative_tokens
-                meta["async_steps"] = "pipelined" if piped else "sequential"
+                meta["async_steps"] = "pipelined" if cost.pipelined else "sequential"
             if num_speculative_tokens:  # whether verify steps are measured or guessed
                 meta["verify_steps"] = "profiled" if cost.prices_speculation else "analytic"
             return cost, meta

@@ -28,6 +28,9 @@ class HardwareSpec:
     # GPU-to-GPU link out of one GPU, one direction (bytes/s); None: no such link listed.
     nvlink_bandwidth: float | None = None
     all_to_all_latency_s: float = 0.0  # fixed cost of one all_to_all call
+    # The device is the host's own CPU: a launch runs the step before it returns, so async
+    # scheduling overlaps nothing (the host schedules, runs, then processes, in turn).
+    runs_on_host: bool = False
 
     def peak_flops(self, dtype_bytes: int) -> float:
         """Peak matmul rate for weights of `dtype_bytes` (1: fp8 GEMMs, else bf16)."""
@@ -66,6 +69,7 @@ def get_hardware(name: str) -> HardwareSpec:
                 float(entry["nvlink_bandwidth"]) if "nvlink_bandwidth" in entry else None
             ),
             all_to_all_latency_s=float(entry.get("all_to_all_latency_s", 0.0)),
+            runs_on_host=bool(entry.get("runs_on_host", False)),
         )
     except KeyError as e:
         raise ValueError(f"{HARDWARE_FILE}: entry {key!r} lacks field {e.args[0]!r}") from None

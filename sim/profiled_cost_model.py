@@ -117,7 +117,8 @@ class ProfiledCostModel:
         are launched while the one before runs, so the runner's host work hides behind
         the device's: plain steps are priced from the profile's pipelined times
         (`pipelined_s`, each point's steps launched back to back), where it has them,
-        unless the engine speculates (its runner does not overlap steps)."""
+        unless the engine speculates (its runner does not overlap steps) or the device is
+        the host (`HardwareSpec.runs_on_host`)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be >= 0")
         data = profile if isinstance(profile, dict) else load_profile(profile)
@@ -135,8 +136,10 @@ class ProfiledCostModel:
         # reads the tokens on the host): its steps take their sequential times under
         # async scheduling too.
         self.prices_pipelining = all("pipelined_s" in points[i] for i in plain)
-        overlaps = async_scheduling and not num_speculative_tokens
+        # On a CPU the launch runs the step itself: nothing overlaps, as without async.
+        overlaps = async_scheduling and not num_speculative_tokens and not hardware.runs_on_host
         pipelined = overlaps and self.prices_pipelining
+        self.pipelined = pipelined  # async steps priced from their pipelined times
         if overlaps and not pipelined:
             warnings.warn(
                 f"async_scheduling: profile {self.profile_name} has no pipelined step times "

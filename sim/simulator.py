@@ -139,7 +139,7 @@ def simulate(
     )
     requests = build_requests(trace, spec.vocab_size)
     mask_s = float(grammar_mask_per_token_s)
-    env.process(_serve(env, core, deque(requests), cost, mask_s, on_progress))
+    env.process(_serve(env, core, deque(requests), cost, mask_s, on_progress, hw.runs_on_host))
     env.run()
     records = _in_trace_order(requests, [core])
     meta = _meta(trace, spec, hw, engine, cost_meta, num_blocks, [core], mask_s)
@@ -159,6 +159,7 @@ def _serve(
     cost: CostModel,
     mask_per_token_s: float,
     on_progress: Callable[[int], None] | None,
+    on_host: bool = False,
 ) -> Generator[simpy.events.Event, Any, None]:
     """Admit arrivals and drive the engine's own loop (`EngineCore.step_events`) in
     simulated time: host time after each schedule, the cost model's device time from
@@ -170,7 +171,9 @@ def _serve(
     One simpy timeout per step: the host's work is booked on `host_free` (when the host
     is next idle) and a launch starts once it is done, so only an await has to wait.
     Under async scheduling a step is launched while the one before it runs: its device
-    work starts when that one's ends (`device_free`)."""
+    work starts when that one's ends (`device_free`). on_host (`HardwareSpec.runs_on_host`):
+    the device is the host's CPU, whose launch runs the step before it returns, so the
+    host's work and the step's follow each other, async or not."""
     ready_at: dict[int, float] = {}  # step id -> simulated time its results are back
     host_free = device_free = 0.0
     reported = 0
@@ -188,8 +191,13 @@ def _serve(
             elif kind is LAUNCHED:
                 start = host_free if host_free > now else now
                 masks = mask_time(out, mask_per_token_s) if mask_per_token_s else 0.0
-                host_free = start + masks
-                device_free = (device_free if device_free > start else start) + cost.step_time(out)
+                if on_host:  # the launch runs the step: the host is busy until it ends
+                    host_free = device_free = start + masks + cost.step_time(out)
+                else:
+                    host_free = start + masks
+                    device_free = (device_free if device_free > start else start) + cost.step_time(
+                        out
+                    )
                 ready_at[out.step_id] = max(device_free, host_free)
             else:
                 done = ready_at.pop(out.step_id)
@@ -270,7 +278,7 @@ def _meta(
         "hardware": hw.name,
         "num_gpu_blocks": num_blocks,
         "max_model_len": cores[0].scheduler.max_model_len,
-        "engine": engine.to_dict(),
+        "engine": engine.to_dict() | {"async_scheduling": engine.async_scheduling},  # as run
         **cost_meta,
         "num_evictions": sum(c.scheduler.kv.pool.num_evictions for c in cores),
         "grammar_mask_per_token_s": mask_s,
@@ -278,5 +286,3 @@ def _meta(
 
 
 SCHEDULED, LAUNCHED = StepEventKind.SCHEDULED, StepEventKind.LAUNCHED
-
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -68,7 +69,9 @@ def test_a_plain_profile_steps_decodes_forward_as_the_scheduler_does(tmp_path: P
 
 def test_async_scheduling_prices_plain_steps_from_the_pipelined_times(tmp_path: Path) -> None:
     """The profiled model under async scheduling fits the pipelined times (halved here:
-    its steps cost half); a profile without them is priced sequentially, with a warning."""
+    its steps cost half); a profile without them is priced sequentially, with a warning;
+    so is every profile of a device that is the host's CPU (no warning: nothing there
+    overlaps), which the hardware says (runs_on_host; a copy says it is a GPU here)."""
     from deepinfer.outputs import ScheduledRequest, SchedulerOutput
     from executors.demo import demo_model_path
     from sim.hardware import get_hardware
@@ -79,12 +82,16 @@ def test_async_scheduling_prices_plain_steps_from_the_pipelined_times(tmp_path: 
     profile = json.loads(out.read_text())
     for p in profile["points"]:
         p["pipelined_s"] = p["median_s"] / 2
-    spec, hw = load_model_config(demo_model_path() / "config.json"), get_hardware("cpu")
+    spec, cpu = load_model_config(demo_model_path() / "config.json"), get_hardware("cpu")
+    hw = dataclasses.replace(cpu, runs_on_host=False)
     step = SchedulerOutput(0, [ScheduledRequest(str(i), 1, 300, False, True, []) for i in range(4)])
     plain = ProfiledCostModel(profile, spec, hw).step_time(step)
     piped = ProfiledCostModel(profile, spec, hw, async_scheduling=True)
-    assert piped.prices_pipelining
+    assert piped.prices_pipelining and piped.pipelined
     assert piped.step_time(step) == pytest.approx(plain / 2, rel=1e-6)
+    on_host = ProfiledCostModel(profile, spec, cpu, async_scheduling=True)
+    assert not on_host.pipelined
+    assert on_host.step_time(step) == pytest.approx(plain, rel=1e-6)
     for p in profile["points"]:
         del p["pipelined_s"]
     with pytest.warns(UserWarning, match="no pipelined step times"):
