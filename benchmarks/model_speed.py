@@ -13,7 +13,10 @@ measures in one process (each figure a whole engine step: scheduler, model, samp
   experts touched, expected under uniform routing) plus KV read, over the
   measured copy bandwidth; prefill FLOPs over the measured bf16 matmul rate;
 - HF transformers on the same weights: a forward over the same prompts, and
-  `generate` with greedy decoding.
+  `generate` with greedy decoding;
+- mixed steps (D decodes beside a P-token prompt), steps of many short prompts, and with
+  --served-rate the bundled Azure code trace served at that rate, each against its
+  roofline (benchmarks/model_speed_steps.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +39,9 @@ from deepinfer.sampling_params import SamplingParams
 from executors.loader import load_state_dict_into
 from executors.torch_executor import TorchExecutor
 from sim.analytic_cost_model import expected_distinct_experts
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_speed_steps import print_step_table, served_row, step_rows  # noqa: E402
 
 PRESETS = PRESETS_DIR
 
@@ -228,6 +235,21 @@ def main() -> None:
         action="store_true",
         help="also time decode with async scheduling (step N+1 launched while N runs)",
     )
+    p.add_argument(
+        "--mixed",
+        default="16,64,240x512,2048,7680",
+        help="mixed steps DxP: D decodes (at the first context) beside a P-token prompt",
+    )
+    p.add_argument(
+        "--short-prompts", default="32x64,128x64", help="NxL: N prompts of L tokens in one step"
+    )
+    p.add_argument(
+        "--served-rate",
+        type=float,
+        default=None,
+        help="also serve the bundled Azure code trace at this many requests/s",
+    )
+    p.add_argument("--served-requests", type=int, default=200)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     args = p.parse_args()
@@ -283,11 +305,34 @@ def main() -> None:
                 row["hf_tok_s"] = hf_tok_s(hf, prompts, args.new_tokens, prefill=False)
             rows.append(row)
             print(row, flush=True)
-    print_table(rows)
+    mixed = _pairs(args.mixed)
+    short = [
+        (int(n), int(length)) for n, length in (x.split("x") for x in _items(args.short_prompts))
+    ]
+    rows += step_rows(ex, spec, mixed, short, contexts[0], bw, peak)
+    if args.served_rate is not None:
+        served_cfg = cfg.replace(async_scheduling=None)  # the default, as users serve
+        rows.append(
+            served_row(ex, served_cfg, spec, args.served_rate, args.served_requests, bw, peak)
+        )
+    print_table([r for r in rows if r["kind"] in ("prefill", "decode")])
+    print_step_table(rows)
     if args.json:
         args.json.write_text(
             json.dumps(dict(copy_bw=bw, matmul_flops=peak, model=args.model, rows=rows), indent=1)
         )
+
+
+def _items(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    """ "16,64x512,2048" -> every (D, P): D in 16, 64 and P in 512, 2048."""
+    if not text:
+        return []
+    left, right = text.split("x")
+    return [(int(d), int(p)) for d in _items(left) for p in _items(right)]
 
 
 def print_table(rows: list[dict]) -> None:

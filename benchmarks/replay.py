@@ -1,6 +1,6 @@
 """Replay trace requests through the real engine in wall-clock time.
 
-Shared by `fidelity.py` and `served_trace.py`. Requests are built exactly as the
+Shared by `fidelity.py` and `model_speed_steps.py` (the served-trace figure). Requests are built exactly as the
 simulator builds them (`sim.simulator.build_requests`: the trace's prefix blocks become
 identical token ids, `ignore_eos`, `max_tokens` = the trace's output length), with
 the token ids written out for the real model. Arrivals are admitted between steps once

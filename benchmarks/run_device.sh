@@ -41,8 +41,8 @@ if [[ $what == decode || $what == async ]]; then
     | tee "$OUT/gpu_tests.log" | tail -8
   status=${PIPESTATUS[0]}
   python3 benchmarks/model_speed.py --no-hf --async-scheduling --prefill "" --contexts 1024 \
-    --json "$OUT/model_speed_async.json" 2>&1 | grep -v Warning \
-    | tee "$OUT/model_speed_async.log" | tail -7
+    --served-rate 20 --json "$OUT/model_speed_async.json" 2>&1 | grep -v Warning \
+    | tee "$OUT/model_speed_async.log" | tail -24
 fi
 if [[ $what == decode ]]; then
   python3 benchmarks/profile_step.py --prefill "" --batches 1,256 --rows 30 2>&1 \

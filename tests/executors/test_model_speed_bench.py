@@ -40,3 +40,23 @@ def test_whole_batch_decode_steps_exist_only_with_room_above_the_watermark(
     ex = TorchExecutor(tight, str(tiny.path), device="cpu", dtype="float32")
     _, step = model_speed.ours(ex, tight, prompts, new, "tight")
     assert math.isnan(step)
+
+
+def test_mixed_short_prompt_and_served_rows(model_speed, tiny_models: dict[str, TinyModel]) -> None:
+    """The sweep's rows beyond prefill and decode: each mixed and short-prompt shape is
+    timed with its roofline beside it, and the served trace finishes every request it
+    admits, with latencies and the summed roofline of the steps it ran."""
+    from deepinfer.model_config import load_model_config
+
+    tiny = tiny_models["v3_plain"]
+    cfg = model_speed.sweep_config(4, 64, 4, 256, block=4, budget=512)
+    ex = TorchExecutor(cfg, str(tiny.path), device="cpu", dtype="float32")
+    spec = load_model_config(tiny.path / "config.json")
+    bw, peak = 1e11, 1e13
+    rows = model_speed.step_rows(ex, spec, [(2, 16)], [(3, 8)], 32, bw, peak, reps=2)
+    assert [r["kind"] for r in rows] == ["mixed", "short_prompts"]
+    assert all(r["ours_step_ms"] > 0 and r["roofline_step_ms"] > 0 for r in rows)
+    served = model_speed.served_row(ex, cfg, spec, 50.0, 4, bw, peak)
+    assert served["requests"] == 4 and served["steps"] > 0
+    assert 0 < served["ttft_p50_ms"] <= served["ttft_p99_ms"]
+    assert served["roofline_s"] > 0 and served["busy_s"] > 0
