@@ -35,6 +35,9 @@ from executors.profile_grid import StepShape  # noqa: E402
 from executors.profiler import StepSession  # noqa: E402
 from executors.torch_executor import TorchExecutor  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_speed_steps import shape_seconds  # noqa: E402
+
 
 def _python_loop() -> float:
     t0 = time.perf_counter()
@@ -55,23 +58,13 @@ def replay_served(ex: TorchExecutor, path: Path, steps: int, reps: int) -> None:
     workloads = json.loads(path.read_text())["workloads"]
     samples = [s for w in workloads for s in w.get("step_samples", []) if s["prompts"]]
     samples.sort(key=lambda s: -s["tokens"])
-    rng = random.Random(0)
     print(
         "| tokens | prompts | decodes | served ms | replayed p50 ms | price ms | replayed / served |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for sample in samples[:steps]:
         groups = tuple((1, q, c, bool(p), 0) for q, c, p in sample["shape"])
-        session = StepSession(StepShape(sample["kind"], groups), ex.runner, rng, reps)
-        session.advance(ex.execute(SchedulerOutput(-1, session.first)))
-        times = []
-        for _ in range(reps):
-            out = session.next_step()
-            t0 = time.perf_counter()
-            session.advance(ex.execute(out))
-            times.append(time.perf_counter() - t0)
-        ex.execute(session.finish())
-        replayed = float(np.median(times))
+        replayed = shape_seconds(ex, groups, reps)
         decodes = sum(1 for r in sample["shape"] if not r[2])
         print(f"| {sample['tokens']} | {sample['prompts']} | {decodes} | "
               f"{1e3 * sample['wall_s']:.1f} | {1e3 * replayed:.1f} | {1e3 * sample['pred_s']:.1f} | "
