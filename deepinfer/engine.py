@@ -237,7 +237,8 @@ class EngineCore:
             out = self.schedule()
             if out.is_empty:
                 if self._compiling:  # idle until a grammar is ready: not a stall
-                    self._wait_for_a_grammar()
+                    if not self._grammar_rejected:  # (else hand those back first)
+                        self._wait_for_a_grammar()
                 elif self.scheduler.has_unfinished():
                     self.scheduler.raise_stalled()
                 return []

@@ -5,6 +5,7 @@ grammar ends it, and the simulator prices the masks instead of refusing them."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -243,13 +244,20 @@ def test_a_grammar_ready_first_starts_first() -> None:
     assert slow.status is RequestStatus.FINISHED
 
 
+def _compiling_apart(engine, first: str, second: str) -> tuple[Request, Request]:  # type: ignore[no-untyped-def]
+    """Two one-token structured requests added in turn, compiling apart: `first` on the
+    schema "a", `second` on REGEX."""
+    a = make_request(first, 3, max_tokens=1, so_args={"schema_type": "regex", "schema": "a"})
+    b = make_request(second, 3, max_tokens=1, so_args=REGEX)
+    engine.add_request(a)
+    engine.add_request(b)
+    return a, b
+
+
 def test_an_idle_engine_wakes_at_the_first_compile_that_ends_not_the_last() -> None:
     ex = GrammarExecutor(10)
     engine = _engine(ex)
-    soon = make_request("soon", 3, max_tokens=1, so_args={"schema_type": "regex", "schema": "a"})
-    late = make_request("late", 3, max_tokens=1, so_args=REGEX)
-    engine.add_request(soon)
-    engine.add_request(late)
+    soon, late = _compiling_apart(engine, "soon", "late")
     soon_timer = threading.Timer(0.05, lambda: ex.compiles["a"].set_result("compiled"))
     # Only a safety net: the engine must not wait for this one (it would, 10 s, if it
     # waited for every compile rather than the first).
@@ -265,6 +273,30 @@ def test_an_idle_engine_wakes_at_the_first_compile_that_ends_not_the_last() -> N
     finally:
         late_timer.cancel()
     engine.abort("late")
+
+
+def test_a_step_that_finds_a_failed_compile_returns_it_before_waiting_for_others() -> None:
+    """Its only other work a compile still running: the step hands the rejection back
+    at once (a server tells that client now) and the next step waits. It used to wait
+    first, so the rejection came back only when some other compile ended (found by the
+    property suite's deep profile, whose test then hung on its watchdog)."""
+    ex = GrammarExecutor(10)
+    engine = _engine(ex)
+    bad, slow = _compiling_apart(engine, "bad", "slow")
+    ex.compiles["a"].set_exception(RuntimeError("no grammar"))
+    # A safety net: the step must not wait for this compile (it did, 10 s).
+    slow_timer = threading.Timer(10.0, lambda: ex.compiles["[0-9]{3}"].set_result("compiled"))
+    slow_timer.start()
+    try:
+        t0 = time.perf_counter()
+        assert engine.step() == [bad]
+        assert time.perf_counter() - t0 < 5.0 and not ex.compiles["[0-9]{3}"].done()
+        assert bad.status is RequestStatus.REJECTED and slow.awaiting_grammar
+    finally:
+        slow_timer.cancel()
+    ex.compiles["[0-9]{3}"].set_result("compiled")
+    _drain(engine)
+    assert slow.status is RequestStatus.FINISHED
 
 
 def test_a_request_aborted_while_its_grammar_compiles_ends_once() -> None:

@@ -22,14 +22,19 @@ Broken copies that fail it: `_poll_grammars` not clearing `awaiting_grammar` (th
 request never starts) and `step()` dropping the rejected requests from its return. It
 found that an abort left the request's compile in `EngineCore._compiling`: an engine
 with nothing else to do then blocked in `step()` until that compile ended (now `finish`
-drops it). (The deep profile then found the test's own flaw: ending an aborted request's
-compile to unblock an engine that rightly waited for another one.)
+drops it). Its deep profile then found that a step which noticed a failed compile
+waited for another compile before it returned the rejection (now it returns first), and
+two flaws of its own: it ended an aborted request's compile to unblock an engine that
+rightly waited for another one, and a timer started before the step made the number of
+steps, hence the draws, depend on timing (the compile now ends once the engine waits).
 """
 
 from __future__ import annotations
 
 import threading
+from concurrent import futures
 from concurrent.futures import Future
+from unittest import mock
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -99,6 +104,25 @@ class CompilingExecutor(ScriptedExecutor):
         return super().execute(out)
 
 
+WAIT = futures.wait
+
+
+def _ending_one(ex: CompilingExecutor, idle: bool):  # noqa: ANN202
+    """futures.wait for one step: when the engine waits with nothing else to run (`idle`),
+    the first pending compile it waits for ends from another thread; else nothing ends
+    (the watchdog then says the engine blocked while it had work)."""
+
+    def wait(fs, timeout=None, return_when=futures.ALL_COMPLETED):  # noqa: ANN001, ANN202
+        pending = [f for f in fs if not f.done()]
+        if idle and pending:
+            note("the engine waited for a compile")
+            schema = next(s for s, f in ex.compiles.items() if f is pending[0])
+            threading.Timer(0.001, ex.settle, [schema]).start()
+        return WAIT(fs, timeout=timeout, return_when=return_when)
+
+    return wait
+
+
 def _unblock(ex: CompilingExecutor, stuck: threading.Event) -> None:
     stuck.set()
     for schema in ex.pending():
@@ -155,17 +179,10 @@ def test_a_request_waits_for_its_grammar_and_a_failed_compile_rejects_it_alone(
             rid = data.draw(st.sampled_from(live), label="aborted")
             engine.abort(rid)
             client_aborted.add(rid)
-        waiting = [r for r, q in reqs.items() if not q.is_finished]
-        waiting_only = all(reqs[r].awaiting_grammar for r in waiting)
-        # The compiles a live request waits for (an aborted request's compile may run on,
-        # but the engine no longer waits for it).
-        awaited = sorted({schema_of[r] for r in waiting if r in schema_of} & set(ex.pending()))
-        timer = None
-        if awaited and waiting_only and engine.has_unfinished():
-            # Nothing else to run: the engine blocks on the compiles; one ends elsewhere.
-            note("the engine waited for a compile")
-            timer = threading.Timer(0.001, ex.settle, [awaited[0]])
-            timer.start()
+        # Nothing else to run: the engine may block on the compiles, and one ends
+        # elsewhere, once it waits (a timer started before the step could end it before
+        # the step looked, and the step count, hence the draws, would hang on timing).
+        idle = all(q.awaiting_grammar for q in reqs.values() if not q.is_finished)
         # Should the engine block on a compile while other work is ready, end every
         # compile after a while so that the test fails instead of hanging.
         stuck = threading.Event()
@@ -174,11 +191,10 @@ def test_a_request_waits_for_its_grammar_and_a_failed_compile_rejects_it_alone(
         before = {r for r, q in reqs.items() if q.status is S.REJECTED}
         ready = [r for r, sc in schema_of.items() if sc in ex.compiles and ex.compiles[sc].done()]
         try:
-            changed = engine.step()
+            with mock.patch.object(futures, "wait", _ending_one(ex, idle)):
+                changed = engine.step()
         finally:
             watchdog.cancel()
-            if timer is not None:
-                timer.join()
         assert not stuck.is_set(), "step() blocked on a compile while other requests could run"
         for rid in ready:  # a compile that had ended is noticed by the next step()
             req = reqs[rid]
