@@ -262,7 +262,16 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",") if x]
     contexts = [int(x) for x in args.contexts.split(",") if x]
     prefills = [int(x) for x in args.prefill.split(",") if x]
-    cfg = sweep_config(max(batches), max(contexts), args.new_tokens, max(prefills, default=0))
+    mixed = _pairs(args.mixed)
+    short = [
+        (int(n), int(length)) for n, length in (x.split("x") for x in _items(args.short_prompts))
+    ]
+    # The cache holds every step timed: the largest prefill, mixed step (its decodes'
+    # contexts, with room to run on) and batch of short prompts.
+    steps_tokens = [d * (contexts[0] + 64) + p for d, p in mixed] + [n * ln for n, ln in short]
+    cfg = sweep_config(
+        max(batches), max(contexts), args.new_tokens, max([*prefills, *steps_tokens], default=0)
+    )
     ex, hf, spec = build(args.model, dev, cfg, with_hf=not args.no_hf)
     hf_limit = args.hf_max_kv_gib * 2**30
     rows = []
@@ -305,10 +314,6 @@ def main() -> None:
                 row["hf_tok_s"] = hf_tok_s(hf, prompts, args.new_tokens, prefill=False)
             rows.append(row)
             print(row, flush=True)
-    mixed = _pairs(args.mixed)
-    short = [
-        (int(n), int(length)) for n, length in (x.split("x") for x in _items(args.short_prompts))
-    ]
     rows += step_rows(ex, spec, mixed, short, contexts[0], bw, peak)
     if args.served_rate is not None:
         served_cfg = cfg.replace(async_scheduling=None)  # the default, as users serve

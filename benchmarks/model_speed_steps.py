@@ -103,6 +103,8 @@ def served_row(
     trace = Trace(base.name, base.source, fitting[:num_requests])
     real = replay(ex, cfg, poisson(trace, rate, seed=cfg.seed), model_max_len=ex.max_model_len)
     done = [r for r in real.records if r.status == "finished" and r.first_token is not None]
+    if not done:
+        raise ValueError(f"served {trace_name}: no request finished ({len(trace)} fit the cache)")
     ttft = [r.first_token - r.arrival for r in done]
     tpot = [
         (r.finish - r.first_token) / (r.num_output_tokens - 1)
@@ -120,8 +122,8 @@ def served_row(
         output_tok_s=tokens / real.wall_s, req_s=len(done) / real.wall_s,
         ttft_p50_ms=1e3 * float(np.percentile(ttft, 50)),
         ttft_p99_ms=1e3 * float(np.percentile(ttft, 99)),
-        tpot_p50_ms=1e3 * float(np.percentile(tpot, 50)),
-        tpot_p99_ms=1e3 * float(np.percentile(tpot, 99)),
+        tpot_p50_ms=1e3 * float(np.percentile(tpot, 50)) if tpot else float("nan"),
+        tpot_p99_ms=1e3 * float(np.percentile(tpot, 99)) if tpot else float("nan"),
         steps=len(real.steps), busy_s=busy, roofline_s=roof,
     )  # fmt: skip
     print(row, flush=True)
