@@ -1,8 +1,8 @@
 """The sweep's step rows beyond pure prefill and decode (`benchmarks/model_speed.py`).
 
 - mixed: one prompt chunk of P tokens beside D decodes at context C, timed as the
-  profiler times its points (`StepSession`: whole `executor.execute` steps, the same
-  requests again each repetition);
+  profiler times its points (`profile_steps`: whole `executor.execute` steps, the same
+  requests again each repetition, contexts of random latents);
 - short prompts: N prompts of L tokens in one step, timed the same way;
 - served: the bundled Azure code trace replayed in wall-clock time at a fixed rate of
   Poisson arrivals (`benchmarks/replay.py`), as a user serves it: throughput, TTFT and
@@ -15,10 +15,7 @@ the summed rooflines of the steps it ran, over the time those steps took.
 
 from __future__ import annotations
 
-import random
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,30 +28,13 @@ from step_roofline import step_roofline_s  # noqa: E402
 
 from deepinfer.config import EngineConfig  # noqa: E402
 from deepinfer.model_config import ModelConfig  # noqa: E402
-from deepinfer.outputs import SchedulerOutput  # noqa: E402
 from executors.profile_grid import StepShape  # noqa: E402
-from executors.profiler import StepSession  # noqa: E402
+from executors.profiler import profile_steps  # noqa: E402
 from executors.torch_executor import TorchExecutor  # noqa: E402
 from sim import load_trace  # noqa: E402
 from sim.traces import Trace  # noqa: E402
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
-
-
-def shape_seconds(ex: TorchExecutor, groups: tuple[tuple[int, ...], ...], reps: int) -> float:
-    """Median seconds of `reps` steps of one shape; groups (count, query, context,
-    is_prompt, drafts) as the profiler's grid writes them."""
-    shape = StepShape("mixed", groups)
-    session = StepSession(shape, ex.runner, random.Random(0), reps)
-    session.advance(ex.execute(SchedulerOutput(step_id=-1, scheduled=session.first)))
-    times = []
-    for _ in range(reps):
-        out = session.next_step()
-        t0 = time.perf_counter()
-        session.advance(ex.execute(out))
-        times.append(time.perf_counter() - t0)
-    ex.execute(session.finish())
-    return statistics.median(times)
 
 
 def step_rows(
@@ -76,11 +56,11 @@ def step_rows(
     for n, length in short:
         groups = ((n, length, 0, True, 0),)
         shapes.append((dict(kind="short_prompts", prompts=n, tokens=length), groups))
+    points = profile_steps(ex, [StepShape(r["kind"], g) for r, g in shapes], reps)
     rows = []
-    for row, groups in shapes:
-        t = shape_seconds(ex, groups, reps)
+    for (row, groups), point in zip(shapes, points, strict=True):
         roof = step_roofline_s(spec, [list(g) for g in groups], bw, peak)
-        row |= dict(ours_step_ms=1e3 * t, roofline_step_ms=1e3 * roof)
+        row |= dict(ours_step_ms=1e3 * point["median_s"], roofline_step_ms=1e3 * roof)
         rows.append(row)
         print(row, flush=True)
     return rows

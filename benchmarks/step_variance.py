@@ -32,11 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deepinfer.config import EngineConfig  # noqa: E402
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
 from executors.profile_grid import StepShape  # noqa: E402
-from executors.profiler import StepSession  # noqa: E402
+from executors.profiler import StepSession, profile_steps  # noqa: E402
 from executors.torch_executor import TorchExecutor  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_speed_steps import shape_seconds  # noqa: E402
 
 
 def _python_loop() -> float:
@@ -64,7 +61,7 @@ def replay_served(ex: TorchExecutor, path: Path, steps: int, reps: int) -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for sample in samples[:steps]:
         groups = tuple((1, q, c, bool(p), 0) for q, c, p in sample["shape"])
-        replayed = shape_seconds(ex, groups, reps)
+        replayed = profile_steps(ex, [StepShape(sample["kind"], groups)], reps)[0]["median_s"]
         decodes = sum(1 for r in sample["shape"] if not r[2])
         print(f"| {sample['tokens']} | {sample['prompts']} | {decodes} | "
               f"{1e3 * sample['wall_s']:.1f} | {1e3 * replayed:.1f} | {1e3 * sample['pred_s']:.1f} | "
