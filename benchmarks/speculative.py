@@ -49,8 +49,18 @@ from deepinfer.engine import EngineCore
 from deepinfer.model_config import load_model_config, write_config_with_mtp_layer
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
-from executors.mtp_drafter import DraftInput, Drafts, MTPDrafter
-from executors.spec_decode import VerifyOutput, VerifyRequest, verify
+from executors.host_copy import to_device, to_device_async
+from executors.mtp_drafter import DeviceDrafts, DraftInput, Drafts, MTPDrafter
+from executors.sampler import SamplingState
+from executors.spec_decode import (
+    DeviceVerify,
+    VerifyOutput,
+    VerifyRequest,
+    prefix_tokens,
+    row_grid,
+    verify,
+    verify_on_device,
+)
 
 
 class ForcedAcceptance:
@@ -86,6 +96,40 @@ class ForcedAcceptance:
             drafts.confidences[rid] = conf[i, :n].tolist()
         return drafts
 
+    def propose_on_device(self, *args: Any, req_ids: list[str], **kwargs: Any) -> DeviceDrafts:
+        """`propose`'s plan for the drafter of a verify step on the device (its draws on
+        the host; the confidences go to the device, as the real drafter's are)."""
+        drafts = self.inner.propose_on_device(*args, req_ids=req_ids, **kwargs)
+        width = drafts.ids.shape[1]
+        if not width or not req_ids:
+            return drafts
+        conf = self.rng.beta(4 * self.a, 4 * (1 - self.a), size=(len(req_ids), width))
+        good = self.rng.random(size=conf.shape) < conf  # [requests, width]
+        first_bad = np.where(good.all(axis=1), width, (~good).argmax(axis=1))
+        for i, rid in enumerate(req_ids):
+            self.accepted[rid] = min(int(first_bad[i]), drafts.counts[i])
+        host = torch.from_numpy(conf.astype(np.float32))
+        drafts.confidences = to_device_async(host, drafts.ids.device)
+        return drafts
+
+    def verify_on_device(
+        self,
+        runner: Any,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        num_drafts: list[int],
+        draft_ids: torch.Tensor,
+        generator: torch.Generator | None,
+    ) -> DeviceVerify:
+        """spec_decode.verify_on_device's work, then the planned acceptance (`verify`'s),
+        all on the device."""
+        verify_on_device(logits, states, num_drafts, draft_ids, generator)
+        rid = {id(st.sampling): r for r, st in runner.requests.items()}
+        take = [min(self.accepted.get(rid[id(s)], 0), k) for s, k in zip(states, num_drafts)]
+        accepted = to_device(take, torch.int64, logits.device)
+        grid = row_grid(num_drafts, logits.device)
+        return DeviceVerify(prefix_tokens(logits.argmax(-1), draft_ids, accepted, grid), accepted)
+
     def verify(
         self,
         runner: Any,
@@ -105,9 +149,16 @@ class ForcedAcceptance:
         return VerifyOutput(tokens, real.logprobs)
 
     def install(self, runner: Any) -> None:
-        """Make `runner` draft and verify through this stand-in (greedy requests only)."""
+        """Make `runner` draft and verify through this stand-in (greedy requests only),
+        on the host and on the device; `uninstall` gives verification back."""
         runner.drafter = self
         runner_module.verify = lambda *a, **k: self.verify(runner, *a, **k)
+        runner_module.verify_on_device = lambda *a, **k: self.verify_on_device(runner, *a, **k)
+
+    @staticmethod
+    def uninstall() -> None:
+        runner_module.verify = verify
+        runner_module.verify_on_device = verify_on_device
 
 
 def model_dir(name: str) -> Path:
@@ -241,7 +292,7 @@ def main() -> None:
                     flush=True,
                 )
         ex.shutdown()
-        runner_module.verify = verify
+        ForcedAcceptance.uninstall()
         del ex, inner, forced  # the drafters hold the model: free it before the next
         gc.collect()
         if torch.cuda.is_available():

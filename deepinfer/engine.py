@@ -203,19 +203,25 @@ class EngineCore:
         return changed
 
     def step(self) -> list[Request]:
-        """One round of the engine loop in wall-clock time; returns requests that changed
-        (with those rejected meanwhile because their grammar failed to compile)."""
+        """One round of the engine loop in wall-clock time; returns requests that changed."""
         events = self.step_events()
         while True:
             try:
                 next(events)  # a real executor's handle blocks in .result(): nothing to wait for
             except StopIteration as done:
-                if not self._grammar_rejected:
-                    return done.value
-                rejected, self._grammar_rejected = self._grammar_rejected, []
-                return rejected + done.value
+                return done.value
 
     def step_events(self) -> Generator[StepEvent, None, list[Request]]:
+        """One round of the engine loop (`_round`); returns the requests that changed, with
+        those rejected meanwhile because their grammar failed to compile, whoever drives
+        it (`step()`, the simulator, benchmarks/replay.py)."""
+        changed = yield from self._round()
+        if not self._grammar_rejected:
+            return changed
+        rejected, self._grammar_rejected = self._grammar_rejected, []
+        return rejected + changed
+
+    def _round(self) -> Generator[StepEvent, None, list[Request]]:
         """One round of the engine loop, as a coroutine that yields at its time points.
 
         The loop is the same for every executor; only the driver differs. `step()` runs
@@ -227,9 +233,10 @@ class EngineCore:
         launched while step N runs, then N's results are applied. The scheduler assumed
         N's tokens (placeholders); an executor that overlaps (the torch one) feeds N's
         sampled tokens to N+1 on the device, so the host's work for N+1 and for N's
-        results hides behind the device's. A step the executor cannot overlap
-        (`can_overlap`: drafts, grammars, history-reading samplers) is launched once N is
-        applied, as without async scheduling (its scheduling still overlapped N).
+        results hides behind the device's (a speculating one chains N+1's drafts and
+        positions on N's too). A step the executor cannot overlap (`can_overlap`:
+        grammars, history-reading samplers, prompt chunks beside drafts) is launched once
+        N is applied, as without async scheduling (its scheduling still overlapped N).
         """
         if self._compiling:
             self._poll_grammars()
@@ -322,9 +329,9 @@ class EngineCore:
     def _can_overlap(self, out: SchedulerOutput) -> bool:
         """Whether the executor runs `out` beside the step in flight when launched now (an
         executor without `can_overlap` does). One that must read the step in flight
-        first, or that runs `out` inside its launch (a speculating runner), gets `out`
-        once the step in flight is applied: its results are not held back by `out`'s
-        work, and each step's time is its own."""
+        first, or that runs `out` inside its launch, gets `out` once the step in flight
+        is applied: its results are not held back by `out`'s work, and each step's time
+        is its own."""
         check = getattr(self.executor, "can_overlap", None)
         return check is None or bool(check(out))
 

@@ -34,6 +34,7 @@ import torch
 
 from executors.attention import AttentionMetadata
 from executors.models.deepseek import DeepseekForCausalLM
+from executors.spec_chain import StepBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,14 @@ class DecodeGraphs:
             prefill_max_query_len=0,
         )
 
+    def buffers(self) -> StepBuffers:
+        """The static inputs, one sequence a request (context lengths follow from seq_lens
+        inside the forward)."""
+        return StepBuffers(
+            self.input_ids, self.positions, [self.slot_mapping], self.seq_lens, None,
+            self.block_tables,
+        )  # fmt: skip
+
     def _forward(self, size: int) -> torch.Tensor:
         t = size * self.query_len
         return self.model(
@@ -154,16 +163,16 @@ class DecodeGraphs:
         input_ids: list[int],
         positions: list[int],
         block_tables: list[list[int]],
-        fill: Callable[[torch.Tensor], None] | None = None,
+        fill: Callable[[StepBuffers], None] | None = None,
     ) -> torch.Tensor:
         """query_len tokens per request (input_ids, positions: [b * query_len], request
         by request) -> final-normed hidden [size * query_len, hidden] (rows past
         len(input_ids) are padding), also kept as `last_hidden`. Valid until the next
-        run. fill: completes the input-id buffer on the device (ids the step before
-        samples, ModelRunner.launch)."""
+        run. fill: completes the loaded buffers on the device (ids the step before
+        samples, positions it moves back: ModelRunner.launch, executors/spec_chain.py)."""
         size = self._load(input_ids, positions, block_tables)
         if fill is not None:
-            fill(self.input_ids)
+            fill(self.buffers())
         graph = self.graphs.get(size)
         if graph is None:  # not captured (the CPU tests): the same buffers, run eagerly
             self.last_hidden = self._forward(size)

@@ -18,6 +18,7 @@ import torch
 
 from executors.cuda_graphs import DecodeGraphs
 from executors.models.deepseek import DeepseekForCausalLM
+from executors.spec_chain import Shift
 
 
 class DraftGraphs(DecodeGraphs):
@@ -57,13 +58,17 @@ class DraftGraphs(DecodeGraphs):
         positions: list[int],
         block_tables: list[list[int]],
         repeats: list[int] | None = None,
+        shift: Shift | None = None,
     ) -> torch.Tensor:
         """One pass over single-row queries: hidden [rows, hidden] at `positions`, the
         next token of each (a list, or a device tensor [rows]), the block tables (each
         shared by `repeats` consecutive rows; default one a row) -> block outputs [rows,
-        hidden] (a view of a static buffer: valid until the next run)."""
+        hidden] (a view of a static buffer: valid until the next run). shift: moves the
+        rows back once loaded (spec_chain.py; one sequence a row)."""
         rows = len(positions)
         size = self._load(next_ids, positions, block_tables, repeats)
+        if shift is not None:
+            shift.apply(self.buffers())
         self.prev[:rows].copy_(hidden)
         graph = self.graphs.get(size)
         if graph is None:  # not captured (the CPU tests): the same buffers, eagerly

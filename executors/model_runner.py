@@ -10,15 +10,19 @@ matcher: its mask is applied to its logits before sampling (executors/structured
 Speculation: a request scheduled with k drafts is scored on 1 + k rows and verified
 by executors/spec_decode.py (greedy prefix match, or lossless rejection sampling);
 afterwards the model's MTP layer proposes the next drafts (executors/mtp_drafter.py),
-which go back in ModelRunnerOutput with their confidences.
+which go back in ModelRunnerOutput with their confidences. A step of known requests
+decoding at output positions (no seeds, penalties, logprobs or grammars) verifies and
+drafts on the device (`_verifies_on_device`) and is read back with one copy.
 
 `launch` queues a step and returns its handle (executors/step_handle.py) without
 waiting for the device. Under async scheduling the engine launches step N+1 before it
 reads step N: a request whose newest token N samples takes it from N's device tensor
-(`HostBatch.deferred`), so nothing waits. A step that needs N's tokens on the host
-(drafts, grammars, prompt logprobs, a sampler setting that reads the request's history)
-cannot overlap (`can_overlap`): the engine launches it once N is applied, and a launch
-that finds N unread anyway reads N first.
+(`HostBatch.deferred`), so nothing waits; after a verify step on the device it takes
+its drafts too, and its rows move back by the drafts N rejected (executors/spec_chain.py).
+A step that needs N's tokens on the host (grammars, prompt logprobs, a sampler setting
+that reads the request's history, drafts verified on the host) cannot overlap
+(`can_overlap`): the engine launches it once N is applied, and a launch that finds N
+unread anyway reads N first.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ from executors.sampler import (
     sample_on_device,
     sample_tokens,
 )
-from executors.spec_decode import VerifyRequest, verify
+from executors.spec_chain import Chained, Shift, StepBuffers, rows_by_sequence
+from executors.spec_decode import VerifyRequest, history_free, verify, verify_on_device
 from executors.step_handle import PendingStep, StepResult
 from executors.structured_outputs import (
     GrammarCompiler,
@@ -86,6 +91,8 @@ class _Segment:
     samples: bool  # ends with the request's sampled rows
     drafts: list[int]  # drafts verified at its end (when it samples)
     deferred: int | None = None  # index of the token the step in flight samples
+    chained: int | None = None  # its request's index in the verify step in flight: every
+    # token comes from that step, and its rows lie behind by the drafts it rejected
 
 
 @dataclass
@@ -107,6 +114,9 @@ class HostBatch:
     # (row of input_ids, index into the step in flight's `tokens`): ids sampled by the
     # step still running, filled in on the device (input_ids holds 0 there).
     deferred: list[tuple[int, int]] = field(default_factory=list)
+    # Per request, its index in the verify step in flight's `Chained.rejected`, whose
+    # last entry (0) serves requests it did not verify; None: no request is chained.
+    behind: list[int] | None = None
 
 
 @dataclass
@@ -258,8 +268,13 @@ class ModelRunner:
         if out.is_empty:
             return PendingStep(result=StepResult(ModelRunnerOutput()))
         host = self.collect(out.scheduled, prev)
-        hidden, indices = self._forward(host, self._fill(host, prev))
+        fill, behind = self._fill(host, prev)
+        hidden, indices, input_ids = self._forward(host, fill)
         logits = self.model.compute_logits(hidden[indices])  # [N, vocab]
+        if on_device and self.drafter is not None:
+            pending = self._verify_on_device(out, host, hidden, logits, input_ids, behind)
+            self._pending = pending
+            return pending
         if on_device:
             rows = sorted(host.sample_rows.items(), key=lambda kv: kv[1][0])
             states = [self.requests[rid] for rid, _ in rows]
@@ -284,29 +299,37 @@ class ModelRunner:
         return PendingStep(result=result)
 
     def _forward(
-        self, host: HostBatch, fill: Callable[[torch.Tensor], None] | None
-    ) -> tuple[torch.Tensor, slice | torch.Tensor]:
-        """The step's final hidden states [T, hidden] and the index of its sampled rows;
-        `fill` completes the device's input ids (deferred tokens) before the forward."""
+        self, host: HostBatch, fill: Callable[[StepBuffers], None] | None
+    ) -> tuple[torch.Tensor, slice | torch.Tensor, torch.Tensor]:
+        """The step's final hidden states [T, hidden], the index of its sampled rows and
+        its input ids [T] on the device; `fill` completes the loaded inputs (deferred
+        tokens, moved positions) before the forward."""
         t = len(host.input_ids)
         graphs = self._graphs_for(host)
         if graphs is not None:
             hidden = graphs.run(host.input_ids, host.positions, host.block_tables, fill)[:t]
+            input_ids = graphs.input_ids[:t]
         elif self.piecewise is not None and t <= self.piecewise.max_size:
             md_host = self._metadata(host, torch.device("cpu"))
             md = md_host.to(self.device)
             hidden = self.piecewise.run(
                 host.input_ids, host.positions, md_host.slot_mapping, md, fill
             )
+            input_ids = self.piecewise.input_ids[:t]
         else:
             batch = self.to_device(host)
+            md = batch.md
             if fill is not None:
-                fill(batch.input_ids)
-            hidden = self.model(batch.input_ids, batch.positions, batch.md, self.kv_cache.layers)
+                fill(StepBuffers(
+                    batch.input_ids, batch.positions, [md.slot_mapping], md.seq_lens,
+                    md.context_lens, md.block_tables,
+                ))  # fmt: skip
+            hidden = self.model(batch.input_ids, batch.positions, md, self.kv_cache.layers)
+            input_ids = batch.input_ids
         n = len(host.logits_indices)
         if host.logits_indices == list(range(n)):
-            return hidden, slice(0, n)
-        return hidden, to_device(host.logits_indices, torch.int64, self.device)
+            return hidden, slice(0, n), input_ids
+        return hidden, to_device(host.logits_indices, torch.int64, self.device), input_ids
 
     def can_overlap(self, out: SchedulerOutput) -> bool:
         """Whether `launch(out)` now runs `out` beside the step in flight: it queues its
@@ -324,9 +347,10 @@ class ModelRunner:
 
     def _on_device(self, out: SchedulerOutput) -> bool:
         """Whether the step's sampling can stay on the device until its result is read:
-        no drafts to verify or propose, no grammar, no prompt logprobs."""
+        no drafts to verify or propose, no grammar, no prompt logprobs; with a drafter,
+        `_verifies_on_device`."""
         if self.drafter is not None:
-            return False
+            return self._verifies_on_device(out)
         for sr in out.scheduled:
             params = self._params(sr)
             if (
@@ -338,10 +362,40 @@ class ModelRunner:
                 return False
         return True
 
+    def _verifies_on_device(self, out: SchedulerOutput) -> bool:
+        """Whether a step with a drafter can verify and draft on the device (spec_chain.py):
+        every request is a known one decoding its newest token (plus drafts, at output
+        positions, on the absorbed path), unseeded, without logprobs or grammar, and its
+        processing reads no history (spec_decode.history_free)."""
+        assert self.drafter is not None
+        for sr in out.scheduled:
+            state = self.requests.get(sr.req_id)
+            if (
+                sr.block_table is not None
+                or state is None
+                or not sr.samples
+                or sr.num_tokens != 1 + len(sr.draft_token_ids)
+                or sr.num_tokens > self.decode_max_query_len
+                or sr.num_computed_tokens < state.num_prompt_tokens
+                or sr.req_id in self.drafter.pending
+            ):
+                return False
+            params = state.sampling.params
+            if (
+                params.seq_seed is not None
+                or params.so_args is not None
+                or params.logprobs is not None
+                or params.prompt_logprobs is not None
+                or not history_free(params, len(state.sampling.output_token_ids))
+            ):
+                return False
+        return bool(out.scheduled)
+
     def _independent(self, out: SchedulerOutput, prev: PendingStep) -> bool:
         """Whether `out` can be built while `prev` (launched, unread) runs: its requests
         that prev samples for are not new to the runner and read no history (seeds,
-        penalties and min_tokens count outputs)."""
+        penalties and min_tokens count outputs); after a verify step on the device, each
+        takes its newest token and drafts from it (`_chains`)."""
         for sr in out.scheduled:
             if sr.req_id not in prev.rows:
                 continue
@@ -358,32 +412,60 @@ class ModelRunner:
                 or len(state.sampling.output_token_ids) < params.min_tokens
             ):
                 return False
+            if self.drafter is not None and not self._chains(sr, prev.chain):
+                return False
         return True
+
+    @staticmethod
+    def _chains(sr: ScheduledRequest, chain: Chained | None) -> bool:
+        """Whether `sr` takes all its tokens from the verify step in flight (`chain`): its
+        newest token and the drafts it proposed, none sent by the scheduler."""
+        drafts = sr.draft_token_ids
+        return (
+            chain is not None
+            and not sr.token_ids
+            and sr.num_tokens == 1 + len(drafts)
+            and len(drafts) < chain.width
+            and all(d == DRAFT_PLACEHOLDER for d in drafts)
+        )
 
     def _fill(
         self, host: HostBatch, prev: PendingStep | None
-    ) -> Callable[[torch.Tensor], None] | None:
-        """Copies prev's sampled tokens into the deferred rows of a device input-id tensor."""
+    ) -> tuple[Callable[[StepBuffers], None] | None, torch.Tensor | None]:
+        """Copies prev's sampled tokens into the deferred rows of the loaded inputs and
+        moves the rows of requests prev verified drafts for back by the drafts rejected
+        (spec_chain.Shift). Also returns how far each request's rows moved ([B], device;
+        None: no request's did)."""
         if not host.deferred:
-            return None
+            return None, None
         assert prev is not None and prev.tokens is not None
         tokens = prev.tokens
         dst = [row for row, _ in host.deferred]
         src = [i for _, i in host.deferred]
         k = len(dst)
+        shift = behind = None
+        if host.behind is not None:
+            assert prev.chain is not None
+            behind = prev.chain.rejected[to_device(host.behind, torch.int64, self.device)]
+            shift = Shift(behind, rows_by_sequence(host.query_lens), self.block_size)
         if dst == src == list(range(k)):  # the same requests first, in the same order
 
-            def fill(ids: torch.Tensor) -> None:
+            def fill_ids(ids: torch.Tensor) -> None:
                 ids[:k].copy_(tokens[:k])
 
-            return fill
-        dst_t = to_device(dst, torch.int64, self.device)
-        src_t = to_device(src, torch.int64, self.device)
+        else:
+            dst_t = to_device(dst, torch.int64, self.device)
+            src_t = to_device(src, torch.int64, self.device)
 
-        def fill_rows(ids: torch.Tensor) -> None:
-            ids[dst_t] = tokens[src_t]
+            def fill_ids(ids: torch.Tensor) -> None:
+                ids[dst_t] = tokens[src_t]
 
-        return fill_rows
+        def fill(buffers: StepBuffers) -> None:
+            fill_ids(buffers.input_ids)
+            if shift is not None:
+                shift.apply(buffers)
+
+        return fill, behind
 
     def _graphs_for(self, host: HostBatch) -> DecodeGraphs | None:
         """The graphs of the step's query length when every request has that many tokens
@@ -484,6 +566,16 @@ class ModelRunner:
         segments: list[_Segment] = []
         for sr in scheduled:
             state = self.requests[sr.req_id]
+            if prev is not None and prev.chain is not None and sr.req_id in prev.rows:
+                # Newest token and drafts on the device (`_chains`), nothing to record yet.
+                start = starts[sr.req_id]
+                state.num_computed = start + sr.num_tokens
+                n_drafts = sr.num_tokens - 1
+                segments.append(_Segment(
+                    sr.req_id, start, [0] * sr.num_tokens, self._absorbed(sr, start), True,
+                    [0] * n_drafts, chained=prev.rows[sr.req_id],
+                ))  # fmt: skip
+                continue
             drafts = self._drafts(sr, state)
             deferred = (
                 prev is not None
@@ -512,13 +604,18 @@ class ModelRunner:
                 continue
             segments += self._segments(sr, start, tokens, drafts)
         segments.sort(key=lambda seg: not seg.absorbed)  # stable: otherwise in step order
+        behind = None
+        if any(seg.chained is not None for seg in segments):
+            assert prev is not None and prev.chain is not None
+            none = len(prev.chain.proposed)  # the zero past prev's requests
+            behind = [none if seg.chained is None else seg.chained for seg in segments]
         host = HostBatch(
             req_ids=[seg.req_id for seg in segments], input_ids=[], positions=[],
             query_lens=[len(seg.tokens) for seg in segments],
             context_lens=[seg.start for seg in segments],
             block_tables=[self.requests[seg.req_id].block_table for seg in segments],
             num_decode=sum(seg.absorbed for seg in segments),
-            logits_indices=[],
+            logits_indices=[], behind=behind,
         )  # fmt: skip
         for seg in segments:
             rid, tokens, start = seg.req_id, seg.tokens, seg.start
@@ -536,6 +633,12 @@ class ModelRunner:
             if seg.deferred is not None:
                 assert prev is not None
                 host.deferred.append((len(host.input_ids) + seg.deferred, prev.rows[rid]))
+            if seg.chained is not None:
+                assert prev is not None and prev.chain is not None
+                w = prev.chain.width
+                host.deferred += [
+                    (len(host.input_ids) + j, seg.chained * w + j) for j in range(len(tokens))
+                ]
             host.input_ids.extend(tokens)
             host.positions.extend(range(start, start + len(tokens)))
         return host
@@ -710,6 +813,85 @@ class ModelRunner:
                 out.logprobs[req_id] = logprobs[first : first + len(toks)]
             result.rows[req_id] = (first, n)
         return result
+
+    def _verify_on_device(
+        self,
+        out: SchedulerOutput,
+        host: HostBatch,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        input_ids: torch.Tensor,
+        behind: torch.Tensor | None,
+    ) -> PendingStep:
+        """Verify and draft with nothing read back (`_verifies_on_device`): the handle
+        carries each request's newest token and drafts, and what it rejected, for the next
+        step to chain on (spec_chain.py); `result()` reads everything with one copy.
+        hidden [T', hidden] (T' >= T: graph padding), logits [N, vocab], input_ids [T]."""
+        assert self.drafter is not None
+        rows = sorted(host.sample_rows.items(), key=lambda kv: kv[1][0])
+        assert [rid for rid, _ in rows] == host.req_ids  # one segment a request, in order
+        states = [self.requests[rid] for rid, _ in rows]
+        num_drafts = [n - 1 for _, (_, n, _) in rows]
+        t = len(host.input_ids)
+        dev = self.device
+        # The draft each sampled row verifies: the input token after it.
+        after = to_device([min(i + 1, t - 1) for i in host.logits_indices], torch.int64, dev)
+        checked = verify_on_device(
+            logits, [st.sampling for st in states], num_drafts, input_ids[after], self.generator
+        )
+        width = checked.tokens.shape[1]
+        offsets = [0]
+        for n in host.query_lens[:-1]:
+            offsets.append(offsets[-1] + n)
+        # Row j of request i verified draft j + 1; its next token is tokens[i, j].
+        next_of_row = [i * width + j for i, n in enumerate(host.query_lens) for j in range(n)]
+        next_ids = checked.tokens.flatten()[to_device(next_of_row, torch.int64, dev)]  # [T]
+        last_rows = to_device(offsets, torch.int64, dev) + checked.accepted  # [B]
+        rejected = to_device(num_drafts, torch.int64, dev) - checked.accepted  # [B]
+        drafts = self.drafter.propose_on_device(
+            hidden[:t], next_ids, host.context_lens, host.query_lens, host.block_tables,
+            last_rows, behind, rejected, req_ids=host.req_ids, num_drafts=out.num_proposals,
+        )  # fmt: skip
+        newest = checked.tokens.gather(1, checked.accepted[:, None])  # [B, 1]
+        chain_ids = torch.cat([newest, drafts.ids], dim=1)  # [B, 1 + P]
+        # float64 holds every token id exactly: one copy back for everything.
+        packed = torch.cat([
+            checked.tokens.double().flatten(), checked.accepted.double(),
+            drafts.ids.double().flatten(), drafts.confidences.double().flatten(),
+        ])  # fmt: skip
+        if packed.is_cuda:
+            host_packed = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host_packed.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host_packed, copied = packed, None
+        b, p = len(rows), drafts.ids.shape[1]
+
+        def finish() -> StepResult:
+            if copied is not None:
+                copied.synchronize()
+            vals = host_packed.tolist()
+            toks = [vals[i * width : (i + 1) * width] for i in range(b)]
+            accepted = vals[b * width : b * width + b]
+            at = b * width + b
+            ids, conf = vals[at : at + b * p], vals[at + b * p :]
+            tokens = [[int(x) for x in tk[: int(a) + 1]] for tk, a in zip(toks, accepted)]
+            res = self._record(rows, states, tokens, None, logits, ModelRunnerOutput())
+            output = res.output
+            for i, ((rid, _), state, n) in enumerate(zip(rows, states, drafts.counts)):
+                state.drafts = [int(x) for x in ids[i * p : i * p + n]]
+                if n:
+                    output.draft_token_ids[rid] = state.drafts
+                    output.draft_confidences[rid] = conf[i * p : i * p + n]
+            return res
+
+        return PendingStep(
+            finish,
+            tokens=chain_ids.flatten(),
+            rows={rid: i for i, (rid, _) in enumerate(rows)},
+            chain=Chained(1 + p, torch.cat([rejected, rejected.new_zeros(1)]), drafts.counts),
+        )
 
     def _draft(
         self, host: HostBatch, hidden: torch.Tensor, out: ModelRunnerOutput, step: SchedulerOutput

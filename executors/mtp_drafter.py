@@ -36,7 +36,9 @@ import torch
 from executors.attention import build_attention_metadata
 from executors.cuda_graphs import default_capture_sizes
 from executors.draft_graphs import DraftGraphs
+from executors.host_copy import to_device
 from executors.models.deepseek import DeepseekForCausalLM
+from executors.spec_chain import Shift, StepBuffers, rows_by_sequence
 
 
 @dataclass
@@ -56,6 +58,15 @@ class DraftInput:
 class Drafts:
     tokens: dict[str, list[int]]  # req_id -> up to k drafts
     confidences: dict[str, list[float]]  # req_id -> each draft's probability
+
+
+@dataclass
+class DeviceDrafts:
+    """`propose_on_device`'s drafts, nothing read back."""
+
+    ids: torch.Tensor  # [B, P] int64: request i's drafts in its first counts[i] columns
+    confidences: torch.Tensor  # [B, P] float32
+    counts: list[int]  # [B] (host): drafts proposed for each request
 
 
 class MTPDrafter:
@@ -206,6 +217,70 @@ class MTPDrafter:
                 at += 1
         return out
 
+    def propose_on_device(
+        self,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        starts: list[int],
+        query_lens: list[int],
+        block_tables: list[list[int]],
+        last_rows: torch.Tensor,
+        behind: torch.Tensor | None,
+        rejected: torch.Tensor,
+        req_ids: Sequence[str],
+        num_drafts: int | None = None,
+    ) -> DeviceDrafts:
+        """`propose` for a verify step whose results stay on the device (spec_chain.py):
+        every request's rows are output positions from `starts` (where the host placed
+        them, assuming the drafts of the step before were all accepted), and pass 1 runs
+        over all of them, `next_ids` [T] (device) giving each row's next token; rows past
+        a request's accepted ones write MTP KV that the next step rewrites before any query
+        reads it. last_rows [B]: each request's row of its newest token; behind [B]: how far
+        its rows lie before `starts` (None: not at all); rejected [B]: drafts it rejected
+        now, so its newest token lies `behind + rejected` before its last row; req_ids:
+        the requests, in order (for a wrapper that keys its bookkeeping by request)."""
+        k = self.k if num_drafts is None else min(num_drafts, self.k)
+        b = len(starts)
+        assert all(n <= self.decode_max_query_len for n in query_lens), query_lens
+        h = self._run(hidden, next_ids, starts, query_lens, block_tables, b, behind)
+        ids_out = torch.zeros(b, max(k, 1), dtype=torch.int64, device=self.device)
+        conf_out = torch.zeros(b, max(k, 1), dtype=torch.float32, device=self.device)
+        counts = [0] * b
+        if k <= 0:
+            return DeviceDrafts(ids_out[:, :0], conf_out[:, :0], counts)
+        last = h[last_rows]  # [B, hidden]
+        reqs = list(range(b))
+        pos = [s + n - 1 for s, n in zip(starts, query_lens)]  # upper bounds (all accepted)
+        amount = rejected if behind is None else behind + rejected  # [B]
+        for j in range(k):
+            logits = self.mtp.compute_logits(self.model, last)  # [B_j, vocab]
+            conf, ids = logits.softmax(dim=-1).max(dim=-1)  # [B_j] each
+            sel = to_device(reqs, torch.int64, self.device)
+            ids_out[sel, j] = ids
+            conf_out[sel, j] = conf.float()
+            for i in reqs:
+                counts[i] += 1
+            if j + 1 == k:
+                break
+            # Chain: the next position needs a slot in the table, where it lies if every
+            # draft is accepted (the scheduler's lookahead holds those).
+            keep = [
+                i for i, (r, p) in enumerate(zip(reqs, pos))
+                if (p + 1) // self.block_size < len(block_tables[r])
+            ]  # fmt: skip
+            if not keep:
+                break
+            if len(keep) < len(reqs):
+                kept = to_device(keep, torch.int64, self.device)
+                last, ids, amount = last[kept], ids[kept], amount[kept]
+                reqs, pos = [reqs[i] for i in keep], [pos[i] for i in keep]
+            pos = [p + 1 for p in pos]
+            last = self._run(
+                last, ids, pos, [1] * len(reqs), [block_tables[r] for r in reqs], len(reqs),
+                amount,
+            )  # fmt: skip
+        return DeviceDrafts(ids_out[:, :k], conf_out[:, :k], counts)
+
     def _absorbed(self, x: DraftInput) -> bool:
         """Pass 1's rows of `x` take the absorbed path: short ones, or in batch-invariant
         mode exactly those past the prompt (the model runner's rule)."""
@@ -221,19 +296,34 @@ class MTPDrafter:
         query_lens: list[int],
         block_tables: list[list[int]],
         num_decode: int,
+        behind: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One MTP forward over a varlen batch -> block outputs [rows, hidden] (through the
         graphs when they hold the rows: a view valid until the next pass). next_ids: a
-        list, or a device tensor [rows] (a chained pass: the previous pass's drafts)."""
+        list, or a device tensor [rows] (a chained pass: the previous pass's drafts).
+        behind [requests] (device): how far each request's rows lie before `first_pos`
+        (spec_chain.Shift); None: nowhere."""
+        seq_of = rows_by_sequence(query_lens)
         if self.graphs is not None and self.graphs.fits(len(next_ids), block_tables):
             positions_ = [p + i for p, n in zip(first_pos, query_lens) for i in range(n)]
-            return self.graphs.run_rows(hidden, next_ids, positions_, block_tables, query_lens)
+            shift = None
+            if behind is not None:  # the graphs hold one single-row sequence a row
+                per_row = behind[to_device(seq_of, torch.int64, self.device)]
+                shift = Shift(per_row, list(range(len(seq_of))), self.block_size)
+            return self.graphs.run_rows(
+                hidden, next_ids, positions_, block_tables, query_lens, shift
+            )
         md = build_attention_metadata(
             query_lens, first_pos, block_tables, self.block_size, num_decode, self.device
         )
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(first_pos, query_lens)])
+        positions = positions.to(self.device)
         if isinstance(next_ids, torch.Tensor):
             ids = next_ids.to(self.device)
         else:
             ids = torch.tensor(next_ids, dtype=torch.int64, device=self.device)
-        return self.mtp(self.model, hidden, ids, positions.to(self.device), md, self.kv_cache)
+        if behind is not None:
+            Shift(behind, seq_of, self.block_size).apply(StepBuffers(
+                ids, positions, [md.slot_mapping], md.seq_lens, md.context_lens, md.block_tables
+            ))  # fmt: skip
+        return self.mtp(self.model, hidden, ids, positions, md, self.kv_cache)

@@ -31,6 +31,7 @@ import torch
 
 from executors.attention import AttentionMetadata
 from executors.models.deepseek import DeepseekForCausalLM
+from executors.spec_chain import StepBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class PiecewiseGraphs:
         positions: list[int],
         slots: torch.Tensor,
         md: AttentionMetadata,
-        fill: Callable[[torch.Tensor], None] | None = None,
+        fill: Callable[[StepBuffers], None] | None = None,
     ) -> torch.Tensor:
         """One step's forward -> final-normed hidden [T, hidden] (a view of a buffer,
         valid until the next run). slots: [T] int64 on the host (md.slot_mapping's
@@ -164,8 +165,11 @@ class PiecewiseGraphs:
         if self._rows.is_cuda:  # pinned: the copy need not wait for the host
             rows = rows.pin_memory()
         self._rows[:, :size].copy_(rows, non_blocking=True)
-        if fill is not None:
-            fill(self._rows[0])
+        if fill is not None:  # (md's slot mapping is the eager attention's copy)
+            fill(StepBuffers(
+                self.input_ids, self.positions, [self.slot_mapping, md.slot_mapping],
+                md.seq_lens, md.context_lens, md.block_tables,
+            ))  # fmt: skip
         graphs = self.graphs.get(size)
         for k in range(len(self.layers) + 1):
             if graphs is None:  # not captured (the CPU tests): the same pieces, eagerly

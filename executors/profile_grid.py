@@ -121,7 +121,9 @@ def speculative_grid(num_drafts: int, limits: GridLimits, quick: bool = False) -
 def run_slack(query: int, drafts: int, reps: int) -> int:
     """Positions a request of `query` tokens needs from its context on: the first run and
     `reps` timed ones (a decode or verify request moves on by up to `query` tokens each),
-    the drafter's chained positions after the last; a plain decode request then `reps`
-    + 2 pipelined steps of one token (profiler._pipelined)."""
-    pipelined = reps + 2 if query == 1 and not drafts else 0
-    return (reps + 1) * query + drafts + pipelined
+    the drafter's chained positions after the last; a decode or verify request then
+    `reps` + 2 pipelined steps of 1 + drafts tokens (profiler._pipelined: every draft
+    assumed accepted) and their chained positions."""
+    if query == 1 + drafts:
+        return (2 * reps + 3) * query + drafts
+    return (reps + 1) * query + drafts

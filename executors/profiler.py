@@ -17,7 +17,9 @@ A point: kind; groups, each [count, query, context, is_prompt] plus, for verify
 requests, the drafts each verifies (the last tokens of its query); median_s, p10_s,
 p90_s over its timed runs (reps); kernel variants compiled while it ran; and for steps
 followed by the drafter, `drafter` (drafts it proposes) and `draft_s` (its median
-seconds, inside median_s).
+seconds, inside median_s); `pipelined_s`, seconds a step with each launched before the
+one before it is read (async scheduling), for every point but prompt chunks followed
+by the drafter (which the runner does not overlap).
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ from typing import Any
 import torch
 
 from deepinfer.engine import EngineCore
-from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer.outputs import (
+    DRAFT_PLACEHOLDER,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from executors.profile_grid import StepShape, run_slack
@@ -90,17 +97,26 @@ class StepSession:
                 self.last[rid] = toks[-1]
         self.proposed = res.draft_token_ids
 
+    def settle(self, res: ModelRunnerOutput) -> None:
+        """A pipelined step read: its requests are as far on as the tokens it gave, not
+        as every draft accepted, which the steps built after it assumed (the scheduler's
+        correction when it applies a step)."""
+        for rid, toks in res.sampled_token_ids.items():
+            if rid in self.computed:
+                self.computed[rid] -= 1 + self.drafts[rid] - len(toks)
+
     def finish(self) -> SchedulerOutput:
         """The step that drops the shape's requests from the runner."""
         done = {sr.req_id for sr in self.first} | set(self.live.values())
         return SchedulerOutput(step_id=-1, scheduled=[], finished_req_ids=done)
 
     def next_step(self, pipelined: bool = False) -> SchedulerOutput:
-        """The shape's next step. pipelined (async scheduling, no drafts): it is built
-        before the step before it is read, as the scheduler builds it: each decode
-        request one token further, its newest token left to the runner (taken from the
-        step in flight on the device); prompt chunks come as new requests (a chunk sent
-        again whole would make the runner read the step in flight first)."""
+        """The shape's next step. pipelined (async scheduling): it is built before the
+        step before it is read, as the scheduler builds it: each decode or verify request
+        one token further plus its drafts (every draft assumed accepted), its newest token
+        and drafts left to the runner (taken from the step in flight on the device, the
+        rows moved back by the drafts it rejected); prompt chunks come as new requests (a
+        chunk sent again whole would make the runner read the step in flight first)."""
         scheduled = []
         finished: set[str] = set()
         for sr in self.first:
@@ -113,15 +129,17 @@ class StepSession:
                     sr = dataclasses.replace(sr, req_id=rid)
                 scheduled.append(sr)
                 continue
+            k = self.drafts[sr.req_id]
             if pipelined:
-                self.computed[sr.req_id] += 1
+                start = self.computed[sr.req_id]
+                self.computed[sr.req_id] += 1 + k
                 scheduled.append(ScheduledRequest(
-                    req_id=sr.req_id, num_tokens=1, num_computed_tokens=self.computed[sr.req_id] - 1,
+                    req_id=sr.req_id, num_tokens=1 + k, num_computed_tokens=start,
                     is_prompt=False, samples=True, new_block_ids=[], token_ids=[],
+                    draft_token_ids=[DRAFT_PLACEHOLDER] * k,
                     num_prompt_tokens=sr.num_prompt_tokens,
                 ))  # fmt: skip
                 continue
-            k = self.drafts[sr.req_id]
             drafts = list(self.proposed.get(sr.req_id, ()))[:k]
             drafts += [self.rng.randrange(self.vocab) for _ in range(k - len(drafts))]
             scheduled.append(ScheduledRequest(
@@ -157,6 +175,23 @@ class _TimedDrafter:
             return self.inner.propose(inputs, num_drafts)
         finally:
             self.seconds += time.perf_counter() - t0
+
+    def propose_on_device(self, *args: Any, **kwargs: Any) -> Any:
+        """The drafter of a verify step on the device (ModelRunner._verify_on_device),
+        which nothing waits for: timed from the target's work done to the drafts done, a
+        synchronisation each side (the served step synchronises once, when it is read)."""
+        _synchronize(self.inner.device)
+        t0 = time.perf_counter()
+        try:
+            return self.inner.propose_on_device(*args, **kwargs)
+        finally:
+            _synchronize(self.inner.device)
+            self.seconds += time.perf_counter() - t0
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @contextmanager
@@ -229,7 +264,7 @@ class _Runs:
 
     times: list[float] = field(default_factory=list)
     drafting: list[float] = field(default_factory=list)
-    pipelined: list[float] = field(default_factory=list)  # per round (plain shapes)
+    pipelined: list[float] = field(default_factory=list)  # per round (no prompt beside drafts)
     compiled: int = 0
 
     def point(self, shape: StepShape, drafter: Any) -> dict[str, Any]:
@@ -278,6 +313,13 @@ def _run_shape(
         session.advance(res)
     if timed is None and not any(session.drafts.values()):
         got.pipelined.append(_pipelined(executor, session, reps))
+    elif timed is not None and not any(g[3] for g in shape.groups):
+        runner = executor.runner  # (the timer's synchronisations would end the overlap)
+        runner.drafter = timed.inner
+        try:
+            got.pipelined.append(_pipelined(executor, session, reps))
+        finally:
+            runner.drafter = timed
     executor.execute(session.finish())
     got.compiled += total_compiled() - compiled
 
@@ -290,11 +332,11 @@ def _pipelined(executor: Any, session: StepSession, reps: int) -> float:
     t0 = 0.0
     for i in range(reps + 1):
         launched = executor.execute_async(session.next_step(pipelined=True))
-        in_flight.result()
+        session.settle(in_flight.result())
         if i == 0:
             t0 = time.perf_counter()  # from the first step read with another queued
         in_flight = launched
-    in_flight.result()
+    session.settle(in_flight.result())
     return (time.perf_counter() - t0) / (reps + 1)
 
 

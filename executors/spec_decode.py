@@ -27,12 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.sampling_params import SamplingParams
+from executors.host_copy import to_device
 from executors.sampler import (
     SamplingState,
     gather_logprobs,
     process_logits,
     random_sample,
     raw_logprobs,
+    rows_of,
 )
 from executors.sampler import greedy as argmax_rows
 
@@ -207,3 +210,88 @@ def _uniforms(
             u[pos : pos + k] = torch.rand(k, generator=gen, device=device)
         pos += k
     return u
+
+
+@dataclass
+class DeviceVerify:
+    """`verify_on_device`'s result, nothing read back."""
+
+    tokens: torch.Tensor  # [B, W] int64: accepted drafts, then the sampled token; past it, any
+    accepted: torch.Tensor  # [B] int64: drafts accepted
+
+
+def history_free(params: SamplingParams, num_outputs: int) -> bool:
+    """Whether the request's processed logits are the same whatever its recent tokens
+    (no penalties, min_tokens met), so each of its rows can be verified from one state."""
+    return (
+        params.repetition_penalty == 1
+        and not params.frequency_penalty
+        and not params.presence_penalty
+        and num_outputs >= params.min_tokens
+    )
+
+
+def verify_on_device(
+    logits: torch.Tensor,
+    states: list[SamplingState],
+    num_drafts: list[int],
+    draft_ids: torch.Tensor,
+    generator: torch.Generator | None,
+) -> DeviceVerify:
+    """`verify` with no host sync: request i has 1 + num_drafts[i] consecutive rows of
+    `logits` [N, vocab]; draft_ids [N] (device): the draft each row verifies (the input
+    token after it; anything on a request's last row). Greedy rows accept matching
+    argmaxes; random rows accept d with probability p(d) (the MTP drafts are argmaxes:
+    q is one-hot) and after a rejection sample max(0, p - q), so sampling stays lossless.
+    Unseeded requests whose processing reads no history only (`history_free`)."""
+    device = logits.device
+    rows = [s for s, k in zip(states, num_drafts) for _ in range(1 + k)]
+    assert logits.shape[0] == len(rows), (logits.shape, len(rows))
+    assert all(s.params.seq_seed is None for s in states)
+    proc = process_logits(logits.float(), rows)
+    tokens = argmax_rows(proc.logits)  # [N]
+    is_draft = to_device(_draft_rows(num_drafts), torch.bool, device)  # [N]
+    passed = tokens == draft_ids  # [N]
+    if proc.random_rows:
+        assert proc.probs is not None
+        rnd = rows_of(proc.random_rows, len(rows), device)
+        probs = proc.probs  # [R, vocab]
+        d = draft_ids[rnd][:, None]  # [R, 1]
+        u = torch.rand(d.shape[0], generator=generator, device=device)
+        passed[rnd] = u < probs.gather(1, d)[:, 0]
+        # After a rejection: p less the draft's one-hot q; a request's last row: p.
+        residual = torch.where(is_draft[rnd][:, None], probs.scatter(1, d, 0.0), probs)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
+        tokens[rnd] = random_sample(residual, [None] * d.shape[0], generator)
+    passed &= is_draft
+    grid = row_grid(num_drafts, device)  # [B, W]
+    accepted = torch.cat([passed, passed.new_zeros(1)])[grid].long().cumprod(dim=1).sum(dim=1)
+    return DeviceVerify(prefix_tokens(tokens, draft_ids, accepted, grid), accepted)
+
+
+def row_grid(num_drafts: list[int], device: torch.device) -> torch.Tensor:
+    """[B, W] (W = 1 + max drafts): the logits row of request i's j-th row, requests'
+    1 + num_drafts[i] rows consecutive; padding points one past the last row (N)."""
+    width = 1 + max(num_drafts)
+    n = sum(num_drafts) + len(num_drafts)
+    grid, start = [], 0
+    for k in num_drafts:
+        grid.append([start + j if j <= k else n for j in range(width)])
+        start += 1 + k
+    return to_device(grid, torch.int64, device)
+
+
+def prefix_tokens(
+    tokens: torch.Tensor, draft_ids: torch.Tensor, accepted: torch.Tensor, grid: torch.Tensor
+) -> torch.Tensor:
+    """Each request's output [B, W]: its first accepted[i] drafts, then the token its
+    next row chose (past it: anything). tokens, draft_ids: [N] per row; grid: row_grid."""
+    pad = tokens.new_zeros(1)
+    col = torch.arange(grid.shape[1], device=grid.device)[None, :]
+    drafts = torch.cat([draft_ids, pad])[grid]
+    return torch.where(col < accepted[:, None], drafts, torch.cat([tokens, pad])[grid])
+
+
+def _draft_rows(num_drafts: list[int]) -> list[bool]:
+    """Per row, whether it verifies a draft (every row of a request but its last)."""
+    return [j < k for k in num_drafts for j in range(1 + k)]

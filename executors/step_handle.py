@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.outputs import ModelRunnerOutput
+from executors.spec_chain import Chained
 
 
 @dataclass
@@ -38,6 +39,8 @@ class PendingStep:
 
     `tokens` [num_sampled] int64 (device): each sampling request's token, in the order of
     `rows` (req_id -> index); set while the result is unread, for the next step to read.
+    A verify step on the device leaves `chain` (executors/spec_chain.py): `tokens` then
+    holds `chain.width` next input ids a request (its newest token, then its drafts).
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class PendingStep:
         result: StepResult | None = None,
         tokens: torch.Tensor | None = None,
         rows: dict[str, int] | None = None,
+        chain: Chained | None = None,
     ) -> None:
         assert (finish is None) != (result is None)
         self._finish = finish
@@ -54,6 +58,7 @@ class PendingStep:
         self._error: BaseException | None = None
         self.tokens = tokens
         self.rows = rows or {}
+        self.chain = chain
 
     @classmethod
     def failed(cls, error: BaseException) -> PendingStep:
@@ -72,7 +77,7 @@ class PendingStep:
         """Wait for the step and apply it (once); a failure is raised on every call."""
         if self._finish is not None:
             finish, self._finish = self._finish, None
-            self.tokens = None
+            self.tokens = self.chain = None
             try:
                 self._result = finish()
             except BaseException as e:

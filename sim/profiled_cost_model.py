@@ -115,10 +115,11 @@ class ProfiledCostModel:
         after every step (0: it does not speculate; a step that verifies drafts then
         stands for a drafter proposing as many as it verifies). async_scheduling: steps
         are launched while the one before runs, so the runner's host work hides behind
-        the device's: plain steps are priced from the profile's pipelined times
-        (`pipelined_s`, each point's steps launched back to back), where it has them,
-        unless the engine speculates (its runner does not overlap steps) or the device is
-        the host (`HardwareSpec.runs_on_host`)."""
+        the device's: steps are priced from the profile's pipelined times (`pipelined_s`,
+        each point's steps launched back to back), where it has them for every point the
+        engine overlaps (when it speculates, the verify points too: its verify steps
+        chain on the step in flight), unless the device is the host
+        (`HardwareSpec.runs_on_host`)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be >= 0")
         data = profile if isinstance(profile, dict) else load_profile(profile)
@@ -132,18 +133,24 @@ class ProfiledCostModel:
         outs = [shape_output(p["groups"]) for p in points]
         # The plain fit: steps without the drafter (a non-speculating engine's).
         plain = [i for i, p in enumerate(points) if not p.get("drafter")]
-        # A speculating runner reads each step before it builds the next (its drafter
-        # reads the tokens on the host): its steps take their sequential times under
-        # async scheduling too.
-        self.prices_pipelining = all("pipelined_s" in points[i] for i in plain)
+        # A speculating runner overlaps its uniform verify steps (spec_chain.py), not a
+        # prompt chunk beside drafts: those keep their sequential times.
+        chained = [
+            i for i, p in enumerate(points)
+            if p.get("drafter") and not any(g[3] for g in p["groups"])
+        ]  # fmt: skip
+        timed = plain + (chained if num_speculative_tokens else [])
+        self.prices_pipelining = all("pipelined_s" in points[i] for i in timed)
         # On a CPU the launch runs the step itself: nothing overlaps, as without async.
-        overlaps = async_scheduling and not num_speculative_tokens and not hardware.runs_on_host
+        overlaps = async_scheduling and not hardware.runs_on_host
         pipelined = overlaps and self.prices_pipelining
         self.pipelined = pipelined  # async steps priced from their pipelined times
         if overlaps and not pipelined:
             warnings.warn(
                 f"async_scheduling: profile {self.profile_name} has no pipelined step times "
-                "(measured before `deepinfer profile` timed them): steps are priced as if "
+                "for the steps this engine overlaps (measured before `deepinfer profile` "
+                "timed them, or, when speculating, before verify steps chained on the step "
+                "in flight): steps are priced as if "
                 "each waited for the host's work on the one before, so the simulated engine "
                 "is slower than the real one; profile the model again",
                 stacklevel=2,
@@ -160,7 +167,11 @@ class ProfiledCostModel:
         self._decode = StepSurface([outs[i] for i in graph], y[graph], self._physics)
         # Without CUDA graphs (a CPU profile) every k runs the same eager path.
         graphed = self.meta.get("hardware") != "cpu"
-        self._spec = SpeculativeSteps(points, outs, self._analytic, self._physics, graphed)
+        # (the verify points hold pipelined times where a speculating engine needs them)
+        self._spec = SpeculativeSteps(
+            points, outs, self._analytic, self._physics, graphed,
+            pipelined and bool(num_speculative_tokens),
+        )  # fmt: skip
         self._limits = {"tokens": 1 << 62, "reqs": 1 << 62, "context": 1 << 62}
         self._warned: set[str] = set()
         with warnings.catch_warnings():  # its own points: nothing to warn about

@@ -48,10 +48,14 @@ class SpeculativeSteps:
         analytic: AnalyticCostModel,
         physics: Callable[[SchedulerOutput], float],
         graphed: bool = True,
+        pipelined: bool = False,
     ) -> None:
         """graphed: the profile's engine ran CUDA graphs, which hold only verify steps of
         1 + K tokens a request (so fewer drafts may cost more); else (eager, the CPU)
-        the surfaces are kept non-decreasing in k against measurement noise."""
+        the surfaces are kept non-decreasing in k against measurement noise.
+        pipelined (async scheduling): verify steps chain on the step in flight, so their
+        surfaces are fitted to the points' pipelined times (the runner's host work hidden)
+        less the drafter's."""
         self._analytic = analytic
         self._monotone = not graphed
         spec = [(p, o) for p, o in zip(points, outs) if p.get("drafter")]
@@ -60,7 +64,8 @@ class SpeculativeSteps:
         self.surfaces: dict[int, StepSurface] = {}
         for k in range(1, self.profile_drafts + 1):
             at_k = [(p, o) for p, o in spec if p["kind"] == "verify" and _uniform_k(o) == k]
-            target = np.array([p["median_s"] - p["draft_s"] for p, _ in at_k], dtype=float)
+            step_s = "pipelined_s" if pipelined else "median_s"
+            target = np.array([p[step_s] - p["draft_s"] for p, _ in at_k], dtype=float)
             surface = StepSurface([o for _, o in at_k], target, physics, drafts=k)
             if not surface.ready:
                 self.surfaces = {}

@@ -299,6 +299,24 @@ def test_a_step_that_finds_a_failed_compile_returns_it_before_waiting_for_others
     assert slow.status is RequestStatus.FINISHED
 
 
+def test_a_round_driven_through_step_events_returns_its_rejections() -> None:
+    """The simulator and benchmarks/replay.py drive step_events() without step(): a round
+    hands back the requests rejected meanwhile as well (it returned only the others, and
+    the rejection stayed behind, unreported, until some step() drained it)."""
+    ex = GrammarExecutor(10)
+    engine = _engine(ex)
+    bad, slow = _compiling_apart(engine, "bad", "slow")
+    ex.compiles["a"].set_exception(RuntimeError("no grammar"))
+    events = engine.step_events()
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(events)
+    assert done.value.value == [bad] and bad.status is RequestStatus.REJECTED
+    ex.compiles["[0-9]{3}"].set_result("compiled")
+    _drain(engine)
+    assert slow.status is RequestStatus.FINISHED
+
+
 def test_a_request_aborted_while_its_grammar_compiles_ends_once() -> None:
     """Its compile failing afterwards neither rejects it again nor writes a second record."""
     ex = GrammarExecutor(10)

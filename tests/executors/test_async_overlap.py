@@ -1,9 +1,10 @@
 """Async scheduling on the real executor: step N+1 is launched before step N is read,
 its requests taking N's sampled tokens on the device (ModelRunner.launch).
 
-The same outputs as without it; the overlap really happens (deferred input ids); and
-what needs N's tokens on the host (seeds, penalties, min_tokens, drafts) is served by
-finishing N first, with the same outputs again.
+The same outputs as without it; the overlap really happens (deferred input ids), for
+verify steps too (tests/executors/test_spec_chain.py has more); and what needs N's
+tokens on the host (seeds, penalties, min_tokens) is served by finishing N first, with
+the same outputs again.
 """
 
 from __future__ import annotations
@@ -137,11 +138,12 @@ def _logprobs(rows: list[dict] | None) -> list[list[tuple[int, float, int]]]:
     return [sorted((t, lp.logprob, lp.rank) for t, lp in row.items()) for row in rows or []]
 
 
-def test_drafts_and_rejections_finish_the_step_before(
+def test_verify_steps_with_rejections_chain_on_the_step_before(
     tiny_models: dict[str, TinyModel],
 ) -> None:
-    """With an MTP drafter every step reads the one before (its drafts come from the
-    host's view of the tokens): async scheduling still matches transformers' greedy."""
+    """With an MTP drafter (random weights: most drafts are rejected) a verify step takes
+    its newest token and drafts from the step in flight, moved back by what it rejected
+    (executors/spec_chain.py): async scheduling still matches transformers' greedy."""
     tiny = tiny_models["v3_mtp"]
     batch = prompts(13, [8, 5])
     llm = _cpu_llm(tiny, async_scheduling=True, num_speculative_tokens=2)
@@ -149,7 +151,8 @@ def test_drafts_and_rejections_finish_the_step_before(
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY_10, use_tqdm=False)
     for p, out in zip(batch, outs):
         assert out.outputs[0].token_ids == hf_greedy(tiny, p, 10)
-    assert not any(deferred)
+    # Both requests' 1 + 2 ids came from the step before.
+    assert sum(1 for d in deferred if d == 2 * 3) >= 4, deferred
 
 
 @pytest.mark.gpu

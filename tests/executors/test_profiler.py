@@ -44,9 +44,31 @@ def test_a_speculating_profile_of_the_demo_model_holds_verify_points(
     assert {p["kind"] for p in spec} == {"verify", "spec_decode", "spec_prefill"}
     for p in spec:
         assert p["drafter"] == 2 and 0 < p["draft_s"] < p["median_s"], p
+        # Verify steps chain under async scheduling; a prompt chunk beside drafts does not.
+        assert ("pipelined_s" in p) == (p["kind"] != "spec_prefill"), p
     plain = [p for p in points if p["kind"] in ("decode", "prefill", "mixed", "short_prompts")]
     assert plain and all("drafter" not in p for p in plain)
     assert sum(p["compiled"] for p in points) == 0
+
+
+def test_pipelined_verify_points_chain_each_step_on_the_one_in_flight() -> None:
+    """A verify point's pipelined steps are built as the async scheduler builds them
+    (placeholders, every draft assumed accepted): after the first, each takes all its
+    input ids from the step in flight and moves its rows back by what that rejected."""
+    from deepinfer import LLM
+    from executors.profile_grid import StepShape
+    from executors.profiler import profile_steps
+    from tests.executors.test_spec_chain import count_chained
+
+    llm = LLM("deepinfer-demo", device="cpu", dtype="float32", block_size=16,
+              num_gpu_blocks=128, num_speculative_tokens=2)  # fmt: skip
+    runner = llm.executor.runner  # type: ignore[attr-defined]
+    chained = count_chained(runner)
+    shape = StepShape("verify", ((2, 3, 40, False, 2),), drafter=True)
+    [point] = profile_steps(llm.executor, [shape], reps=3)
+    assert point["pipelined_s"] > 0 and 0 < point["draft_s"] < point["median_s"]
+    # 1 + 3 sequential steps, then 3 + 2 pipelined: all but the first chain (2 x 3 ids).
+    assert chained[:4] == [0] * 4 and chained[4:] == [0] + [6] * 4, chained
 
 
 def test_a_plain_profile_steps_decodes_forward_as_the_scheduler_does(tmp_path: Path) -> None:
@@ -97,6 +119,44 @@ def test_async_scheduling_prices_plain_steps_from_the_pipelined_times(tmp_path: 
     with pytest.warns(UserWarning, match="no pipelined step times"):
         old = ProfiledCostModel(profile, spec, hw, async_scheduling=True)
     assert old.step_time(step) == pytest.approx(plain, rel=1e-6)
+
+
+def test_async_scheduling_prices_verify_steps_from_their_pipelined_times(
+    tmp_path: Path,
+) -> None:
+    """A speculating engine's verify steps chain on the step in flight: under async
+    scheduling they are priced from the verify points' pipelined times (less the
+    drafter's), so halved times give cheaper steps; a profile whose verify points lack
+    them (measured before they chained) is priced sequentially, with a warning."""
+    from deepinfer.outputs import ScheduledRequest, SchedulerOutput
+    from executors.demo import demo_model_path
+    from sim.hardware import get_hardware
+    from sim.profiled_cost_model import ProfiledCostModel
+
+    out = tmp_path / "p.json"
+    argv = ["profile", "--model", "deepinfer-demo", *SMALL_ENGINE,
+            "--num-speculative-tokens", "2", "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    profile = json.loads(out.read_text())
+    for p in profile["points"]:
+        p["pipelined_s"] = p["median_s"] / 2
+    spec = load_model_config(demo_model_path() / "config.json")
+    hw = dataclasses.replace(get_hardware("cpu"), runs_on_host=False)
+    verify = SchedulerOutput(0, [
+        ScheduledRequest(str(i), 3, 300, False, True, [], draft_token_ids=[7, 8])
+        for i in range(4)
+    ])  # fmt: skip
+    sequential = ProfiledCostModel(profile, spec, hw, 2).step_time(verify)
+    piped = ProfiledCostModel(profile, spec, hw, 2, async_scheduling=True)
+    assert piped.pipelined
+    assert piped.step_time(verify) < 0.9 * sequential
+    for p in profile["points"]:
+        if p["kind"] == "verify":
+            del p["pipelined_s"]
+    with pytest.warns(UserWarning, match="no pipelined step times"):
+        old = ProfiledCostModel(profile, spec, hw, 2, async_scheduling=True)
+    assert not old.pipelined
+    assert old.step_time(verify) == pytest.approx(sequential, rel=1e-6)
 
 
 @pytest.mark.parametrize(

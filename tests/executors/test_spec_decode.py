@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from deepinfer.sampling_params import SamplingParams
 from executors.sampler import SamplingState
-from executors.spec_decode import VerifyRequest, verify
+from executors.spec_decode import VerifyRequest, verify, verify_on_device
 
 TRIALS = 20_000
 
@@ -127,3 +127,62 @@ def test_seeded_requests_do_not_depend_on_the_batch() -> None:
     outs = {tuple(verify(logits, [VerifyRequest(0, drafts, seeded([4] * n), q)], None).tokens[0])
             for n in range(12)}  # fmt: skip
     assert len(outs) > 1
+
+
+def _on_device(
+    p: list[torch.Tensor], drafts: list[int], n: int, params: SamplingParams, seed: int
+) -> tuple[list[list[int]], list[int]]:
+    """verify_on_device over n requests with the same rows p[: k + 1] and drafts: each
+    request's output tokens (accepted drafts, then the sampled one) and accepted count."""
+    k = len(drafts)
+    logits = torch.stack(p[: k + 1]).log().repeat(n, 1)
+    row_drafts = torch.tensor([*drafts, 0]).repeat(n)  # the token after each row
+    states = [SamplingState(params, [0]) for _ in range(n)]
+    out = verify_on_device(logits, states, [k] * n, row_drafts, torch.Generator().manual_seed(seed))
+    accepted = out.accepted.tolist()
+    return [t[: a + 1] for t, a in zip(out.tokens.tolist(), accepted)], accepted
+
+
+def test_device_verification_keeps_each_positions_distribution() -> None:
+    """The MTP drafts are argmaxes (q one-hot): a draft d passes with probability p(d)
+    and after a rejection the token follows p less d, so the first token follows p_0 and,
+    given d_1 accepted, the second p_1; all read back once, nothing synchronised before."""
+    out, accepted = _on_device(P, [2, 4], TRIALS, SamplingParams(temperature=1.0), seed=6)
+    assert_follows([t[0] for t in out], P[0])
+    after_1 = [t[1] for t in out if t[0] == 2]
+    assert len(after_1) > 3000
+    assert_follows(after_1, P[1])
+    assert sum(a >= 1 for a in accepted) / TRIALS == pytest.approx(float(P[0][2]), abs=0.02)
+    assert all(len(t) == a + 1 for t, a in zip(out, accepted))
+
+
+def test_device_verification_is_greedy_verification_for_greedy_requests() -> None:
+    """Random logits, greedy and sampled requests of 0-3 drafts side by side: greedy ones
+    accept exactly what `verify` accepts."""
+    torch.manual_seed(1)
+    greedy = SamplingParams(temperature=0.0)
+    sampled = SamplingParams(temperature=0.7, top_k=5)
+    ks = [3, 0, 2, 1, 3, 2]
+    params = [greedy, sampled, greedy, greedy, sampled, greedy]
+    logits = torch.randn(sum(1 + k for k in ks), 12)
+    best = logits.argmax(-1).tolist()
+    drafts: list[list[int]] = []
+    at = 0
+    for i, k in enumerate(ks):  # some drafts match the argmax, some not
+        drafts.append([best[at + j] if (i + j) % 3 else (best[at + j] + 1) % 12 for j in range(k)])
+        at += 1 + k
+    row_drafts = torch.tensor([t for d in drafts for t in [*d, 0]])
+    states = [SamplingState(p, [0]) for p in params]
+    out = verify_on_device(logits, states, ks, row_drafts, torch.Generator().manual_seed(2))
+    firsts = [sum(1 + k for k in ks[:i]) for i in range(len(ks))]
+    want = verify(
+        logits, [VerifyRequest(f, d, s) for f, d, s in zip(firsts, drafts, states)], None
+    ).tokens
+    accepted = out.accepted.tolist()
+    for i, p in enumerate(params):
+        got = out.tokens[i, : accepted[i] + 1].tolist()
+        if p.greedy:
+            assert got == want[i]
+        else:  # its accepted drafts are its drafts; its last token is its own draw
+            assert got[:-1] == drafts[i][: accepted[i]]
+    assert 0 < sum(accepted) < sum(ks)

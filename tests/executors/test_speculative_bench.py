@@ -10,7 +10,7 @@ import pytest
 
 import executors.model_runner as runner_module
 from deepinfer.config import EngineConfig
-from executors.spec_decode import verify
+from executors.spec_decode import verify, verify_on_device
 from executors.torch_executor import TorchExecutor
 from tests.executors.tiny_models import TinyModel
 
@@ -41,7 +41,8 @@ def test_forced_acceptance_follows_the_rate_it_is_given(
             acceptance[a] = acc
             assert all(len(o) == 40 for o in outs.values())
     finally:
-        runner_module.verify = verify
+        speculative.ForcedAcceptance.uninstall()
+    assert runner_module.verify is verify and runner_module.verify_on_device is verify_on_device
     # Drafts before the first corrupted one: k = 2 accepts (a + a^2) / 2 of them.
     assert acceptance[0.2] < 0.3 < 0.7 < acceptance[0.9]
 
