@@ -36,7 +36,7 @@ import torch
 from executors.attention import build_attention_metadata
 from executors.cuda_graphs import default_capture_sizes
 from executors.draft_graphs import DraftGraphs
-from executors.host_copy import to_device
+from executors.host_copy import to_device, to_device_async
 from executors.models.deepseek import DeepseekForCausalLM
 from executors.spec_chain import Shift, StepBuffers, rows_by_sequence
 
@@ -316,12 +316,13 @@ class MTPDrafter:
         md = build_attention_metadata(
             query_lens, first_pos, block_tables, self.block_size, num_decode, self.device
         )
+        # (through pinned memory: a pageable copy would wait for the step in flight)
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(first_pos, query_lens)])
-        positions = positions.to(self.device)
+        positions = to_device_async(positions, self.device)
         if isinstance(next_ids, torch.Tensor):
             ids = next_ids.to(self.device)
         else:
-            ids = torch.tensor(next_ids, dtype=torch.int64, device=self.device)
+            ids = to_device(next_ids, torch.int64, self.device)
         if behind is not None:
             Shift(behind, seq_of, self.block_size).apply(StepBuffers(
                 ids, positions, [md.slot_mapping], md.seq_lens, md.context_lens, md.block_tables

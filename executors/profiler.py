@@ -327,7 +327,9 @@ def _run_shape(
 def _pipelined(executor: Any, session: StepSession, reps: int) -> float:
     """Seconds per step with each step launched before the one before it is read (async
     scheduling, ModelRunner.launch): the runner's host work overlaps the device's, so
-    this is the longer of the two. Timed over `reps` steps once the pipeline is full."""
+    this is the longer of the two. Timed over `reps` steps once the pipeline is full.
+    (On a CPU, where each launch does its step's work, this reads reps / (reps + 1) of
+    a step; the cost model does not use it there: HardwareSpec.runs_on_host.)"""
     in_flight = executor.execute_async(session.next_step(pipelined=True))
     t0 = 0.0
     for i in range(reps + 1):

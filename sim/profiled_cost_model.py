@@ -143,6 +143,10 @@ class ProfiledCostModel:
         self.prices_pipelining = all("pipelined_s" in points[i] for i in timed)
         # On a CPU the launch runs the step itself: nothing overlaps, as without async.
         overlaps = async_scheduling and not hardware.runs_on_host
+        # A decode batch that fits one wave of a GPU's split-KV attention waits for its
+        # longest request (StepSurface); the CPU's attention runs requests of similar
+        # length together (kernels/reference.py): its batch costs its contexts' sum.
+        self._one_wave = 0 if hardware.runs_on_host else ONE_WAVE_BATCH
         pipelined = overlaps and self.prices_pipelining
         self.pipelined = pipelined  # async steps priced from their pipelined times
         if overlaps and not pipelined:
@@ -163,6 +167,12 @@ class ProfiledCostModel:
         x = np.array([self.features(outs[i]) for i in plain])
         self.coef = nnls_relative(x, y[plain])
         self._coef = [float(c) for c in self.coef]  # plain floats: the per-step path
+        # A speculating runner does not overlap a step with a prompt chunk (spec_chain.py):
+        # those are priced from the sequential times.
+        self._coef_apart = self._coef
+        if pipelined and num_speculative_tokens:
+            median = np.array([points[i]["median_s"] for i in plain], dtype=float)
+            self._coef_apart = [float(c) for c in nnls_relative(x, median)]
         graph = [i for i in plain if not self._eager(outs[i])]
         self._decode = StepSurface([outs[i] for i in graph], y[graph], self._physics)
         # Without CUDA graphs (a CPU profile) every k runs the same eager path.
@@ -236,7 +246,7 @@ class ProfiledCostModel:
         n = len(scheduled)
         if tokens > lim["tokens"] * m or n > lim["reqs"] * m or longest > lim["context"] * m:
             self._warn_range(tokens, n, longest)
-        effective = max(1.0, float(ctx_max if n <= ONE_WAVE_BATCH else ctx_sum / n))
+        effective = max(1.0, float(ctx_max if n <= self._one_wave else ctx_sum / n))
         if eager and not num_drafts:  # drafts to verify: a drafter proposed them
             num_drafts = max(len(r.draft_token_ids) for r in scheduled)
         if num_drafts:
@@ -272,13 +282,13 @@ class ProfiledCostModel:
             else:
                 target = fallback_target(self._analytic, out, decode())
         else:
-            target = self._physics(out)
+            target = self._physics(out, self._coef_apart)
         if spec.ready:
             return target + spec.drafter_time(out, num_drafts)
         return target + self._analytic.drafter_seconds(out, num_drafts)
 
-    def _physics(self, out: SchedulerOutput) -> float:
-        return sum(f * c for f, c in zip(self.features(out), self._coef))
+    def _physics(self, out: SchedulerOutput, coef: list[float] | None = None) -> float:
+        return sum(f * c for f, c in zip(self.features(out), coef or self._coef))
 
     @staticmethod
     def _eager(out: SchedulerOutput) -> bool:

@@ -126,8 +126,10 @@ def test_async_scheduling_prices_verify_steps_from_their_pipelined_times(
 ) -> None:
     """A speculating engine's verify steps chain on the step in flight: under async
     scheduling they are priced from the verify points' pipelined times (less the
-    drafter's), so halved times give cheaper steps; a profile whose verify points lack
-    them (measured before they chained) is priced sequentially, with a warning."""
+    drafter's), so halved times give cheaper steps, while a step with a prompt chunk
+    (which its runner does not overlap) keeps its sequential price; a profile whose
+    verify points lack them (measured before they chained) is priced sequentially, with
+    a warning."""
     from deepinfer.outputs import ScheduledRequest, SchedulerOutput
     from executors.demo import demo_model_path
     from sim.hardware import get_hardware
@@ -146,10 +148,16 @@ def test_async_scheduling_prices_verify_steps_from_their_pipelined_times(
         ScheduledRequest(str(i), 3, 300, False, True, [], draft_token_ids=[7, 8])
         for i in range(4)
     ])  # fmt: skip
-    sequential = ProfiledCostModel(profile, spec, hw, 2).step_time(verify)
+    beside_prompt = SchedulerOutput(0, [
+        ScheduledRequest("p", 64, 0, True, True, []),
+        ScheduledRequest("v", 3, 300, False, True, [], draft_token_ids=[7, 8]),
+    ])  # fmt: skip
+    one_by_one = ProfiledCostModel(profile, spec, hw, 2)
+    sequential = one_by_one.step_time(verify)
     piped = ProfiledCostModel(profile, spec, hw, 2, async_scheduling=True)
     assert piped.pipelined
     assert piped.step_time(verify) < 0.9 * sequential
+    assert piped.step_time(beside_prompt) == pytest.approx(one_by_one.step_time(beside_prompt))
     for p in profile["points"]:
         if p["kind"] == "verify":
             del p["pipelined_s"]

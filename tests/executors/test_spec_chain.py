@@ -24,15 +24,17 @@ from executors.step_handle import PendingStep
 from tests.executors.test_speculative_llm import CODE, _RunnerExecutor, needs_demo
 
 
-def count_chained(runner: ModelRunner) -> list[int]:
+def count_chained(runner: ModelRunner, rows: list[int] | None = None) -> list[int]:
     """Per step the runner builds from now on, how many input ids it took from a verify
-    step in flight (0: it chained on none)."""
+    step in flight (0: it chained on none); `rows` gets each step's input ids."""
     chained: list[int] = []
     collect = runner.collect
 
     def spy(scheduled, prev=None) -> HostBatch:  # type: ignore[no-untyped-def]
         host = collect(scheduled, prev)
         chained.append(len(host.deferred) if host.behind is not None else 0)
+        if rows is not None:
+            rows.append(len(host.input_ids))
         return host
 
     runner.collect = spy  # type: ignore[method-assign]
@@ -52,7 +54,9 @@ class _AsyncRunnerExecutor(_RunnerExecutor):
         self.runner.discard_pending()
 
 
-def _demo_runner(path: str, k: int, varlen: bool = False) -> tuple[ModelRunner, EngineConfig]:
+def _demo_runner(
+    path: str, k: int, varlen: bool = False, **engine: int
+) -> tuple[ModelRunner, EngineConfig]:
     """A CPU runner of the demo model with k drafts. path: "host" verifies and drafts on
     the host (the reference), "sync" on the device without async scheduling; "eager",
     "graphs" (decode, verify and drafter graphs) and "piecewise" with it."""
@@ -60,7 +64,7 @@ def _demo_runner(path: str, k: int, varlen: bool = False) -> tuple[ModelRunner, 
     model = load_model(DEMO_MODEL_DIR, cfg, dtype=torch.float32, device=torch.device("cpu"))
     engine_cfg = EngineConfig(
         block_size=16, num_gpu_blocks=64, num_speculative_tokens=k, enable_mtp_varlen=varlen,
-        async_scheduling=path not in ("sync", "host"),
+        async_scheduling=path not in ("sync", "host"), **engine,
     )  # fmt: skip
     cache = PagedKVCache(
         cfg.num_hidden_layers, 64, 16, cfg.kv_entry_dim, torch.float32, torch.device("cpu"),
@@ -159,3 +163,21 @@ def test_requests_that_cannot_chain_end_the_chain_and_keep_their_output() -> Non
     got, chained, _, _, _ = _serve(*_demo_runner("eager", 4, varlen=True), params)
     assert got == want
     assert any(chained) and not all(chained), chained
+
+
+@needs_demo
+def test_a_step_of_chained_and_unchained_requests_gives_the_sequential_output() -> None:
+    """Varlen drafts under a token budget too small for every request each step: a
+    request the step in flight did not run joins a chained step with ids the host knows
+    (its rows stay where the scheduler put them) beside chained ones (moved back);
+    outputs as the host engine's."""
+    params = [GREEDY] * 4
+    budget = dict(max_num_batched_tokens=10)
+    want, _, _, _, _ = _serve(*_demo_runner("host", 3, varlen=True, **budget), params)
+    runner, engine_cfg = _demo_runner("eager", 3, varlen=True, **budget)
+    rows: list[int] = []
+    chained = count_chained(runner, rows)
+    got, _, _, _, _ = _serve(runner, engine_cfg, params)
+    assert got == want
+    mixed = [(c, n) for c, n in zip(chained, rows) if 0 < c < n]
+    assert mixed, list(zip(chained, rows))

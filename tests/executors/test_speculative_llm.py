@@ -161,26 +161,35 @@ def test_seeded_sampling_with_speculation_is_deterministic(
 
 @needs_demo
 def test_speculative_sampling_matches_plain_sampling() -> None:
-    """At temperature 1 the second output token (an accepted draft or a token sampled
-    after a rejection) has the distribution it has without speculation (chi-square,
-    two samples)."""
+    """At temperature 1 the second and third output tokens (accepted drafts or tokens
+    sampled after a rejection, the third often in a verify step chained on the one in
+    flight under async scheduling) have the distributions they have without
+    speculation (chi-square, two samples)."""
+    from tests.executors.test_spec_chain import count_chained
+
     n = 800
-    params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
-    counts = []
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    counts: dict[int, list[torch.Tensor]] = {1: [], 2: []}
     for k in (0, 2):
-        llm = _generate(
-            str(DEMO_MODEL_DIR), [CODE[3]] * n, params, num_speculative_tokens=k,
+        llm = LLM(
+            str(DEMO_MODEL_DIR), device="cpu", dtype="float32", num_speculative_tokens=k,
             max_num_seqs=n, max_num_batched_tokens=16 * n, block_size=16, seed=k,
+            async_scheduling=True,
         )  # fmt: skip
-        second = [o.outputs[0].token_ids[1] for o in llm.outs]  # type: ignore[attr-defined]
-        counts.append(torch.bincount(torch.tensor(second), minlength=8192))
+        chained = count_chained(llm.executor.runner)  # type: ignore[attr-defined]
+        outs = llm.generate([CODE[3]] * n, params, use_tqdm=False)
+        for i in counts:
+            tokens = torch.tensor([o.outputs[0].token_ids[i] for o in outs])
+            counts[i].append(torch.bincount(tokens, minlength=8192))
         if k:
             assert llm.engine.scheduler.num_accepted_drafts > 0
-    table = torch.stack(counts)  # [2, vocab]
-    common = table.sum(0) >= 20
-    merged = torch.cat([table[:, common], table[:, ~common].sum(1, keepdim=True)], dim=1)
-    assert merged.shape[1] > 5
-    assert chi2_contingency(merged.numpy()).pvalue > 1e-3
+            assert any(chained), chained
+    for i, pair in counts.items():
+        table = torch.stack(pair)  # [2, vocab]
+        common = table.sum(0) >= 20
+        merged = torch.cat([table[:, common], table[:, ~common].sum(1, keepdim=True)], dim=1)
+        assert merged.shape[1] > 5, i
+        assert chi2_contingency(merged.numpy()).pvalue > 1e-3, i
 
 
 @needs_demo

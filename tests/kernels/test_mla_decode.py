@@ -112,3 +112,34 @@ def test_rope_part_read_apart_equals_joined(
     q_lat = q[..., :lat].transpose(0, 1).contiguous().transpose(0, 1)  # [T, H, L], head-major
     apart = mla_decode(q_lat, *args[1:], num_splits=splits, config=cfg, q_pe=q[..., lat:])
     assert torch.equal(apart, joined)
+
+
+def test_cpu_reference_groups_ragged_requests_and_computes_what_one_call_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU the twin runs requests of similar length together, each group over its
+    own pages (one long request no longer costs every short one its keys): the same
+    outputs as one padded call (float64), draft-verification rows included; a batch of
+    one length stays one call."""
+    import kernels.reference as reference
+
+    calls: list[int] = []
+    padded = reference._mla_decode_padded
+
+    def counted(q, *args):  # type: ignore[no-untyped-def]
+        calls.append(q.shape[0])
+        return padded(q, *args)
+
+    gen = torch.Generator().manual_seed(3)
+    q_lens = [1, 3, 1, 2, 1, 1, 4, 1]
+    seq_lens = [5, 1700, 40, 900, 33, 31, 600, 1800]
+    case = make_mla_case(q_lens, seq_lens, 8, 64, 16, 16, torch.float64, torch.device("cpu"), gen)
+    want = padded(*case.clean_args())
+    monkeypatch.setattr(reference, "_mla_decode_padded", counted)
+    got = mla_decode_ref(*case.clean_args())
+    assert len(calls) > 1 and sum(calls) == sum(q_lens)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    calls.clear()
+    even = make_mla_case([1] * 6, [700] * 6, 8, 64, 16, 16, torch.float64, torch.device("cpu"), gen)
+    mla_decode_ref(*even.clean_args())
+    assert calls == [6]

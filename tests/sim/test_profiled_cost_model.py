@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -103,3 +104,24 @@ def test_host_time_grows_with_the_requests_of_a_step() -> None:
     small = cm.cpu_time(shape_output([[4, 1, 100, False]]))
     big = cm.cpu_time(shape_output([[256, 1, 100, False]]))
     assert 0 < small < big < 0.02
+
+
+def test_a_ragged_decode_batch_costs_its_longest_context_on_a_gpu_its_mean_on_the_cpu() -> None:
+    """A decode batch that fits one wave of a GPU's split-KV attention waits for its
+    longest request; the CPU's attention runs requests of similar length together
+    (kernels/reference.py), so there the batch costs what a batch at its mean context
+    does (one 1,500-token request beside 15 of 100 tokens)."""
+    from executors.demo import demo_model_path
+
+    path = PROFILES_DIR / "deepinfer-demo__cpu.json"
+    spec = load_model_config(demo_model_path() / "config.json")
+    ragged = shape_output([[1, 1, 1500, False], [15, 1, 100, False]])
+    mean = shape_output([[16, 1, round((1500 + 15 * 100) / 16), False]])
+    longest = shape_output([[16, 1, 1500, False]])
+    cpu = ProfiledCostModel(path, spec, get_hardware("cpu"))
+    gpu_like = ProfiledCostModel(
+        path, spec, dataclasses.replace(get_hardware("cpu"), runs_on_host=False)
+    )
+    assert cpu.step_time(ragged) == pytest.approx(cpu.step_time(mean), rel=0.02)
+    assert gpu_like.step_time(ragged) == pytest.approx(gpu_like.step_time(longest), rel=0.02)
+    assert cpu.step_time(ragged) < 0.8 * gpu_like.step_time(ragged)
