@@ -35,7 +35,7 @@ if [[ $what == decode || $what == async ]]; then
     tests+=(tests/kernels/test_fused_moe.py tests/kernels/test_moe_router.py
       tests/kernels/test_mla_decode.py tests/executors/test_projection_fusion.py)
   else
-    tests+=(tests/executors/test_speculative_llm.py)
+    tests+=(tests/executors/test_speculative_llm.py tests/executors/test_spec_chain.py)
   fi
   python3 -m pytest -q -m gpu "${tests[@]}" -p no:cacheprovider 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -8
@@ -107,8 +107,13 @@ if [[ $what == all || $what == binv ]]; then
     | tee "$OUT/binv_mla.log" | grep "mla_decode" | tail -24
 fi
 if [[ $what == spec ]]; then
-  # Speculation: decode tok/s with over without, Moonlight shapes + an MTP layer, the
-  # benchmark-only corrupted-greedy drafter; the simulator's prediction beside.
+  # Speculation: the GPU tests of verify steps (chained on the step in flight under async
+  # scheduling, graphs captured), then decode tok/s with over without, Moonlight shapes +
+  # an MTP layer, the benchmark-only corrupted-greedy drafter; the simulator beside.
+  python3 -m pytest -q -m gpu tests/executors/test_spec_chain.py \
+    tests/executors/test_speculative_llm.py -p no:cacheprovider 2>&1 \
+    | tee "$OUT/spec_tests.log" | tail -6
+  status=${PIPESTATUS[0]}
   python3 benchmarks/speculative.py --json "$OUT/speculative.json" "$@" 2>&1 \
     | grep -v Warning | tee "$OUT/speculative.log" | tail -70
 fi

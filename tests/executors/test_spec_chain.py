@@ -181,3 +181,31 @@ def test_a_step_of_chained_and_unchained_requests_gives_the_sequential_output() 
     assert got == want
     mixed = [(c, n) for c, n in zip(chained, rows) if 0 < c < n]
     assert mixed, list(zip(chained, rows))
+
+
+@pytest.mark.gpu
+@needs_demo
+def test_chained_verify_steps_on_cuda_graphs_give_the_host_paths_greedy_output() -> None:
+    """On CUDA with every graph captured (decode, verify, piecewise, the drafter's), in
+    float32: the async engine, whose verify steps chain on the step in flight, gives the
+    greedy tokens of a synchronous engine verifying and drafting on the host."""
+    from deepinfer import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    outs, accepted = {}, {}
+    for path in ("host", "chained"):
+        llm = LLM(
+            str(DEMO_MODEL_DIR), device="cuda", dtype="float32", block_size=16,
+            num_speculative_tokens=3, async_scheduling=path == "chained",
+        )  # fmt: skip
+        runner = llm.executor.runner  # type: ignore[attr-defined]
+        assert runner.verify_graphs is not None and runner.drafter.graphs is not None
+        if path == "host":
+            runner._verifies_on_device = lambda out: False
+        chained = count_chained(runner)
+        outs[path] = [o.outputs[0].token_ids for o in llm.generate(CODE, params, use_tqdm=False)]
+        accepted[path] = llm.engine.scheduler.num_accepted_drafts
+        assert (sum(1 for c in chained if c) >= 10) == (path == "chained"), chained
+        llm.executor.shutdown()  # the next engine takes 0.9 of the device too
+    assert outs["chained"] == outs["host"]
+    assert accepted["chained"] == pytest.approx(accepted["host"], rel=0.1)
