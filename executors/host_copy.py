@@ -21,3 +21,32 @@ def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor of `dtype` on `device` (`to_device_async`)."""
     return to_device_async(torch.tensor(values, dtype=dtype), device)
+
+
+class PackedCopy:
+    """Device tensors read back with one copy: packed as float64 (which holds every
+    token id and float32 value exactly) and copied into pinned memory now, behind the
+    work queued so far; `read()` waits for that copy alone and returns each tensor's
+    values, flattened, as a list."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._sizes = [t.numel() for t in tensors]
+        packed = torch.cat([t.double().flatten() for t in tensors])
+        self._copied: torch.cuda.Event | None = None
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host = host.copy_(packed, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = packed
+
+    def read(self) -> list[list[float]]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        values = self._host.tolist()
+        out, at = [], 0
+        for n in self._sizes:
+            out.append(values[at : at + n])
+            at += n
+        return out

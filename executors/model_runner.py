@@ -11,7 +11,7 @@ Speculation: a request scheduled with k drafts is scored on 1 + k rows and verif
 by executors/spec_decode.py (greedy prefix match, or lossless rejection sampling);
 afterwards the model's MTP layer proposes the next drafts (executors/mtp_drafter.py),
 which go back in ModelRunnerOutput with their confidences. A step of known requests
-decoding at output positions (no seeds, penalties, logprobs or grammars) verifies and
+decoding at output positions (no seeds, penalties, prompt logprobs or grammars) verifies and
 drafts on the device (`_verifies_on_device`) and is read back with one copy.
 
 `launch` queues a step and returns its handle (executors/step_handle.py) without
@@ -46,14 +46,17 @@ from executors import prompt_logprobs
 from executors.attention import AttentionMetadata, build_attention_metadata
 from executors.batch_invariant import set_batch_invariant
 from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
-from executors.host_copy import to_device
+from executors.host_copy import PackedCopy, to_device
 from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
 from executors.mtp_drafter import Drafts, MTPDrafter
 from executors.piecewise_graphs import PiecewiseGraphs, default_token_buckets
 from executors.sampler import (
     DeviceSample,
+    LogprobTensors,
     SamplingState,
+    logprob_tensors,
+    raw_logprobs,
     sample_on_device,
     sample_tokens,
 )
@@ -365,8 +368,8 @@ class ModelRunner:
     def _verifies_on_device(self, out: SchedulerOutput) -> bool:
         """Whether a step with a drafter can verify and draft on the device (spec_chain.py):
         every request is a known one decoding its newest token (plus drafts, at output
-        positions, on the absorbed path), unseeded, without logprobs or grammar, and its
-        processing reads no history (spec_decode.history_free)."""
+        positions, on the absorbed path), unseeded, without prompt logprobs or grammar,
+        and its processing reads no history (spec_decode.history_free)."""
         assert self.drafter is not None
         for sr in out.scheduled:
             state = self.requests.get(sr.req_id)
@@ -384,7 +387,6 @@ class ModelRunner:
             if (
                 params.seq_seed is not None
                 or params.so_args is not None
-                or params.logprobs is not None
                 or params.prompt_logprobs is not None
                 or not history_free(params, len(state.sampling.output_token_ids))
             ):
@@ -854,30 +856,32 @@ class ModelRunner:
         )  # fmt: skip
         newest = checked.tokens.gather(1, checked.accepted[:, None])  # [B, 1]
         chain_ids = torch.cat([newest, drafts.ids], dim=1)  # [B, 1 + P]
-        # float64 holds every token id exactly: one copy back for everything.
-        packed = torch.cat([
-            checked.tokens.double().flatten(), checked.accepted.double(),
-            drafts.ids.double().flatten(), drafts.confidences.double().flatten(),
-        ])  # fmt: skip
-        if packed.is_cuda:
-            host_packed = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host_packed.copy_(packed, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            host_packed, copied = packed, None
-        b, p = len(rows), drafts.ids.shape[1]
+        # Logprobs of each row's token (an accepted draft, or the token sampled there).
+        row_states = [st.sampling for st, k in zip(states, num_drafts) for _ in range(1 + k)]
+        raw = raw_logprobs(logits.float(), row_states, self.batch_invariant)
+        row_params = [s.params for s in row_states]
+        lp = None if raw is None else logprob_tensors(raw, next_ids, row_params)
+        extra = [] if lp is None else [lp.chosen, lp.ranks, lp.top_vals, lp.top_ids]
+        back = PackedCopy([checked.tokens, checked.accepted, drafts.ids, drafts.confidences,
+                           *extra])  # fmt: skip
+        p = drafts.ids.shape[1]
 
         def finish() -> StepResult:
-            if copied is not None:
-                copied.synchronize()
-            vals = host_packed.tolist()
-            toks = [vals[i * width : (i + 1) * width] for i in range(b)]
-            accepted = vals[b * width : b * width + b]
-            at = b * width + b
-            ids, conf = vals[at : at + b * p], vals[at + b * p :]
-            tokens = [[int(x) for x in tk[: int(a) + 1]] for tk, a in zip(toks, accepted)]
-            res = self._record(rows, states, tokens, None, logits, ModelRunnerOutput())
+            toks, accepted, ids, conf, *lp_values = back.read()
+            tokens = [
+                [int(x) for x in toks[i * width : i * width + int(a) + 1]]
+                for i, a in enumerate(accepted)
+            ]
+            logprobs = None
+            if lp is not None:
+                chosen, ranks, vals, top = (torch.tensor(v) for v in lp_values)
+                shape = lp.top_ids.shape  # [N, n_max]
+                read = LogprobTensors(
+                    chosen, ranks.long(), vals.view(shape), top.long().view(shape)
+                )
+                row_tokens = [int(toks[i]) for i in next_of_row]
+                logprobs = read.to_lists(row_tokens, row_params)
+            res = self._record(rows, states, tokens, logprobs, logits, ModelRunnerOutput())
             output = res.output
             for i, ((rid, _), state, n) in enumerate(zip(rows, states, drafts.counts)):
                 state.drafts = [int(x) for x in ids[i * p : i * p + n]]

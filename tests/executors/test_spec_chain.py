@@ -116,6 +116,7 @@ def _serve(
     while engine.has_unfinished():
         engine.step()
     s = engine.scheduler
+    _serve.logprobs = [r.logprobs for r in reqs]  # type: ignore[attr-defined]
     outs = [r.output_token_ids for r in reqs]
     return outs, chained, s.num_draft_tokens, s.num_accepted_drafts, proposed
 
@@ -209,3 +210,22 @@ def test_chained_verify_steps_on_cuda_graphs_give_the_host_paths_greedy_output()
         llm.executor.shutdown()  # the next engine takes 0.9 of the device too
     assert outs["chained"] == outs["host"]
     assert accepted["chained"] == pytest.approx(accepted["host"], rel=0.1)
+
+
+@needs_demo
+def test_chained_steps_return_the_logprobs_the_host_path_returns() -> None:
+    """Requests asking for logprobs chain too: each output token's logprob, rank and
+    top-3 (read back with the step's one copy) equal the host verification's."""
+    lp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
+    params = [lp, GREEDY, lp]
+    want, _, _, _, _ = _serve(*_demo_runner("host", 3), params)
+    want_lp = _serve.logprobs  # type: ignore[attr-defined]
+    got, chained, _, _, _ = _serve(*_demo_runner("eager", 3), params)
+    got_lp = _serve.logprobs  # type: ignore[attr-defined]
+    assert got == want and sum(1 for c in chained if c) >= 8, chained
+    for i in (0, 2):  # (one row an output token)
+        a, b = got_lp[i], want_lp[i]
+        assert len(a) == len(b) == len(got[i])
+        for row_a, row_b in zip(a, b):  # the chosen token, then the top 3
+            assert [(x.token_id, x.rank) for x in row_a] == [(x.token_id, x.rank) for x in row_b]
+            assert [x.logprob for x in row_a] == pytest.approx([x.logprob for x in row_b], abs=1e-5)
