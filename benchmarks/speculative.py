@@ -171,8 +171,10 @@ def run(
     executor: Any, cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, tag: str
 ) -> tuple[float, dict[str, list[int]], float | None, str]:
     """Decode tokens/s of one batch, each request's output, the draft acceptance, and a
-    line on its decode steps (mean ms, tokens scored per request)."""
+    line on its decode steps (mean ms, tokens scored per request, how many chained on
+    the verify step in flight: executors/spec_chain.py)."""
     engine = EngineCore(cfg, executor, model_max_len=executor.max_model_len)
+    chained_before = executor.runner.num_chained_steps
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     reqs = [Request(f"{tag}-{i}", list(p), params) for i, p in enumerate(prompts)]
     for r in reqs:
@@ -187,7 +189,11 @@ def run(
     outs = {r.request_id: r.output_token_ids for r in reqs}
     steps = max(len(decode), 1)
     per_req = sum(s.num_batched_tokens / max(s.num_scheduled_reqs, 1) for s in decode) / steps
-    line = f"{len(decode)} decode steps, {1e3 * seconds / steps:.2f} ms each, {per_req:.2f} tokens a request"
+    chained = executor.runner.num_chained_steps - chained_before
+    line = (
+        f"{len(decode)} decode steps, {1e3 * seconds / steps:.2f} ms each, "
+        f"{per_req:.2f} tokens a request, {chained} chained"
+    )
     return tokens / seconds if seconds else 0.0, outs, acc, line
 
 

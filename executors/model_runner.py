@@ -170,6 +170,7 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(engine_config.seed)
         self.requests: dict[str, RequestState] = {}
         self._pending: PendingStep | None = None  # the latest step launched and not read
+        self.num_chained_steps = 0  # steps that chained on a verify step in flight
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
         # Query length -> its verify graphs: 1 + k, and 1 + L for the shorter uniform
         # steps that varlen (spec_policy) and trimmed drafts schedule.
@@ -448,6 +449,7 @@ class ModelRunner:
         shift = behind = None
         if host.behind is not None:
             assert prev.chain is not None
+            self.num_chained_steps += 1
             behind = prev.chain.rejected[to_device(host.behind, torch.int64, self.device)]
             shift = Shift(behind, rows_by_sequence(host.query_lens), self.block_size)
         if dst == src == list(range(k)):  # the same requests first, in the same order

@@ -37,9 +37,11 @@ def test_forced_acceptance_follows_the_rate_it_is_given(
         for a in (0.2, 0.9):
             forced = speculative.ForcedAcceptance(ex.runner.drafter, a, seed=1)
             forced.install(ex.runner)
-            _, outs, acc, _ = speculative.run(ex, cfg, prompts, 40, f"a{a}")
+            _, outs, acc, line = speculative.run(ex, cfg, prompts, 40, f"a{a}")
             acceptance[a] = acc
             assert all(len(o) == 40 for o in outs.values())
+            # Its verify steps chain on the one in flight (async scheduling, the default).
+            assert int(line.split(", ")[-1].split()[0]) > 5, line
     finally:
         speculative.ForcedAcceptance.uninstall()
     assert runner_module.verify is verify and runner_module.verify_on_device is verify_on_device
