@@ -160,8 +160,8 @@ def _error_table(predicted: list[tuple[str, list[Any], float, float]]) -> dict[s
 def overlaps(cfg: EngineConfig, hardware: str) -> bool:
     """Whether a step's host work runs beside the device's: async scheduling, on a device
     that is not the host's CPU (there the launch runs the step), without speculation
-    (whose prompt chunks do not overlap: this per-step table does not tell them apart;
-    speculating runs are compared by benchmarks/speculative.py)."""
+    (this per-step table prices steps by their shapes without drafts; speculating runs
+    are compared by benchmarks/speculative.py)."""
     return (
         cfg.async_scheduling
         and not cfg.num_speculative_tokens

@@ -50,7 +50,7 @@ from deepinfer.model_config import load_model_config, write_config_with_mtp_laye
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from executors.host_copy import to_device, to_device_async
-from executors.mtp_drafter import DeviceDrafts, DraftInput, Drafts, MTPDrafter
+from executors.mtp_drafter import DeviceDraftInput, DeviceDrafts, DraftInput, Drafts, MTPDrafter
 from executors.sampler import SamplingState
 from executors.spec_decode import (
     DeviceVerify,
@@ -96,18 +96,21 @@ class ForcedAcceptance:
             drafts.confidences[rid] = conf[i, :n].tolist()
         return drafts
 
-    def propose_on_device(self, *args: Any, req_ids: list[str], **kwargs: Any) -> DeviceDrafts:
-        """`propose`'s plan for the drafter of a verify step on the device (its draws on
-        the host; the confidences go to the device, as the real drafter's are)."""
-        drafts = self.inner.propose_on_device(*args, req_ids=req_ids, **kwargs)
+    def propose_on_device(
+        self, inputs: list[DeviceDraftInput], *args: Any, **kwargs: Any
+    ) -> DeviceDrafts:
+        """`propose`'s plan for the drafter of a step on the device (its draws on the
+        host; the confidences go to the device, as the real drafter's are)."""
+        drafts = self.inner.propose_on_device(inputs, *args, **kwargs)
         width = drafts.ids.shape[1]
-        if not width or not req_ids:
+        if not width or not inputs:
             return drafts
-        conf = self.rng.beta(4 * self.a, 4 * (1 - self.a), size=(len(req_ids), width))
-        good = self.rng.random(size=conf.shape) < conf  # [requests, width]
+        conf = self.rng.beta(4 * self.a, 4 * (1 - self.a), size=(len(inputs), width))
+        good = self.rng.random(size=conf.shape) < conf  # [inputs, width]
         first_bad = np.where(good.all(axis=1), width, (~good).argmax(axis=1))
-        for i, rid in enumerate(req_ids):
-            self.accepted[rid] = min(int(first_bad[i]), drafts.counts[i])
+        for i, x in enumerate(inputs):
+            if drafts.counts[i]:
+                self.accepted[x.req_id] = min(int(first_bad[i]), drafts.counts[i])
         host = torch.from_numpy(conf.astype(np.float32))
         drafts.confidences = to_device_async(host, drafts.ids.device)
         return drafts

@@ -235,7 +235,7 @@ class EngineCore:
         sampled tokens to N+1 on the device, so the host's work for N+1 and for N's
         results hides behind the device's (a speculating one chains N+1's drafts and
         positions on N's too). A step the executor cannot overlap (`can_overlap`:
-        grammars, history-reading samplers, prompt chunks beside drafts) is launched once
+        grammars, history-reading samplers) is launched once
         N is applied, as without async scheduling (its scheduling still overlapped N).
         """
         if self._compiling:

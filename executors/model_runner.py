@@ -10,9 +10,9 @@ matcher: its mask is applied to its logits before sampling (executors/structured
 Speculation: a request scheduled with k drafts is scored on 1 + k rows and verified
 by executors/spec_decode.py (greedy prefix match, or lossless rejection sampling);
 afterwards the model's MTP layer proposes the next drafts (executors/mtp_drafter.py),
-which go back in ModelRunnerOutput with their confidences. A step of known requests
-decoding at output positions (no seeds, penalties, prompt logprobs or grammars) verifies and
-drafts on the device (`_verifies_on_device`) and is read back with one copy.
+which go back in ModelRunnerOutput with their confidences. A step without seeds,
+penalties, prompt logprobs or grammars verifies and drafts on the device
+(`_verifies_on_device`) and is read back with one copy.
 
 `launch` queues a step and returns its handle (executors/step_handle.py) without
 waiting for the device. Under async scheduling the engine launches step N+1 before it
@@ -49,7 +49,7 @@ from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
 from executors.host_copy import PackedCopy, to_device
 from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
-from executors.mtp_drafter import Drafts, MTPDrafter
+from executors.mtp_drafter import DeviceDraftInput, Drafts, MTPDrafter
 from executors.piecewise_graphs import PiecewiseGraphs, default_token_buckets
 from executors.sampler import (
     DeviceSample,
@@ -61,7 +61,13 @@ from executors.sampler import (
     sample_tokens,
 )
 from executors.spec_chain import Chained, Shift, StepBuffers, rows_by_sequence
-from executors.spec_decode import VerifyRequest, history_free, verify, verify_on_device
+from executors.spec_decode import (
+    DeviceVerify,
+    VerifyRequest,
+    history_free,
+    verify,
+    verify_on_device,
+)
 from executors.step_handle import PendingStep, StepResult
 from executors.structured_outputs import (
     GrammarCompiler,
@@ -368,28 +374,30 @@ class ModelRunner:
 
     def _verifies_on_device(self, out: SchedulerOutput) -> bool:
         """Whether a step with a drafter can verify and draft on the device (spec_chain.py):
-        every request is a known one decoding its newest token (plus drafts, at output
-        positions, on the absorbed path), unseeded, without prompt logprobs or grammar,
-        and its processing reads no history (spec_decode.history_free)."""
+        its requests are unseeded, without prompt logprobs or grammar, and their processing
+        reads no history (spec_decode.history_free); each decodes its newest token (plus
+        drafts, at output positions, on the absorbed path) or computes a chunk of tokens
+        the host knows (a prompt chunk, or a resumed request's recompute)."""
         assert self.drafter is not None
         for sr in out.scheduled:
-            state = self.requests.get(sr.req_id)
+            params = self._params(sr)
+            state = self.requests.get(sr.req_id) if sr.block_table is None else None
+            n_out = len(state.sampling.output_token_ids) if state is not None else 0
             if (
-                sr.block_table is not None
-                or state is None
+                params is None
+                or params.seq_seed is not None
+                or params.so_args is not None
+                or params.prompt_logprobs is not None
+                or not history_free(params, n_out)
+            ):
+                return False
+            decodes = state is not None and sr.num_computed_tokens >= state.num_prompt_tokens
+            if (decodes or sr.draft_token_ids) and (
+                state is None
                 or not sr.samples
                 or sr.num_tokens != 1 + len(sr.draft_token_ids)
                 or sr.num_tokens > self.decode_max_query_len
-                or sr.num_computed_tokens < state.num_prompt_tokens
                 or sr.req_id in self.drafter.pending
-            ):
-                return False
-            params = state.sampling.params
-            if (
-                params.seq_seed is not None
-                or params.so_args is not None
-                or params.prompt_logprobs is not None
-                or not history_free(params, len(state.sampling.output_token_ids))
             ):
                 return False
         return bool(out.scheduled)
@@ -828,45 +836,63 @@ class ModelRunner:
         behind: torch.Tensor | None,
     ) -> PendingStep:
         """Verify and draft with nothing read back (`_verifies_on_device`): the handle
-        carries each request's newest token and drafts, and what it rejected, for the next
-        step to chain on (spec_chain.py); `result()` reads everything with one copy.
-        hidden [T', hidden] (T' >= T: graph padding), logits [N, vocab], input_ids [T]."""
+        carries each sampling request's newest token and drafts, and what it rejected, for
+        the next step to chain on (spec_chain.py); `result()` reads everything with one
+        copy. hidden [T', hidden] (T' >= T: graph padding), logits [N, vocab],
+        input_ids [T]."""
         assert self.drafter is not None
-        rows = sorted(host.sample_rows.items(), key=lambda kv: kv[1][0])
-        assert [rid for rid, _ in rows] == host.req_ids  # one segment a request, in order
+        rows = sorted(host.sample_rows.items(), key=lambda kv: kv[1][0])  # sampling requests
         states = [self.requests[rid] for rid, _ in rows]
         num_drafts = [n - 1 for _, (_, n, _) in rows]
         t = len(host.input_ids)
         dev = self.device
-        # The draft each sampled row verifies: the input token after it.
-        after = to_device([min(i + 1, t - 1) for i in host.logits_indices], torch.int64, dev)
-        checked = verify_on_device(
-            logits, [st.sampling for st in states], num_drafts, input_ids[after], self.generator
+        checked = None
+        if rows:  # the draft each sampled row verifies: the input token after it
+            after = to_device([min(i + 1, t - 1) for i in host.logits_indices], torch.int64, dev)
+            checked = verify_on_device(
+                logits, [st.sampling for st in states], num_drafts, input_ids[after],
+                self.generator,
+            )  # fmt: skip
+        accepted = (
+            checked.accepted
+            if checked is not None
+            else torch.zeros(0, dtype=torch.int64, device=dev)
         )
-        width = checked.tokens.shape[1]
-        offsets = [0]
-        for n in host.query_lens[:-1]:
-            offsets.append(offsets[-1] + n)
-        # Row j of request i verified draft j + 1; its next token is tokens[i, j].
-        next_of_row = [i * width + j for i, n in enumerate(host.query_lens) for j in range(n)]
-        next_ids = checked.tokens.flatten()[to_device(next_of_row, torch.int64, dev)]  # [T]
-        last_rows = to_device(offsets, torch.int64, dev) + checked.accepted  # [B]
-        rejected = to_device(num_drafts, torch.int64, dev) - checked.accepted  # [B]
+        rejected = to_device(num_drafts, torch.int64, dev) - accepted  # [B_s]
+        inputs, seg_of, verified_of = self._draft_inputs(host, hidden, input_ids, checked)
         drafts = self.drafter.propose_on_device(
-            hidden[:t], next_ids, host.context_lens, host.query_lens, host.block_tables,
-            last_rows, behind, rejected, req_ids=host.req_ids, num_drafts=out.num_proposals,
-        )  # fmt: skip
-        newest = checked.tokens.gather(1, checked.accepted[:, None])  # [B, 1]
-        chain_ids = torch.cat([newest, drafts.ids], dim=1)  # [B, 1 + P]
-        # Logprobs of each row's token (an accepted draft, or the token sampled there).
-        row_states = [st.sampling for st, k in zip(states, num_drafts) for _ in range(1 + k)]
+            inputs,
+            # per input: how far its rows lie back, and the drafts it rejected (0 past the
+            # sampling requests)
+            (behind if behind is not None else rejected.new_zeros(len(host.req_ids)))[
+                to_device(seg_of, torch.int64, dev)
+            ],
+            torch.cat([rejected, rejected.new_zeros(1)])[
+                to_device([len(rows) if v is None else v for v in verified_of], torch.int64, dev)
+            ],
+            out.num_proposals,
+        )
+        input_of = {v: i for i, v in enumerate(verified_of) if v is not None}
+        mine = to_device([input_of[v] for v in range(len(rows))], torch.int64, dev)
+        counts = [drafts.counts[input_of[v]] for v in range(len(rows))]
+        p = drafts.ids.shape[1]
+        if checked is None:  # only prompt chunks that do not sample yet
+            return PendingStep(result=StepResult(ModelRunnerOutput()))
+        width = checked.tokens.shape[1]
+        newest = checked.tokens.gather(1, checked.accepted[:, None])  # [B_s, 1]
+        chain_ids = torch.cat([newest, drafts.ids[mine]], dim=1)  # [B_s, 1 + P]
+        # Logprobs of each sampled row's token (an accepted draft, or the token sampled).
+        grid = [v * width + j for v, k in enumerate(num_drafts) for j in range(1 + k)]
+        row_states = [states[v].sampling for v, k in enumerate(num_drafts) for _ in range(1 + k)]
         raw = raw_logprobs(logits.float(), row_states, self.batch_invariant)
         row_params = [s.params for s in row_states]
-        lp = None if raw is None else logprob_tensors(raw, next_ids, row_params)
+        lp = None
+        if raw is not None:
+            row_tokens_d = checked.tokens.flatten()[to_device(grid, torch.int64, dev)]
+            lp = logprob_tensors(raw, row_tokens_d, row_params)
         extra = [] if lp is None else [lp.chosen, lp.ranks, lp.top_vals, lp.top_ids]
-        back = PackedCopy([checked.tokens, checked.accepted, drafts.ids, drafts.confidences,
-                           *extra])  # fmt: skip
-        p = drafts.ids.shape[1]
+        back = PackedCopy([checked.tokens, checked.accepted, drafts.ids[mine],
+                           drafts.confidences[mine], *extra])  # fmt: skip
 
         def finish() -> StepResult:
             toks, accepted, ids, conf, *lp_values = back.read()
@@ -881,11 +907,10 @@ class ModelRunner:
                 read = LogprobTensors(
                     chosen, ranks.long(), vals.view(shape), top.long().view(shape)
                 )
-                row_tokens = [int(toks[i]) for i in next_of_row]
-                logprobs = read.to_lists(row_tokens, row_params)
+                logprobs = read.to_lists([int(toks[i]) for i in grid], row_params)
             res = self._record(rows, states, tokens, logprobs, logits, ModelRunnerOutput())
             output = res.output
-            for i, ((rid, _), state, n) in enumerate(zip(rows, states, drafts.counts)):
+            for i, ((rid, _), state, n) in enumerate(zip(rows, states, counts)):
                 state.drafts = [int(x) for x in ids[i * p : i * p + n]]
                 if n:
                     output.draft_token_ids[rid] = state.drafts
@@ -896,8 +921,64 @@ class ModelRunner:
             finish,
             tokens=chain_ids.flatten(),
             rows={rid: i for i, (rid, _) in enumerate(rows)},
-            chain=Chained(1 + p, torch.cat([rejected, rejected.new_zeros(1)]), drafts.counts),
+            chain=Chained(1 + p, torch.cat([rejected, rejected.new_zeros(1)]), counts),
         )
+
+    def _draft_inputs(
+        self,
+        host: HostBatch,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        checked: DeviceVerify | None,
+    ) -> tuple[list[DeviceDraftInput], list[int], list[int | None]]:
+        """Pass 1's rows for a step on the device, request by request (the host path's
+        MTPDrafter.step_inputs with the step's tokens where they lie): a request whose
+        every row sampled takes each row's next token from its verification (rows past
+        the accepted ones: any); a prompt chunk its own next input ids, then, when it
+        samples, its sampled token; a chunk that does not sample leaves its last position
+        pending, which its next chunk's rows start at. Also each input's segment in
+        `host` and its index among the sampling requests (None: it does not sample)."""
+        assert self.drafter is not None
+        pending_of = self.drafter.pending
+        verified = {rid: v for v, rid in enumerate(
+            rid for rid, _ in sorted(host.sample_rows.items(), key=lambda kv: kv[1][0])
+        )}  # fmt: skip
+        inputs: list[DeviceDraftInput] = []
+        seg_of: list[int] = []
+        verified_of: list[int | None] = []
+        offset = 0
+        for i, (rid, start, n) in enumerate(zip(host.req_ids, host.context_lens, host.query_lens)):
+            rows_h = hidden[offset : offset + n]  # [n, hidden]
+            following = input_ids[offset + 1 : offset + n]  # [n - 1]: next ids on the host's side
+            first_id = input_ids[offset : offset + 1]
+            offset += n
+            v = verified.get(rid)
+            pending = pending_of.pop(rid, None)
+            newest: int | None = n - 1
+            if v is not None and host.sample_rows[rid][1] == n:  # every row sampled
+                assert checked is not None
+                next_ids = checked.tokens[v, :n]
+            elif v is not None:  # a prompt's last chunk: its sampled token ends it
+                assert checked is not None
+                next_ids = torch.cat([following, checked.tokens[v, :1]])
+            else:  # the next token of its last position comes with the next chunk
+                pending_of[rid] = (start + n - 1, rows_h[-1].clone())
+                rows_h, next_ids, newest = rows_h[:-1], following, None
+            first = start
+            if pending is not None and pending[0] == start - 1:
+                first = start - 1
+                rows_h = torch.cat([pending[1][None], rows_h])
+                next_ids = torch.cat([first_id, next_ids])
+                newest = None if newest is None else newest + 1
+            if not len(next_ids):
+                continue
+            state = self.requests[rid]
+            inputs.append(DeviceDraftInput(
+                rid, first, rows_h, next_ids, state.block_table, newest, state.num_prompt_tokens
+            ))  # fmt: skip
+            seg_of.append(i)
+            verified_of.append(v)
+        return inputs, seg_of, verified_of
 
     def _draft(
         self, host: HostBatch, hidden: torch.Tensor, out: ModelRunnerOutput, step: SchedulerOutput

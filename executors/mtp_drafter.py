@@ -61,6 +61,19 @@ class Drafts:
 
 
 @dataclass
+class DeviceDraftInput:
+    """One request's part of pass 1 in a step whose results stay on the device."""
+
+    req_id: str
+    first_pos: int  # position of its first row, where the host placed it
+    hidden: torch.Tensor  # [rows, hidden]: the target's hidden states at those positions
+    next_ids: torch.Tensor  # [rows] (device): the token after each (past the accepted: any)
+    block_table: list[int]
+    newest: int | None  # its newest token's row if every draft is accepted; None: no drafts
+    num_prompt: int = 0  # the request's prompt length (batch-invariant mode's routing)
+
+
+@dataclass
 class DeviceDrafts:
     """`propose_on_device`'s drafts, nothing read back."""
 
@@ -219,54 +232,66 @@ class MTPDrafter:
 
     def propose_on_device(
         self,
-        hidden: torch.Tensor,
-        next_ids: torch.Tensor,
-        starts: list[int],
-        query_lens: list[int],
-        block_tables: list[list[int]],
-        last_rows: torch.Tensor,
-        behind: torch.Tensor | None,
+        inputs: list[DeviceDraftInput],
+        behind: torch.Tensor,
         rejected: torch.Tensor,
-        req_ids: Sequence[str],
         num_drafts: int | None = None,
     ) -> DeviceDrafts:
-        """`propose` for a verify step whose results stay on the device (spec_chain.py):
-        every request's rows are output positions from `starts` (where the host placed
-        them, assuming the drafts of the step before were all accepted), and pass 1 runs
-        over all of them, `next_ids` [T] (device) giving each row's next token; rows past
-        a request's accepted ones write MTP KV that the next step rewrites before any query
-        reads it. last_rows [B]: each request's row of its newest token; behind [B]: how far
-        its rows lie before `starts` (None: not at all); rejected [B]: drafts it rejected
-        now, so its newest token lies `behind + rejected` before its last row; req_ids:
-        the requests, in order (for a wrapper that keys its bookkeeping by request)."""
+        """`propose` for a step whose results stay on the device (spec_chain.py). Each
+        input's rows start where the host placed them (assuming the drafts of the step
+        before were all accepted); `behind` [B] (device): how far they lie before that;
+        `rejected` [B]: the drafts each rejected now. Rows past a request's accepted ones
+        write MTP KV that the next step rewrites before any query reads it. Drafts come
+        from each sampling input's newest row, `rejected` before its `newest`, at
+        positions `behind + rejected` before where the host would put them. The result's
+        rows follow `inputs` (zeros, count 0, for inputs that do not draft)."""
         k = self.k if num_drafts is None else min(num_drafts, self.k)
-        b = len(starts)
-        assert all(n <= self.decode_max_query_len for n in query_lens), query_lens
-        h = self._run(hidden, next_ids, starts, query_lens, block_tables, b, behind)
+        b = len(inputs)
         ids_out = torch.zeros(b, max(k, 1), dtype=torch.int64, device=self.device)
         conf_out = torch.zeros(b, max(k, 1), dtype=torch.float32, device=self.device)
         counts = [0] * b
-        if k <= 0:
+        if not inputs:
             return DeviceDrafts(ids_out[:, :0], conf_out[:, :0], counts)
-        last = h[last_rows]  # [B, hidden]
-        reqs = list(range(b))
-        pos = [s + n - 1 for s, n in zip(starts, query_lens)]  # upper bounds (all accepted)
-        amount = rejected if behind is None else behind + rejected  # [B]
+        # Pass 1, decode-first (short queries take the absorbed MLA path).
+        order = sorted(range(b), key=lambda i: not self._absorbed(inputs[i]))
+        sorted_in = [inputs[i] for i in order]
+        order_t = to_device(order, torch.int64, self.device)
+        h = self._run(
+            torch.cat([x.hidden for x in sorted_in]),
+            torch.cat([x.next_ids for x in sorted_in]),
+            [x.first_pos for x in sorted_in],
+            [len(x.next_ids) for x in sorted_in],
+            [x.block_table for x in sorted_in],
+            sum(self._absorbed(x) for x in sorted_in),
+            behind[order_t],
+        )  # [rows, hidden]
+        starts = [0]
+        for x in sorted_in[:-1]:
+            starts.append(starts[-1] + len(x.next_ids))
+        drafting = [j for j, x in enumerate(sorted_in) if x.newest is not None]
+        if not drafting or k <= 0:  # pass 1 still wrote the MTP layer's KV
+            return DeviceDrafts(ids_out[:, :k], conf_out[:, :k], counts)
+        reqs = [order[j] for j in drafting]  # indices into `inputs`
+        newest = [starts[j] + sorted_in[j].newest for j in drafting]  # type: ignore[operator]
+        reqs_t = to_device(reqs, torch.int64, self.device)
+        last = h[to_device(newest, torch.int64, self.device) - rejected[reqs_t]]  # [D, hidden]
+        # Positions of the newest rows if every draft is accepted (the scheduler's lookahead
+        # holds the chained ones), and how far the true ones lie before them.
+        pos = [inputs[r].first_pos + inputs[r].newest for r in reqs]  # type: ignore[operator]
+        amount = (behind + rejected)[reqs_t]  # [D]
         for j in range(k):
             logits = self.mtp.compute_logits(self.model, last)  # [B_j, vocab]
             conf, ids = logits.softmax(dim=-1).max(dim=-1)  # [B_j] each
             sel = to_device(reqs, torch.int64, self.device)
             ids_out[sel, j] = ids
             conf_out[sel, j] = conf.float()
-            for i in reqs:
-                counts[i] += 1
+            for r in reqs:
+                counts[r] += 1
             if j + 1 == k:
                 break
-            # Chain: the next position needs a slot in the table, where it lies if every
-            # draft is accepted (the scheduler's lookahead holds those).
             keep = [
                 i for i, (r, p) in enumerate(zip(reqs, pos))
-                if (p + 1) // self.block_size < len(block_tables[r])
+                if (p + 1) // self.block_size < len(inputs[r].block_table)
             ]  # fmt: skip
             if not keep:
                 break
@@ -276,12 +301,12 @@ class MTPDrafter:
                 reqs, pos = [reqs[i] for i in keep], [pos[i] for i in keep]
             pos = [p + 1 for p in pos]
             last = self._run(
-                last, ids, pos, [1] * len(reqs), [block_tables[r] for r in reqs], len(reqs),
-                amount,
+                last, ids, pos, [1] * len(reqs), [inputs[r].block_table for r in reqs],
+                len(reqs), amount,
             )  # fmt: skip
         return DeviceDrafts(ids_out[:, :k], conf_out[:, :k], counts)
 
-    def _absorbed(self, x: DraftInput) -> bool:
+    def _absorbed(self, x: DraftInput | DeviceDraftInput) -> bool:
         """Pass 1's rows of `x` take the absorbed path: short ones, or in batch-invariant
         mode exactly those past the prompt (the model runner's rule)."""
         if self.batch_invariant:

@@ -19,7 +19,7 @@ p90_s over its timed runs (reps); kernel variants compiled while it ran; and for
 followed by the drafter, `drafter` (drafts it proposes) and `draft_s` (its median
 seconds, inside median_s); `pipelined_s`, seconds a step with each launched before the
 one before it is read (async scheduling), for every point but prompt chunks followed
-by the drafter (which the runner does not overlap).
+by the drafter (priced by the plain fit).
 """
 
 from __future__ import annotations

@@ -133,8 +133,8 @@ class ProfiledCostModel:
         outs = [shape_output(p["groups"]) for p in points]
         # The plain fit: steps without the drafter (a non-speculating engine's).
         plain = [i for i, p in enumerate(points) if not p.get("drafter")]
-        # A speculating runner overlaps its uniform verify steps (spec_chain.py), not a
-        # prompt chunk beside drafts: those keep their sequential times.
+        # A speculating runner overlaps its steps too (spec_chain.py): the verify points
+        # need their pipelined times (prompt chunks are priced by the plain fit).
         chained = [
             i for i, p in enumerate(points)
             if p.get("drafter") and not any(g[3] for g in p["groups"])
@@ -167,12 +167,6 @@ class ProfiledCostModel:
         x = np.array([self.features(outs[i]) for i in plain])
         self.coef = nnls_relative(x, y[plain])
         self._coef = [float(c) for c in self.coef]  # plain floats: the per-step path
-        # A speculating runner does not overlap a step with a prompt chunk (spec_chain.py):
-        # those are priced from the sequential times.
-        self._coef_apart = self._coef
-        if pipelined and num_speculative_tokens:
-            median = np.array([points[i]["median_s"] for i in plain], dtype=float)
-            self._coef_apart = [float(c) for c in nnls_relative(x, median)]
         graph = [i for i in plain if not self._eager(outs[i])]
         self._decode = StepSurface([outs[i] for i in graph], y[graph], self._physics)
         # Without CUDA graphs (a CPU profile) every k runs the same eager path.
@@ -282,13 +276,13 @@ class ProfiledCostModel:
             else:
                 target = fallback_target(self._analytic, out, decode())
         else:
-            target = self._physics(out, self._coef_apart)
+            target = self._physics(out)
         if spec.ready:
             return target + spec.drafter_time(out, num_drafts)
         return target + self._analytic.drafter_seconds(out, num_drafts)
 
-    def _physics(self, out: SchedulerOutput, coef: list[float] | None = None) -> float:
-        return sum(f * c for f, c in zip(self.features(out), coef or self._coef))
+    def _physics(self, out: SchedulerOutput) -> float:
+        return sum(f * c for f, c in zip(self.features(out), self._coef))
 
     @staticmethod
     def _eager(out: SchedulerOutput) -> bool:

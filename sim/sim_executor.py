@@ -128,15 +128,9 @@ class SimExecutor:
 
     def can_overlap(self, out: SchedulerOutput) -> bool:
         """As the torch executor: a step with structured requests (their grammar accepts
-        the tokens on the host) or, when speculating, one with a prompt chunk (drafts are
-        verified on the device only for requests decoding at output positions) is
-        launched once the step in flight is applied."""
-        if any(sr.structured for sr in out.scheduled):
-            return False
-        return not self.k or all(
-            not sr.is_prompt and sr.num_tokens == 1 + len(sr.draft_token_ids)
-            for sr in out.scheduled
-        )
+        the tokens on the host) is launched once the step in flight is applied; a
+        speculating step overlaps like any other (its drafts verified on the device)."""
+        return not any(sr.structured for sr in out.scheduled)
 
     def shutdown(self) -> None:
         pass

@@ -124,12 +124,11 @@ def test_async_scheduling_prices_plain_steps_from_the_pipelined_times(tmp_path: 
 def test_async_scheduling_prices_verify_steps_from_their_pipelined_times(
     tmp_path: Path,
 ) -> None:
-    """A speculating engine's verify steps chain on the step in flight: under async
-    scheduling they are priced from the verify points' pipelined times (less the
-    drafter's), so halved times give cheaper steps, while a step with a prompt chunk
-    (which its runner does not overlap) keeps its sequential price; a profile whose
-    verify points lack them (measured before they chained) is priced sequentially, with
-    a warning."""
+    """A speculating engine's steps chain on the step in flight: under async scheduling
+    its verify steps are priced from the verify points' pipelined times (less the
+    drafter's) and a step with a prompt chunk from the plain fit's, so halved times give
+    cheaper steps; a profile whose verify points lack them (measured before they
+    chained) is priced sequentially, with a warning."""
     from deepinfer.outputs import ScheduledRequest, SchedulerOutput
     from executors.demo import demo_model_path
     from sim.hardware import get_hardware
@@ -157,7 +156,7 @@ def test_async_scheduling_prices_verify_steps_from_their_pipelined_times(
     piped = ProfiledCostModel(profile, spec, hw, 2, async_scheduling=True)
     assert piped.pipelined
     assert piped.step_time(verify) < 0.9 * sequential
-    assert piped.step_time(beside_prompt) == pytest.approx(one_by_one.step_time(beside_prompt))
+    assert piped.step_time(beside_prompt) < 0.9 * one_by_one.step_time(beside_prompt)
     for p in profile["points"]:
         if p["kind"] == "verify":
             del p["pipelined_s"]

@@ -229,3 +229,30 @@ def test_chained_steps_return_the_logprobs_the_host_path_returns() -> None:
         for row_a, row_b in zip(a, b):  # the chosen token, then the top 3
             assert [(x.token_id, x.rank) for x in row_a] == [(x.token_id, x.rank) for x in row_b]
             assert [x.logprob for x in row_a] == pytest.approx([x.logprob for x in row_b], abs=1e-5)
+
+
+@needs_demo
+def test_steps_with_prompt_chunks_verify_on_the_device_and_chain() -> None:
+    """Chunked prompts beside decoding requests (a 24-token budget, staggered prompts):
+    steps that carry a prompt chunk verify and draft on the device too (the chunk's rows
+    take their next ids from the step's own input, its last chunk its sampled token, a
+    chunk that does not sample leaves its last position pending), chain on the step in
+    flight, and give the host path's tokens, drafts and confidences."""
+    budget = dict(max_num_batched_tokens=24)
+    params = [GREEDY] * 4
+    want, _, _, _, want_drafts = _serve(*_demo_runner("host", 3, **budget), params)
+    runner, engine_cfg = _demo_runner("eager", 3, **budget)
+    kinds: list[tuple[bool, bool]] = []  # per step: chained, carries a prompt chunk
+    collect = runner.collect
+
+    def spy(scheduled, prev=None) -> HostBatch:  # type: ignore[no-untyped-def]
+        host = collect(scheduled, prev)
+        kinds.append((host.behind is not None, host.num_decode < len(host.req_ids)))
+        return host
+
+    runner.collect = spy  # type: ignore[method-assign]
+    got, _, _, _, drafts = _serve(runner, engine_cfg, params)
+    assert got == want
+    assert (True, True) in kinds, kinds  # a chained step with a prompt chunk in it
+    for key, (ids, conf) in want_drafts.items():
+        assert drafts[key][0] == ids and drafts[key][1] == pytest.approx(conf, abs=1e-5), key
