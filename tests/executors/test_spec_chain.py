@@ -254,5 +254,9 @@ def test_steps_with_prompt_chunks_verify_on_the_device_and_chain() -> None:
     got, _, _, _, drafts = _serve(runner, engine_cfg, params)
     assert got == want
     assert (True, True) in kinds, kinds  # a chained step with a prompt chunk in it
-    for key, (ids, conf) in want_drafts.items():
+    # (where both proposed: the two schedules may verify at different output counts)
+    common = want_drafts.keys() & drafts.keys()
+    assert len(common) >= 20
+    for key in common:
+        ids, conf = want_drafts[key]
         assert drafts[key][0] == ids and drafts[key][1] == pytest.approx(conf, abs=1e-5), key
