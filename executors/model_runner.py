@@ -377,7 +377,8 @@ class ModelRunner:
         its requests are unseeded, without prompt logprobs or grammar, and their processing
         reads no history (spec_decode.history_free); each decodes its newest token (plus
         drafts, at output positions, on the absorbed path) or computes a chunk of tokens
-        the host knows (a prompt chunk, or a resumed request's recompute)."""
+        the host knows (a prompt chunk, or a resumed request's recompute that starts in
+        its prompt: one that starts past it counts as a decode, and goes to the host)."""
         assert self.drafter is not None
         for sr in out.scheduled:
             params = self._params(sr)
