@@ -620,7 +620,7 @@ class ModelRunner:
         behind = None
         if any(seg.chained is not None for seg in segments):
             assert prev is not None and prev.chain is not None
-            none = len(prev.chain.proposed)  # the zero past prev's requests
+            none = len(prev.rows)  # the zero past prev's requests
             behind = [none if seg.chained is None else seg.chained for seg in segments]
         host = HostBatch(
             req_ids=[seg.req_id for seg in segments], input_ids=[], positions=[],
@@ -860,7 +860,9 @@ class ModelRunner:
             else torch.zeros(0, dtype=torch.int64, device=dev)
         )
         rejected = to_device(num_drafts, torch.int64, dev) - accepted  # [B_s]
-        inputs, seg_of, verified_of = self._draft_inputs(host, hidden, input_ids, checked)
+        rejected = torch.cat([rejected, rejected.new_zeros(1)])  # a 0 past them: [B_s + 1]
+        verified = {rid: v for v, (rid, _) in enumerate(rows)}
+        inputs, seg_of, verified_of = self._draft_inputs(host, hidden, input_ids, checked, verified)
         drafts = self.drafter.propose_on_device(
             inputs,
             # per input: how far its rows lie back, and the drafts it rejected (0 past the
@@ -868,7 +870,7 @@ class ModelRunner:
             (behind if behind is not None else rejected.new_zeros(len(host.req_ids)))[
                 to_device(seg_of, torch.int64, dev)
             ],
-            torch.cat([rejected, rejected.new_zeros(1)])[
+            rejected[
                 to_device([len(rows) if v is None else v for v in verified_of], torch.int64, dev)
             ],
             out.num_proposals,
@@ -922,7 +924,7 @@ class ModelRunner:
             finish,
             tokens=chain_ids.flatten(),
             rows={rid: i for i, (rid, _) in enumerate(rows)},
-            chain=Chained(1 + p, torch.cat([rejected, rejected.new_zeros(1)]), counts),
+            chain=Chained(1 + p, rejected),
         )
 
     def _draft_inputs(
@@ -931,19 +933,18 @@ class ModelRunner:
         hidden: torch.Tensor,
         input_ids: torch.Tensor,
         checked: DeviceVerify | None,
+        verified: dict[str, int],
     ) -> tuple[list[DeviceDraftInput], list[int], list[int | None]]:
         """Pass 1's rows for a step on the device, request by request (the host path's
         MTPDrafter.step_inputs with the step's tokens where they lie): a request whose
         every row sampled takes each row's next token from its verification (rows past
         the accepted ones: any); a prompt chunk its own next input ids, then, when it
         samples, its sampled token; a chunk that does not sample leaves its last position
-        pending, which its next chunk's rows start at. Also each input's segment in
-        `host` and its index among the sampling requests (None: it does not sample)."""
+        pending, which its next chunk's rows start at. verified: each sampling request's
+        row in `checked`. Also each input's segment in `host` and its index among the
+        sampling requests (None: it does not sample)."""
         assert self.drafter is not None
         pending_of = self.drafter.pending
-        verified = {rid: v for v, rid in enumerate(
-            rid for rid, _ in sorted(host.sample_rows.items(), key=lambda kv: kv[1][0])
-        )}  # fmt: skip
         inputs: list[DeviceDraftInput] = []
         seg_of: list[int] = []
         verified_of: list[int | None] = []

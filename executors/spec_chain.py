@@ -14,7 +14,7 @@ overwritten before any query reads it (attention reads keys up to its own positi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -43,7 +43,6 @@ class Chained:
 
     width: int
     rejected: torch.Tensor  # [B + 1] int64: drafts each request rejected; a last 0
-    proposed: list[int] = field(default_factory=list)  # [B]: drafts proposed (host)
 
 
 class Shift:
