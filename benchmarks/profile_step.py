@@ -99,10 +99,11 @@ def run_case(
 
 # (object, method) pairs whose calls become profiler regions; the innermost region the
 # host is in when the GPU runs out of work is charged with the idle time.
-def _mark_regions(core: EngineCore, ex) -> contextlib.ExitStack:
+def _mark_regions(core: EngineCore, ex, extra: tuple = ()) -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
     runner = ex.runner
     targets = [
+        *extra,
         (core, "schedule"),
         (core, "process"),
         (runner, "update_states"),

@@ -37,6 +37,7 @@ import argparse
 import gc
 import json
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -171,17 +172,29 @@ def model_dir(name: str) -> Path:
 
 
 def run(
-    executor: Any, cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, tag: str
+    executor: Any,
+    cfg: EngineConfig,
+    prompts: list[list[int]],
+    max_tokens: int,
+    tag: str,
+    profile_steps: int = 0,
 ) -> tuple[float, dict[str, list[int]], float | None, str]:
     """Decode tokens/s of one batch, each request's output, the draft acceptance, and a
     line on its decode steps (mean ms, tokens scored per request, how many chained on
-    the verify step in flight: executors/spec_chain.py)."""
+    the verify step in flight: executors/spec_chain.py). profile_steps: print where
+    that many decode steps (after 4 warm ones) spend their time (profile_step.py's
+    kernel table and GPU idle time by host region; the run's figures then include the
+    profiler's overhead)."""
     engine = EngineCore(cfg, executor, model_max_len=executor.max_model_len)
     chained_before = executor.runner.num_chained_steps
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     reqs = [Request(f"{tag}-{i}", list(p), params) for i, p in enumerate(prompts)]
     for r in reqs:
         engine.add_request(r)
+    if profile_steps:
+        while sum(s.num_prompt_tokens == 0 for s in engine.steps) < 4:
+            engine.step()
+        _profile(engine, executor, profile_steps, tag)
     while engine.has_unfinished():
         engine.step()
     decode = [s for s in engine.steps if s.num_prompt_tokens == 0]
@@ -198,6 +211,28 @@ def run(
         f"{per_req:.2f} tokens a request, {chained} chained"
     )
     return tokens / seconds if seconds else 0.0, outs, acc, line
+
+
+def _profile(engine: EngineCore, executor: Any, steps: int, tag: str) -> None:
+    from profile_step import _mark_regions, _print_idle
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = executor.runner
+    extra = [(runner, "_verify_on_device"), (runner, "_draft_inputs")]
+    if runner.drafter is not None:
+        extra.append((runner.drafter, "propose_on_device"))
+    torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with _mark_regions(engine, executor, tuple(extra)), profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    print(f"== {tag}: {steps} profiled steps, wall {wall * 1e3:.2f} ms/step", flush=True)
+    _print_idle(prof, steps)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20)
+    print(table, flush=True)
 
 
 def simulated_speedup(
@@ -240,6 +275,10 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--profile-steps", type=int, default=0,
+        help="profile this many decode steps of each speculating run at the first batch",
+    )  # fmt: skip
     args = p.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
     accs = [float(x) for x in args.acceptance.split(",")]
@@ -267,8 +306,9 @@ def main() -> None:
     plain = executor("0")
     ref: dict[int, float] = {}
     for b in batches:
+        prof = args.profile_steps if b == batches[0] else 0
         ref[b], _, _, line = run(
-            plain, plain.engine_config, all_prompts[:b], args.max_tokens, f"p{b}"
+            plain, plain.engine_config, all_prompts[:b], args.max_tokens, f"p{b}", prof
         )
         print(f"batch {b}: {ref[b]:.0f} decode tok/s without speculation ({line})", flush=True)
     plain.shutdown()
@@ -283,8 +323,9 @@ def main() -> None:
             forced.install(ex.runner)
             for b in batches:
                 tag = f"k{k}a{a}b{b}"
+                prof = args.profile_steps if b == batches[0] else 0
                 rate, _, acc, line = run(
-                    ex, ex.engine_config, all_prompts[:b], args.max_tokens, tag
+                    ex, ex.engine_config, all_prompts[:b], args.max_tokens, tag, prof
                 )
                 sched_speedup = simulated_speedup(
                     cfg_dir, ex.engine_config, b, args.prompt_len, args.max_tokens, a
