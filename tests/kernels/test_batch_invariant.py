@@ -111,6 +111,22 @@ def test_decode_with_fixed_pieces_matches_reference_and_ignores_companions(devic
     assert torch.equal(alone[0], out[1])
 
 
+@pytest.mark.parametrize("heads,lat,rope,block_size", [(8, 64, 32, 16), (16, 512, 64, 64)])
+def test_decode_folded_in_one_program_equals_the_merged_pieces(
+    heads, lat, rope, block_size, device
+) -> None:
+    """A big batch folds each row's pieces inside its program, a small one merges pieces
+    written by separate programs: the same bits (contexts of one, several and a ragged
+    last piece), and both match the reference."""
+    gen = torch.Generator().manual_seed(heads)
+    seq = [40, 300, 529, 128]
+    case = make_mla_case([1] * 4, seq, heads, lat, rope, block_size, torch.float32, device, gen)
+    merged = mla_decode(*case.args(), keys_per_split=128, fold=False)
+    folded = mla_decode(*case.args(), keys_per_split=128, fold=True)
+    assert torch.equal(folded, merged)
+    assert rel_err(folded, mla_decode_ref(*case.clean_args())) < 1e-5
+
+
 def test_keys_per_split_follows_the_engine_not_the_batch() -> None:
     assert invariant_keys_per_split(8192) == 256
     assert invariant_keys_per_split(163840) == 2560
