@@ -52,7 +52,13 @@ from deepinfer.outputs import SchedulerOutput
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
 from sim.hardware import HardwareSpec
-from sim.profile_fit import ONE_WAVE_BATCH, StepSurface, nnls_relative, shape_output
+from sim.profile_fit import (
+    ONE_WAVE_BATCH,
+    StepSurface,
+    nnls_relative,
+    shape_output,
+    step_seconds,
+)
 from sim.profiled_speculation import SpeculativeSteps, fallback_target
 
 PROFILES_DIR = Path(__file__).parent / "data" / "profiles"
@@ -160,10 +166,9 @@ class ProfiledCostModel:
                 stacklevel=2,
             )
         y = np.array(
-            [p["pipelined_s" if pipelined and i in plain else "median_s"]
-             for i, p in enumerate(points)],
+            [step_seconds(p, pipelined and i in plain) for i, p in enumerate(points)],
             dtype=float,
-        )  # fmt: skip
+        )
         x = np.array([self.features(outs[i]) for i in plain])
         self.coef = nnls_relative(x, y[plain])
         self._coef = [float(c) for c in self.coef]  # plain floats: the per-step path

@@ -35,7 +35,7 @@ import numpy as np
 
 from deepinfer.outputs import SchedulerOutput
 from sim.analytic_cost_model import AnalyticCostModel
-from sim.profile_fit import StepSurface, nnls_relative
+from sim.profile_fit import StepSurface, nnls_relative, step_seconds
 
 
 class SpeculativeSteps:
@@ -64,8 +64,9 @@ class SpeculativeSteps:
         self.surfaces: dict[int, StepSurface] = {}
         for k in range(1, self.profile_drafts + 1):
             at_k = [(p, o) for p, o in spec if p["kind"] == "verify" and _uniform_k(o) == k]
-            step_s = "pipelined_s" if pipelined else "median_s"
-            target = np.array([p[step_s] - p["draft_s"] for p, _ in at_k], dtype=float)
+            target = np.array(
+                [step_seconds(p, pipelined) - p["draft_s"] for p, _ in at_k], dtype=float
+            )
             surface = StepSurface([o for _, o in at_k], target, physics, drafts=k)
             if not surface.ready:
                 self.surfaces = {}

@@ -72,12 +72,16 @@ def test_logprobs_and_seeded_sampling(tiny_models: dict[str, TinyModel]) -> None
     )
     a = llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0]
     others = [{"prompt_token_ids": q} for q in prompts(6, [3, 12])]
-    b = llm.generate(
+    outs = llm.generate(
         [*others, {"prompt_token_ids": p}],
         [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4), sp],
         use_tqdm=False,
-    )[2].outputs[0]
+    )
+    b = outs[2].outputs[0]
     assert a.token_ids == b.token_ids  # seq_seed: independent of the batch
+    for other in outs[:2]:  # companions that asked for none get none (vLLM: None)
+        assert other.outputs[0].logprobs is None, other.outputs[0].logprobs
+        assert other.outputs[0].cumulative_logprob is None
     assert a.logprobs is not None and len(a.logprobs) == 6
     for tok, lps in zip(a.token_ids, a.logprobs):  # vLLM's shape: {token_id: Logprob}
         assert tok in lps and lps[tok].logprob <= 0.0 and 2 <= len(lps) <= 3

@@ -61,18 +61,15 @@ def test_simulate_reads_a_shipped_acceptance_file() -> None:
         AcceptanceModel.load("no-such-model")
 
 
-# The shipped H200 profile's verify points predate chained verify steps (no pipelined
-# times): async steps are priced sequentially, with that warning; the policy is the same.
-@pytest.mark.filterwarnings("ignore:async_scheduling. profile:UserWarning")
 def test_varlen_drafts_follow_confidence_and_fade_under_load(tmp_path: Path) -> None:
     """With DEEPINFER_ENABLE_MTP_VARLEN the SimExecutor reports confidences and the
     scheduler's policy sets each request's draft length from them and from the step
     times it measures, here the H200 profile's prices (Moonlight with an MTP layer): a
-    lone request drafts long when drafts are likely and still some when they are not
-    (verifying is nearly free at batch 1); a crowd of 512 with unlikely drafts (0.3)
-    hardly drafts, since there a verify step plus the drafter's passes cost more than
-    the 0.3 tokens a draft is expected to add. (At ~64 requests this MoE reads every
-    expert's weights anyway, so verifying stays cheap there.)"""
+    lone request drafts long when drafts are likely, and only its confident drafts when
+    they are not (at batch 1 a verify step of k drafts reads the weights of up to 6(k + 1)
+    of the 64 experts instead of 6: about 1.9x a decode step's time at k = 1); a crowd
+    of 512 with unlikely drafts (0.3) hardly drafts, since there a verify step plus the
+    drafter's passes cost more than the 0.3 tokens a draft is expected to add."""
     model = load_model_config(write_config_with_mtp_layer("moonlight-16b-a3b", tmp_path))
 
     def mean_drafts(batch: int, acceptance: tuple[float, ...]) -> float:
@@ -88,7 +85,7 @@ def test_varlen_drafts_follow_confidence_and_fade_under_load(tmp_path: Path) -> 
 
     assert mean_drafts(1, (0.9, 0.85, 0.8)) > 2.5
     alone, crowd = mean_drafts(1, (0.3,)), mean_drafts(512, (0.3,))
-    assert alone > 0.5 and crowd < 0.4 * alone, (alone, crowd)
+    assert alone > 0.2 and crowd < 0.2 * alone, (alone, crowd)
 
 
 def test_speculation_sizes_the_cache_with_the_mtp_layer() -> None:

@@ -202,16 +202,21 @@ def test_the_cli_says_when_verify_steps_are_uncalibrated(
 def test_a_graphed_profile_prices_each_number_of_drafts_as_measured() -> None:
     """The H200 engine captures verify graphs for every 1 + k tokens a request, so at
     batch 1 more drafts cost more (before, only 1 + K had graphs and 2 drafts, eager,
-    cost more than 3); the model prices k = 1..3 within 10% of the measured steps."""
+    cost more than 3); the model prices k = 1..3 within 10% of the measured steps.
+    (Measured over the profile's three contexts: one point alone is within the noise of
+    the next k's, a few percent apart.)"""
     spec = load_model_config("moonlight-16b-a3b")
     path = PROFILES_DIR / "moonlight-16b-a3b__h200.json"
-    measured = {
-        p["groups"][0][4]: p["median_s"]
+    points = {
+        (p["groups"][0][4], p["groups"][0][2]): p["median_s"]
         for p in load_profile(path)["points"]
-        if p["kind"] == "verify" and p["groups"][0][2] == 256 and p["num_reqs"] == 1
+        if p["kind"] == "verify" and p["num_reqs"] == 1
     }
+    contexts = sorted({c for _, c in points})
+    measured = {k: sum(points[k, c] for c in contexts) / len(contexts) for k in (1, 2, 3)}
     assert measured[1] < measured[2] < measured[3]
     model = ProfiledCostModel(path, spec, get_hardware("h200"), 3)
-    for k in (1, 2, 3):
-        predicted = model.step_time(shape_output([[1, 1 + k, 256, False, k]]))
-        assert abs(predicted - measured[k]) < 0.1 * measured[k], (k, predicted, measured[k])
+    for k, c in points:
+        predicted = model.step_time(shape_output([[1, 1 + k, c, False, k]]))
+        measured_k = points[k, c]
+        assert abs(predicted - measured_k) < 0.1 * measured_k, (k, c, predicted, measured_k)
