@@ -24,7 +24,13 @@ from deepinfer.outputs import (
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.request_queue import WaitingQueue
 from deepinfer.scheduler_checks import SchedulerChecks
-from deepinfer.spec_policy import PROBE_EVERY, StepTimes, draft_lengths, proposals
+from deepinfer.spec_policy import (
+    PROBE_EVERY,
+    StepTimes,
+    draft_lengths,
+    proposals,
+    smooth_confidences,
+)
 from deepinfer.stop_checker import check_stop
 
 logger = logging.getLogger(__name__)
@@ -126,9 +132,15 @@ class Scheduler(SchedulerChecks):
         step = _StepPlan(self.config.max_num_batched_tokens)
         self._draft_len = None
         if self.config.enable_mtp_varlen and self.config.num_speculative_tokens:
-            # Each request's draft length from its latest confidences (under async
-            # scheduling those of the step before the one in flight).
-            conf = {r.request_id: r.spec_confidences for r in self.running}
+            # Each request's draft length from its latest confidences; under async
+            # scheduling its next drafts come from the step in flight, unseen, and are
+            # judged by its running mean confidences (spec_policy.smooth_confidences).
+            conf = {
+                r.request_id: (
+                    r.spec_confidence_means if r.num_output_placeholders else r.spec_confidences
+                )
+                for r in self.running
+            }
             self._draft_len = draft_lengths(
                 conf, self.config.num_speculative_tokens, times=self.step_times
             )
@@ -457,6 +469,9 @@ class Scheduler(SchedulerChecks):
                 if k:
                     req.spec_token_ids = list(res.draft_token_ids.get(sr.req_id, ()))[:k]
                     req.spec_confidences = list(res.draft_confidences.get(sr.req_id, ()))[:k]
+                    req.spec_confidence_means = smooth_confidences(
+                        req.spec_confidence_means, req.spec_confidences
+                    )
                 self.kv.cache_computed(req)
                 if num_rejected:
                     end = max(req.num_computed_tokens, req.num_tokens + req.num_output_placeholders)

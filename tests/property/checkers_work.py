@@ -137,9 +137,15 @@ class WorkConservation(Checker):
         free = n - len(refs)
         budget = cfg.max_num_batched_tokens
         running, preempted = list(snap.running), []
-        lengths = None  # varlen: each request's draft length from its last confidences
+        lengths = None  # varlen: each request's draft length from its last confidences,
+        # or, when its drafts come from the step in flight (unseen), their running means
         if cfg.enable_mtp_varlen and cfg.num_speculative_tokens:
-            conf = {rid: snap.state[rid].confidences for rid in running}
+            conf = {
+                rid: snap.state[rid].confidence_means
+                if snap.state[rid].placeholders
+                else snap.state[rid].confidences
+                for rid in running
+            }
             lengths = draft_lengths(conf, cfg.num_speculative_tokens, times=snap.step_times)
         i = 0
         while i < len(running) and budget > 0:
