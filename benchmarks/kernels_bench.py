@@ -204,7 +204,9 @@ def sweep_mla(ceil: dict) -> None:
 def bench_binv_mla(ceil: dict) -> None:
     """Batch-invariant decode attention (fixed pieces of keys_per_split keys) against the
     normal split choice, as the engine runs it: Moonlight's 16 heads, a block table as
-    wide as an 8k-context graph's (the binv grid follows the width, not the context)."""
+    wide as an 8k-context graph's (the binv grid follows the width, not the context);
+    for 256-key pieces also each launch (a program per piece, merged; a program per
+    row, folding)."""
     width = 8192 // 64
     for batch, ctx in [(b, c) for b in (1, 64, 256) for c in (1024, 4096)]:
         q, kv, table, seq, qsl, lat, scale = mla_inputs(batch, ctx, 16)
@@ -219,6 +221,12 @@ def bench_binv_mla(ceil: dict) -> None:
             record(f"mla_decode binv {keys}", f"H=16 B={batch} ctx={ctx}",
                    lambda a=args, k=keys: mla_decode(*a, keys_per_split=k), nbytes, flops,
                    ceil)  # fmt: skip
+        # Both launches of the engine's 256-key pieces (the batch picks one; same bits).
+        for fold in (False, True):
+            record(f"mla_decode binv 256 {'folded' if fold else 'split'}",
+                   f"H=16 B={batch} ctx={ctx}",
+                   lambda a=args, f=fold: mla_decode(*a, keys_per_split=256, fold=f), nbytes,
+                   flops, ceil)  # fmt: skip
         del args, kv
         torch.cuda.empty_cache()
 

@@ -5,13 +5,15 @@ one program serves BLOCK_H heads of QG query tokens of one request (QG > 1 when 
 are verified): each K tile [BLOCK_N, L + R] is loaded once for all QG * BLOCK_H rows
 and used for QK^T (all L + R dims) and PV (the first L dims).
 Long contexts are cut into `num_splits` pieces run in parallel; a second kernel
-merges the pieces by their log-sum-exp. Softmax runs in base 2 (exp2).
+merges the pieces from their running max, sum and unnormalised output. Softmax runs in
+base 2 (exp2).
 
 Batch-invariant mode cuts every context into pieces of a fixed length from key 0 and
 folds them in order (`_fold`): in a small batch a program per piece and the merge
 kernel folding their written states, in a batch that fills the machine one program per
 row folding as it goes (no partials to write and read back: at batch 256, 4k context
-416 us a layer against 496 split, on the H200). Both give the same bits.
+416 us a layer on the H200, against 459 before this fold and 496 for today's in-order
+split). Both give the same bits.
 
 Grid of the split kernel: (head block, query token, split); head blocks vary
 fastest so the programs reading the same KV pages run together and share L2.
@@ -37,8 +39,9 @@ def _fold(m_row, l_row, acc_row, m_i, l_i, acc, ROWS: tl.constexpr):
     """Folds a piece (running max m_i in base 2, sum l_i, unnormalised output acc) into a
     row's state, which starts empty (m = -inf, l = 0, acc = 0: folding in the first piece
     reproduces it exactly). ROWS: [ROWS] / [ROWS, L] operands, else scalar / [L]. A piece
-    with m_i = -inf (no keys for the row) leaves the state as it is when its l_i and acc
-    are 0. The same operations in the split kernel and the merge kernel, fma explicit
+    with m_i = -inf (no keys for the row) leaves a non-empty state as it is when its l_i
+    and acc are 0 (an empty state and an empty piece give NaN: never met, since piece 0
+    holds key 0 for every row). The same operations in the split kernel and the merge kernel, fma explicit
     (no contraction left to the compiler): a row folded in one program and a row merged
     from written pieces carry the same bits."""
     empty = m_i == float("-inf")
@@ -185,14 +188,14 @@ def _mla_decode_split_kernel(
 
     # Pieces come from an upper bound on the context (a CUDA graph's table width), so a
     # short context would be cut into slivers: each piece keeps at least min_keys keys and
-    # the pieces past the context stay empty (the merge skips them).
+    # the pieces past the context stay empty (the merge skips or folds them as no-ops).
     per_piece = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_pieces), BLOCK_N) * BLOCK_N, min_keys)
     first_piece = tl.program_id(2)
     if SPLIT:
         row_ml = part_ml_ptr + ((tok * num_heads + heads) * num_pieces + first_piece) * 2
-        # A piece past every row's keys writes only the mark the merge skips it by: pieces
-        # follow the table width (batch-invariant mode: 32 at b256, ctx 1k, 4 of them with
-        # keys), and storing empty partials wrote ~220 MB a layer there.
+        # A piece past every row's keys writes only its empty mark (max -inf): pieces
+        # follow the table width (batch-invariant mode, a batch that splits: 32 at b128,
+        # ctx 1k, 4 of them with keys), and storing empty partials wrote ~110 MB a layer.
         if first_piece * per_piece >= kv_len:
             neg_inf = tl.full([QG * BLOCK_H], float("-inf"), tl.float32)
             tl.store(row_ml, neg_inf, mask=row_ok)
@@ -266,8 +269,8 @@ def _mla_decode_merge_kernel(
         acc_row = tl.zeros([L], tl.float32)
         for s in tl.range(0, num_pieces, num_stages=2):
             m_i = tl.load(part_ml_ptr + (first + s) * 2)
-            # An empty piece's sum and output were never written: read as 0 (a masked load,
-            # not a branch, so the loads need not wait on the test).
+            # An empty piece's sum and output were never written: its sum is read and
+            # discarded, its output load masked off (no branch for the loads to wait on).
             has = m_i > float("-inf")
             l_i = tl.where(has, tl.load(part_ml_ptr + (first + s) * 2 + 1), 0.0)
             acc = tl.load(
