@@ -192,7 +192,7 @@ def run(
     for r in reqs:
         engine.add_request(r)
     if profile_steps:
-        while sum(s.num_prompt_tokens == 0 for s in engine.steps) < 4:
+        while engine.has_unfinished() and sum(s.num_prompt_tokens == 0 for s in engine.steps) < 4:
             engine.step()
         _profile(engine, executor, profile_steps, tag)
     while engine.has_unfinished():

@@ -108,9 +108,10 @@ class Request:
         self.num_output_placeholders = 0
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step
         self.spec_confidences: list[float] = []  # the drafter's probability of each
-        # Their running mean by position (spec_policy.smooth_confidences): what varlen
-        # reads when the next drafts come from the step in flight, unseen.
-        self.spec_confidence_means: list[float] = []
+        # The running mean, by position j, of c_1 * ... * c_j (spec_policy.smooth_chances):
+        # what varlen reads when the next drafts come from the step in flight, unseen. It
+        # outlives a preemption: it describes the request's text, not its drafts.
+        self.spec_chance_means: list[float] = []
         self.num_pending_drafts = 0  # drafts scheduled whose verification is not back yet
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -27,9 +27,10 @@ from deepinfer.scheduler_checks import SchedulerChecks
 from deepinfer.spec_policy import (
     PROBE_EVERY,
     StepTimes,
+    confidences_from_chances,
     draft_lengths,
     proposals,
-    smooth_confidences,
+    smooth_chances,
 )
 from deepinfer.stop_checker import check_stop
 
@@ -134,10 +135,13 @@ class Scheduler(SchedulerChecks):
         if self.config.enable_mtp_varlen and self.config.num_speculative_tokens:
             # Each request's draft length from its latest confidences; under async
             # scheduling its next drafts come from the step in flight, unseen, and are
-            # judged by its running mean confidences (spec_policy.smooth_confidences).
+            # judged by its running mean chances (spec_policy.smooth_chances), as many as
+            # that step proposes.
             conf = {
                 r.request_id: (
-                    r.spec_confidence_means if r.num_output_placeholders else r.spec_confidences
+                    confidences_from_chances(r.spec_chance_means)[: self._proposals_in_flight]
+                    if r.num_output_placeholders
+                    else r.spec_confidences
                 )
                 for r in self.running
             }
@@ -469,8 +473,8 @@ class Scheduler(SchedulerChecks):
                 if k:
                     req.spec_token_ids = list(res.draft_token_ids.get(sr.req_id, ()))[:k]
                     req.spec_confidences = list(res.draft_confidences.get(sr.req_id, ()))[:k]
-                    req.spec_confidence_means = smooth_confidences(
-                        req.spec_confidence_means, req.spec_confidences
+                    req.spec_chance_means = smooth_chances(
+                        req.spec_chance_means, req.spec_confidences
                     )
                 self.kv.cache_computed(req)
                 if num_rejected:

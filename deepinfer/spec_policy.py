@@ -19,8 +19,8 @@ piecewise and took longer than verifying 3 in a graph, which the model cannot kn
 a model cannot see).
 A step yields E tokens in expectation (one per request, plus each verified draft's c_j).
 Under async scheduling the drafts a step verifies come from the step in flight, so their
-confidences are unseen when it is scheduled: a request's running mean by position
-(`smooth_confidences`) stands in for them.
+confidences are unseen when it is scheduled: a request's running mean chances by
+position (`smooth_chances`) stand in for them.
 
 The step verifies the same number L of drafts for every request: the real executor
 replays a verify graph per query length 1 + L, and only for steps in which every
@@ -174,19 +174,35 @@ PROBE_EVERY = 4  # steps: a length measured worse is still proposed this often
 CONFIDENCE_SMOOTHING = 0.25
 
 
-def smooth_confidences(
-    means: Sequence[float], latest: Sequence[float], weight: float = CONFIDENCE_SMOOTHING
+def smooth_chances(
+    means: Sequence[float], confidences: Sequence[float], weight: float = CONFIDENCE_SMOOTHING
 ) -> list[float]:
-    """A request's mean draft confidence by position, moved toward its latest drafts'
-    (positions it has not drafted before start at their value). Under async scheduling
-    the drafts a step verifies are proposed by the step still in flight, so the host has
-    not seen their confidences: the latest it has belong to other drafts, and acting
-    on them draft by draft follows noise (in the simulator, where each draft's
-    confidence is drawn anew, varlen at batch 1 made 1.32x against 1.52x for a fixed 3
-    drafts). Their mean predicts them as well as anything the host holds."""
-    out = [m + weight * (c - m) for m, c in zip(means, latest)]
-    out += latest[len(means) :]
-    return out + list(means[len(latest) :])
+    """A request's running mean, by position j, of its drafts' chance c_1 * ... * c_j of
+    being accepted through draft j, moved toward its latest drafts' (`confidences`; a
+    position not drafted before starts at its value). Under async scheduling the drafts
+    a step verifies are proposed by the step still in flight, so the host has not seen
+    their confidences: the latest it has belong to other drafts, and acting on them
+    draft by draft follows noise (in the simulator, where each draft's confidence is
+    drawn anew, varlen at batch 1 made 1.32x against 1.52x for a fixed 3 drafts). The
+    means of the chances (not of each confidence: a step's confidences may rise and fall
+    together) predict them as well as anything the host holds."""
+    chances, chance = [], 1.0
+    for c in confidences:
+        chance *= c
+        chances.append(chance)
+    out = [m + weight * (c - m) for m, c in zip(means, chances)]
+    out += chances[len(means) :]
+    return out + list(means[len(chances) :])
+
+
+def confidences_from_chances(chances: Sequence[float]) -> list[float]:
+    """The per-draft confidences whose running products are `chances` (what
+    `draft_lengths` reads): c_j = chance_j / chance_(j-1), 0 past a chance of 0."""
+    out, before = [], 1.0
+    for chance in chances:
+        out.append(chance / before if before > 0 else 0.0)
+        before = chance
+    return out
 
 
 def proposals(

@@ -10,6 +10,7 @@ from collections import Counter
 
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
+from deepinfer.spec_policy import smooth_chances
 from tests.property.harness import Checker, Driver, note
 from tests.property.strategies import ReqSpec
 
@@ -93,7 +94,11 @@ class DraftAcceptance(Checker):
 class NextDrafts(Checker):
     """After a sampling step a request that goes on running proposes exactly the
     executor's next drafts, at most num_speculative_tokens of them, with their
-    confidences (none without speculation)."""
+    confidences (none without speculation), and its running mean chances move toward
+    theirs (spec_policy.smooth_chances, replayed here from every such step)."""
+
+    def __init__(self) -> None:
+        self.chances: dict[str, list[float]] = {}  # req_id -> the replayed mean chances
 
     def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         k = d.case.config.num_speculative_tokens
@@ -110,3 +115,10 @@ class NextDrafts(Checker):
                 f"{sr.req_id} proposes {req.spec_token_ids} (confidences "
                 f"{req.spec_confidences}), the executor's are {want} ({conf}), k={k}"
             )
+            if k:
+                chances = smooth_chances(self.chances.get(sr.req_id, []), conf)
+                self.chances[sr.req_id] = chances
+                assert req.spec_chance_means == chances, (
+                    f"rule 'mean chances follow each proposal': step {out.step_id}, "
+                    f"{sr.req_id} holds {req.spec_chance_means}, its proposals give {chances}"
+                )

@@ -34,7 +34,7 @@ from deepinfer.config import EngineRole
 from deepinfer.kv_cache.manager import cdiv
 from deepinfer.outputs import SchedulerOutput
 from deepinfer.request import RequestStatus
-from deepinfer.spec_policy import draft_lengths
+from deepinfer.spec_policy import confidences_from_chances, draft_lengths
 from tests.property.harness import Checker, Driver, Snapshot, max_model_len, note
 from tests.property.mirror import KVMirror
 
@@ -138,10 +138,13 @@ class WorkConservation(Checker):
         budget = cfg.max_num_batched_tokens
         running, preempted = list(snap.running), []
         lengths = None  # varlen: each request's draft length from its last confidences,
-        # or, when its drafts come from the step in flight (unseen), their running means
+        # or, when its drafts come from the step in flight (unseen), from its running
+        # mean chances, as many as that step proposes
         if cfg.enable_mtp_varlen and cfg.num_speculative_tokens:
             conf = {
-                rid: snap.state[rid].confidence_means
+                rid: confidences_from_chances(snap.state[rid].chance_means)[
+                    : snap.proposals_in_flight
+                ]
                 if snap.state[rid].placeholders
                 else snap.state[rid].confidences
                 for rid in running

@@ -83,7 +83,7 @@ class ReqState(NamedTuple):
     drafts: list[int]  # spec_token_ids proposed for its next step
     pending_drafts: int  # drafts of steps in flight (assumed accepted until verified)
     confidences: list[float]  # spec_confidences (varlen: they set the next draft length)
-    confidence_means: list[float]  # their running means (varlen, async: the unseen drafts')
+    chance_means: list[float]  # spec_chance_means (varlen, async: for the unseen drafts)
 
 
 @dataclass
@@ -242,7 +242,7 @@ class Driver:
                     list(r.spec_token_ids),
                     r.num_pending_drafts,
                     list(r.spec_confidences),
-                    list(r.spec_confidence_means),
+                    list(r.spec_chance_means),
                 )
                 for rid, r in s.requests.items()
             },

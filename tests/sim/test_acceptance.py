@@ -66,8 +66,9 @@ def test_varlen_drafts_follow_confidence_and_fade_under_load(tmp_path: Path) -> 
     scheduler's policy sets each request's draft length from them and from the step
     times it measures, here the H200 profile's prices (Moonlight with an MTP layer): a
     lone request drafts long when drafts are likely, and only its confident drafts when
-    they are not (at batch 1 a verify step of k drafts reads the weights of up to 6(k + 1)
-    of the 64 experts instead of 6: about 1.9x a decode step's time at k = 1); a crowd
+    they are not (at batch 1 a speculating step costs about 1.9x a decode step: the
+    drafter's passes, and a verify forward whose tokens read more of the 64 experts'
+    weights); a crowd
     of 512 with unlikely drafts (0.3) hardly drafts, since there a verify step plus the
     drafter's passes cost more than the 0.3 tokens a draft is expected to add."""
     model = load_model_config(write_config_with_mtp_layer("moonlight-16b-a3b", tmp_path))

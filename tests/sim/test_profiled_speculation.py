@@ -216,6 +216,9 @@ def test_a_graphed_profile_prices_each_number_of_drafts_as_measured() -> None:
     measured = {k: sum(points[k, c] for c in contexts) / len(contexts) for k in (1, 2, 3)}
     assert measured[1] < measured[2] < measured[3]
     model = ProfiledCostModel(path, spec, get_hardware("h200"), 3)
+    for c in contexts:  # the model orders k as the means do
+        prices = [model.step_time(shape_output([[1, 1 + k, c, False, k]])) for k in (1, 2, 3)]
+        assert prices == sorted(prices), (c, prices)
     for k, c in points:
         predicted = model.step_time(shape_output([[1, 1 + k, c, False, k]]))
         measured_k = points[k, c]
