@@ -338,19 +338,20 @@ def _run_shape(
 def _pipelined(executor: Any, session: StepSession, reps: int) -> float:
     """Seconds per step with each step launched before the one before it is read (async
     scheduling, ModelRunner.launch): the runner's host work overlaps the device's, so
-    this is the longer of the two. Timed over `reps` steps once the pipeline is full.
-    (On a CPU, where each launch does its step's work, this reads reps / (reps + 1) of
-    a step; the cost model does not use it there: HardwareSpec.runs_on_host.)"""
+    this is the longer of the two. The median of `reps` gaps between consecutive results
+    once the pipeline is full, each with the next step launched in it: one stall (a
+    collection, another tenant's burst) moves it little, where a mean over the run
+    carried it into the point (H200 points read up to 3x their sequential medians). On
+    a CPU each launch does its step's work, so a gap is one step there."""
     in_flight = executor.execute_async(session.next_step(pipelined=True))
-    t0 = 0.0
-    for i in range(reps + 1):
+    stamps: list[float] = []
+    for _ in range(reps + 1):
         launched = executor.execute_async(session.next_step(pipelined=True))
         session.settle(in_flight.result())
-        if i == 0:
-            t0 = time.perf_counter()  # from the first step read with another queued
+        stamps.append(time.perf_counter())  # a result read with the next step queued
         in_flight = launched
     session.settle(in_flight.result())
-    return (time.perf_counter() - t0) / (reps + 1)
+    return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
 
 
 def profile_host(

@@ -71,6 +71,33 @@ def test_pipelined_verify_points_chain_each_step_on_the_one_in_flight() -> None:
     assert chained[:4] == [0] * 4 and chained[4:] == [0] + [6] * 4, chained
 
 
+def test_a_stall_in_the_pipelined_run_does_not_carry_into_the_point() -> None:
+    """The pipelined time is the median gap between consecutive results: one launch
+    stalled by 0.5 s (a collection, another tenant) leaves it near a step, where the
+    mean over the 6 steps it used to take carried 0.5 / 6 s into the point."""
+    import time
+
+    from deepinfer import LLM
+    from executors.profile_grid import StepShape
+    from executors.profiler import profile_steps
+
+    llm = LLM("deepinfer-demo", device="cpu", dtype="float32", block_size=16,
+              num_gpu_blocks=128)  # fmt: skip
+    ex = llm.executor
+    launch, calls = ex.execute_async, []
+
+    def stalling(out):  # the third pipelined launch stalls
+        calls.append(out)
+        if len(calls) == 3:
+            time.sleep(0.5)
+        return launch(out)
+
+    ex.execute_async = stalling  # type: ignore[method-assign]
+    [point] = profile_steps(ex, [StepShape("decode", ((4, 1, 40, False, 0),))], reps=5)
+    assert len(calls) == 7  # the stall landed in the pipelined run
+    assert point["pipelined_s"] < point["median_s"] + 0.04, point
+
+
 def test_a_plain_profile_steps_decodes_forward_as_the_scheduler_does(tmp_path: Path) -> None:
     """Decode requests are timed over several runs, each after the tokens the last gave
     them (the runner refuses a step that repeats computed positions), in rounds."""
