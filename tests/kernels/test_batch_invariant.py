@@ -127,6 +127,33 @@ def test_decode_folded_in_one_program_equals_the_merged_pieces(
     assert rel_err(folded, mla_decode_ref(*case.clean_args())) < 1e-5
 
 
+def test_a_batch_that_fills_the_machine_folds_and_a_small_one_merges(
+    device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launch follows normal mode's rule (a program per row once the rows fill more
+    than half a wave of 2 x the SMs): 140 rows fold (no merge kernel), 4 rows split and
+    merge. Only speed would show a wrong choice, so it is checked here."""
+    import kernels.mla_decode as md
+
+    merges: list[tuple] = []
+    kernel = md._mla_decode_merge_kernel
+
+    class Recording:
+        def __getitem__(self, grid: tuple):
+            merges.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(md, "_mla_decode_merge_kernel", Recording())
+    monkeypatch.setattr(md, "_num_sms", lambda _device: 132)
+    gen = torch.Generator().manual_seed(5)
+    for rows, want_merge in ((140, False), (4, True)):
+        merges.clear()
+        case = make_mla_case([1] * rows, [300] * rows, 8, 64, 32, 16, torch.float32, device, gen)
+        out = mla_decode(*case.args(), keys_per_split=128)
+        assert bool(merges) == want_merge, (rows, merges)
+        assert rel_err(out, mla_decode_ref(*case.clean_args())) < 1e-5
+
+
 def test_keys_per_split_follows_the_engine_not_the_batch() -> None:
     assert invariant_keys_per_split(8192) == 256
     assert invariant_keys_per_split(163840) == 2560
