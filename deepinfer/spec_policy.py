@@ -49,6 +49,8 @@ between runs under varlen (each run is exactly distributed; greedy output never 
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Mapping, Sequence
 
 # Fixed cost of a step in token-times: roughly the batch at which a decode step of a
@@ -186,10 +188,7 @@ def smooth_chances(
     drawn anew, varlen at batch 1 made 1.32x against 1.52x for a fixed 3 drafts). The
     means of the chances (not of each confidence: a step's confidences may rise and fall
     together) predict them as well as anything the host holds."""
-    chances, chance = [], 1.0
-    for c in confidences:
-        chance *= c
-        chances.append(chance)
+    chances = list(itertools.accumulate(confidences, operator.mul))
     out = [m + weight * (c - m) for m, c in zip(means, chances)]
     out += chances[len(means) :]
     return out + list(means[len(chances) :])

@@ -387,6 +387,8 @@ def mla_decode(
     min_keys = cfg["BLOCK_N"] if num_splits is not None else MIN_KEYS_PER_SPLIT
     max_context = block_tables.shape[1] * page
     programs = triton.cdiv(t, qg) * head_blocks  # busy ones; the rest return at once
+    # Splits that fill one wave with these programs: 1 once the rows fill it themselves.
+    wave_splits = choose_num_splits(programs, max_context, _num_sms(q.device), cfg["ctas_per_sm"])
     if keys_per_split is not None:
         # per_piece = max(ceil(ceil(kv_len / pieces) / BLOCK_N) * BLOCK_N, min_keys) is then
         # exactly keys_per_split for every kv_len <= pieces * keys_per_split.
@@ -394,17 +396,12 @@ def mla_decode(
         num_pieces = min(MAX_SPLITS, max(2, triton.cdiv(max_context, keys_per_split)))
         min_keys = keys_per_split
         if fold is None:  # a launch choice only: both give the same bits
-            fold = (
-                choose_num_splits(programs, max_context, _num_sms(q.device), cfg["ctas_per_sm"])
-                == 1
-            )
+            fold = wave_splits == 1
         split = not fold
     else:
         assert not fold, "fold is batch-invariant mode's choice (keys_per_split)"
         if num_splits is None:
-            num_splits = choose_num_splits(
-                programs, max_context, _num_sms(q.device), cfg["ctas_per_sm"]
-            )
+            num_splits = wave_splits
         num_pieces, split = num_splits, num_splits > 1
     assert 1 <= num_pieces <= MAX_SPLITS, num_pieces
     if split:
