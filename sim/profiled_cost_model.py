@@ -165,10 +165,10 @@ class ProfiledCostModel:
                 "is slower than the real one; profile the model again",
                 stacklevel=2,
             )
-        y = np.array(
-            [step_seconds(p, pipelined and i in plain) for i, p in enumerate(points)],
-            dtype=float,
-        )
+        # What each point is priced as: its pipelined time where this engine overlaps it
+        # (the plain points, and the chained verify points when it speculates).
+        overlapped = set(timed) if pipelined else set()
+        y = np.array([step_seconds(p, i in overlapped) for i, p in enumerate(points)], dtype=float)
         x = np.array([self.features(outs[i]) for i in plain])
         self.coef = nnls_relative(x, y[plain])
         self._coef = [float(c) for c in self.coef]  # plain floats: the per-step path
