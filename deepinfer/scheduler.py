@@ -71,6 +71,10 @@ class Scheduler(SchedulerChecks):
         self.step_times = StepTimes()
         self._uniform_steps: dict[int, tuple[int, int, int]] = {}
         self._proposals_in_flight: int | None = None  # drafts the latest step proposes
+        # Varlen: the running mean chances by position over every request's proposals
+        # (spec_policy.smooth_chances): they judge a request's first unseen drafts, under
+        # async scheduling, before it has means of its own.
+        self.prior_chances: list[float] = []
         # step_id -> blocks its allocations cached before it ran (kv.take_cached_ahead)
         self._cached_ahead: dict[int, list[KVBlock]] = {}
         self.num_draft_tokens = 0  # drafts verified (speculation)
@@ -135,11 +139,14 @@ class Scheduler(SchedulerChecks):
         if self.config.enable_mtp_varlen and self.config.num_speculative_tokens:
             # Each request's draft length from its latest confidences; under async
             # scheduling its next drafts come from the step in flight, unseen, and are
-            # judged by its running mean chances (spec_policy.smooth_chances), as many as
-            # that step proposes.
+            # judged by its running mean chances (spec_policy.smooth_chances), or the
+            # engine's before it has any (its first drafts: those its prompt's last step
+            # proposes), as many as that step proposes.
             conf = {
                 r.request_id: (
-                    confidences_from_chances(r.spec_chance_means)[: self._proposals_in_flight]
+                    confidences_from_chances(r.spec_chance_means or self.prior_chances)[
+                        : self._proposals_in_flight
+                    ]
                     if r.num_output_placeholders
                     else r.spec_confidences
                 )
@@ -476,6 +483,10 @@ class Scheduler(SchedulerChecks):
                     req.spec_chance_means = smooth_chances(
                         req.spec_chance_means, req.spec_confidences
                     )
+                    if req.spec_confidences:
+                        self.prior_chances = smooth_chances(
+                            self.prior_chances, req.spec_confidences
+                        )
                 self.kv.cache_computed(req)
                 if num_rejected:
                     end = max(req.num_computed_tokens, req.num_tokens + req.num_output_placeholders)

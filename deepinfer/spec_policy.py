@@ -20,7 +20,10 @@ a model cannot see).
 A step yields E tokens in expectation (one per request, plus each verified draft's c_j).
 Under async scheduling the drafts a step verifies come from the step in flight, so their
 confidences are unseen when it is scheduled: a request's running mean chances by
-position (`smooth_chances`) stand in for them.
+position (`smooth_chances`) stand in for them, and the engine's over all requests
+before the request has its own (its first decode step: without them it verified none,
+one step in every few of a short answer; in the simulator, on the Azure code trace at
+20 requests/s, mean TPOT fell from 12.3 to 9.8 ms).
 
 The step verifies the same number L of drafts for every request: the real executor
 replays a verify graph per query length 1 + L, and only for steps in which every

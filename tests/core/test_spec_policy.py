@@ -380,3 +380,33 @@ def test_mean_chances_move_toward_the_latest_drafts_position_by_position() -> No
     conf = confidences_from_chances(chances)
     assert conf == pytest.approx([0.5, 0.82])  # what draft_lengths multiplies back
     assert confidences_from_chances([0.5, 0.0, 0.0]) == [0.5, 0.0, 0.0]
+
+
+def test_under_async_scheduling_a_new_requests_first_drafts_are_judged_by_the_engines_means() -> (
+    None
+):
+    """A request's first decode step is scheduled while its prompt's last step, which
+    proposes its first drafts, is in flight: it has no confidences nor mean chances of
+    its own yet. The engine's running mean chances over every request judge them, so it
+    verifies drafts from its first decode step, as the requests before it did (without
+    them it verified none: one step in every few of a short answer)."""
+    ex = ConfidentExecutor(1024, 3, 0.9)
+    engine = _varlen_engine(ex, async_scheduling=True)
+    engine.add_request(make_request("old", 4, max_tokens=400))
+    first_decode: list[int] = []
+    in_flight: SchedulerOutput | None = None
+    for n in range(80):
+        if n == 40:
+            engine.add_request(make_request("new", 4, max_tokens=20))
+        out = engine.schedule()
+        if in_flight is not None:
+            res = ex.execute(in_flight)
+            verified = {len(sr.draft_token_ids) for sr in in_flight.scheduled}
+            uniform = len(verified) == 1 and not any(sr.is_prompt for sr in in_flight.scheduled)
+            engine.process(in_flight, res, (10 + max(verified)) / 1e3 if uniform else 0.02)
+        in_flight = None if out.is_empty else out
+        for sr in out.scheduled:
+            if sr.req_id == "new" and not sr.is_prompt and not first_decode:
+                first_decode.append(len(sr.draft_token_ids))
+    assert engine.scheduler.prior_chances == pytest.approx([0.9, 0.81, 0.729])
+    assert first_decode and first_decode[0] > 0

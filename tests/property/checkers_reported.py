@@ -95,10 +95,12 @@ class NextDrafts(Checker):
     """After a sampling step a request that goes on running proposes exactly the
     executor's next drafts, at most num_speculative_tokens of them, with their
     confidences (none without speculation), and its running mean chances move toward
-    theirs (spec_policy.smooth_chances, replayed here from every such step)."""
+    theirs (spec_policy.smooth_chances, replayed here from every such step), as do the
+    engine's over all requests, request by request in the step's order."""
 
     def __init__(self) -> None:
         self.chances: dict[str, list[float]] = {}  # req_id -> the replayed mean chances
+        self.prior: list[float] = []  # the engine's, replayed
 
     def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         k = d.case.config.num_speculative_tokens
@@ -122,3 +124,9 @@ class NextDrafts(Checker):
                     f"rule 'mean chances follow each proposal': step {out.step_id}, "
                     f"{sr.req_id} holds {req.spec_chance_means}, its proposals give {chances}"
                 )
+                if conf:
+                    self.prior = smooth_chances(self.prior, conf)
+        assert d.sched.prior_chances == self.prior, (
+            f"rule 'the engine's mean chances follow every proposal': step {out.step_id}, "
+            f"it holds {d.sched.prior_chances}, the proposals give {self.prior}"
+        )

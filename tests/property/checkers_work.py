@@ -139,10 +139,10 @@ class WorkConservation(Checker):
         running, preempted = list(snap.running), []
         lengths = None  # varlen: each request's draft length from its last confidences,
         # or, when its drafts come from the step in flight (unseen), from its running
-        # mean chances, as many as that step proposes
+        # mean chances (the engine's before it has any), as many as that step proposes
         if cfg.enable_mtp_varlen and cfg.num_speculative_tokens:
             conf = {
-                rid: confidences_from_chances(snap.state[rid].chance_means)[
+                rid: confidences_from_chances(snap.state[rid].chance_means or snap.prior_chances)[
                     : snap.proposals_in_flight
                 ]
                 if snap.state[rid].placeholders

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hypothesis import event
@@ -97,9 +97,11 @@ class Snapshot:
     status: dict[str, RequestStatus]
     state: dict[str, ReqState]
     # Varlen: the step times the scheduler measured (they price draft lengths) and the
-    # drafts the step in flight proposes (they cap its placeholders).
+    # drafts the step in flight proposes (they cap its placeholders), and the engine's
+    # mean chances (a request's first unseen drafts are judged by them).
     step_times: StepTimes | None = None
     proposals_in_flight: int | None = None
+    prior_chances: list[float] = field(default_factory=list)
 
 
 class Driver:
@@ -248,6 +250,7 @@ class Driver:
             },
             step_times=copy.deepcopy(s.step_times),
             proposals_in_flight=s._proposals_in_flight,
+            prior_chances=list(s.prior_chances),
         )
         self.time.tick()
         out = self.engine.schedule()
