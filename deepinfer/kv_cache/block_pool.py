@@ -25,28 +25,37 @@ class KVBlock:
 
 
 class BlockPool:
-    """Owns every block; the only place ref counts change."""
+    """Owns every block; the only place ref counts change.
+
+    Blocks are made as they are first taken, in id order (`blocks` holds those made so
+    far: block_id == index): the simulator sizes a small model's cache on a large GPU at
+    up to ~10^8 blocks, of which a run touches a few thousand. Allocation order is that
+    of a free list with every block on it from the start: blocks freed without content
+    first (the latest first), then never-used ones, then freed cached ones (least
+    recently freed first: evicted last)."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks={num_blocks}: the KV cache needs at least one block")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # block_id -> block, least recently freed first (the eviction order).
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.blocks: list[KVBlock] = []
+        # Freed blocks, by block_id, in allocation order: without content (nothing of
+        # value: reused first, latest first), and cached (least recently freed first).
+        self._empty: OrderedDict[int, KVBlock] = OrderedDict()
+        self._free: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[int, KVBlock] = {}  # chain hash -> block holding that content
         self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be allocated now (evictable cached blocks included)."""
-        return len(self._free)
+        return len(self._empty) + self.num_blocks - len(self.blocks) + len(self._free)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests; evictable cached blocks count as free."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self._cached.get(block_hash)
@@ -59,11 +68,19 @@ class BlockPool:
 
         The caller checks `num_free_blocks` first; asking for more is a bug.
         """
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks with only {len(self._free)} free")
+        free = self.num_free_blocks
+        if n > free:
+            raise RuntimeError(f"asked for {n} blocks with only {free} free")
         out = []
+        blocks = self.blocks
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
+            if self._empty:
+                _, block = self._empty.popitem(last=False)
+            elif len(blocks) < self.num_blocks:
+                block = KVBlock(len(blocks))
+                blocks.append(block)
+            else:
+                _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
@@ -73,8 +90,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on cached blocks found by a prefix lookup."""
         for block in blocks:
-            if block.ref_cnt == 0:
-                del self._free[block.block_id]
+            if block.ref_cnt == 0 and self._free.pop(block.block_id, None) is None:
+                del self._empty[block.block_id]
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -90,8 +107,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is None or not self.enable_caching:
                     # Uncached blocks are reused first: nothing of value in them.
-                    self._free[block.block_id] = block
-                    self._free.move_to_end(block.block_id, last=False)
+                    self._empty[block.block_id] = block
+                    self._empty.move_to_end(block.block_id, last=False)
                 else:
                     self._free[block.block_id] = block
 
@@ -129,13 +146,17 @@ class BlockPool:
 
     def check_invariants(self, holders: dict[int, int]) -> None:
         """`holders`: block_id -> number of block tables that hold it."""
+        made = len(self.blocks)
+        for block_id in holders:
+            if not 0 <= block_id < made:
+                raise AssertionError(f"block {block_id}: held but never allocated")
         for block in self.blocks:
             held = holders.get(block.block_id, 0)
             if block.ref_cnt != held:
                 raise AssertionError(
                     f"block {block.block_id}: ref_cnt {block.ref_cnt} != {held} tables holding it"
                 )
-            in_free = block.block_id in self._free
+            in_free = (block.block_id in self._free) + (block.block_id in self._empty)
             if in_free != (block.ref_cnt == 0):
                 raise AssertionError(f"block {block.block_id}: free-list membership is wrong")
             if block.block_hash is not None and self._cached.get(block.block_hash) is not block:

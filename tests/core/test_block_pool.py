@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.kv_cache.block_pool import BlockPool
+from deepinfer.kv_cache.block_pool import BlockPool, KVBlock
 from deepinfer.kv_cache.hashing import update_block_hashes
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.request import Request
@@ -135,6 +135,7 @@ def _corrupt(how: str) -> tuple[KVCacheManager, str]:
     kv = KVCacheManager(num_blocks=3, block_size=2)
     req = make_request("a", 4)
     assert kv.allocate(req, 4) is not None  # blocks 0 and 1, both full and cached
+    kv.pool.free(kv.pool.allocate(1))  # block 2: made, and free again
     b0, b1, b2 = kv.pool.blocks
     if how == "twice":
         kv.req_blocks["a"].append(b0)
@@ -142,8 +143,11 @@ def _corrupt(how: str) -> tuple[KVCacheManager, str]:
     if how == "ref_cnt":
         b1.ref_cnt = 2
         return kv, "^block 1: ref_cnt 2 != 1 tables holding it$"
+    if how == "never":
+        kv.req_blocks["a"].append(KVBlock(7))
+        return kv, "^block 7: held but never allocated$"
     if how == "free_list":
-        kv.pool._free.pop(b2.block_id)
+        kv.pool._empty.pop(b2.block_id)
         return kv, "^block 2: free-list membership is wrong$"
     if how == "unindexed":
         b2.block_hash = 77
@@ -155,7 +159,7 @@ def _corrupt(how: str) -> tuple[KVCacheManager, str]:
     return kv, f"^index entry {h + 1} points at block 1$"
 
 
-@pytest.mark.parametrize("how", ["twice", "ref_cnt", "free_list", "unindexed", "index"])
+@pytest.mark.parametrize("how", ["twice", "ref_cnt", "never", "free_list", "unindexed", "index"])
 def test_check_invariants_names_the_broken_block(how: str) -> None:
     """The engine's per-step self-check (check_invariants=True) names what it found."""
     kv, message = _corrupt(how)
@@ -172,3 +176,26 @@ def test_a_cache_salt_keeps_prefixes_apart() -> None:
     assert kv.find_cached_prefix(Request("b", [1, 2, 3, 4, 5])) == []
     assert kv.find_cached_prefix(Request("c", [1, 2, 3, 4, 5], cache_salt="t")) == []
     assert len(kv.find_cached_prefix(Request("d", [1, 2, 3, 4, 5], cache_salt="s"))) == 2
+
+
+def test_a_pool_makes_its_blocks_as_they_are_first_taken() -> None:
+    """A small model on a large GPU gets a cache of ~10^8 blocks in the simulator (a tiny
+    test model on the H200: 5 minutes and gigabytes to make one object a block). A block
+    is made when first taken, in id order; the order of allocation is the same as with
+    every block made up front: freed blocks without content first (latest first), then
+    never-used ones, then freed cached ones (least recently freed first)."""
+    pool = BlockPool(10**6)
+    assert pool.num_free_blocks == 10**6 and pool.usage == 0.0
+    a = pool.allocate(3)
+    assert [b.block_id for b in a] == [0, 1, 2] and len(pool.blocks) == 3
+    pool.cache(a[0], 111)
+    pool.free(a)  # tail first in real use; here 0 (cached) goes last, 1 and 2 first
+    assert pool.num_free_blocks == 10**6
+    assert [b.block_id for b in pool.allocate(4)] == [2, 1, 3, 4]
+    pool.check_invariants({2: 1, 1: 1, 3: 1, 4: 1})
+    small = BlockPool(3)
+    taken = small.allocate(2)
+    small.cache(taken[1], 5)
+    small.free(taken)
+    assert [b.block_id for b in small.allocate(3)] == [0, 2, 1]  # uncached, fresh, cached
+    assert small.lookup(5) is None and small.num_evictions == 1

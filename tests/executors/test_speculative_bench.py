@@ -82,7 +82,7 @@ def test_small_batches_run_as_waves_on_one_engine(
         speculative.ForcedAcceptance.uninstall()
     assert sorted(outs) == ["w-0.0", "w-1.0", "w-2.0"]
     assert all(len(o) == 12 for o in outs.values()) and line.endswith("3 waves")
-    # (a published shape: the simulator sizes the tiny model's cache by the H200's memory)
+    # (the published shape: its shipped profile prices the steps)
     moonlight = speculative.model_dir("moonlight-16b-a3b")
     varlen = cfg.replace(enable_mtp_varlen=True)
     one = speculative.simulated_speedup(moonlight, varlen, 1, 16, 24, 0.8, waves=1)

@@ -144,7 +144,8 @@ def _off_free_list(s: Scheduler) -> list[str] | None:
     free = next((b for b in pool.blocks if b.ref_cnt == 0), None)
     if free is None:
         return None
-    del pool._free[free.block_id]
+    if pool._free.pop(free.block_id, None) is None:
+        del pool._empty[free.block_id]
     return [f"block {free.block_id}", "free"]
 
 
