@@ -155,6 +155,10 @@ class ProfiledCostModel:
         self._one_wave = 0 if hardware.runs_on_host else ONE_WAVE_BATCH
         pipelined = overlaps and self.prices_pipelining
         self.pipelined = pipelined  # async steps priced from their pipelined times
+        # A step launched on an idle device costs its sequential time (`idle_launch_time`):
+        # the same fit on the points' medians, made when first needed.
+        self._sequential: ProfiledCostModel | None = None
+        self._sequential_args = (data, model, hardware, num_speculative_tokens)
         if overlaps and not pipelined:
             warnings.warn(
                 f"async_scheduling: profile {self.profile_name} has no pipelined step times "
@@ -219,6 +223,21 @@ class ProfiledCostModel:
         if k and out.num_proposals is not None:  # varlen: the drafter proposes fewer
             k = out.num_proposals
         return self._price(out, k)
+
+    def idle_launch_time(self, out: SchedulerOutput) -> float:
+        """Seconds `out` costs beyond `step_time` when launched on an idle device: a
+        pipelined step's input preparation and read-back hide behind the step before it;
+        with nothing running (the first step after the engine idled, or one launched
+        after the step before was applied) they are on the device's path, and the step
+        takes its sequential time, the points' medians (0 where steps are priced so)."""
+        if not self.pipelined:
+            return 0.0
+        if self._sequential is None:
+            with warnings.catch_warnings():  # (the pipelined fit warned already)
+                warnings.simplefilter("ignore")
+                self._sequential = ProfiledCostModel(*self._sequential_args)
+        extra = self._sequential.step_time(out) - self.step_time(out)
+        return extra if extra > 0.0 else 0.0
 
     def _price(self, out: SchedulerOutput, num_drafts: int) -> float:
         """`out` followed by the drafter proposing `num_drafts` drafts (0: as many as a

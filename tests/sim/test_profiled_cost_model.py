@@ -166,3 +166,27 @@ def test_a_speculating_async_model_reports_its_verify_points_against_their_pipel
         measured = min(p["pipelined_s"], p["median_s"])
         assert err == pytest.approx(priced / measured - 1), p["groups"]
     assert sorted(abs(e) for _, e in verify)[len(verify) // 2] < 0.05
+
+
+def test_a_step_launched_on_an_idle_device_costs_its_sequential_time() -> None:
+    """Under async scheduling a step is priced from its pipelined time, which hides its
+    host part behind the step before it. The first step after the engine idles has
+    nothing to hide behind: it costs the profile's sequential time (the medians), and
+    the steps launched behind it their pipelined times again."""
+    path = PROFILES_DIR / "moonlight-16b-a3b__h200.json"
+    spec, hw = load_model_config("moonlight-16b-a3b"), get_hardware("h200")
+    pipelined = ProfiledCostModel(path, spec, hw, async_scheduling=True)
+    sequential = ProfiledCostModel(path, spec, hw)
+    decode = shape_output([[1, 1, 1024, False]])
+    extra = pipelined.idle_launch_time(decode)
+    assert extra > 0.0
+    assert pipelined.step_time(decode) + extra == pytest.approx(sequential.step_time(decode))
+    assert sequential.idle_launch_time(decode) == 0.0
+
+    cfg = EngineConfig(max_num_seqs=8, async_scheduling=True)
+    res = simulate([TraceRequest("a", 0.0, 512, 8)], spec, "h200", cfg)
+    prompt, first_decode = res.steps[0], res.steps[1]
+    prompt_out = shape_output([[1, 512, 0, True]])  # (its record counts its scheduling too)
+    alone = pipelined.cpu_time(prompt_out) + sequential.step_time(prompt_out)
+    assert prompt.duration == pytest.approx(alone, rel=1e-6)
+    assert first_decode.duration < sequential.step_time(shape_output([[1, 1, 512, False]]))
