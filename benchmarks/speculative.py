@@ -266,11 +266,7 @@ def simulated_speedup(
     except ImportError:
         return None
     spec = load_model_config(cfg_dir)
-    reqs = [
-        TraceRequest(f"r{w}.{i}", w * WAVE_GAP_S, prompt_len, max_tokens)
-        for w in range(waves)
-        for i in range(batch)
-    ]
+    reqs = wave_requests(TraceRequest, batch, prompt_len, max_tokens, waves)
     rates = []
     for k in (0, cfg.num_speculative_tokens):
         res = simulate(
@@ -284,6 +280,16 @@ def simulated_speedup(
         decode = [s for s in res.steps if s.num_prompt_tokens == 0]
         rates.append(len(reqs) * (max_tokens - 1) / sum(s.duration for s in decode))
     return rates[1] / rates[0]
+
+
+def wave_requests(make: Any, batch: int, prompt_len: int, max_tokens: int, waves: int) -> list[Any]:
+    """`waves` batches of trace requests (`make`: sim.traces.TraceRequest), each arriving
+    WAVE_GAP_S after the one before."""
+    return [
+        make(f"r{w}.{i}", w * WAVE_GAP_S, prompt_len, max_tokens)
+        for w in range(waves)
+        for i in range(batch)
+    ]
 
 
 def num_waves(batch: int, min_sequences: int) -> int:

@@ -236,6 +236,7 @@ class ProfiledCostModel:
             with warnings.catch_warnings():  # (the pipelined fit warned already)
                 warnings.simplefilter("ignore")
                 self._sequential = ProfiledCostModel(*self._sequential_args)
+            self._sequential._warned = self._warned  # one warning a range, not two
         extra = self._sequential.step_time(out) - self.step_time(out)
         return extra if extra > 0.0 else 0.0
 

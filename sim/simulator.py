@@ -171,10 +171,11 @@ def _serve(
     One simpy timeout per step: the host's work is booked on `host_free` (when the host
     is next idle) and a launch starts once it is done, so only an await has to wait.
     Under async scheduling a step is launched while the one before it runs: its device
-    work starts when that one's ends (`device_free`). One launched while the device idles
-    (the first after the engine idled, or one that had to wait for the step before to
-    be applied) also pays the cost model's `idle_launch_time`: the host part of the step
-    that a pipelined step hides. on_host (`HardwareSpec.runs_on_host`):
+    work starts when that one's ends (`device_free`), and no sooner than its host part
+    (the cost model's `idle_launch_time`, which a pipelined step hides behind the one
+    before it) is done after its launch: a step launched on an idle device (the first
+    after the engine idled, one that waited for the step before to be applied, or one
+    whose host work outlasted the step before) pays what that step left unhidden. on_host (`HardwareSpec.runs_on_host`):
     the device is the host's CPU, whose launch runs the step before it returns, so the
     host's work and the step's follow each other, async or not."""
     ready_at: dict[int, float] = {}  # step id -> simulated time its results are back
@@ -199,11 +200,12 @@ def _serve(
                     host_free = device_free = start + masks + cost.step_time(out)
                 else:
                     host_free = start + masks
-                    if device_free > start:  # it queues behind the step that runs
-                        device_free += cost.step_time(out)
-                    else:  # nothing runs: its host part is on the device's path
-                        idle = idle_launch(out) if idle_launch is not None else 0.0
-                        device_free = start + cost.step_time(out) + idle
+                    # Its host part (what a pipelined step hides) runs from its launch: the
+                    # device starts it once that is done and the step before has ended.
+                    ready = start + idle_launch(out) if idle_launch is not None else start
+                    device_free = (device_free if device_free > ready else ready) + cost.step_time(
+                        out
+                    )
                 ready_at[out.step_id] = max(device_free, host_free)
             else:
                 done = ready_at.pop(out.step_id)

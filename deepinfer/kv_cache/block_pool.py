@@ -161,6 +161,12 @@ class BlockPool:
                 raise AssertionError(f"block {block.block_id}: free-list membership is wrong")
             if block.block_hash is not None and self._cached.get(block.block_hash) is not block:
                 raise AssertionError(f"block {block.block_id}: cached hash not in the index")
+        free = sum(b.ref_cnt == 0 for b in self.blocks)
+        if len(self._free) + len(self._empty) != free:
+            raise AssertionError(
+                f"{len(self._free)} + {len(self._empty)} blocks on the free lists, "
+                f"{free} made blocks free"
+            )
         for h, block in self._cached.items():
             if block.block_hash != h:
                 raise AssertionError(f"index entry {h} points at block {block.block_id}")

@@ -146,6 +146,9 @@ def _corrupt(how: str) -> tuple[KVCacheManager, str]:
     if how == "never":
         kv.req_blocks["a"].append(KVBlock(7))
         return kv, "^block 7: held but never allocated$"
+    if how == "stray_free":
+        kv.pool._empty[9] = KVBlock(9)
+        return kv, "^1 \\+ 1 blocks on the free lists, 1 made blocks free$"
     if how == "free_list":
         kv.pool._empty.pop(b2.block_id)
         return kv, "^block 2: free-list membership is wrong$"

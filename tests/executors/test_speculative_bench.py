@@ -82,9 +82,15 @@ def test_small_batches_run_as_waves_on_one_engine(
         speculative.ForcedAcceptance.uninstall()
     assert sorted(outs) == ["w-0.0", "w-1.0", "w-2.0"]
     assert all(len(o) == 12 for o in outs.values()) and line.endswith("3 waves")
-    # (the published shape: its shipped profile prices the steps)
-    moonlight = speculative.model_dir("moonlight-16b-a3b")
-    varlen = cfg.replace(enable_mtp_varlen=True)
-    one = speculative.simulated_speedup(moonlight, varlen, 1, 16, 24, 0.8, waves=1)
-    three = speculative.simulated_speedup(moonlight, varlen, 1, 16, 24, 0.8, waves=3)
-    assert one is not None and three is not None and one != three
+    # The simulator's waves: each arrives once the one before has finished.
+    from deepinfer.model_config import load_model_config
+    from sim import simulate
+    from sim.traces import TraceRequest
+
+    reqs = speculative.wave_requests(TraceRequest, 2, 16, 24, 3)
+    assert [r.arrival for r in reqs] == [0.0, 0.0, 3600.0, 3600.0, 7200.0, 7200.0]
+    moonlight = speculative.model_dir("moonlight-16b-a3b")  # (its shipped profile prices it)
+    varlen = cfg.replace(enable_mtp_varlen=True, num_gpu_blocks=None)
+    res = simulate(reqs, load_model_config(moonlight), "h200", varlen, acceptance_rate=0.8)
+    assert max(s.num_running for s in res.steps) == 2 and len(res.requests) == 6
+    assert speculative.simulated_speedup(moonlight, varlen, 1, 16, 24, 0.8, waves=3) > 1.0

@@ -134,6 +134,8 @@ def _miscounted(s: Scheduler) -> list[str] | None:
 
 
 def _ref_cnt(s: Scheduler) -> list[str] | None:
+    if not s.kv.pool.blocks:  # (blocks are made as first taken)
+        return None
     block = s.kv.pool.blocks[0]
     block.ref_cnt += 1
     return [f"block {block.block_id}", "ref_cnt"]
