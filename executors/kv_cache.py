@@ -15,11 +15,10 @@ from collections.abc import Callable
 import torch
 
 from deepinfer.config import EngineConfig
+from deepinfer.kv_cache.host_cache import host_kv_blocks
 from deepinfer.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-CPU_KV_BYTES_CAP = 4 << 30  # the CPU default never takes more than this
 
 
 class PagedKVCache:
@@ -70,13 +69,12 @@ def num_mtp_kv_layers(cfg: ModelConfig, engine: EngineConfig) -> int:
 def cpu_num_blocks(
     engine: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int
 ) -> int:
-    """engine.num_gpu_blocks, else enough for 8 sequences of max_model_len (capped)."""
+    """engine.num_gpu_blocks, else the host rule (deepinfer/kv_cache/host_cache.py: 8
+    sequences of max_model_len, capped), which the simulator's CPU follows too."""
     if engine.num_gpu_blocks is not None:
         return engine.num_gpu_blocks
-    wanted = -(-8 * max_model_len // engine.block_size)
     per_block = bytes_per_block(cfg, engine.block_size, dtype, num_kv_layers(cfg, engine))
-    cap = max(1, CPU_KV_BYTES_CAP // per_block)
-    return min(wanted, cap)
+    return host_kv_blocks(max_model_len, engine.block_size, per_block)
 
 
 def cuda_num_blocks(

@@ -8,6 +8,7 @@ and the stall rule and async overlap are the engine loop's.
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import simpy
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore, StepEventKind
+from deepinfer.kv_cache.host_cache import host_kv_blocks
 from deepinfer.metrics import SLO, summarize
 from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
@@ -30,7 +32,11 @@ from sim.cost_model import CostModel, kv_capacity_blocks, mask_time, resolve_cos
 from sim.data_parallel import DataParallelStats, serve_data_parallel
 from sim.expert_parallel_cost import ExpertParallelCost
 from sim.hardware import HardwareSpec, get_hardware
-from sim.kv_capacity import check_blocks_fit
+from sim.kv_capacity import (
+    check_blocks_fit,
+    default_activation_reserve_bytes,
+    kv_bytes_per_token,
+)
 from sim.sim_executor import SimExecutor
 from sim.traces import SyntheticPrompt, Trace, TraceRequest
 
@@ -89,6 +95,15 @@ def simulate(
     engine = engine or EngineConfig()
     spec = model if isinstance(model, ModelConfig) else load_model_config(model)
     hw = hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
+    if engine.policy != "priority":  # (a trace may be replayed under both policies)
+        ranked = sum(r.priority != 0 for r in trace.requests)
+        if ranked:
+            warnings.warn(
+                f"trace {trace.name}: {ranked} request(s) carry a priority, which the "
+                f"engine's policy {engine.policy!r} does not read; --policy priority "
+                "schedules by them",
+                stacklevel=2,
+            )
     if engine.num_speculative_tokens and not spec.num_nextn_predict_layers:
         raise ValueError(
             f"num_speculative_tokens={engine.num_speculative_tokens}: drafts come from the "
@@ -109,9 +124,18 @@ def simulate(
         raise ValueError(f"grammar_mask_per_token_s={grammar_mask_per_token_s}: must be >= 0")
     num_blocks = engine.num_gpu_blocks
     ep_size = engine.data_parallel_size if engine.enable_expert_parallel else 1
-    if num_blocks is None:  # per rank: with expert parallelism it holds 1/N of the experts
+    if num_blocks is None and hw.runs_on_host:  # as the torch executor on a CPU sizes it
+        per_token = kv_bytes_per_token(spec, speculative=engine.num_speculative_tokens > 0)
+        max_len = engine.max_model_len or spec.max_position_embeddings
+        num_blocks = host_kv_blocks(max_len, engine.block_size, engine.block_size * per_token)
+    elif num_blocks is None:  # per rank: with expert parallelism it holds 1/N of the experts
+        # The activations' reserve follows the engine's budgets, as the torch executor's
+        # test forward over its whole token budget measures it.
+        reserve = default_activation_reserve_bytes(
+            spec, engine.max_num_batched_tokens, engine.max_num_seqs
+        )
         num_blocks = kv_capacity_blocks(
-            spec, hw, engine.block_size, engine.gpu_memory_utilization,
+            spec, hw, engine.block_size, engine.gpu_memory_utilization, reserve,
             speculative=engine.num_speculative_tokens > 0, expert_parallel_size=ep_size,
         )  # fmt: skip
     elif cost_model != "unit":  # the unit model prices no hardware: any cache is a test case

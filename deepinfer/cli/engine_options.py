@@ -11,7 +11,8 @@ from deepinfer.config import EngineConfig
 ENGINE_HELP = {
     "block_size": "tokens per KV block",
     "num_gpu_blocks": "KV blocks in the cache",
-    "gpu_memory_utilization": "fraction of GPU memory the engine may use",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use (GPUs only: on a "
+    "CPU the KV cache holds 8 max_model_len sequences, at most 4 GiB, unless --num-gpu-blocks)",
     "max_num_seqs": "most requests in one step",
     "max_num_batched_tokens": "most tokens in one step",
     "max_model_len": "longest request (prompt + output)",

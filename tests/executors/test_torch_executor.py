@@ -79,6 +79,23 @@ def test_cpu_kv_capacity_defaults_to_eight_max_length_sequences(
     assert ex.max_model_len == 128
 
 
+def test_the_simulated_cpu_sizes_its_kv_cache_as_the_cpu_executor(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    """gpu_memory_utilization applies to GPUs: the CPU executor ignores it, and the
+    simulator's CPU sized its cache from it (29,175 blocks for the demo model at 0.2,
+    322,776 at 0.9, against the executor's 256: an audit). Both follow one rule now."""
+    from sim import simulate
+    from sim.traces import TraceRequest
+
+    path = tiny_models["v2_lite"].path
+    for util in (0.2, 0.9):
+        cfg = EngineConfig(block_size=16, max_model_len=128, gpu_memory_utilization=util)
+        real = TorchExecutor(cfg, str(path), device="cpu").num_kv_blocks()
+        res = simulate([TraceRequest("a", 0.0, 16, 2)], str(path / "config.json"), "cpu", cfg)
+        assert res.meta["num_gpu_blocks"] == real == 8 * 128 // 16
+
+
 def test_dummy_executor_runs_from_a_config_alone(
     tiny_models: dict[str, TinyModel], tmp_path: Path
 ) -> None:

@@ -216,3 +216,27 @@ def test_speculation_without_mtp_layers_and_a_context_past_the_models_are_refuse
         simulate(reqs, engine=EngineConfig(num_gpu_blocks=100, num_speculative_tokens=2))
     with pytest.raises(ValueError, match="max_model_len=32768 exceeds"):
         simulate(reqs, engine=EngineConfig(num_gpu_blocks=1000, max_model_len=32768))
+
+
+def test_the_engines_budgets_size_the_activation_reserve_and_fcfs_refuses_priorities() -> None:
+    """Two options the simulator accepted and ignored (an audit): the KV cache it sizes
+    from the GPU's memory kept the default budgets' activation reserve whatever
+    max_num_batched_tokens and max_num_seqs said (the torch executor measures its reserve
+    with a forward over the whole budget), and a trace's priorities under fcfs were
+    dropped silently (LLM refuses them; a trace may be replayed under both policies, so
+    the simulator warns)."""
+
+    reqs = [TraceRequest("a", 0.0, 64, 4)]
+    blocks = {
+        budget: simulate(
+            reqs, "moonlight-16b-a3b", "h200",
+            EngineConfig(max_num_batched_tokens=budget[0], max_num_seqs=budget[1]),
+        ).meta["num_gpu_blocks"]
+        for budget in ((512, 4), (8192, 256), (65536, 1024))
+    }  # fmt: skip
+    assert blocks[(512, 4)] > blocks[(8192, 256)] > blocks[(65536, 1024)]
+    ranked = [TraceRequest("a", 0.0, 64, 4), TraceRequest("b", 0.0, 64, 4, priority=5)]
+    with pytest.warns(UserWarning, match="1 request.s. carry a priority, which the engine"):
+        simulate(ranked, "moonlight-16b-a3b", "h200")
+    done = simulate(ranked, "moonlight-16b-a3b", "h200", EngineConfig(policy="priority"))
+    assert done.summary["num_completed"] == 2
