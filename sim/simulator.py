@@ -118,6 +118,14 @@ def simulate(
         batch_invariant=engine.batch_invariant,
         async_scheduling=engine.async_scheduling,
     )
+    measured = getattr(cost, "meta", {}).get("engine", {}).get("block_size")  # (a profile's)
+    if measured is not None and measured != engine.block_size:
+        warnings.warn(
+            f"block_size={engine.block_size}: profile {cost_meta.get('profile')} was measured "
+            f"with blocks of {measured} tokens, and its step times price this engine's (the "
+            "attention kernels' speed by block size is not modelled)",
+            stacklevel=2,
+        )
     if grammar_mask_per_token_s is None:
         grammar_mask_per_token_s = getattr(cost, "grammar_mask_per_token_s", 0.0)
     if not grammar_mask_per_token_s >= 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -240,3 +241,14 @@ def test_the_engines_budgets_size_the_activation_reserve_and_fcfs_refuses_priori
         simulate(ranked, "moonlight-16b-a3b", "h200")
     done = simulate(ranked, "moonlight-16b-a3b", "h200", EngineConfig(policy="priority"))
     assert done.summary["num_completed"] == 2
+
+
+def test_a_profile_measured_at_another_block_size_is_named() -> None:
+    """The profile's step times were measured with its own block size; a simulation at
+    another one is priced from them, and says so (an audit found it silent)."""
+    reqs = [TraceRequest("a", 0.0, 64, 4)]
+    with pytest.warns(UserWarning, match="block_size=16: profile .*moonlight-16b-a3b__h200.json"):
+        simulate(reqs, "moonlight-16b-a3b", "h200", EngineConfig(block_size=16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        simulate(reqs, "moonlight-16b-a3b", "h200", EngineConfig(block_size=64))
