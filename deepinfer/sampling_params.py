@@ -121,13 +121,6 @@ class SamplingParams:
                 _is_int(t) and t >= 0, "stop_token_ids", t, "entries must be non-negative integers"
             )
         if self.so_args is not None:
-            _check(
-                self.min_tokens == 0,
-                "min_tokens",
-                self.min_tokens,
-                "cannot be combined with so_args: the output ends where its grammar is "
-                "complete and allows nothing more, however short",
-            )
             check_so_args(self.so_args)
 
     @property

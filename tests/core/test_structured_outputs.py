@@ -450,12 +450,3 @@ def test_a_native_trace_takes_so_args_or_structured(tmp_path) -> None:  # type: 
     path.write_text(json.dumps({**rows[1], "structured": "yes"}))
     with pytest.raises(TraceError, match=r"field 'structured': expected true or false"):
         load_trace(path)
-
-
-def test_min_tokens_is_refused_beside_so_args() -> None:
-    """A grammar that is complete and allows nothing more ends the output (finish reason
-    stop), which min_tokens could not hold back: the pair was accepted and min_tokens
-    ignored (an audit: a `choice` of "yes" / "no" with min_tokens=10 gave 2 tokens)."""
-    with pytest.raises(ValueError, match=r"^SamplingParams.min_tokens=10: cannot be combined wi"):
-        SamplingParams(so_args={"schema_type": "choice", "schema": ["yes", "no"]}, min_tokens=10)
-    assert SamplingParams(so_args={"schema_type": "choice", "schema": ["yes"]}).min_tokens == 0
