@@ -479,3 +479,13 @@ def test_a_checkpoint_without_tokenizer_json_gets_the_same_vocabulary(tmp_path) 
     want = tokenizer_info(demo_tokenizer(), size, [1])
     assert got.decoded_vocab == want.decoded_vocab and got.stop_token_ids == [1]
     assert got.decoded_vocab[:3] == [b"", b"", b""] and got.decoded_vocab[300] == b" p"
+
+
+def test_a_grammar_that_allows_nothing_more_ends_the_output_under_min_tokens(llm: LLM) -> None:
+    """min_tokens holds the end tokens back, but a complete grammar that allows nothing
+    more leaves no token to sample: the output ends there ("stop"), neither an error nor
+    a token outside the grammar."""
+    choice = {"schema_type": "choice", "schema": ["yes", "no"]}
+    sp = SamplingParams(temperature=0.0, max_tokens=12, so_args=choice, min_tokens=10)
+    (out,) = [o.outputs[0] for o in llm.generate(PROMPTS[:1], [sp], use_tqdm=False)]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
