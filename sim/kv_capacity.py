@@ -18,7 +18,8 @@ FIXED_RESERVE_BYTES = 2 * 1024**3
 def default_activation_reserve_bytes(
     model: ModelConfig, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256
 ) -> int:
-    """Peak non-weight, non-KV memory of a forward pass at the engine's default budgets.
+    """Peak non-weight, non-KV memory of a forward pass at the given budgets (by default
+    the engine's defaults; the simulator passes its engine's).
 
     Per batched token the largest live tensors are the hidden states, the
     per-head q/k/v of prefill attention and the routed copies' expert

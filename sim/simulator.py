@@ -146,7 +146,8 @@ def simulate(
             spec, hw, engine.block_size, engine.gpu_memory_utilization, reserve,
             speculative=engine.num_speculative_tokens > 0, expert_parallel_size=ep_size,
         )  # fmt: skip
-    elif cost_model != "unit":  # the unit model prices no hardware: any cache is a test case
+    elif cost_model != "unit" and not hw.runs_on_host:  # (the unit model prices no
+        # hardware: any cache is a test case; a CPU executor checks no memory either)
         check_blocks_fit(
             spec, hw, num_blocks, engine.block_size, engine.gpu_memory_utilization,
             speculative=engine.num_speculative_tokens > 0, expert_parallel_size=ep_size,
