@@ -224,8 +224,9 @@ class ProfiledCostModel:
             k = out.num_proposals
         return self._price(out, k)
 
-    def idle_launch_time(self, out: SchedulerOutput) -> float:
-        """Seconds `out` costs beyond `step_time` when launched on an idle device: a
+    def idle_launch_time(self, out: SchedulerOutput, priced: float) -> float:
+        """Seconds `out` costs beyond `priced` (its `step_time`, which the caller has)
+        when launched on an idle device: a
         pipelined step's input preparation and read-back hide behind the step before it;
         with nothing running (the first step after the engine idled, or one launched
         after the step before was applied) they are on the device's path, and the step
@@ -237,7 +238,7 @@ class ProfiledCostModel:
                 warnings.simplefilter("ignore")
                 self._sequential = ProfiledCostModel(*self._sequential_args)
             self._sequential._warned = self._warned  # one warning a range, not two
-        extra = self._sequential.step_time(out) - self.step_time(out)
+        extra = self._sequential.step_time(out) - priced
         return extra if extra > 0.0 else 0.0
 
     def _price(self, out: SchedulerOutput, num_drafts: int) -> float:

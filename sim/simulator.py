@@ -208,8 +208,8 @@ def _serve(
     (the cost model's `idle_launch_time`, which a pipelined step hides behind the one
     before it) is done after its launch: a step launched on an idle device (the first
     after the engine idled, one that waited for the step before to be applied, or one
-    whose host work outlasted the step before) pays what that step left unhidden. on_host (`HardwareSpec.runs_on_host`):
-    the device is the host's CPU, whose launch runs the step before it returns, so the
+    whose host work outlasted the step before) pays what that step left unhidden.
+    on_host (`HardwareSpec.runs_on_host`): the device is the host's CPU, whose launch runs the step before it returns, so the
     host's work and the step's follow each other, async or not."""
     ready_at: dict[int, float] = {}  # step id -> simulated time its results are back
     idle_launch = getattr(cost, "idle_launch_time", None)
@@ -235,10 +235,9 @@ def _serve(
                     host_free = start + masks
                     # Its host part (what a pipelined step hides) runs from its launch: the
                     # device starts it once that is done and the step before has ended.
-                    ready = start + idle_launch(out) if idle_launch is not None else start
-                    device_free = (device_free if device_free > ready else ready) + cost.step_time(
-                        out
-                    )
+                    priced = cost.step_time(out)
+                    ready = start + idle_launch(out, priced) if idle_launch is not None else start
+                    device_free = (device_free if device_free > ready else ready) + priced
                 ready_at[out.step_id] = max(device_free, host_free)
             else:
                 done = ready_at.pop(out.step_id)

@@ -178,10 +178,10 @@ def test_a_step_launched_on_an_idle_device_costs_its_sequential_time() -> None:
     pipelined = ProfiledCostModel(path, spec, hw, async_scheduling=True)
     sequential = ProfiledCostModel(path, spec, hw)
     decode = shape_output([[1, 1, 1024, False]])
-    extra = pipelined.idle_launch_time(decode)
+    extra = pipelined.idle_launch_time(decode, pipelined.step_time(decode))
     assert extra > 0.0
     assert pipelined.step_time(decode) + extra == pytest.approx(sequential.step_time(decode))
-    assert sequential.idle_launch_time(decode) == 0.0
+    assert sequential.idle_launch_time(decode, sequential.step_time(decode)) == 0.0
 
     cfg = EngineConfig(max_num_seqs=8, async_scheduling=True)
     res = simulate([TraceRequest("a", 0.0, 512, 8)], spec, "h200", cfg)
