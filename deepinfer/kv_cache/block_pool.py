@@ -90,8 +90,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on cached blocks found by a prefix lookup."""
         for block in blocks:
-            if block.ref_cnt == 0 and self._free.pop(block.block_id, None) is None:
-                del self._empty[block.block_id]
+            if block.ref_cnt == 0:  # a cached block, freed behind the never-used ones
+                del self._free[block.block_id]
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from hypothesis import example, given
 
 from deepinfer.config import EngineConfig
+from deepinfer.kv_cache.block_pool import KVBlock
 from deepinfer.outputs import SchedulerOutput
 from deepinfer.request import Request, RequestStatus
 from deepinfer.scheduler import Scheduler
@@ -181,6 +182,26 @@ def _held_twice(s: Scheduler) -> list[str] | None:
     return [rid, "twice"]
 
 
+def _never_allocated(s: Scheduler) -> list[str] | None:
+    """A table holds a block the pool has not made yet (blocks are made as first taken)."""
+    pool = s.kv.pool
+    if not s.kv.req_blocks or len(pool.blocks) >= pool.num_blocks:
+        return None
+    ghost = KVBlock(len(pool.blocks))
+    next(iter(s.kv.req_blocks.values())).append(ghost)
+    return [f"block {ghost.block_id}", "never allocated"]
+
+
+def _stray_free_entry(s: Scheduler) -> list[str] | None:
+    """A free list names a block the pool has not made yet."""
+    pool = s.kv.pool
+    if len(pool.blocks) >= pool.num_blocks:
+        return None
+    ghost = KVBlock(len(pool.blocks))
+    pool._empty[ghost.block_id] = ghost
+    return ["free lists", "made blocks free"]
+
+
 CORRUPTIONS: list[Corruption] = [
     _both_waiting_and_running,
     _running_twice,
@@ -198,6 +219,8 @@ CORRUPTIONS: list[Corruption] = [
     _unindexed,
     _stray_index_entry,
     _held_twice,
+    _never_allocated,
+    _stray_free_entry,
 ]
 
 
