@@ -201,8 +201,9 @@ def _serve(
     device's forward (the real runner fills them before it first synchronises): the
     step's results are back when both are done, and the host is busy meanwhile.
 
-    One simpy timeout per step: the host's work is booked on `host_free` (when the host
-    is next idle) and a launch starts once it is done, so only an await has to wait.
+    The host's work is booked on `host_free` (when the host is next idle); time passes
+    to it after each schedule, so the engine's clock reads a launch's start as the real
+    engine's does (its step records begin there), and an await waits for the result.
     Under async scheduling a step is launched while the one before it runs: its device
     work starts when that one's ends (`device_free`), and no sooner than its host part
     (the cost model's `idle_launch_time`, which a pipelined step hides behind the one
@@ -226,6 +227,10 @@ def _serve(
             now = env.now
             if kind is SCHEDULED:
                 host_free = (host_free if host_free > now else now) + cost.cpu_time(out)
+                # The engine launches once its host work is done: the step's recorded
+                # duration starts there, as the real engine's does (after `schedule`).
+                if host_free > now:
+                    yield env.timeout(host_free - now)
             elif kind is LAUNCHED:
                 start = host_free if host_free > now else now
                 masks = mask_time(out, mask_per_token_s) if mask_per_token_s else 0.0
