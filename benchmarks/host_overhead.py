@@ -15,6 +15,11 @@ machine whose host you care about: the figures follow the CPU.
 Not timed: the sampler's bookkeeping after the forward (on the GPU its argmax and the
 one copy of the sampled ids; per request, the sampling state and the output lists),
 and the graph replay's launch.
+
+`--mixed D:P,...` also times the input preparation of eager and piecewise steps (mixed
+prefill + decode, prompts): `ModelRunner.to_device` of D decodes at context 1,024 beside
+one prompt chunk of P tokens (the attention metadata, ids, positions and sampled rows;
+the copy is host-to-host here).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from deepinfer.sampling_params import SamplingParams
 from executors.demo import DEMO_MODEL_DIR
 from executors.kv_cache import PagedKVCache
 from executors.loader import load_model, read_hf_config
-from executors.model_runner import ModelRunner
+from executors.model_runner import HostBatch, ModelRunner
 
 PROMPT_LEN = 16
 BLOCK_SIZE = 16
@@ -137,10 +142,39 @@ def measure(batch: int, steps: int, cfg: EngineConfig, runner: ModelRunner, bloc
     }
 
 
+def measure_mixed(runner: ModelRunner, decodes: int, prompt: int, reps: int = 30) -> float:
+    """Median seconds of `runner.to_device` for `decodes` decodes at context 1,024 (random
+    block ids) beside one prompt chunk of `prompt` tokens."""
+    rng = np.random.default_rng(decodes * 7919 + prompt)
+    ctx = 1024 + rng.integers(0, BLOCK_SIZE * 4, size=decodes)
+    lens = [int(c) + 1 for c in ctx] + ([prompt] if prompt else [])
+    tables = [rng.integers(1, 1 << 20, size=-(-n // BLOCK_SIZE)).tolist() for n in lens]
+    host = HostBatch(
+        req_ids=[f"r{i}" for i in range(len(lens))],
+        input_ids=[5] * (decodes + prompt),
+        positions=[int(c) for c in ctx] + list(range(prompt)),
+        query_lens=[1] * decodes + ([prompt] if prompt else []),
+        context_lens=[int(c) for c in ctx] + ([0] if prompt else []),
+        block_tables=tables, num_decode=decodes,
+        logits_indices=list(range(decodes)) + ([decodes + prompt - 1] if prompt else []),
+    )  # fmt: skip
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        runner.to_device(host)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="1,16,64,256,512")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument(
+        "--mixed",
+        default="16:512,64:512,240:512,240:2048,0:7680",
+        help="D:P shapes of eager steps whose inputs are timed ('' for none)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -168,8 +202,16 @@ def main() -> None:
         + ", ".join(f"{k[:-2]} {s * 1e6:.2f} us" for k, (_, s) in fits.items())
         + ")"
     )
+    mixed = []
+    for shape in filter(None, args.mixed.split(",")):
+        d, p_ = (int(x) for x in shape.split(":"))
+        mixed.append({"decodes": d, "prompt": p_, "to_device_s": measure_mixed(runner, d, p_)})
+    if mixed:
+        print("\n| decodes | prompt tokens | eager inputs ms |\n|---:|---:|---:|")
+        for m in mixed:
+            print(f"| {m['decodes']} | {m['prompt']} | {m['to_device_s'] * 1e3:.3f} |")
     if args.json:
-        out = {"rows": rows, "fit_fixed_s": fixed, "fit_per_request_s": slope}
+        out = {"rows": rows, "fit_fixed_s": fixed, "fit_per_request_s": slope, "mixed": mixed}
         args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -10,12 +10,13 @@ executors.models.mla (kernels.ops chooses Triton or the torch twin).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
-from executors.host_copy import to_device_async
+from executors.host_copy import packed_to_device
 
 
 @dataclass
@@ -38,11 +39,22 @@ class AttentionMetadata:
 
     def to(self, device: torch.device) -> AttentionMetadata:
         """On `device`, copied without waiting for its queued work (executors/host_copy)."""
-        moved = {
-            k: to_device_async(v, device) if isinstance(v, torch.Tensor) else v
-            for k, v in vars(self).items()
-        }
-        return AttentionMetadata(**moved)
+        return self.moved_with(device, [])[0]
+
+    def moved_with(
+        self, device: torch.device, extra: list[torch.Tensor]
+    ) -> tuple[AttentionMetadata, list[torch.Tensor]]:
+        """This and `extra` (host int64 tensors: a step's ids, positions, ...) on
+        `device` in one copy (`packed_to_device`); tensors already there stay."""
+        fields = {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        tensors = [*fields.values(), *extra]
+        moved = [t.to(device) if t.device.type != "cpu" else t for t in tensors]
+        if device.type != "cpu":
+            host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
+            for i, t in zip(host, packed_to_device([tensors[i] for i in host], device)):
+                moved[i] = t
+        md = AttentionMetadata(**{**vars(self), **dict(zip(fields, moved))})
+        return md, moved[len(fields) :]
 
 
 def build_attention_metadata(
@@ -53,42 +65,66 @@ def build_attention_metadata(
     num_decode_reqs: int,
     device: torch.device,
 ) -> AttentionMetadata:
-    """Build the metadata on the CPU, then move it. Requests must be ordered decode-first."""
-    max_blocks = max((len(b) for b in block_tables), default=1) or 1
-    table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int64)
-    for i, blocks in enumerate(block_tables):
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-    q_lens = torch.tensor(query_lens, dtype=torch.int64)
-    ctx = torch.tensor(context_lens, dtype=torch.int64)
-    seq = ctx + q_lens
-    slots, kv_slots = [], []
-    for i, (q, c) in enumerate(zip(query_lens, context_lens)):
-        slots.append(_slots(table[i], torch.arange(c, c + q), block_size))
-        if i >= num_decode_reqs:
-            kv_slots.append(_slots(table[i], torch.arange(c + q), block_size))
-    q_start = F.pad(torch.cumsum(q_lens, 0), (1, 0))
-    prefill = slice(num_decode_reqs, None)
-    empty = torch.zeros(0, dtype=torch.int64)
+    """Build the metadata on the CPU, then move it. Requests must be ordered decode-first.
+
+    Vectorised over the batch (numpy): a per-request loop of small tensor ops cost about
+    20 us a request on the host, 5 ms a step at 256 requests, on the path of every
+    eager or piecewise step."""
+    b = len(block_tables)
+    lens = np.fromiter(map(len, block_tables), np.int64, b)  # [B] blocks a request
+    table = np.zeros((b, int(lens.max(initial=0)) or 1), dtype=np.int64)  # padded with 0
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), np.int64, int(lens.sum()))
+    table[_owner(lens), _offsets(lens)] = flat
+    q = np.asarray(query_lens, dtype=np.int64)  # [B]
+    ctx = np.asarray(context_lens, dtype=np.int64)  # [B]
+    seq = ctx + q
+    # Each new token's slot: request i's positions ctx_i .. ctx_i + q_i - 1.
+    owner = _owner(q)  # [T]
+    slots = _slots(table, owner, ctx[owner] + _offsets(q), block_size)
+    # Each prefill request's keys: all its positions 0 .. seq_i - 1, request by request.
+    nd = num_decode_reqs
+    kv_owner = nd + _owner(seq[nd:])  # [Sp]
+    kv_slots = _slots(table, kv_owner, _offsets(seq[nd:]), block_size)
     md = AttentionMetadata(
         block_size=block_size,
-        slot_mapping=torch.cat(slots) if slots else empty,
-        query_start_loc=q_start,
-        context_lens=ctx,
-        seq_lens=seq,
-        block_tables=table,
-        num_decode_reqs=num_decode_reqs,
-        num_decode_tokens=int(q_lens[:num_decode_reqs].sum()),
-        prefill_cu_seqlens_q=F.pad(torch.cumsum(q_lens[prefill], 0), (1, 0)),
-        prefill_cu_seqlens_k=F.pad(torch.cumsum(seq[prefill], 0), (1, 0)),
-        prefill_kv_slots=torch.cat(kv_slots) if kv_slots else empty,
-        prefill_max_query_len=max(query_lens[num_decode_reqs:], default=0),
+        slot_mapping=torch.from_numpy(slots),
+        query_start_loc=torch.from_numpy(_cumsum0(q)),
+        context_lens=torch.from_numpy(ctx),
+        seq_lens=torch.from_numpy(seq),
+        block_tables=torch.from_numpy(table),
+        num_decode_reqs=nd,
+        num_decode_tokens=int(q[:nd].sum()),
+        prefill_cu_seqlens_q=torch.from_numpy(_cumsum0(q[nd:])),
+        prefill_cu_seqlens_k=torch.from_numpy(_cumsum0(seq[nd:])),
+        prefill_kv_slots=torch.from_numpy(kv_slots),
+        prefill_max_query_len=int(q[nd:].max(initial=0)),
     )
     return md.to(device)
 
 
-def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """slot = block_table[pos // block_size] * block_size + pos % block_size."""
-    return block_table[positions // block_size] * block_size + positions % block_size
+def _cumsum0(x: np.ndarray) -> np.ndarray:
+    """[n] -> [n + 1]: 0, then the running sums."""
+    out = np.zeros(len(x) + 1, dtype=np.int64)
+    np.cumsum(x, out=out[1:])
+    return out
+
+
+def _owner(counts: np.ndarray) -> np.ndarray:
+    """[sum(counts)]: the index of the run each element belongs to."""
+    return np.repeat(np.arange(len(counts)), counts)
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    """[sum(counts)]: each element's offset within its run (0, 1, .., counts[i] - 1)."""
+    starts = _cumsum0(counts)[:-1]
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
+
+
+def _slots(
+    table: np.ndarray, owner: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
+    """slot = table[owner, pos // block_size] * block_size + pos % block_size."""
+    return table[owner, positions // block_size] * block_size + positions % block_size
 
 
 def gather_latent_cache(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch
 from executors.attention import build_attention_metadata
 from executors.cuda_graphs import default_capture_sizes
 from executors.draft_graphs import DraftGraphs
-from executors.host_copy import to_device, to_device_async
+from executors.host_copy import to_device
 from executors.models.deepseek import DeepseekForCausalLM
 from executors.spec_chain import Shift, StepBuffers, rows_by_sequence
 
@@ -338,16 +338,20 @@ class MTPDrafter:
             return self.graphs.run_rows(
                 hidden, next_ids, positions_, block_tables, query_lens, shift
             )
-        md = build_attention_metadata(
-            query_lens, first_pos, block_tables, self.block_size, num_decode, self.device
+        md_host = build_attention_metadata(
+            query_lens, first_pos, block_tables, self.block_size, num_decode, torch.device("cpu")
         )
-        # (through pinned memory: a pageable copy would wait for the step in flight)
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(first_pos, query_lens)])
-        positions = to_device_async(positions, self.device)
-        if isinstance(next_ids, torch.Tensor):
-            ids = next_ids.to(self.device)
-        else:
-            ids = to_device(next_ids, torch.int64, self.device)
+        # Each row's position: request i's first_pos_i .. first_pos_i + q_i - 1.
+        q = torch.tensor(query_lens, dtype=torch.int64)
+        starts = torch.tensor(first_pos, dtype=torch.int64) - md_host.query_start_loc[:-1]
+        positions = torch.arange(int(q.sum()), dtype=torch.int64) + starts.repeat_interleave(q)
+        extra = [positions]
+        if not isinstance(next_ids, torch.Tensor):
+            extra.append(torch.tensor(next_ids, dtype=torch.int64))
+        # one copy, through pinned memory (a pageable copy would wait for the step in flight)
+        md, moved = md_host.moved_with(self.device, extra)
+        positions = moved[0]
+        ids = next_ids.to(self.device) if isinstance(next_ids, torch.Tensor) else moved[1]
         if behind is not None:
             Shift(behind, seq_of, self.block_size).apply(StepBuffers(
                 ids, positions, [md.slot_mapping], md.seq_lens, md.context_lens, md.block_tables
