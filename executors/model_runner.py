@@ -884,13 +884,19 @@ class ModelRunner:
         width = checked.tokens.shape[1]
         newest = checked.tokens.gather(1, checked.accepted[:, None])  # [B_s, 1]
         chain_ids = torch.cat([newest, drafts.ids[mine]], dim=1)  # [B_s, 1 + P]
-        # Logprobs of each sampled row's token (an accepted draft, or the token sampled).
-        grid = [v * width + j for v, k in enumerate(num_drafts) for j in range(1 + k)]
-        row_states = [states[v].sampling for v, k in enumerate(num_drafts) for _ in range(1 + k)]
-        raw = raw_logprobs(logits.float(), row_states, self.batch_invariant)
-        row_params = [s.params for s in row_states]
+        # Logprobs of each sampled row's token (an accepted draft, or the token sampled);
+        # the per-row lists only when a request asked (1,024 rows at batch 256 x 3 drafts).
         lp = None
-        if raw is not None:
+        grid: list[int] = []
+        row_params: list[SamplingParams] = []
+        if any(st.sampling.params.logprobs is not None for st in states):
+            grid = [v * width + j for v, k in enumerate(num_drafts) for j in range(1 + k)]
+            row_states = [
+                states[v].sampling for v, k in enumerate(num_drafts) for _ in range(1 + k)
+            ]
+            raw = raw_logprobs(logits, row_states, self.batch_invariant)
+            assert raw is not None
+            row_params = [s.params for s in row_states]
             row_tokens_d = checked.tokens.flatten()[to_device(grid, torch.int64, dev)]
             lp = logprob_tensors(raw, row_tokens_d, row_params)
         extra = [] if lp is None else [lp.chosen, lp.ranks, lp.top_vals, lp.top_ids]

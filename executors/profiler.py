@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from deepinfer import envs
 from deepinfer.engine import EngineCore
 from deepinfer.outputs import (
     DRAFT_PLACEHOLDER,
@@ -449,6 +450,9 @@ def environment(executor: Any) -> dict[str, Any]:
     except OSError:
         commit = None
     dev = executor.device
+    backend = envs.kernel_backend()  # the kernels its steps ran (kernels.ops.use_triton)
+    if backend == "auto":
+        backend = "triton" if dev.type == "cuda" else "torch"
     return {
         "device": torch.cuda.get_device_name(dev)
         if dev.type == "cuda"
@@ -459,5 +463,6 @@ def environment(executor: Any) -> dict[str, Any]:
         "python": platform.python_version(),
         "commit": commit,
         "cpu_threads": torch.get_num_threads(),
+        "kernel_backend": backend,
         "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
     }

@@ -17,6 +17,7 @@ from typing import Any
 
 import simpy
 
+from deepinfer import envs
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore, StepEventKind
 from deepinfer.kv_cache.host_cache import host_kv_blocks
@@ -126,6 +127,7 @@ def simulate(
             "attention kernels' speed by block size is not modelled)",
             stacklevel=2,
         )
+    _check_kernel_backend(getattr(cost, "meta", {}), cost_meta.get("profile"), hw)
     if grammar_mask_per_token_s is None:
         grammar_mask_per_token_s = getattr(cost, "grammar_mask_per_token_s", 0.0)
     if not grammar_mask_per_token_s >= 0:
@@ -183,6 +185,24 @@ def simulate(
         meta["acceptance_model"] = executor.acceptance.source
         meta["acceptance_per_position"] = list(executor.acceptance.per_position)
     return SimResult(records, core.steps, summarize(records, core.steps, slo), meta)
+
+
+def _check_kernel_backend(meta: dict[str, Any], profile: object, hw: HardwareSpec) -> None:
+    """Warn when a profile's steps ran other kernels than the engine it predicts would
+    (DEEPINFER_KERNEL_BACKEND: the torch twins are several times slower on a GPU)."""
+    measured = meta.get("kernel_backend")  # (profiles before 2026-12-05 do not say)
+    if measured is None:
+        return
+    serving = envs.kernel_backend()
+    if serving == "auto":
+        serving = "torch" if hw.runs_on_host else "triton"
+    if measured != serving:
+        warnings.warn(
+            f"profile {profile} was measured with the {measured} kernels, and the engine "
+            f"it predicts runs the {serving} ones (DEEPINFER_KERNEL_BACKEND="
+            f"{envs.kernel_backend()}): its step times price other kernels",
+            stacklevel=3,
+        )
 
 
 def _serve(

@@ -29,4 +29,6 @@ def test_profile_measures_every_step_kind_and_the_host(tmp_path: Path) -> None:
     # The host is also sampled at the engine's largest batch (max_num_seqs, 256 here),
     # decoding: a wave of 32 short prompts in quick mode, all running together.
     assert any(h["num_reqs"] == 32 and h["num_tokens"] == 32 for h in data["host"])
-    assert json.loads(out.read_text())["meta"]["engine"]["num_gpu_blocks"] == 256
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["engine"]["num_gpu_blocks"] == 256
+    assert meta["kernel_backend"] == "torch"  # on the CPU, the torch twins

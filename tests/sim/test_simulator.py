@@ -16,6 +16,7 @@ from executors.demo import DEMO_MODEL_DIR
 from sim import load_trace, simulate
 from sim.cost_model import UnitCostModel
 from sim.hardware import HardwareSpec, get_hardware
+from sim.profiled_cost_model import PROFILES_DIR
 from sim.sim_executor import SimExecutor
 from sim.simulator import build_requests
 from sim.traces import Trace, TraceRequest
@@ -249,3 +250,20 @@ def test_a_profile_measured_at_another_block_size_is_named() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         simulate(reqs, "moonlight-16b-a3b", "h200", EngineConfig(block_size=64))
+
+
+def test_a_profile_measured_with_other_kernels_is_named(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A profile records the kernels its steps ran; the simulator warns when the engine it
+    predicts would run others (DEEPINFER_KERNEL_BACKEND)."""
+    doc = json.loads((PROFILES_DIR / "moonlight-16b-a3b__h200.json").read_text())
+    doc["meta"]["kernel_backend"] = "torch"
+    path = tmp_path / "torch_kernels.json"
+    path.write_text(json.dumps(doc))
+    reqs = [TraceRequest("a", 0.0, 64, 4)]
+    monkeypatch.delenv("DEEPINFER_KERNEL_BACKEND", raising=False)
+    with pytest.warns(UserWarning, match="measured with the torch kernels.*runs the triton"):
+        simulate(reqs, "moonlight-16b-a3b", "h200", EngineConfig(), profile=path)
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        simulate(reqs, "moonlight-16b-a3b", "h200", EngineConfig(), profile=path)
