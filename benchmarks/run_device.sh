@@ -7,6 +7,8 @@
 #   bash benchmarks/run_device.sh decode  (not in all: decode-path tests, tok/s, kernel profile)
 #   bash benchmarks/run_device.sh spec [ARGS of benchmarks/speculative.py]   (not in all: the
 #     whole sweep takes longer than one device call; e.g. spec --ks 3 --acceptance 0.85)
+#   bash benchmarks/run_device.sh first   (not in all: start-up, then the first burst on the
+#     fresh engine against the same-sized bursts after it; about 1.5 min)
 # The model sweep's JSON plots here with benchmarks/plot_model_speed.py (matplotlib).
 # Missing pure-Python packages (simpy) travel as wheels in .whl/.
 set -uo pipefail
@@ -116,6 +118,13 @@ if [[ $what == spec ]]; then
   status=${PIPESTATUS[0]}
   python3 benchmarks/speculative.py --json "$OUT/speculative.json" "$@" 2>&1 \
     | grep -v Warning | tee "$OUT/speculative.log" | tail -70
+fi
+if [[ $what == first ]]; then
+  # First use (issue 12): the engine's start-up, then 3 bursts of 128 requests; the first
+  # within 10% of the later ones means no served step paid a compile or a capture.
+  python3 benchmarks/first_burst.py --json "$OUT/first_burst.json" 2>&1 \
+    | grep -v Warning | tee "$OUT/first_burst.log" | tail -8
+  status=${PIPESTATUS[0]}
 fi
 if [[ $what == dp ]]; then
   # Several GPUs (a multi-GPU kind): expert/data-parallel tests over NCCL, the all-to-all

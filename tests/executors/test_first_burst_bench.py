@@ -1,0 +1,54 @@
+"""benchmarks/first_burst.py times whole bursts on one engine: each later burst has the
+same sizes as the first and new token ids (no prefix-cache hit makes it cheaper), and every
+request of every burst finishes (no timing is asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from executors.demo import DEMO_MODEL_DIR
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "first_burst.py"
+
+
+def _bench():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("first_burst", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_later_bursts_have_the_first_ones_sizes_and_new_ids() -> None:
+    bench = _bench()
+    first = bench.burst_requests(12, 300, 9, 8192, seed=0)
+    again = bench.burst_requests(12, 300, 9, 8192, seed=1)
+    assert [(len(p), n) for p, n in first] == [(len(p), n) for p, n in again]
+    assert all(len(p) <= 300 and 1 <= n <= 9 for p, n in first)
+    assert all(p != q for (p, _), (q, _) in zip(first, again))
+
+
+def test_the_benchmark_runs_every_burst_to_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "first.json"
+    monkeypatch.setattr("sys.argv", [
+        "first_burst", "--model", str(DEMO_MODEL_DIR / "config.json"), "--num-prompts", "6",
+        "--bursts", "2", "--max-prompt", "96", "--max-output", "4", "--block-size", "16",
+        "--num-gpu-blocks", "256", "--max-num-batched-tokens", "256", "--max-num-seqs", "8",
+        "--json", str(out),
+    ])  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        _bench().main()
+    finally:
+        torch.set_num_threads(threads)
+    doc = json.loads(out.read_text())
+    assert len(doc["bursts"]) == 2 and doc["first_over_later"] > 0
+    assert all(b["steps"] > 0 and b["seconds"] > 0 for b in doc["bursts"])
+    assert doc["bursts"][0]["steps"] == doc["bursts"][1]["steps"]  # the same work twice
