@@ -315,6 +315,7 @@ class ModelRunner:
         its input ids [T] on the device; `fill` completes the loaded inputs (deferred
         tokens, moved positions) before the forward."""
         t = len(host.input_ids)
+        batch: Batch | None = None
         graphs = self._graphs_for(host)
         if graphs is not None:
             hidden = graphs.run(host.input_ids, host.positions, host.block_tables, fill)[:t]
@@ -339,6 +340,8 @@ class ModelRunner:
         n = len(host.logits_indices)
         if host.logits_indices == list(range(n)):
             return hidden, slice(0, n), input_ids
+        if batch is not None:  # (the eager path's indices came in its one copy)
+            return hidden, batch.logits_indices, input_ids
         return hidden, to_device(host.logits_indices, torch.int64, self.device), input_ids
 
     def can_overlap(self, out: SchedulerOutput) -> bool:

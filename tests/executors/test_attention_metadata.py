@@ -98,5 +98,6 @@ def test_metadata_reaches_the_device_in_one_packed_copy() -> None:
         got = getattr(on_gpu, name)
         if isinstance(value, torch.Tensor):
             assert got.is_cuda and torch.equal(got.cpu(), value), name
+            assert got.numel() == 0 or got.data_ptr() % 16 == 0, name  # (Triton's alignment)
         else:
             assert got == value, name
