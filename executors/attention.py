@@ -75,8 +75,8 @@ def build_attention_metadata(
     table = np.zeros((b, int(lens.max(initial=0)) or 1), dtype=np.int64)  # padded with 0
     flat = np.fromiter(itertools.chain.from_iterable(block_tables), np.int64, int(lens.sum()))
     table[_owner(lens), _offsets(lens)] = flat
-    q = np.asarray(query_lens, dtype=np.int64)  # [B]
-    ctx = np.asarray(context_lens, dtype=np.int64)  # [B]
+    q = np.array(query_lens, dtype=np.int64)  # [B] (copies: the tensors are written in place)
+    ctx = np.array(context_lens, dtype=np.int64)  # [B]
     seq = ctx + q
     # Each new token's slot: request i's positions ctx_i .. ctx_i + q_i - 1.
     owner = _owner(q)  # [T]
