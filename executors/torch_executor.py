@@ -17,6 +17,7 @@ import torch
 from deepinfer import envs
 from deepinfer.config import EngineConfig, EngineRole
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer.sampling_params import SamplingParams
 from executors.batch_invariant import check_supported
 from executors.distributed.expert_parallel import ExpertParallel
 from executors.kv_cache import (
@@ -28,6 +29,7 @@ from executors.kv_cache import (
 )
 from executors.loader import load_model, read_model_config, resolve_dtype, resolve_model_dir
 from executors.model_runner import ModelRunner
+from executors.sampler import SamplingState, sample_on_device
 from executors.step_handle import PendingStep
 from executors.structured_outputs import GrammarCompiler
 from executors.warmup import WarmupReport, warm_up
@@ -254,6 +256,19 @@ class TorchExecutor:
         )
         runner.execute(SchedulerOutput(step_id=-1, scheduled=[req]))
         del runner, cache
+        self._profile_sampler()
+
+    def _profile_sampler(self) -> None:
+        """The sampler's peak: logits of max_num_seqs requests x (1 + drafts) rows (at most
+        the token budget), sampled with every filter on. The prefill above samples one row,
+        and at batch 256 x 3 drafts of a 163,840-token vocabulary one float32 copy of the
+        logits is 0.7 GB (the sampler makes several: temperature, sort, probabilities)."""
+        cfg = self.engine_config
+        rows = min(cfg.max_num_seqs * (1 + cfg.num_speculative_tokens), cfg.max_num_batched_tokens)
+        hidden = torch.zeros(rows, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        logits = self.model.compute_logits(hidden)  # [rows, vocab]
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01)
+        sample_on_device(logits, [SamplingState(params, [])] * rows)
 
 
 def _device(name: str) -> torch.device:

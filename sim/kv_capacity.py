@@ -13,17 +13,27 @@ from sim.hardware import HardwareSpec
 # CUDA context, cuBLAS/NCCL workspaces and captured CUDA graphs: memory the
 # engine holds outside weights and per-token activations.
 FIXED_RESERVE_BYTES = 2 * 1024**3
+# Peak bytes per logit (rows x vocabulary) while the sampler draws with temperature,
+# top-p, top-k and min-p: the bf16 head output and its float32 copy, then the filters'
+# copies, the sort and the race's draws. Measured with the process's peak RSS around
+# `sample_on_device` on the CPU (30.4; 20.3 with temperature alone; benchmarks/RESULTS.md).
+SAMPLER_PEAK_BYTES_PER_LOGIT = 30
 
 
 def default_activation_reserve_bytes(
-    model: ModelConfig, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256
+    model: ModelConfig,
+    max_num_batched_tokens: int = 8192,
+    max_num_seqs: int = 256,
+    num_speculative_tokens: int = 0,
 ) -> int:
-    """Peak non-weight, non-KV memory of a forward pass at the given budgets (by default
-    the engine's defaults; the simulator passes its engine's).
+    """Peak non-weight, non-KV memory of the torch executor's memory profile at the given
+    budgets (by default the engine's defaults; the simulator passes its engine's).
 
-    Per batched token the largest live tensors are the hidden states, the
-    per-head q/k/v of prefill attention and the routed copies' expert
-    intermediates; per sequence the fp32 logits and their softmax.
+    The profile runs a forward over the whole token budget, then the sampler over a
+    step's logits (`TorchExecutor._profile_sampler`); the peak is the larger of the two.
+    Per batched token the forward's largest live tensors are the hidden states, the
+    per-head q/k/v of prefill attention and the routed copies' expert intermediates;
+    the sampler's rows are every request and its drafts (at most the token budget).
     """
     m = model
     per_token = (
@@ -31,8 +41,9 @@ def default_activation_reserve_bytes(
         + 2 * m.num_attention_heads * (m.qk_head_dim + m.v_head_dim)
         + 3 * max(m.num_experts_per_tok * m.moe_intermediate_size, m.intermediate_size)
     ) * 2  # bf16
-    logits = max_num_seqs * m.vocab_size * 4 * 2  # fp32 logits + probabilities
-    return FIXED_RESERVE_BYTES + max_num_batched_tokens * per_token + logits
+    rows = min(max_num_seqs * (1 + num_speculative_tokens), max_num_batched_tokens)
+    sampler = rows * m.vocab_size * SAMPLER_PEAK_BYTES_PER_LOGIT
+    return FIXED_RESERVE_BYTES + max(max_num_batched_tokens * per_token, sampler)
 
 
 def kv_capacity_blocks(

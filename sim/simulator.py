@@ -140,10 +140,12 @@ def simulate(
         num_blocks = host_kv_blocks(max_len, engine.block_size, engine.block_size * per_token)
     elif num_blocks is None:  # per rank: with expert parallelism it holds 1/N of the experts
         # The activations' reserve follows the engine's budgets, as the torch executor's
-        # test forward over its whole token budget measures it.
+        # memory profile (a forward over its whole token budget, then the sampler over a
+        # step's logits) measures it.
         reserve = default_activation_reserve_bytes(
-            spec, engine.max_num_batched_tokens, engine.max_num_seqs
-        )
+            spec, engine.max_num_batched_tokens, engine.max_num_seqs,
+            engine.num_speculative_tokens,
+        )  # fmt: skip
         num_blocks = kv_capacity_blocks(
             spec, hw, engine.block_size, engine.gpu_memory_utilization, reserve,
             speculative=engine.num_speculative_tokens > 0, expert_parallel_size=ep_size,

@@ -246,6 +246,34 @@ def test_speculation_needs_mtp_layers(tiny_models: dict[str, TinyModel]) -> None
     assert len(ex.kv_cache.mtp_layers) == 1 and ex.runner.drafter is not None
 
 
+@pytest.mark.parametrize(
+    ("seqs", "drafts", "budget", "rows"), [(8, 0, 64, 8), (8, 3, 64, 32), (32, 3, 64, 64)]
+)
+def test_the_memory_profile_samples_a_full_batch_of_rows(
+    tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch,
+    seqs: int, drafts: int, budget: int, rows: int,
+) -> None:  # fmt: skip
+    """The forward that sizes the KV cache on CUDA samples one row; the sampler's own peak
+    (a step's logits over every request and draft, each filter on) is profiled beside it."""
+    import executors.torch_executor as te
+
+    cfg = EngineConfig(num_speculative_tokens=drafts, num_gpu_blocks=16, block_size=4,
+                       max_num_seqs=seqs, max_num_batched_tokens=budget)  # fmt: skip
+    ex = TorchExecutor(cfg, str(tiny_models["v3_mtp"].path), device="cpu")
+    seen = []
+    real = te.sample_on_device
+
+    def spy(logits, states, *a, **kw):  # type: ignore[no-untyped-def]
+        seen.append((tuple(logits.shape), states[0].params))
+        return real(logits, states, *a, **kw)
+
+    monkeypatch.setattr(te, "sample_on_device", spy)
+    ex._profile_run()
+    ((shape, params),) = seen
+    assert shape == (rows, ex.config.vocab_size)
+    assert params.temperature > 0 and params.top_p < 1 and params.top_k > 0 and params.min_p > 0
+
+
 def test_cuda_asked_of_a_torch_without_cuda_is_a_clear_error(
     tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch
 ) -> None:
