@@ -109,6 +109,7 @@ def main() -> None:
         if warm is not None
         else f"start-up {startup:.1f} s"
     )
+    print(f"KV cache: {ex.num_kv_blocks()} blocks of {cfg.block_size} tokens")
     core = EngineCore(cfg, ex, model_max_len=ex.max_model_len)
     sizes = args.num_prompts, args.max_prompt, args.max_output, ex.vocab_size
     requests = burst_requests(*sizes)
@@ -127,6 +128,7 @@ def main() -> None:
         doc = {
             "model": args.model, "device": str(dev), "engine": cfg.to_dict(),
             "startup_s": startup, "executor_startup_s": ex.startup_seconds,
+            "num_kv_blocks": ex.num_kv_blocks(),
             "warmup_s": warm.seconds if warm is not None else None,
             "warmup_compiled": warm.num_compiled if warm is not None else None,
             "bursts": bursts, "first_over_later": ratio,
