@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from executors.attention import build_attention_metadata
+from executors.attention import AttentionMetadata, build_attention_metadata
 from executors.host_copy import PACK_ALIGN, packed_to_device
+from executors.spec_chain import Shift, StepBuffers, rows_by_sequence
 
 
 def _expected(query_lens, context_lens, tables, bs, nd):  # type: ignore[no-untyped-def]
@@ -101,3 +102,33 @@ def test_metadata_reaches_the_device_in_one_packed_copy() -> None:
             assert got.numel() == 0 or got.data_ptr() % 16 == 0, name  # (Triton's alignment)
         else:
             assert got == value, name
+
+
+def test_a_shift_on_packed_views_equals_one_on_separate_tensors() -> None:
+    """The chained verify step moves a loaded step's rows back in place (spec_chain.Shift):
+    on the views of one packed copy it writes what it writes on separate tensors, and
+    nothing outside each view."""
+    md = build_attention_metadata([3, 3], [10, 20], [[4, 5], [6, 7, 9]], 8, 2, torch.device("cpu"))
+    positions = torch.tensor([10, 11, 12, 20, 21, 22])
+    ids = torch.arange(6)
+
+    def shifted(md_, pos, ids_):  # type: ignore[no-untyped-def]
+        buf = StepBuffers(ids_, pos, [md_.slot_mapping], md_.seq_lens, md_.context_lens,
+                          md_.block_tables)  # fmt: skip
+        Shift(torch.tensor([2, 1]), rows_by_sequence([3, 3]), 8).apply(buf)
+        return [md_.slot_mapping, md_.seq_lens, md_.context_lens, md_.block_tables, pos, ids_]
+
+    plain = shifted(
+        AttentionMetadata(**{k: v.clone() if isinstance(v, torch.Tensor) else v
+                             for k, v in vars(md).items()}),
+        positions.clone(), ids.clone(),
+    )  # fmt: skip
+    fields = {k: v for k, v in vars(md).items() if isinstance(v, torch.Tensor)}
+    moved = packed_to_device([*fields.values(), positions, ids], torch.device("cpu"))
+    packed_md = AttentionMetadata(**{**vars(md), **dict(zip(fields, moved))})
+    packed = shifted(packed_md, moved[-2], moved[-1])
+    for a, b in zip(plain, packed):
+        assert torch.equal(a, b)
+    untouched = ("query_start_loc", "prefill_cu_seqlens_q", "prefill_cu_seqlens_k")
+    for name in untouched:
+        assert torch.equal(getattr(packed_md, name), getattr(md, name)), name
