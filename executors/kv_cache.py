@@ -85,7 +85,8 @@ def cuda_num_blocks(
     profile: Callable[[], None],
 ) -> int:
     """Blocks that fit in gpu_memory_utilization of the device after weights and the
-    peak activations of `profile` (a forward of a full token budget), unless
+    peak activations of `profile` (a forward of a full token budget, then the sampler
+    over a step's logits: TorchExecutor._profile_run), unless
     engine.num_gpu_blocks says otherwise.
     """
     if engine.num_gpu_blocks is not None:

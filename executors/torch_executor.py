@@ -229,7 +229,8 @@ class TorchExecutor:
         )
 
     def _profile_run(self) -> None:
-        """One prefill of a full token budget into a throwaway cache, to measure the peak."""
+        """One prefill of a full token budget into a throwaway cache, then the sampler
+        (`_profile_sampler`), to measure the peak."""
         n = min(self.engine_config.max_num_batched_tokens, self.max_model_len)
         bs = self.engine_config.block_size
         blocks = -(-n // bs)
@@ -260,15 +261,19 @@ class TorchExecutor:
 
     def _profile_sampler(self) -> None:
         """The sampler's peak: logits of max_num_seqs requests x (1 + drafts) rows (at most
-        the token budget), sampled with every filter on. The prefill above samples one row,
-        and at batch 256 x 3 drafts of a 163,840-token vocabulary one float32 copy of the
-        logits is 0.7 GB (the sampler makes several: temperature, sort, probabilities)."""
+        the token budget), sampled with every filter and logprobs on; under async
+        scheduling beside the logits of the step before, which its pending result holds
+        until the step after it is launched. The prefill above samples one row, and at
+        batch 256 x 3 drafts of a 163,840-token vocabulary one float32 copy of the logits
+        is 0.7 GB (the sampler makes several: temperature, sort, probabilities)."""
         cfg = self.engine_config
         rows = min(cfg.max_num_seqs * (1 + cfg.num_speculative_tokens), cfg.max_num_batched_tokens)
         hidden = torch.zeros(rows, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        held = self.model.compute_logits(hidden) if cfg.async_scheduling else None
         logits = self.model.compute_logits(hidden)  # [rows, vocab]
-        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01)
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, logprobs=1)
         sample_on_device(logits, [SamplingState(params, [])] * rows)
+        del held
 
 
 def _device(name: str) -> torch.device:

@@ -14,10 +14,12 @@ from sim.hardware import HardwareSpec
 # engine holds outside weights and per-token activations.
 FIXED_RESERVE_BYTES = 2 * 1024**3
 # Peak bytes per logit (rows x vocabulary) while the sampler draws with temperature,
-# top-p, top-k and min-p: the bf16 head output and its float32 copy, then the filters'
-# copies, the sort and the race's draws. Measured with the process's peak RSS around
-# `sample_on_device` on the CPU (30.4; 20.3 with temperature alone; benchmarks/RESULTS.md).
-SAMPLER_PEAK_BYTES_PER_LOGIT = 30
+# top-p, top-k, min-p and logprobs: the bf16 head output and its float32 copy, then the
+# filters' copies, the sort, the race's draws and the log-softmax (34.4, measured with the
+# process's peak RSS around `sample_on_device` on the CPU; 20.3 with temperature alone;
+# benchmarks/RESULTS.md), plus the float32 logits of the step before, which under async
+# scheduling (the default) its pending result holds meanwhile.
+SAMPLER_PEAK_BYTES_PER_LOGIT = 38
 
 
 def default_activation_reserve_bytes(

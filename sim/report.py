@@ -314,10 +314,19 @@ def progress_curves(records: list[RequestRecord]) -> tuple[list[float], list[flo
 
 def timeline_with_breaks(steps: list[StepRecord], picked: list[int]) -> list[float]:
     """The times of the picked steps, with a NaN wherever the engine sat idle between two
-    of them, so that a timeline breaks there instead of drawing a line across the gap."""
+    of them, so that a timeline breaks there instead of drawing a line across the gap.
+
+    Idle before step i: step i - 1 left no request running or waiting, and step i began
+    after it ended. (A gap alone is not idleness: between two steps the host schedules
+    and applies results, a gap in every synchronous step log, real or simulated.)"""
     idle_seen, count = [], 0
-    for i, st in enumerate(steps):  # idle before step i: it started after step i - 1 ended
-        if i and st.time - st.duration > steps[i - 1].time + 1e-9:
+    for i, st in enumerate(steps):
+        prev = steps[i - 1] if i else None
+        if (
+            prev is not None
+            and prev.num_running + prev.num_waiting == 0
+            and st.time - st.duration > prev.time + 1e-9
+        ):
             count += 1
         idle_seen.append(count)
     out: list[float] = []

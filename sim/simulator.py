@@ -127,7 +127,7 @@ def simulate(
             "attention kernels' speed by block size is not modelled)",
             stacklevel=2,
         )
-    _check_kernel_backend(getattr(cost, "meta", {}), cost_meta.get("profile"), hw)
+    _check_kernel_backend(getattr(cost, "meta", {}), getattr(cost, "profile_name", None), hw)
     if grammar_mask_per_token_s is None:
         grammar_mask_per_token_s = getattr(cost, "grammar_mask_per_token_s", 0.0)
     if not grammar_mask_per_token_s >= 0:

@@ -272,6 +272,7 @@ def test_the_memory_profile_samples_a_full_batch_of_rows(
     ((shape, params),) = seen
     assert shape == (rows, ex.config.vocab_size)
     assert params.temperature > 0 and params.top_p < 1 and params.top_k > 0 and params.min_p > 0
+    assert params.logprobs is not None
 
 
 def test_cuda_asked_of_a_torch_without_cuda_is_a_clear_error(

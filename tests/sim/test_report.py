@@ -147,12 +147,15 @@ def test_timelines_break_across_idle_gaps_and_not_between_busy_steps() -> None:
     from deepinfer.records import StepRecord
     from sim.report import timeline_with_breaks
 
-    def step(i: int, end: float, dur: float) -> StepRecord:
-        return StepRecord(i, end, dur, 1, 0, 10, 0, 1, 0.5, 0)
+    def step(i: int, end: float, dur: float, running: int = 1) -> StepRecord:
+        return StepRecord(i, end, dur, running, 0, 10, 0, 1, 0.5, 0)
 
     busy = [step(0, 1.0, 1.0), step(1, 2.0, 1.0), step(2, 3.0, 1.0)]
     assert timeline_with_breaks(busy, [0, 1, 2]) == [1.0, 2.0, 3.0]
-    idle = [step(0, 1.0, 1.0), step(1, 11.0, 1.0), step(2, 12.0, 1.0)]  # idle from 1 to 10
+    # synchronous: the host schedules between steps (a gap), with requests running
+    sync = [step(0, 1.0, 0.9), step(1, 2.0, 0.9), step(2, 3.0, 0.9)]
+    assert timeline_with_breaks(sync, [0, 1, 2]) == [1.0, 2.0, 3.0]
+    idle = [step(0, 1.0, 1.0, running=0), step(1, 11.0, 1.0), step(2, 12.0, 1.0)]  # 1 to 10
     t = timeline_with_breaks(idle, [0, 1, 2])
     assert t[0] == 1.0 and t[1] != t[1] and t[2:] == [11.0, 12.0]
     assert timeline_with_breaks(idle, [0, 2])[1] != timeline_with_breaks(idle, [0, 2])[1]
