@@ -28,9 +28,16 @@ def test_reproduces_its_own_profile_points(path) -> None:
     cm = _model(path)
     points = json.loads(path.read_text())["points"]
     for p, err in zip(points, cm.point_errors):
-        if p["kind"] == "decode":  # the measured grid itself, made monotone
-            assert abs(err) < 0.03, (p["groups"], err)
+        if p["kind"] == "decode":  # the measured grid itself, made monotone: a point
+            # that noise put above its longer-context neighbour (Moonlight 2026-12-05:
+            # batch 512 at context 256, 6% above 512) is split with it
+            assert abs(err) < 0.035, (p["groups"], err)
     assert cm.fit.median_abs_err < 0.1
+
+
+def _nondecreasing(xs: list[float]) -> bool:
+    """Each at least the one before, up to rounding (a flat stretch's last bits differ)."""
+    return all(b >= a * (1 - 1e-12) for a, b in zip(xs, xs[1:]))
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
@@ -40,20 +47,20 @@ def test_monotone_in_tokens_context_and_batch(path) -> None:
         warnings.simplefilter("ignore")  # the sweeps go past the profile on purpose
         for ctx in (0, 1000, 5000):
             times = [cm.step_time(shape_output([[1, n, ctx, True]])) for n in range(16, 20000, 97)]
-            assert times == sorted(times)
+            assert _nondecreasing(times)
         for batch in (1, 7, 60, 300):
             times = [
                 cm.step_time(shape_output([[batch, 1, c, False]])) for c in range(1, 20000, 211)
             ]
-            assert times == sorted(times)
+            assert _nondecreasing(times)
         for ctx in (10, 900, 6000):
             times = [cm.step_time(shape_output([[b, 1, ctx, False]])) for b in range(1, 1100, 13)]
-            assert times == sorted(times)
+            assert _nondecreasing(times)
         mixed = [
             cm.step_time(shape_output([[d, 1, 800, False], [1, 300, 0, True]]))
             for d in range(1, 400, 9)
         ]
-        assert mixed == sorted(mixed)
+        assert _nondecreasing(mixed)
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
@@ -73,7 +80,7 @@ def test_a_decode_step_waits_for_its_longest_request_past_the_grid_too(path) -> 
                 cm.step_time(shape_output([[batch - 1, 1, 2000, False], [1, 1, c, False]]))
                 for c in (top, top * 4 // 3, top * 2)
             ]
-            assert times == sorted(times)
+            assert _nondecreasing(times)
             assert times[1] >= at_edge, (batch, times, at_edge)
 
 
