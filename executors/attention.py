@@ -78,9 +78,8 @@ def build_attention_metadata(
     q = np.array(query_lens, dtype=np.int64)  # [B] (copies: the tensors are written in place)
     ctx = np.array(context_lens, dtype=np.int64)  # [B]
     seq = ctx + q
-    # Each new token's slot: request i's positions ctx_i .. ctx_i + q_i - 1.
-    owner = _owner(q)  # [T]
-    slots = _slots(table, owner, ctx[owner] + _offsets(q), block_size)
+    # Each new token's slot, at its position (`token_positions`).
+    slots = _slots(table, _owner(q), _positions(q, ctx), block_size)
     # Each prefill request's keys: all its positions 0 .. seq_i - 1, request by request.
     nd = num_decode_reqs
     kv_owner = nd + _owner(seq[nd:])  # [Sp]
@@ -100,6 +99,16 @@ def build_attention_metadata(
         prefill_max_query_len=int(q[nd:].max(initial=0)),
     )
     return md.to(device)
+
+
+def token_positions(query_lens: list[int], context_lens: list[int]) -> np.ndarray:
+    """[T] int64: request i's positions context_i .. context_i + query_i - 1, in order."""
+    q = np.array(query_lens, dtype=np.int64)
+    return _positions(q, np.array(context_lens, dtype=np.int64))
+
+
+def _positions(q: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+    return np.repeat(ctx, q) + _offsets(q)
 
 
 def _cumsum0(x: np.ndarray) -> np.ndarray:

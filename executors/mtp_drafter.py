@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.attention import build_attention_metadata
+from executors.attention import build_attention_metadata, token_positions
 from executors.cuda_graphs import default_capture_sizes
 from executors.draft_graphs import DraftGraphs
 from executors.host_copy import to_device
@@ -330,7 +330,7 @@ class MTPDrafter:
         (spec_chain.Shift); None: nowhere."""
         seq_of = rows_by_sequence(query_lens)
         if self.graphs is not None and self.graphs.fits(len(next_ids), block_tables):
-            positions_ = [p + i for p, n in zip(first_pos, query_lens) for i in range(n)]
+            positions_ = token_positions(query_lens, first_pos).tolist()
             shift = None
             if behind is not None:  # the graphs hold one single-row sequence a row
                 per_row = behind[to_device(seq_of, torch.int64, self.device)]
@@ -341,11 +341,7 @@ class MTPDrafter:
         md_host = build_attention_metadata(
             query_lens, first_pos, block_tables, self.block_size, num_decode, torch.device("cpu")
         )
-        # Each row's position: request i's first_pos_i .. first_pos_i + q_i - 1.
-        q = torch.tensor(query_lens, dtype=torch.int64)
-        starts = torch.tensor(first_pos, dtype=torch.int64) - md_host.query_start_loc[:-1]
-        positions = torch.arange(int(q.sum()), dtype=torch.int64) + starts.repeat_interleave(q)
-        extra = [positions]
+        extra = [torch.from_numpy(token_positions(query_lens, first_pos))]
         if not isinstance(next_ids, torch.Tensor):
             extra.append(torch.tensor(next_ids, dtype=torch.int64))
         # one copy, through pinned memory (a pageable copy would wait for the step in flight)

@@ -119,15 +119,8 @@ def simulate(
         batch_invariant=engine.batch_invariant,
         async_scheduling=engine.async_scheduling,
     )
-    measured = getattr(cost, "meta", {}).get("engine", {}).get("block_size")  # (a profile's)
-    if measured is not None and measured != engine.block_size:
-        warnings.warn(
-            f"block_size={engine.block_size}: profile {cost_meta.get('profile')} was measured "
-            f"with blocks of {measured} tokens, and its step times price this engine's (the "
-            "attention kernels' speed by block size is not modelled)",
-            stacklevel=2,
-        )
-    _check_kernel_backend(getattr(cost, "meta", {}), getattr(cost, "profile_name", None), hw)
+    profile_name = cost_meta.get("profile") or getattr(cost, "profile_name", None)
+    _check_profile(getattr(cost, "meta", {}), profile_name, engine, hw)
     if grammar_mask_per_token_s is None:
         grammar_mask_per_token_s = getattr(cost, "grammar_mask_per_token_s", 0.0)
     if not grammar_mask_per_token_s >= 0:
@@ -189,18 +182,28 @@ def simulate(
     return SimResult(records, core.steps, summarize(records, core.steps, slo), meta)
 
 
-def _check_kernel_backend(meta: dict[str, Any], profile: object, hw: HardwareSpec) -> None:
-    """Warn when a profile's steps ran other kernels than the engine it predicts would
-    (DEEPINFER_KERNEL_BACKEND: the torch twins are several times slower on a GPU)."""
-    measured = meta.get("kernel_backend")  # (profiles before 2026-12-05 do not say)
-    if measured is None:
-        return
+def _check_profile(
+    meta: dict[str, Any], profile: object, engine: EngineConfig, hw: HardwareSpec
+) -> None:
+    """Warn where a profile's steps (its `meta`; none for a model without one) were
+    measured unlike the engine it prices: another block size (the attention kernels'
+    speed by block size is not modelled), or other kernels (DEEPINFER_KERNEL_BACKEND:
+    the torch twins are several times slower on a GPU)."""
+    blocks = meta.get("engine", {}).get("block_size")
+    if blocks is not None and blocks != engine.block_size:
+        warnings.warn(
+            f"block_size={engine.block_size}: profile {profile} was measured with blocks "
+            f"of {blocks} tokens, and its step times price this engine's (the attention "
+            "kernels' speed by block size is not modelled)",
+            stacklevel=3,
+        )
+    kernels = meta.get("kernel_backend")  # (profiles before 2026-12-05 do not say)
     serving = envs.kernel_backend()
     if serving == "auto":
         serving = "torch" if hw.runs_on_host else "triton"
-    if measured != serving:
+    if kernels is not None and kernels != serving:
         warnings.warn(
-            f"profile {profile} was measured with the {measured} kernels, and the engine "
+            f"profile {profile} was measured with the {kernels} kernels, and the engine "
             f"it predicts runs the {serving} ones (DEEPINFER_KERNEL_BACKEND="
             f"{envs.kernel_backend()}): its step times price other kernels",
             stacklevel=3,
@@ -232,8 +235,9 @@ def _serve(
     before it) is done after its launch: a step launched on an idle device (the first
     after the engine idled, one that waited for the step before to be applied, or one
     whose host work outlasted the step before) pays what that step left unhidden.
-    on_host (`HardwareSpec.runs_on_host`): the device is the host's CPU, whose launch runs the step before it returns, so the
-    host's work and the step's follow each other, async or not."""
+    on_host (`HardwareSpec.runs_on_host`): the device is the host's CPU, whose launch
+    runs the step before it returns, so the host's work and the step's follow each
+    other, async or not."""
     ready_at: dict[int, float] = {}  # step id -> simulated time its results are back
     idle_launch = getattr(cost, "idle_launch_time", None)
     host_free = device_free = 0.0
