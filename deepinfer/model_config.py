@@ -129,7 +129,7 @@ class ModelConfig(ModelSizes):
     quant_method: str | None = None  # "fp8" for DeepSeek-V3's published checkpoint
     dtype_bytes: int = 2  # linear-layer weights: 2 for bf16, 1 for fp8 checkpoints
     embed_dtype_bytes: int = 2  # embedding / lm_head stay bf16 even in fp8 checkpoints
-    kv_dtype_bytes: int = 2  # KV cache entries (bf16 unless an fp8 cache is configured)
+    kv_dtype_bytes: int = 2  # KV cache entries, in the checkpoint's dtype as the executor keeps them
 
     @property
     def is_moe(self) -> bool:
@@ -188,6 +188,9 @@ class ModelConfig(ModelSizes):
                 eos_token_id=raw.get("eos_token_id"),
                 quant_method=quant_method,
                 dtype_bytes=1 if quant_method == "fp8" else _dtype_bytes(raw),
+                # The real executor caches KV in the checkpoint's dtype (bf16 beside fp8
+                # weights, whose config states bf16).
+                kv_dtype_bytes=2 if quant_method == "fp8" else _dtype_bytes(raw),
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from None

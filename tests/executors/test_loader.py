@@ -220,3 +220,17 @@ def test_dtype_resolution(tiny_models: dict[str, TinyModel]) -> None:
     raw = {**read_hf_config(tiny_models["v3_plain"].path), "dtype": None}
     assert resolve_dtype(ModelConfig.from_dict(raw), None, CPU) == torch.float32
     assert json.loads((tiny_models["v3_plain"].path / "config.json").read_text())["dtype"]
+
+
+@pytest.mark.parametrize("checkpoint_dtype", ["bfloat16", "float32"])
+def test_the_simulator_sizes_kv_in_the_dtype_the_executor_caches(checkpoint_dtype: str) -> None:
+    """The executor caches KV in the checkpoint's dtype; the simulator's memory plan
+    must count the same bytes a block (it once assumed bf16 for every checkpoint)."""
+    from deepinfer.model_config import _config_source
+    from executors.kv_cache import bytes_per_block
+    from executors.loader import resolve_dtype
+
+    raw = json.loads(_config_source("deepseek-v2-lite")[0].read_text())
+    cfg = ModelConfig.from_dict({**raw, "torch_dtype": checkpoint_dtype})
+    cached = resolve_dtype(cfg, None, torch.device("cpu"))
+    assert bytes_per_block(cfg, 64, cached) == 64 * cfg.kv_bytes_per_token
