@@ -129,7 +129,7 @@ class ModelConfig(ModelSizes):
     quant_method: str | None = None  # "fp8" for DeepSeek-V3's published checkpoint
     dtype_bytes: int = 2  # linear-layer weights: 2 for bf16, 1 for fp8 checkpoints
     embed_dtype_bytes: int = 2  # embedding / lm_head stay bf16 even in fp8 checkpoints
-    kv_dtype_bytes: int = 2  # KV cache entries, in the checkpoint's dtype as the executor keeps them
+    kv_dtype_bytes: int = 2  # KV cache entries: the checkpoint's dtype, as the executor's
 
     @property
     def is_moe(self) -> bool:
