@@ -49,12 +49,20 @@ _MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the main mod
 
 
 def resolve_model_dir(model: str, *, revision: str | None = None, weights: bool = True) -> Path:
-    """Local directory for `model` (a path or a hub id), downloading it if needed."""
+    """Local directory for `model` (a path or a hub id), downloading it if needed.
+    `revision` (a hub branch, tag or commit) only for a model from the hub."""
     path = Path(model).expanduser()
-    if path.is_dir():
-        return path
     from executors.demo import DEMO_MODEL_NAME, demo_model_path
 
+    local = path.is_dir() or model == DEMO_MODEL_NAME or model.lower() in known_models()
+    if revision is not None and (local or envs.hf_model_dir()):
+        where = "DEEPINFER_HF_MODEL_DIR's copy" if not local else f"{model!r}, which is local"
+        raise ValueError(
+            f"revision={revision!r}: a revision picks a version of a Hugging Face hub "
+            f"repository, and the model is {where}; drop it, or name the hub id"
+        )
+    if path.is_dir():
+        return path
     if model == DEMO_MODEL_NAME:  # the small trained model shipped with the package
         return demo_model_path()
     if model.lower() in known_models():  # a preset: its published config.json, no weights

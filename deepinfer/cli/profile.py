@@ -79,6 +79,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
     if args.reps < 1 or args.rounds < 1:
         raise ValueError(f"--reps {args.reps}, --rounds {args.rounds}: each must be >= 1")
+    _refuse_scheduling_options(args)
     cfg = engine_config_from_args(args)
     k = cfg.num_speculative_tokens
     load_format = args.load_format or ("dummy" if args.model in known_models() else "auto")
@@ -182,4 +183,30 @@ def _check_has_mtp(model: str, k: int) -> None:
             f"--num-speculative-tokens {k}: {cfg.name} has no MTP layer to draft with "
             "(num_nextn_predict_layers=0); add --add-mtp-layer to profile one in its "
             "shapes with dummy weights"
+        )
+
+
+# Engine options that shape scheduling only. The profile times each step on its own and
+# pipelined, outside any scheduler, so given to it they would be accepted and change
+# nothing; the simulator takes them when it replays a trace with the profile.
+_SCHEDULING_ONLY = {
+    "async_scheduling": "the profile times every step both one at a time and pipelined; "
+    "`deepinfer simulate --async-scheduling` chooses which of the two it prices",
+    "policy": "the profile times steps outside any queue; pass it to `deepinfer simulate`",
+    "prefill_watermark": "the profile times steps outside any scheduler; pass it to "
+    "`deepinfer simulate`",
+    "enable_chunked_prefill": "the profile times prompt steps of each size, chunks or not; "
+    "pass it to `deepinfer simulate`",
+}
+
+
+def _refuse_scheduling_options(args: argparse.Namespace) -> None:
+    for name, why in _SCHEDULING_ONLY.items():
+        if getattr(args, f"engine_{name}") is not None:
+            raise ValueError(f"--{name.replace('_', '-')}: {why}")
+    role = args.engine_role
+    if role is not None and role != "normal":
+        raise ValueError(
+            f"--role: the profile measures an engine in the normal role (its host sample "
+            f"needs decode steps); {role!r} is a choice for `deepinfer simulate`"
         )

@@ -48,6 +48,17 @@ def test_the_decode_role_is_refused_by_the_torch_executor(
         LLM(str(tiny_models["v3_plain"].path), device="cpu", dtype="float32", role="decode")
 
 
+@pytest.mark.parametrize("model", ["tiny", "deepinfer-demo", "moonlight-16b-a3b"])
+def test_a_revision_of_a_model_with_one_version_is_refused(
+    model: str, tiny_models: dict[str, TinyModel]
+) -> None:
+    """revision picks a version of a hub repository; a local folder, the demo model or a
+    preset has one, and the revision was accepted and then ignored."""
+    name = str(tiny_models["v3_plain"].path) if model == "tiny" else model
+    with pytest.raises(ValueError, match="revision='v2': .*hub"):
+        LLM(name, device="cpu", load_format="dummy", revision="v2")
+
+
 def test_the_simulator_is_not_an_offline_api_executor(tiny_models: dict[str, TinyModel]) -> None:
     """It was a TypeError from deep inside (SimExecutor takes no dtype)."""
     with pytest.raises(ValueError, match="executor='sim'.*deepinfer simulate"):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from deepinfer.cli import main
 from sim.profiled_cost_model import load_profile
 
@@ -32,3 +34,25 @@ def test_profile_measures_every_step_kind_and_the_host(tmp_path: Path) -> None:
     meta = json.loads(out.read_text())["meta"]
     assert meta["engine"]["num_gpu_blocks"] == 256
     assert meta["kernel_backend"] == "torch"  # on the CPU, the torch twins
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ["--async-scheduling", "false"],
+        ["--role", "prefill"],
+        ["--policy", "priority"],
+        ["--prefill-watermark", "0.5"],
+        ["--enable-chunked-prefill", "false"],
+    ],
+)
+def test_engine_options_the_profile_does_not_measure_are_refused(
+    flag: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The profile times every step alone and pipelined, outside any scheduler: a
+    scheduling option given to it would be accepted and then change nothing (or, for
+    role=prefill, leave its host sample without decode steps)."""
+    out = tmp_path / "demo.json"
+    assert main(["profile", "--model", "deepinfer-demo", "--out", str(out), *flag]) == 2
+    assert capsys.readouterr().err.startswith(f"deepinfer: {flag[0]}: ")
+    assert not out.exists()
