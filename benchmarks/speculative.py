@@ -249,7 +249,7 @@ def _profile(engine: EngineCore, executor: Any, steps: int, tag: str) -> None:
     print(table, flush=True)
 
 
-def simulated_speedup(
+def simulated_rates(
     cfg_dir: Path,
     cfg: EngineConfig,
     batch: int,
@@ -257,9 +257,11 @@ def simulated_speedup(
     max_tokens: int,
     a: float,
     waves: int = 1,
-) -> float | None:
-    """The simulator's decode tokens/s ratio for the same workload (None without simpy):
-    `waves` batches, each arriving long after the one before has finished."""
+) -> tuple[float, float] | None:
+    """The simulator's decode tokens/s without and with speculation for the same workload
+    (None without simpy): `waves` batches, each arriving long after the one before has
+    finished. Both sides, beside the measured ones, say which the predicted speed-up
+    misses: the plain decode steps' price or the verify steps'."""
     try:
         from sim import simulate
         from sim.traces import TraceRequest
@@ -279,7 +281,7 @@ def simulated_speedup(
         )  # fmt: skip
         decode = [s for s in res.steps if s.num_prompt_tokens == 0]
         rates.append(len(reqs) * (max_tokens - 1) / sum(s.duration for s in decode))
-    return rates[1] / rates[0]
+    return rates[0], rates[1]
 
 
 def wave_requests(make: Any, batch: int, prompt_len: int, max_tokens: int, waves: int) -> list[Any]:
@@ -372,14 +374,21 @@ def main() -> None:
                 rate, _, acc, line = run(
                     ex, ex.engine_config, all_prompts[:b], args.max_tokens, tag, prof, waves
                 )
-                sched_speedup = simulated_speedup(
+                sim = simulated_rates(
                     cfg_dir, ex.engine_config, b, args.prompt_len, args.max_tokens, a, waves
                 )
+                sched_speedup = sim and sim[1] / sim[0]
                 row = dict(batch=b, k=k, acceptance=a, plain_tok_s=ref[b], spec_tok_s=rate,
                            speedup=rate / ref[b], predicted_speedup=sched_speedup,
+                           predicted_plain_tok_s=sim and sim[0],
+                           predicted_spec_tok_s=sim and sim[1],
                            measured_acceptance=acc, waves=waves)  # fmt: skip
                 rows.append(row)
-                pred = f"{sched_speedup:.2f}x" if sched_speedup else "n/a"
+                pred = (
+                    f"{sched_speedup:.2f}x: plain {sim[0]:.0f}, speculating {sim[1]:.0f} tok/s"
+                    if sim and sched_speedup
+                    else "n/a"
+                )
                 print(
                     f"k={k} a={a} batch {b}: {rate:.0f} tok/s, {row['speedup']:.2f}x, "
                     f"drafts accepted {acc or 0:.2f} "
