@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests, then the shipped H200 profiles (sim/data/profiles/).
-#   bash benchmarks/device_profile.sh [tests|profiles|all]      results under $OUT
+#   bash benchmarks/device_profile.sh [tests|profiles|ship|all]      results under $OUT
+# ship: the profiles, then the fidelity benchmark with the new Moonlight profile (what a
+# change to the real executor's speed must re-measure before it lands; about 7 minutes).
+# At most 8 files come back from $OUT: ship writes 5.
 # The profiles speculate (3 drafts, through an MTP layer added in each model's shapes:
 # neither ships one): besides the plain grid (measured with the drafter detached) they
 # hold verify steps of 1 + k tokens a request, k = 1..3, each with the drafter's proposal.
@@ -18,11 +21,17 @@ if [[ $what == all || $what == tests ]]; then
   timeout 330 python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=15 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -30
 fi
-if [[ $what == all || $what == profiles ]]; then
+if [[ $what == all || $what == profiles || $what == ship ]]; then
   for model in moonlight-16b-a3b deepseek-v2-lite; do
     timeout 280 python3 -m deepinfer.cli profile --model "$model" --device cuda \
       --num-gpu-blocks 20000 --max-num-seqs 512 --max-num-batched-tokens 16384 \
       --num-speculative-tokens 3 --add-mtp-layer \
       --out "$OUT/${model}__h200.json" 2>&1 | grep -v "profiling:" | tail -5
   done
+fi
+if [[ $what == ship ]]; then
+  python3 benchmarks/fidelity.py --out "$OUT/fidelity" --profile "$OUT/moonlight-16b-a3b__h200.json" \
+    --model moonlight-16b-a3b --device cuda --num-requests 200 --traces azure_code_small.json \
+    --num-gpu-blocks 20000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+    --async-scheduling true 2>&1 | grep -v Warning | tail -30
 fi
