@@ -1,6 +1,6 @@
 """Kernel benchmarks against the device's measured ceilings (run on a CUDA machine).
 
-    python benchmarks/kernels_bench.py [--quick] [--no-sweep] [--only accuracy,mla,moe,rmsnorm,router,prefill,align]
+    python benchmarks/kernels_bench.py [--quick] [--no-sweep] [--only accuracy,mla,moe,rmsnorm,router,prefill]
 
 First the two ceilings: device-to-device copy bandwidth (bytes read + written) and a
 bf16 8192^3 matmul on random data (triton.testing.do_bench medians; L2 cleared before
@@ -274,20 +274,6 @@ def bench_moe_one(t: int, ceil: dict) -> None:
         )  # fmt: skip
 
 
-def bench_align(ceil: dict) -> None:
-    """moe_align's three forms by size, Moonlight's routing with its shared experts fused
-    (64 + 2 ids, 8 pairs a token): sets MAX_PAIRS_ONE_PROGRAM in kernels/moe_align.py."""
-    from kernels.moe_align import ALIGN_METHODS, moe_align
-
-    e, k, block_m = 66, 8, 64
-    for t in (1, 16, 64, 128, 256, 1024, 4096, 16384):
-        ids = torch.rand(t, e, device=DEV).topk(k, dim=-1).indices
-        for method in ALIGN_METHODS:
-            record(f"moe_align {method}", f"T={t} E={e} k={k} BM={block_m}",
-                   lambda i=ids, m=method: moe_align(i, e, block_m, m), ids.numel() * 8, 0.0,
-                   ceil)  # fmt: skip
-
-
 def bench_rmsnorm(ceil: dict) -> None:
     for t, hidden in ((1, 2048), (64, 2048), (4096, 2048), (16384, 7168)):
         bench_rmsnorm_one(t, hidden, ceil)
@@ -492,9 +478,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-sweep", action="store_true", help="skip the launch-setting sweeps")
     p.add_argument(
-        "--only",
-        default="accuracy,mla,moe,rmsnorm,router,prefill",
-        help="also: binv_mla, align",
+        "--only", default="accuracy,mla,moe,rmsnorm,router,prefill", help="also: binv_mla"
     )
     a = p.parse_args()
     only = set(a.only.split(","))
@@ -511,8 +495,6 @@ def main() -> None:
             sweep_router(ceil)
     if "moe" in only:
         bench_moe(ceil)
-    if "align" in only:
-        bench_align(ceil)
     if "mla" in only:
         bench_mla(ceil, a.quick)
         if not a.no_sweep:
