@@ -2,7 +2,8 @@
 # One device call: the GPU tests, then the shipped H200 profiles (sim/data/profiles/).
 #   bash benchmarks/device_profile.sh [tests|profiles|ship|all]      results under $OUT
 # ship: the profiles, then the fidelity benchmark with the new Moonlight profile (what a
-# change to the real executor's speed must re-measure before it lands; about 7 minutes).
+# change to the real executor's speed must re-measure before it lands; about 7 minutes,
+# so give the call the whole 600 s; the fidelity run is skipped if Moonlight's profile failed).
 # At most 8 files come back from $OUT: ship writes 5.
 # The profiles speculate (3 drafts, through an MTP layer added in each model's shapes:
 # neither ships one): besides the plain grid (measured with the drafter detached) they
@@ -29,8 +30,8 @@ if [[ $what == all || $what == profiles || $what == ship ]]; then
       --out "$OUT/${model}__h200.json" 2>&1 | grep -v "profiling:" | tail -5
   done
 fi
-if [[ $what == ship ]]; then
-  python3 benchmarks/fidelity.py --out "$OUT/fidelity" --profile "$OUT/moonlight-16b-a3b__h200.json" \
+if [[ $what == ship && -f "$OUT/moonlight-16b-a3b__h200.json" ]]; then
+  timeout 240 python3 benchmarks/fidelity.py --out "$OUT/fidelity" --profile "$OUT/moonlight-16b-a3b__h200.json" \
     --model moonlight-16b-a3b --device cuda --num-requests 200 --traces azure_code_small.json \
     --num-gpu-blocks 20000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
     --async-scheduling true 2>&1 | grep -v Warning | tail -30

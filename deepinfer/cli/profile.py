@@ -186,9 +186,10 @@ def _check_has_mtp(model: str, k: int) -> None:
         )
 
 
-# Engine options that shape scheduling only. The profile times each step on its own and
-# pipelined, outside any scheduler, so given to it they would be accepted and change
-# nothing; the simulator takes them when it replays a trace with the profile.
+# Engine options that shape scheduling only. The profile prices steps it times on their
+# own and pipelined, outside any scheduler: given to it, these would only reorder its
+# host-time sample, and a user would take the profile as measured for them. The
+# simulator takes them when it replays a trace with the profile.
 _SCHEDULING_ONLY = {
     "async_scheduling": "the profile times every step both one at a time and pipelined; "
     "`deepinfer simulate --async-scheduling` chooses which of the two it prices",
