@@ -95,13 +95,14 @@ def compare_steps(
     result: ReplayResult,
     cost: Any,
     samples: list[dict[str, Any]] | None = None,
-    overlap: bool = False,
+    basis: str = "sequential",
 ) -> dict[str, Any]:
-    """The cost model's host + device prediction of each real step against its wall time;
-    `samples` receives one compact row per step (for analysis, and for `--real`).
-    overlap (async scheduling): a round's host work runs beside the device's, so the
-    prediction is the longer of the two."""
-    predicted = _predicted([(s.kind, s.requests, s.wall_s) for s in result.steps], cost, overlap)
+    """The cost model's prediction of each real step against its real time, on `basis`
+    (`step_basis`); `samples` receives one compact row per step (for analysis, and for
+    `--real`)."""
+    predicted = _predicted(
+        [(s.kind, s.requests, s.wall_s, s.execute_s) for s in result.steps], cost, basis
+    )
     table = _error_table(predicted)
     if samples is not None:
         for s, (_, _, _, pred) in zip(result.steps, predicted):
@@ -118,25 +119,30 @@ def compare_steps(
 
 
 def _predicted(
-    steps: list[tuple[str, list[Any], float]], cost: Any, overlap: bool = False
+    steps: list[tuple[str, list[Any], float, float]], cost: Any, basis: str = "sequential"
 ) -> list[tuple[str, list[Any], float, float]]:
-    """(kind, shape, wall, the cost model's host + device prediction) per step; with
-    `overlap` the longer of the two."""
+    """(kind, shape, real time, prediction) per step, from (kind, shape, round wall, the
+    step's own execute time), on `basis` (`step_basis`)."""
     out = []
-    for kind, shape, wall in steps:
+    for kind, shape, wall, execute in steps:
         so = SchedulerOutput(
             0, [ScheduledRequest(str(i), q, c, p, True, []) for i, (q, c, p) in enumerate(shape)]
         )
         host, device = cost.cpu_time(so), cost.step_time(so)
-        out.append((kind, shape, wall, max(host, device) if overlap else host + device))
+        if basis == "launch":
+            out.append((kind, shape, execute, device))
+        else:
+            out.append(
+                (kind, shape, wall, max(host, device) if basis == "overlap" else host + device)
+            )
     return out
 
 
 def step_errors(
-    steps: list[tuple[str, list[Any], float]], cost: Any, overlap: bool = False
+    steps: list[tuple[str, list[Any], float, float]], cost: Any, basis: str = "sequential"
 ) -> dict[str, Any]:
     """Signed relative error of the prediction by step kind: p10/p50/p90, median |err|."""
-    return _error_table(_predicted(steps, cost, overlap))
+    return _error_table(_predicted(steps, cost, basis))
 
 
 def _error_table(predicted: list[tuple[str, list[Any], float, float]]) -> dict[str, Any]:
@@ -157,16 +163,23 @@ def _error_table(predicted: list[tuple[str, list[Any], float, float]]) -> dict[s
     return table
 
 
-def overlaps(cfg: EngineConfig, hardware: str) -> bool:
-    """Whether a step's host work runs beside the device's: async scheduling, on a device
-    that is not the host's CPU (there the launch runs the step), without speculation
-    (this per-step table prices steps by their shapes without drafts; speculating runs
-    are compared by benchmarks/speculative.py)."""
-    return (
-        cfg.async_scheduling
-        and not cfg.num_speculative_tokens
-        and not get_hardware(hardware).runs_on_host
-    )
+def step_basis(cfg: EngineConfig, hardware: str) -> str:
+    """What a real step's time is compared with:
+    - "overlap": async scheduling on a device that is not the host's CPU, without
+      speculation (this per-step table prices steps by their shapes without drafts;
+      speculating runs are compared by benchmarks/speculative.py). A round's host work
+      runs beside the device's, so the prediction is the longer of the two, against the
+      round's wall.
+    - "launch": async scheduling where the launch runs the step (the host's CPU). A round
+      applies one step and then runs the next inside its launch, so its wall is not the
+      applied step's; the step's own launch time (the engine's step duration) is compared
+      with the device price.
+    - "sequential": otherwise, host + device against the round's wall."""
+    if not cfg.async_scheduling:
+        return "sequential"
+    if get_hardware(hardware).runs_on_host:
+        return "launch"
+    return "sequential" if cfg.num_speculative_tokens else "overlap"
 
 
 def run_workload(
@@ -200,7 +213,7 @@ def run_workload(
         "sim_steps": sim.meta["num_steps"],
         "cost_model": meta,
         "requests": compare_requests(real.records, sim.requests),
-        "steps": compare_steps(real, cost, samples := [], overlaps(cfg, hardware)),
+        "steps": compare_steps(real, cost, samples := [], step_basis(cfg, hardware)),
         "step_samples": samples,
     }
     res["_records"] = {
@@ -316,9 +329,13 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
             )
             samples = recorded_steps.get(wname, [])
             steps = step_errors(
-                [(x["kind"], x["shape"], x["wall_s"]) for x in samples if "shape" in x],
+                [
+                    (x["kind"], x["shape"], x["wall_s"], x["execute_s"])
+                    for x in samples
+                    if "shape" in x
+                ],
                 cost,
-                overlaps(cfg, meta["hardware"]),
+                step_basis(cfg, meta["hardware"]),
             )
             results.append({"workload": wname, "requests": q, "steps": steps})
     print_tables(results)

@@ -339,9 +339,10 @@ class EngineCore:
         start = self.clock()  # before the call: a synchronous executor returns when done
         handle = self.executor.execute_async(out)
         returned = self.clock()
-        # Done on return, with time passed (a simulated clock passes none in a launch):
-        # the launch did the work.
-        ended = returned if returned > start and _done(handle) else None
+        # Done on return, or run by the launch (an executor on the host's CPU), with time
+        # passed (a simulated clock passes none in a launch): the launch did the work.
+        ran = _done(handle) or bool(getattr(handle, "ran_in_launch", False))
+        ended = returned if returned > start and ran else None
         return (out, handle, start, ended)
 
     def _step_record(self, out: SchedulerOutput, now: float, duration: float) -> StepRecord:

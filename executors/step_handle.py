@@ -59,6 +59,9 @@ class PendingStep:
         self.tokens = tokens
         self.rows = rows or {}
         self.chain = chain
+        # The launch ran the step's work before it returned (the device is the host's
+        # CPU): its time is the launch's, though its result is still unread.
+        self.ran_in_launch = False
 
     @classmethod
     def failed(cls, error: BaseException) -> PendingStep:

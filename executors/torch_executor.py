@@ -181,7 +181,9 @@ class TorchExecutor:
     def execute_async(self, out: SchedulerOutput) -> PendingStep:
         """Queues the step on the device; the handle's `result()` waits for it
         (executors/step_handle.py: async scheduling launches the next step first)."""
-        return self.runner.launch(out)
+        handle = self.runner.launch(out)
+        handle.ran_in_launch = self.device.type == "cpu"  # torch ran it as it was called
+        return handle
 
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks

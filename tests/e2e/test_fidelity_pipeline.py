@@ -6,15 +6,59 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
+
+from deepinfer.config import EngineConfig
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity.py"
 
 
-def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
+def _bench() -> Any:
     spec = importlib.util.spec_from_file_location("fidelity_bench", BENCH)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+class _Cost:
+    """Host 1 s, device 2 s a step."""
+
+    def cpu_time(self, out: Any) -> float:
+        return 1.0
+
+    def step_time(self, out: Any) -> float:
+        return 2.0
+
+
+def test_each_real_step_is_compared_with_the_time_that_is_its_own() -> None:
+    """On a CPU under async scheduling a round applies one step and then runs the next
+    inside its launch: the round's wall belonged to another step (mixed steps read
+    +180% at p50, +900% at p90), so the step's own launch time is compared there."""
+    bench = _bench()
+    basis = {
+        (a, hw, k): bench.step_basis(EngineConfig(async_scheduling=a, num_speculative_tokens=k), hw)
+        for a in (False, True)
+        for hw in ("cpu", "h200")
+        for k in (0, 1)
+    }
+    assert basis[(True, "cpu", 0)] == basis[(True, "cpu", 1)] == "launch"
+    assert basis[(True, "h200", 0)] == "overlap"
+    assert basis[(True, "h200", 1)] == "sequential"  # (verify steps are priced elsewhere)
+    assert {basis[(False, hw, k)] for hw in ("cpu", "h200") for k in (0, 1)} == {"sequential"}
+    step = [("decode", [(1, 10, False)], 100.0, 2.5)]  # (kind, shape, round wall, own time)
+    real_and_predicted = {
+        b: bench._predicted(step, _Cost(), b)[0][2:] for b in ("launch", "overlap", "sequential")
+    }
+    assert real_and_predicted == {
+        "launch": (2.5, 2.0),
+        "overlap": (100.0, 2.0),
+        "sequential": (100.0, 3.0),
+    }
+
+
+def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
+    bench = _bench()
     code = bench.main([
         "--out", str(tmp_path), "--model", "deepinfer-demo", "--device", "cpu",
         "--num-requests", "5", "--traces", "example.jsonl", "--rates", "1.2",
