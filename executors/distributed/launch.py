@@ -29,14 +29,15 @@ def launch_data_parallel(
 ) -> DataParallelEngine:
     """Start `config.data_parallel_size` ranks and return the front-end over them; a rank
     that fails to start is an error carrying its traceback (the others are stopped)."""
+    # The model is found (or refused: a missing folder, a revision of a local model) and
+    # fetched here, once, before any process starts.
+    model_dir = resolve_model_dir(
+        model,
+        revision=executor_kwargs.get("revision"),
+        weights=executor_kwargs.get("load_format", "auto") != "dummy",
+    )
     if config.enable_expert_parallel:  # refused here, before any process starts
-        cfg = read_model_config(
-            resolve_model_dir(
-                model,
-                revision=executor_kwargs.get("revision"),
-                weights=executor_kwargs.get("load_format", "auto") != "dummy",
-            )
-        )
+        cfg = read_model_config(model_dir)
         if not cfg.n_routed_experts:
             raise ValueError(f"enable_expert_parallel: {cfg.name} has no routed experts to shard")
         check_expert_split(cfg.n_routed_experts, config.data_parallel_size)

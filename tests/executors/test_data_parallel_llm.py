@@ -82,6 +82,9 @@ def test_unsupported_layouts_are_refused_before_any_rank_starts(
         LLM(path, executor="sim", data_parallel_size=2)
     with pytest.raises(ValueError, match="a TorchExecutor is one rank"):
         TorchExecutor(EngineConfig(data_parallel_size=2), path, device="cpu")
+    # (it was each rank's RuntimeError, "rank 0 failed to start", once they had spawned)
+    with pytest.raises(ValueError, match="revision='v2': .*hub"):
+        LLM(path, data_parallel_size=2, revision="v2", **ARGS)  # type: ignore[arg-type]
 
 
 def test_generate_cli_over_two_expert_parallel_ranks_prints_what_one_process_prints(
