@@ -129,12 +129,8 @@ def _predicted(
             0, [ScheduledRequest(str(i), q, c, p, True, []) for i, (q, c, p) in enumerate(shape)]
         )
         host, device = cost.cpu_time(so), cost.step_time(so)
-        if basis == "launch":
-            out.append((kind, shape, execute, device))
-        else:
-            out.append(
-                (kind, shape, wall, max(host, device) if basis == "overlap" else host + device)
-            )
+        pred = {"launch": device, "overlap": max(host, device)}.get(basis, host + device)
+        out.append((kind, shape, execute if basis == "launch" else wall, pred))
     return out
 
 
