@@ -130,3 +130,34 @@ def test_a_launch_that_returns_before_its_step_ends_is_timed_at_the_result(has_d
         engine.step()
     assert [r.finish_reason for r in engine.records] == ["length"]
     assert [s.duration for s in engine.steps] == [0.25 + s.step_id for s in engine.steps]
+
+
+class _RanInLaunchExecutor(ScriptedExecutor):
+    """As a CPU runs a step: its launch does step k's k seconds of work and returns a
+    handle whose result is still unread (`done()` False) and says the launch ran it;
+    reading the result then takes 0.5 s more."""
+
+    def __init__(self, num_blocks: int, clock: _ManualClock) -> None:
+        super().__init__(num_blocks)
+        self.clock = clock
+
+    def execute_async(self, out):  # type: ignore[no-untyped-def]
+        self.clock.now += out.step_id
+        handle = _Pending(self.execute(out), self.clock, 0.5, has_done=True)
+        handle.ran_in_launch = True  # type: ignore[attr-defined]
+        return handle
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_its_launch_ran_is_timed_by_the_launch(async_scheduling: bool) -> None:
+    """A handle that says its launch ran the step (`ran_in_launch`, the torch executor
+    on a CPU) ends the step at the launch's return, though its result is unread: under
+    async scheduling N's end was read after N+1's launch, which did N+1's work."""
+    clock = _ManualClock()
+    cfg = make_config(num_gpu_blocks=40, async_scheduling=async_scheduling)
+    engine = EngineCore(cfg, _RanInLaunchExecutor(40, clock), clock=clock)
+    engine.add_request(make_request("a", 4, max_tokens=6))
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.finish_reason for r in engine.records] == ["length"]
+    assert [s.duration for s in engine.steps] == [float(s.step_id) for s in engine.steps]
