@@ -1,6 +1,6 @@
 """Kernel benchmarks against the device's measured ceilings (run on a CUDA machine).
 
-    python benchmarks/kernels_bench.py [--quick] [--no-sweep] [--only accuracy,mla,moe,rmsnorm,router,prefill]
+    python benchmarks/kernels_bench.py [--quick] [--no-sweep] [--only accuracy,mla,moe,rmsnorm,router,prefill,binv_mla,moe_sweep]
 
 First the two ceilings: device-to-device copy bandwidth (bytes read + written) and a
 bf16 8192^3 matmul on random data (triton.testing.do_bench medians; L2 cleared before
@@ -27,7 +27,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.fused_moe import fused_moe, moe_config  # noqa: E402
+from kernels.fused_moe import CONFIGS, fused_moe, moe_config  # noqa: E402
 from kernels.mla_decode import mla_decode  # noqa: E402
 from kernels.mla_prefill import mla_prefill  # noqa: E402
 from kernels.moe_router import moe_router, router_config  # noqa: E402
@@ -274,6 +274,37 @@ def bench_moe_one(t: int, ceil: dict) -> None:
         )  # fmt: skip
 
 
+# Candidates for kernels/fused_moe.py's CONFIGS: around each row of the table, wider N and
+# K tiles, deeper pipelines; the table's own rows come first.
+MOE_SWEEP = [dict(cfg) for _, cfg in CONFIGS] + [
+    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": ns}
+    for bm, bn, bk, nw, ns in (
+        (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (32, 128, 64, 4, 4),
+        (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 256, 64, 8, 3),
+        (64, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
+        (128, 64, 64, 4, 4), (128, 128, 32, 8, 4), (128, 256, 32, 8, 4),
+    )
+]  # fmt: skip
+
+
+def sweep_moe(ceil: dict) -> None:
+    """Every MOE_SWEEP config at the token counts of batched decode, verify, mixed and
+    prefill steps (Moonlight's routed experts; the whole fused_moe, alignment included)."""
+    for t in (128, 256, 512, 1024, 2048, 4096, 8192):
+        x, w13, w2, weights, ids = moe_inputs(t)
+        inter, hidden = w2.shape[2], w2.shape[1]
+        nbytes = ids.unique().numel() * 3 * inter * hidden * 2 + 2 * t * hidden * 2
+        flops = t * ids.shape[1] * 6 * hidden * inter
+
+        def run(cfg: dict, a: tuple = (x, w13, w2, weights, ids)) -> torch.Tensor:
+            return fused_moe(*a, config=cfg)
+
+        with torch.inference_mode():
+            sweep("moe", run, MOE_SWEEP, nbytes, ceil, T=t, gflop=round(flops / 1e9, 2))
+        del x, w13, w2
+        torch.cuda.empty_cache()
+
+
 def bench_rmsnorm(ceil: dict) -> None:
     for t, hidden in ((1, 2048), (64, 2048), (4096, 2048), (16384, 7168)):
         bench_rmsnorm_one(t, hidden, ceil)
@@ -478,7 +509,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-sweep", action="store_true", help="skip the launch-setting sweeps")
     p.add_argument(
-        "--only", default="accuracy,mla,moe,rmsnorm,router,prefill", help="also: binv_mla"
+        "--only",
+        default="accuracy,mla,moe,rmsnorm,router,prefill",
+        help="also: binv_mla, moe_sweep",
     )
     a = p.parse_args()
     only = set(a.only.split(","))
@@ -495,6 +528,8 @@ def main() -> None:
             sweep_router(ceil)
     if "moe" in only:
         bench_moe(ceil)
+    if "moe_sweep" in only:
+        sweep_moe(ceil)
     if "mla" in only:
         bench_mla(ceil, a.quick)
         if not a.no_sweep:
