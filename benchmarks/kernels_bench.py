@@ -276,7 +276,7 @@ def bench_moe_one(t: int, ceil: dict) -> None:
 
 # Candidates for kernels/fused_moe.py's CONFIGS: around each row of the table, wider N and
 # K tiles, deeper pipelines; the table's own rows come first.
-MOE_SWEEP = [dict(cfg) for _, cfg in CONFIGS] + [
+MOE_SWEEP = [dict(c) for c in dict.fromkeys(tuple(cfg.items()) for _, cfg in CONFIGS)] + [
     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": ns}
     for bm, bn, bk, nw, ns in (
         (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (32, 128, 64, 4, 4),
