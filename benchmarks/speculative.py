@@ -37,8 +37,10 @@ most --varlen-max drafts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -65,6 +67,9 @@ from executors.spec_decode import (
     verify,
     verify_on_device,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_events import StepEvents  # noqa: E402
 
 WAVE_GAP_S = 3600.0  # simulated seconds between waves: each starts on an idle engine
 
@@ -197,19 +202,9 @@ def run(
     chained_before = executor.runner.num_chained_steps
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     reqs: list[Request] = []
-    for w in range(waves):
-        wave = [Request(f"{tag}-{w}.{i}", list(p), params) for i, p in enumerate(prompts)]
-        reqs += wave
-        for r in wave:
-            engine.add_request(r)
-        if profile_steps and w == 0:
-            while (
-                engine.has_unfinished() and sum(s.num_prompt_tokens == 0 for s in engine.steps) < 4
-            ):
-                engine.step()
-            _profile(engine, executor, profile_steps, tag)
-        while engine.has_unfinished():
-            engine.step()
+    events = StepEvents(executor) if torch.cuda.is_available() else contextlib.nullcontext()
+    with events:
+        _run_waves(engine, executor, prompts, params, tag, profile_steps, waves, reqs)
     decode = [s for s in engine.steps if s.num_prompt_tokens == 0]
     seconds = sum(s.duration for s in decode)
     tokens = sum(len(r.output_token_ids) - 1 for r in reqs)
@@ -224,7 +219,35 @@ def run(
         f"{per_req:.2f} tokens a request, {chained} chained"
         + (f", {waves} waves" if waves > 1 else "")
     )
+    if isinstance(events, StepEvents) and not profile_steps:
+        line += "; " + events.line([s.step_id for s in decode])
     return tokens / seconds if seconds else 0.0, outs, acc, line
+
+
+def _run_waves(
+    engine: EngineCore,
+    executor: Any,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    tag: str,
+    profile_steps: int,
+    waves: int,
+    reqs: list[Request],
+) -> None:
+    """`run`'s waves, one after another on `engine`; the requests are added to `reqs`."""
+    for w in range(waves):
+        wave = [Request(f"{tag}-{w}.{i}", list(p), params) for i, p in enumerate(prompts)]
+        reqs += wave
+        for r in wave:
+            engine.add_request(r)
+        if profile_steps and w == 0:
+            while (
+                engine.has_unfinished() and sum(s.num_prompt_tokens == 0 for s in engine.steps) < 4
+            ):
+                engine.step()
+            _profile(engine, executor, profile_steps, tag)
+        while engine.has_unfinished():
+            engine.step()
 
 
 def _profile(engine: EngineCore, executor: Any, steps: int, tag: str) -> None:

@@ -1,0 +1,79 @@
+"""CUDA events around each step an executor launches: where a served step's time goes
+without a profiler's overhead.
+
+    with StepEvents(executor) as ev:
+        ... engine.step() ...
+    print(ev.summary(step_ids))
+
+Each launch (`execute_async`) is bracketed by two events on the current stream: one
+queued before the step's device work, one after it. The device stamps them when it
+reaches them, so for step N:
+- span: end(N) - start(N), the device's time from N's first work to its last, kernels
+  and any wait inside the launch for the host to queue more;
+- gap: start(N) - end(N - 1), the device idle before N because N was queued after N - 1
+  had finished (0 when N was launched while N - 1 ran, as async scheduling intends).
+A step whose launch ran no device work (an empty step) is skipped.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+
+class StepEvents:
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+        self.events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+        self._inner = None
+
+    def __enter__(self) -> StepEvents:
+        self._inner = inner = self.executor.execute_async
+
+        def timed(out: Any) -> Any:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            handle = inner(out)
+            end.record()
+            self.events[out.step_id] = (start, end)
+            return handle
+
+        self.executor.execute_async = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.executor.execute_async  # the class's method again
+        torch.cuda.synchronize()
+
+    def summary(self, step_ids: list[int]) -> dict[str, float]:
+        """Medians over `step_ids` (the steps to judge, e.g. decode steps) in ms: span,
+        gap before, and their sum per step; plus the mean gap (a few long stalls)."""
+        spans, gaps = [], []
+        for sid in step_ids:
+            if sid not in self.events:
+                continue
+            start, end = self.events[sid]
+            spans.append(start.elapsed_time(end))
+            if sid - 1 in self.events:
+                gaps.append(max(self.events[sid - 1][1].elapsed_time(start), 0.0))
+        if not spans:
+            return {}
+        return {
+            "steps": len(spans),
+            "span_ms": statistics.median(spans),
+            "gap_ms": statistics.median(gaps) if gaps else 0.0,
+            "mean_gap_ms": statistics.fmean(gaps) if gaps else 0.0,
+            "mean_span_ms": statistics.fmean(spans),
+        }
+
+    def line(self, step_ids: list[int]) -> str:
+        s = self.summary(step_ids)
+        if not s:
+            return "no device events"
+        return (
+            f"device span {s['span_ms']:.2f} ms (mean {s['mean_span_ms']:.2f}), "
+            f"idle before {s['gap_ms']:.2f} ms (mean {s['mean_gap_ms']:.2f}) a step"
+        )
