@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 import executors.model_runner as runner_module
+import executors.spec_steps as spec_steps_module
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
 from deepinfer.model_config import load_model_config, write_config_with_mtp_layer
@@ -167,12 +168,12 @@ class ForcedAcceptance:
         on the host and on the device; `uninstall` gives verification back."""
         runner.drafter = self
         runner_module.verify = lambda *a, **k: self.verify(runner, *a, **k)
-        runner_module.verify_on_device = lambda *a, **k: self.verify_on_device(runner, *a, **k)
+        spec_steps_module.verify_on_device = lambda *a, **k: self.verify_on_device(runner, *a, **k)
 
     @staticmethod
     def uninstall() -> None:
         runner_module.verify = verify
-        runner_module.verify_on_device = verify_on_device
+        spec_steps_module.verify_on_device = verify_on_device
 
 
 def model_dir(name: str) -> Path:
@@ -202,7 +203,8 @@ def run(
     chained_before = executor.runner.num_chained_steps
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     reqs: list[Request] = []
-    events = StepEvents(executor) if torch.cuda.is_available() else contextlib.nullcontext()
+    on_cuda = getattr(executor, "device", torch.device("cpu")).type == "cuda"
+    events = StepEvents(executor) if on_cuda else contextlib.nullcontext()
     with events:
         _run_waves(engine, executor, prompts, params, tag, profile_steps, waves, reqs)
     decode = [s for s in engine.steps if s.num_prompt_tokens == 0]

@@ -73,7 +73,7 @@ class StepEvents:
         s = self.summary(step_ids)
         if not s:
             return "no device events"
-        return (
-            f"device span {s['span_ms']:.2f} ms (mean {s['mean_span_ms']:.2f}), "
+        return (  # (no ", " inside: benchmarks' lines are split at it)
+            f"device span {s['span_ms']:.2f} ms (mean {s['mean_span_ms']:.2f}); "
             f"idle before {s['gap_ms']:.2f} ms (mean {s['mean_gap_ms']:.2f}) a step"
         )

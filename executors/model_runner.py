@@ -23,52 +23,36 @@ A step that needs N's tokens on the host (grammars, prompt logprobs, a sampler s
 that reads the request's history, drafts verified on the host) cannot overlap
 (`can_overlap`): the engine launches it once N is applied, and a launch that finds N
 unread anyway reads N first.
+
+Two mixins hold the rest: the input side, a step's rows flattened into host lists
+(executors/step_inputs.py: `collect`, `to_device`), and the speculative steps on the
+device (executors/spec_steps.py: verification and the drafter's next proposal).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.errors import RequestFailed
-from deepinfer.outputs import (
-    DRAFT_PLACEHOLDER,
-    ModelRunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-    TokenLogprob,
-)
+from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
 from deepinfer.sampling_params import SamplingParams
 from executors import prompt_logprobs
-from executors.attention import AttentionMetadata, build_attention_metadata
 from executors.batch_invariant import set_batch_invariant
 from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
-from executors.host_copy import PackedCopy, to_device
+from executors.host_copy import to_device
 from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
-from executors.mtp_drafter import DeviceDraftInput, Drafts, MTPDrafter
+from executors.mtp_drafter import MTPDrafter
 from executors.piecewise_graphs import PiecewiseGraphs, default_token_buckets
-from executors.sampler import (
-    DeviceSample,
-    LogprobTensors,
-    SamplingState,
-    logprob_tensors,
-    raw_logprobs,
-    sample_on_device,
-    sample_tokens,
-)
-from executors.spec_chain import Chained, Shift, StepBuffers, rows_by_sequence
-from executors.spec_decode import (
-    DeviceVerify,
-    VerifyRequest,
-    history_free,
-    verify,
-    verify_on_device,
-)
+from executors.sampler import DeviceSample, SamplingState, sample_on_device, sample_tokens
+from executors.spec_chain import Shift, StepBuffers, rows_by_sequence
+from executors.spec_decode import VerifyRequest, verify
+from executors.spec_steps import SpeculativeSteps
 from executors.step_handle import PendingStep, StepResult
+from executors.step_inputs import Batch, HostBatch, RequestState
 from executors.structured_outputs import (
     GrammarCompiler,
     GrammarState,
@@ -77,70 +61,7 @@ from executors.structured_outputs import (
 )
 
 
-@dataclass
-class RequestState:
-    block_table: list[int]
-    sampling: SamplingState
-    num_prompt_tokens: int
-    last_token: int | None = None  # last sampled token (used when async scheduling omits it)
-    prompt_ids: list[int] | None = None  # the whole prompt, when prompt logprobs are wanted
-    num_computed: int = 0  # tokens in the KV cache (the scheduler's count may run ahead)
-    drafts: list[int] = field(default_factory=list)  # the drafter's latest proposal
-    grammar: GrammarState | None = None  # its so_args matcher
-
-
-@dataclass
-class _Segment:
-    """Consecutive rows of one request in a step, all on one attention path."""
-
-    req_id: str
-    start: int  # position of the first row
-    tokens: list[int]
-    absorbed: bool  # the absorbed (decode) MLA path
-    samples: bool  # ends with the request's sampled rows
-    drafts: list[int]  # drafts verified at its end (when it samples)
-    deferred: int | None = None  # index of the token the step in flight samples
-    chained: int | None = None  # its request's index in the verify step in flight: every
-    # token comes from that step, and its rows lie behind by the drafts it rejected
-
-
-@dataclass
-class HostBatch:
-    """One step's inputs as host lists, one entry per segment of a request's rows (one per
-    request, except in batch-invariant mode: `ModelRunner._segments`); absorbed first."""
-
-    req_ids: list[str]
-    input_ids: list[int]  # [T]
-    positions: list[int]  # [T]
-    query_lens: list[int]  # [B]
-    context_lens: list[int]  # [B]
-    block_tables: list[list[int]]  # [B][blocks]
-    num_decode: int  # requests [0, num_decode) take the absorbed path
-    logits_indices: list[int]  # [N] batch rows whose logits are sampled
-    # req_id -> (first row in logits_indices, number of rows, drafts to verify)
-    sample_rows: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
-    prompt_rows: list[prompt_logprobs.PromptRow] = field(default_factory=list)
-    # (row of input_ids, index into the step in flight's `tokens`): ids sampled by the
-    # step still running, filled in on the device (input_ids holds 0 there).
-    deferred: list[tuple[int, int]] = field(default_factory=list)
-    # Per request, its index in the verify step in flight's `Chained.rejected`, whose
-    # last entry (0) serves requests it did not verify; None: no request is chained.
-    behind: list[int] | None = None
-
-
-@dataclass
-class Batch:
-    """One step's flattened inputs on the device (the eager path)."""
-
-    req_ids: list[str]
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    md: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] batch rows whose logits are sampled
-    sample_rows: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
-
-
-class ModelRunner:
+class ModelRunner(SpeculativeSteps):
     def __init__(
         self,
         model: DeepseekForCausalLM,
@@ -375,37 +296,6 @@ class ModelRunner:
                 return False
         return True
 
-    def _verifies_on_device(self, out: SchedulerOutput) -> bool:
-        """Whether a step with a drafter can verify and draft on the device (spec_chain.py):
-        its requests are unseeded, without prompt logprobs or grammar, and their processing
-        reads no history (spec_decode.history_free); each decodes its newest token (plus
-        drafts, at output positions, on the absorbed path) or computes a chunk of tokens
-        the host knows (a prompt chunk, or a resumed request's recompute that starts in
-        its prompt: one that starts past it counts as a decode, and goes to the host)."""
-        assert self.drafter is not None
-        for sr in out.scheduled:
-            params = self._params(sr)
-            state = self.requests.get(sr.req_id) if sr.block_table is None else None
-            n_out = len(state.sampling.output_token_ids) if state is not None else 0
-            if (
-                params is None
-                or params.seq_seed is not None
-                or params.so_args is not None
-                or params.prompt_logprobs is not None
-                or not history_free(params, n_out)
-            ):
-                return False
-            decodes = state is not None and sr.num_computed_tokens >= state.num_prompt_tokens
-            if (decodes or sr.draft_token_ids) and (
-                state is None
-                or not sr.samples
-                or sr.num_tokens != 1 + len(sr.draft_token_ids)
-                or sr.num_tokens > self.decode_max_query_len
-                or sr.req_id in self.drafter.pending
-            ):
-                return False
-        return bool(out.scheduled)
-
     def _independent(self, out: SchedulerOutput, prev: PendingStep) -> bool:
         """Whether `out` can be built while `prev` (launched, unread) runs: its requests
         that prev samples for are not new to the runner and read no history (seeds,
@@ -430,19 +320,6 @@ class ModelRunner:
             if self.drafter is not None and not self._chains(sr, prev.chain):
                 return False
         return True
-
-    @staticmethod
-    def _chains(sr: ScheduledRequest, chain: Chained | None) -> bool:
-        """Whether `sr` takes all its tokens from the verify step in flight (`chain`): its
-        newest token and the drafts it proposed, none sent by the scheduler."""
-        drafts = sr.draft_token_ids
-        return (
-            chain is not None
-            and not sr.token_ids
-            and sr.num_tokens == 1 + len(drafts)
-            and len(drafts) < chain.width
-            and all(d == DRAFT_PLACEHOLDER for d in drafts)
-        )
 
     def _fill(
         self, host: HostBatch, prev: PendingStep | None
@@ -545,218 +422,6 @@ class ModelRunner:
         except Exception as e:  # the engine schedules a request once its compile succeeded
             raise RequestFailed({req_id: f"so_args: {e}"}) from e
 
-    def _absorbed(self, sr: ScheduledRequest, start: int) -> bool:
-        """Whether the step's rows of `sr` (starting at position `start`) take the absorbed
-        (decode) attention path: queries of at most 1 + k tokens. In batch-invariant mode
-        exactly the output positions do, however many: a prompt's last chunk (or the one
-        uncached token of a prefix hit) is as short as a decode step, yet must be computed
-        as the unchunked prompt computes it, by the prefill path."""
-        if self.batch_invariant:
-            return start >= self.requests[sr.req_id].num_prompt_tokens
-        return sr.num_tokens <= self.decode_max_query_len
-
-    def _segments(
-        self, sr: ScheduledRequest, start: int, tokens: list[int], drafts: list[int]
-    ) -> list[_Segment]:
-        """The step's rows of `sr`: one segment, or in batch-invariant mode two when they
-        cross the prompt's end (a preempted request recomputing its prompt and outputs):
-        the prompt positions by the prefill path, the outputs by the absorbed one, as they
-        were first computed. (Not with a drafter: it reads one entry per request.)"""
-        cut = self.requests[sr.req_id].num_prompt_tokens - start
-        if self.batch_invariant and self.drafter is None and 0 < cut < len(tokens):
-            return [
-                _Segment(sr.req_id, start, tokens[:cut], False, False, []),
-                _Segment(sr.req_id, start + cut, tokens[cut:], True, sr.samples, drafts),
-            ]
-        return [_Segment(sr.req_id, start, tokens, self._absorbed(sr, start), sr.samples, drafts)]
-
-    def collect(
-        self, scheduled: list[ScheduledRequest], prev: PendingStep | None = None
-    ) -> HostBatch:
-        """Check the block tables, record history, flatten to lists, absorbed rows first.
-        prev: the step in flight, unread (`launch`): the tokens it samples are deferred."""
-        starts = {r.req_id: self._start(r) for r in scheduled}
-        failed = self._check(scheduled)
-        if failed:  # before any device work: the engine aborts these and requeues the rest
-            raise RequestFailed(failed)
-        segments: list[_Segment] = []
-        for sr in scheduled:
-            state = self.requests[sr.req_id]
-            if prev is not None and prev.chain is not None and sr.req_id in prev.rows:
-                # Newest token and drafts on the device (`_chains`), nothing to record yet.
-                start = starts[sr.req_id]
-                state.num_computed = start + sr.num_tokens
-                n_drafts = sr.num_tokens - 1
-                segments.append(_Segment(
-                    sr.req_id, start, [0] * sr.num_tokens, self._absorbed(sr, start), True,
-                    [0] * n_drafts, chained=prev.rows[sr.req_id],
-                ))  # fmt: skip
-                continue
-            drafts = self._drafts(sr, state)
-            deferred = (
-                prev is not None
-                and sr.req_id in prev.rows
-                and not drafts
-                and len(sr.token_ids or ()) == sr.num_tokens - 1
-            )
-            tokens = self._step_tokens(sr, state, drafts, deferred)
-            start = starts[sr.req_id]
-            end = start + sr.num_tokens
-            state.num_computed = end  # less the rejected drafts, once verified
-            # (a deferred token is recorded when prev's result is read)
-            self._record_history(state, start, tokens[: len(tokens) - len(drafts) - deferred])
-            if sr.samples and state.grammar is not None:
-                # Outputs before the sampled position (drafts aside): the matcher has them.
-                n_out = max(0, end - len(drafts) - state.num_prompt_tokens)
-                try:
-                    state.grammar.catch_up(state.sampling.output_token_ids[:n_out])
-                except GrammarViolation as e:
-                    raise RequestFailed({sr.req_id: str(e)}) from None
-            if deferred:  # (no drafts, so it is one segment's last token)
-                segments.append(_Segment(
-                    sr.req_id, start, tokens, self._absorbed(sr, start), sr.samples, [],
-                    deferred=len(tokens) - 1,
-                ))  # fmt: skip
-                continue
-            segments += self._segments(sr, start, tokens, drafts)
-        segments.sort(key=lambda seg: not seg.absorbed)  # stable: otherwise in step order
-        behind = None
-        if any(seg.chained is not None for seg in segments):
-            assert prev is not None and prev.chain is not None
-            none = len(prev.rows)  # the zero past prev's requests
-            behind = [none if seg.chained is None else seg.chained for seg in segments]
-        host = HostBatch(
-            req_ids=[seg.req_id for seg in segments], input_ids=[], positions=[],
-            query_lens=[len(seg.tokens) for seg in segments],
-            context_lens=[seg.start for seg in segments],
-            block_tables=[self.requests[seg.req_id].block_table for seg in segments],
-            num_decode=sum(seg.absorbed for seg in segments),
-            logits_indices=[], behind=behind,
-        )  # fmt: skip
-        for seg in segments:
-            rid, tokens, start = seg.req_id, seg.tokens, seg.start
-            state = self.requests[rid]
-            if seg.samples:  # the request's sampled rows end its last segment
-                n = 1 + len(seg.drafts)
-                host.sample_rows[rid] = (len(host.logits_indices), n, seg.drafts)
-                last = len(host.input_ids) + len(tokens)
-                host.logits_indices.extend(range(last - n, last))
-            params = state.sampling.params
-            if state.prompt_ids is not None and params.prompt_logprobs is not None:
-                host.prompt_rows += prompt_logprobs.chunk_rows(
-                    rid, state.prompt_ids, start, start + len(tokens), len(host.input_ids),
-                    params.prompt_logprobs)  # fmt: skip
-            if seg.deferred is not None:
-                assert prev is not None
-                host.deferred.append((len(host.input_ids) + seg.deferred, prev.rows[rid]))
-            if seg.chained is not None:
-                assert prev is not None and prev.chain is not None
-                w = prev.chain.width
-                host.deferred += [
-                    (len(host.input_ids) + j, seg.chained * w + j) for j in range(len(tokens))
-                ]
-            host.input_ids.extend(tokens)
-            host.positions.extend(range(start, start + len(tokens)))
-        return host
-
-    def _check(self, scheduled: list[ScheduledRequest]) -> dict[str, str]:
-        """Why each request's work cannot run (bad token ids, a table too short), so that
-        one request's bad input fails before the model (where it could poison the device
-        for every request) and ends that request alone."""
-        vocab = self.vocab_size
-        failed = {}
-        for sr in scheduled:
-            state = self.requests[sr.req_id]
-            end = sr.num_computed_tokens + sr.num_tokens
-            if len(state.block_table) * self.block_size < end:
-                failed[sr.req_id] = (
-                    f"{len(state.block_table)} blocks of {self.block_size} cannot hold {end} tokens"
-                )
-            bad = [t for t in sr.token_ids or () if not 0 <= t < vocab]
-            if bad:
-                failed[sr.req_id] = f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
-        return failed
-
-    def _metadata(self, host: HostBatch, device: torch.device) -> AttentionMetadata:
-        return build_attention_metadata(
-            host.query_lens, host.context_lens, host.block_tables, self.block_size,
-            host.num_decode, device,
-        )  # fmt: skip
-
-    def to_device(self, host: HostBatch) -> Batch:
-        """The step's inputs on the device, in one host-to-device copy."""
-        lists = (host.input_ids, host.positions, host.logits_indices)
-        md, (ids, positions, indices) = self._metadata(host, torch.device("cpu")).moved_with(
-            self.device, [torch.tensor(x, dtype=torch.int64) for x in lists]
-        )
-        return Batch(
-            req_ids=host.req_ids, input_ids=ids, positions=positions, md=md,
-            logits_indices=indices, sample_rows=host.sample_rows,
-        )  # fmt: skip
-
-    def _start(self, sr: ScheduledRequest) -> int:
-        """Where the step's tokens start. Under async scheduling the scheduler assumed the
-        drafts of the step in flight were all accepted; the runner knows how many were."""
-        state = self.requests[sr.req_id]
-        ahead = sr.num_computed_tokens - state.num_computed
-        if not 0 <= ahead <= self.max_drafts:  # at most the drafts of the step in flight
-            raise ValueError(
-                f"request {sr.req_id!r}: scheduled at {sr.num_computed_tokens} computed "
-                f"tokens, but {state.num_computed} are in the cache"
-            )
-        return state.num_computed
-
-    @staticmethod
-    def _drafts(sr: ScheduledRequest, state: RequestState) -> list[int]:
-        """The drafts to verify: placeholders are the runner's own latest proposal (padded
-        with its last token when it proposed fewer: any draft keeps verification exact)."""
-        drafts = list(sr.draft_token_ids)
-        if drafts and drafts[0] == DRAFT_PLACEHOLDER:
-            pad = state.last_token if state.last_token is not None else 0
-            own = state.drafts[: len(drafts)]
-            drafts = own + [pad] * (len(drafts) - len(own))
-        return drafts
-
-    @staticmethod
-    def _step_tokens(
-        sr: ScheduledRequest, state: RequestState, drafts: list[int], deferred: bool = False
-    ) -> list[int]:
-        """Token ids of the step's positions, drafts last.
-
-        Under async scheduling the newest sampled token may be unknown to the scheduler:
-        it is then missing just before the drafts and the runner's own sample fills in
-        (0 when `deferred`: the step in flight samples it, and the device fills it in).
-        """
-        tokens = list(sr.token_ids or [])
-        if sr.draft_token_ids[:1] == [DRAFT_PLACEHOLDER]:
-            tokens += drafts  # the scheduler sent none of them
-        if len(tokens) == sr.num_tokens - 1 and (deferred or state.last_token is not None):
-            last = 0 if deferred else state.last_token
-            tokens.insert(len(tokens) - len(drafts), last)
-        if len(tokens) != sr.num_tokens:
-            raise ValueError(
-                f"request {sr.req_id!r}: {sr.num_tokens} tokens scheduled but "
-                f"{len(sr.token_ids or [])} token ids sent"
-            )
-        return tokens
-
-    @staticmethod
-    def _record_history(state: RequestState, start: int, tokens: list[int]) -> None:
-        """Extend the sampler's prompt / output history with tokens at positions start...
-
-        Only contiguous history is kept: positions the runner never saw (a prefix-cache
-        hit on a resumed request) leave it short.
-        """
-        s, n_prompt = state.sampling, state.num_prompt_tokens
-        end = start + len(tokens)
-        known = len(s.prompt_token_ids)
-        if start <= known < min(end, n_prompt):
-            s.prompt_token_ids.extend(tokens[known - start : min(end, n_prompt) - start])
-        if len(s.prompt_token_ids) == n_prompt:
-            pos = n_prompt + len(s.output_token_ids)  # next output position to record
-            if start <= pos < end:
-                s.output_token_ids.extend(tokens[pos - start :])
-
     def _sample(
         self, sample_rows: dict[str, tuple[int, int, list[int]]], logits: torch.Tensor
     ) -> StepResult:
@@ -829,183 +494,3 @@ class ModelRunner:
                 out.logprobs[req_id] = logprobs[first : first + len(toks)]
             result.rows[req_id] = (first, n)
         return result
-
-    def _verify_on_device(
-        self,
-        out: SchedulerOutput,
-        host: HostBatch,
-        hidden: torch.Tensor,
-        logits: torch.Tensor,
-        input_ids: torch.Tensor,
-        behind: torch.Tensor | None,
-    ) -> PendingStep:
-        """Verify and draft with nothing read back (`_verifies_on_device`): the handle
-        carries each sampling request's newest token and drafts, and what it rejected, for
-        the next step to chain on (spec_chain.py); `result()` reads everything with one
-        copy. hidden [T', hidden] (T' >= T: graph padding), logits [N, vocab],
-        input_ids [T]."""
-        assert self.drafter is not None
-        rows = sorted(host.sample_rows.items(), key=lambda kv: kv[1][0])  # sampling requests
-        states = [self.requests[rid] for rid, _ in rows]
-        num_drafts = [n - 1 for _, (_, n, _) in rows]
-        t = len(host.input_ids)
-        dev = self.device
-        checked = None
-        if rows:  # the draft each sampled row verifies: the input token after it
-            after = to_device([min(i + 1, t - 1) for i in host.logits_indices], torch.int64, dev)
-            checked = verify_on_device(
-                logits, [st.sampling for st in states], num_drafts, input_ids[after],
-                self.generator,
-            )  # fmt: skip
-        accepted = (
-            checked.accepted
-            if checked is not None
-            else torch.zeros(0, dtype=torch.int64, device=dev)
-        )
-        rejected = to_device(num_drafts, torch.int64, dev) - accepted  # [B_s]
-        rejected = torch.cat([rejected, rejected.new_zeros(1)])  # a 0 past them: [B_s + 1]
-        verified = {rid: v for v, (rid, _) in enumerate(rows)}
-        inputs, seg_of, verified_of = self._draft_inputs(host, hidden, input_ids, checked, verified)
-        drafts = self.drafter.propose_on_device(
-            inputs,
-            # per input: how far its rows lie back, and the drafts it rejected (0 past the
-            # sampling requests)
-            (behind if behind is not None else rejected.new_zeros(len(host.req_ids)))[
-                to_device(seg_of, torch.int64, dev)
-            ],
-            rejected[
-                to_device([len(rows) if v is None else v for v in verified_of], torch.int64, dev)
-            ],
-            out.num_proposals,
-        )
-        input_of = {v: i for i, v in enumerate(verified_of) if v is not None}
-        mine = to_device([input_of[v] for v in range(len(rows))], torch.int64, dev)
-        counts = [drafts.counts[input_of[v]] for v in range(len(rows))]
-        p = drafts.ids.shape[1]
-        if checked is None:  # only prompt chunks that do not sample yet
-            return PendingStep(result=StepResult(ModelRunnerOutput()))
-        width = checked.tokens.shape[1]
-        newest = checked.tokens.gather(1, checked.accepted[:, None])  # [B_s, 1]
-        chain_ids = torch.cat([newest, drafts.ids[mine]], dim=1)  # [B_s, 1 + P]
-        # Logprobs of each sampled row's token (an accepted draft, or the token sampled);
-        # the per-row lists only when a request asked (1,024 rows at batch 256 x 3 drafts).
-        lp = None
-        grid: list[int] = []
-        row_params: list[SamplingParams] = []
-        if any(st.sampling.params.logprobs is not None for st in states):
-            grid = [v * width + j for v, k in enumerate(num_drafts) for j in range(1 + k)]
-            row_states = [
-                states[v].sampling for v, k in enumerate(num_drafts) for _ in range(1 + k)
-            ]
-            raw = raw_logprobs(logits, row_states, self.batch_invariant)
-            assert raw is not None
-            row_params = [s.params for s in row_states]
-            row_tokens_d = checked.tokens.flatten()[to_device(grid, torch.int64, dev)]
-            lp = logprob_tensors(raw, row_tokens_d, row_params)
-        extra = [] if lp is None else [lp.chosen, lp.ranks, lp.top_vals, lp.top_ids]
-        back = PackedCopy([checked.tokens, checked.accepted, drafts.ids[mine],
-                           drafts.confidences[mine], *extra])  # fmt: skip
-
-        def finish() -> StepResult:
-            toks, accepted, ids, conf, *lp_values = back.read()
-            tokens = [
-                [int(x) for x in toks[i * width : i * width + int(a) + 1]]
-                for i, a in enumerate(accepted)
-            ]
-            logprobs = None
-            if lp is not None:
-                chosen, ranks, vals, top = (torch.tensor(v) for v in lp_values)
-                shape = lp.top_ids.shape  # [N, n_max]
-                read = LogprobTensors(
-                    chosen, ranks.long(), vals.view(shape), top.long().view(shape)
-                )
-                logprobs = read.to_lists([int(toks[i]) for i in grid], row_params)
-            res = self._record(rows, states, tokens, logprobs, logits, ModelRunnerOutput())
-            output = res.output
-            for i, ((rid, _), state, n) in enumerate(zip(rows, states, counts)):
-                state.drafts = [int(x) for x in ids[i * p : i * p + n]]
-                if n:
-                    output.draft_token_ids[rid] = state.drafts
-                    output.draft_confidences[rid] = conf[i * p : i * p + n]
-            return res
-
-        return PendingStep(
-            finish,
-            tokens=chain_ids.flatten(),
-            rows={rid: i for i, (rid, _) in enumerate(rows)},
-            chain=Chained(1 + p, rejected),
-        )
-
-    def _draft_inputs(
-        self,
-        host: HostBatch,
-        hidden: torch.Tensor,
-        input_ids: torch.Tensor,
-        checked: DeviceVerify | None,
-        verified: dict[str, int],
-    ) -> tuple[list[DeviceDraftInput], list[int], list[int | None]]:
-        """Pass 1's rows for a step on the device, request by request (the host path's
-        MTPDrafter.step_inputs with the step's tokens where they lie): a request whose
-        every row sampled takes each row's next token from its verification (rows past
-        the accepted ones: any); a prompt chunk its own next input ids, then, when it
-        samples, its sampled token; a chunk that does not sample leaves its last position
-        pending, which its next chunk's rows start at. verified: each sampling request's
-        row in `checked`. Also each input's segment in `host` and its index among the
-        sampling requests (None: it does not sample)."""
-        assert self.drafter is not None
-        pending_of = self.drafter.pending
-        inputs: list[DeviceDraftInput] = []
-        seg_of: list[int] = []
-        verified_of: list[int | None] = []
-        offset = 0
-        for i, (rid, start, n) in enumerate(zip(host.req_ids, host.context_lens, host.query_lens)):
-            rows_h = hidden[offset : offset + n]  # [n, hidden]
-            following = input_ids[offset + 1 : offset + n]  # [n - 1]: next ids on the host's side
-            first_id = input_ids[offset : offset + 1]
-            offset += n
-            v = verified.get(rid)
-            pending = pending_of.pop(rid, None)
-            newest: int | None = n - 1
-            if v is not None and host.sample_rows[rid][1] == n:  # every row sampled
-                assert checked is not None
-                next_ids = checked.tokens[v, :n]
-            elif v is not None:  # a prompt's last chunk: its sampled token ends it
-                assert checked is not None
-                next_ids = torch.cat([following, checked.tokens[v, :1]])
-            else:  # the next token of its last position comes with the next chunk
-                pending_of[rid] = (start + n - 1, rows_h[-1].clone())
-                rows_h, next_ids, newest = rows_h[:-1], following, None
-            first = start
-            if pending is not None and pending[0] == start - 1:
-                first = start - 1
-                rows_h = torch.cat([pending[1][None], rows_h])
-                next_ids = torch.cat([first_id, next_ids])
-                newest = None if newest is None else newest + 1
-            if not len(next_ids):
-                continue
-            state = self.requests[rid]
-            inputs.append(DeviceDraftInput(
-                rid, first, rows_h, next_ids, state.block_table, newest, state.num_prompt_tokens
-            ))  # fmt: skip
-            seg_of.append(i)
-            verified_of.append(v)
-        return inputs, seg_of, verified_of
-
-    def _draft(
-        self, host: HostBatch, hidden: torch.Tensor, out: ModelRunnerOutput, step: SchedulerOutput
-    ) -> None:
-        """The MTP layer's next drafts for every request that sampled (mtp_drafter.py):
-        as many as the step asks for (varlen), else the engine's num_speculative_tokens."""
-        assert self.drafter is not None
-        inputs = self.drafter.step_inputs(
-            host.req_ids, host.context_lens, host.query_lens, host.input_ids, hidden,
-            out.sampled_token_ids,
-            {rid: len(drafts) for rid, (_, _, drafts) in host.sample_rows.items()},
-            {rid: self.requests[rid].block_table for rid in host.req_ids},
-            {rid: self.requests[rid].num_prompt_tokens for rid in host.req_ids},
-        )  # fmt: skip
-        drafts: Drafts = self.drafter.propose(inputs, step.num_proposals)
-        for rid, toks in drafts.tokens.items():
-            self.requests[rid].drafts = toks
-        out.draft_token_ids = drafts.tokens
-        out.draft_confidences = drafts.confidences

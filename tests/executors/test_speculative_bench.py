@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import executors.model_runner as runner_module
+import executors.spec_steps as spec_steps_module
 from deepinfer.config import EngineConfig
 from executors.spec_decode import verify, verify_on_device
 from executors.torch_executor import TorchExecutor
@@ -44,7 +45,7 @@ def test_forced_acceptance_follows_the_rate_it_is_given(
             assert int(line.split(", ")[-1].split()[0]) > 5, line
     finally:
         speculative.ForcedAcceptance.uninstall()
-    assert runner_module.verify is verify and runner_module.verify_on_device is verify_on_device
+    assert runner_module.verify is verify and spec_steps_module.verify_on_device is verify_on_device
     # Drafts before the first corrupted one: k = 2 accepts (a + a^2) / 2 of them.
     assert acceptance[0.2] < 0.3 < 0.7 < acceptance[0.9]
 
