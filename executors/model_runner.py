@@ -37,7 +37,7 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.errors import RequestFailed
-from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
+from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.sampling_params import SamplingParams
 from executors import prompt_logprobs
 from executors.batch_invariant import set_batch_invariant
@@ -56,7 +56,6 @@ from executors.step_inputs import Batch, HostBatch, RequestState
 from executors.structured_outputs import (
     GrammarCompiler,
     GrammarState,
-    GrammarViolation,
     TokenMasks,
 )
 
@@ -463,34 +462,3 @@ class ModelRunner(SpeculativeSteps):
         res = sample.to_host([st.sampling.params for st in states])
         tokens = [[t] for t in res.token_ids]
         return self._record(rows, states, tokens, res.logprobs, logits, ModelRunnerOutput())
-
-    @staticmethod
-    def _record(
-        rows: list[tuple[str, tuple[int, int, list[int]]]],
-        states: list[RequestState],
-        tokens: list[list[int]],
-        logprobs: list[list[TokenLogprob]] | None,
-        logits: torch.Tensor,
-        out: ModelRunnerOutput,
-    ) -> StepResult:
-        """Apply each request's sampled tokens (rows and states in the same order) to its
-        state (the state of a request dropped meanwhile is no longer the runner's)."""
-        if logprobs is not None:
-            out.logprobs = {}
-        result = StepResult(out, logits)
-        for (req_id, (first, n, _)), state, toks in zip(rows, states, tokens):
-            if state.grammar is not None and not state.grammar.done:
-                try:  # those past the grammar's end (a draft ended it) are dropped
-                    toks = toks[: state.grammar.accept(toks)]
-                except GrammarViolation as e:
-                    raise RequestFailed({req_id: str(e)}) from None
-                if state.grammar.done:
-                    out.completed_req_ids.add(req_id)
-            state.sampling.output_token_ids.extend(toks)
-            state.last_token = toks[-1]
-            state.num_computed -= n - len(toks)  # rejected drafts' KV is overwritten later
-            out.sampled_token_ids[req_id] = toks
-            if out.logprobs is not None and logprobs is not None:
-                out.logprobs[req_id] = logprobs[first : first + len(toks)]
-            result.rows[req_id] = (first, n)
-        return result

@@ -21,7 +21,6 @@ from deepinfer.outputs import (
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
-    TokenLogprob,
 )
 from deepinfer.sampling_params import SamplingParams
 from executors.host_copy import PackedCopy, to_device
@@ -30,7 +29,7 @@ from executors.sampler import LogprobTensors, logprob_tensors, raw_logprobs
 from executors.spec_chain import Chained
 from executors.spec_decode import DeviceVerify, history_free, verify_on_device
 from executors.step_handle import PendingStep, StepResult
-from executors.step_inputs import HostBatch, RequestState, StepInputs
+from executors.step_inputs import HostBatch, StepInputs
 
 
 class SpeculativeSteps(StepInputs):
@@ -41,16 +40,6 @@ class SpeculativeSteps(StepInputs):
     if TYPE_CHECKING:  # ModelRunner's
 
         def _params(self, sr: ScheduledRequest) -> SamplingParams | None: ...
-
-        @staticmethod
-        def _record(
-            rows: list[tuple[str, tuple[int, int, list[int]]]],
-            states: list[RequestState],
-            tokens: list[list[int]],
-            logprobs: list[list[TokenLogprob]] | None,
-            logits: torch.Tensor,
-            out: ModelRunnerOutput,
-        ) -> StepResult: ...
 
     def _verifies_on_device(self, out: SchedulerOutput) -> bool:
         """Whether a step with a drafter can verify and draft on the device (spec_chain.py):

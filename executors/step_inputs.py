@@ -1,5 +1,6 @@
-"""A step's inputs on the host: the runner's state of each request, and how one
-SchedulerOutput becomes one flattened batch.
+"""A step's inputs on the host: the runner's state of each request, how one
+SchedulerOutput becomes one flattened batch, and how the tokens a step sampled are
+applied to the state (`_record`).
 
 `StepInputs.collect` checks the block tables, records each request's history and
 flattens the scheduled rows (the absorbed decode rows first) into a HostBatch of lists;
@@ -16,12 +17,12 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.errors import RequestFailed
-from deepinfer.outputs import DRAFT_PLACEHOLDER, ScheduledRequest
+from deepinfer.outputs import DRAFT_PLACEHOLDER, ModelRunnerOutput, ScheduledRequest, TokenLogprob
 from executors import prompt_logprobs
 from executors.attention import AttentionMetadata, build_attention_metadata
 from executors.mtp_drafter import MTPDrafter
 from executors.sampler import SamplingState
-from executors.step_handle import PendingStep
+from executors.step_handle import PendingStep, StepResult
 from executors.structured_outputs import GrammarState, GrammarViolation
 
 
@@ -311,3 +312,34 @@ class StepInputs:
             pos = n_prompt + len(s.output_token_ids)  # next output position to record
             if start <= pos < end:
                 s.output_token_ids.extend(tokens[pos - start :])
+
+    @staticmethod
+    def _record(
+        rows: list[tuple[str, tuple[int, int, list[int]]]],
+        states: list[RequestState],
+        tokens: list[list[int]],
+        logprobs: list[list[TokenLogprob]] | None,
+        logits: torch.Tensor,
+        out: ModelRunnerOutput,
+    ) -> StepResult:
+        """Apply each request's sampled tokens (rows and states in the same order) to its
+        state (the state of a request dropped meanwhile is no longer the runner's)."""
+        if logprobs is not None:
+            out.logprobs = {}
+        result = StepResult(out, logits)
+        for (req_id, (first, n, _)), state, toks in zip(rows, states, tokens):
+            if state.grammar is not None and not state.grammar.done:
+                try:  # those past the grammar's end (a draft ended it) are dropped
+                    toks = toks[: state.grammar.accept(toks)]
+                except GrammarViolation as e:
+                    raise RequestFailed({req_id: str(e)}) from None
+                if state.grammar.done:
+                    out.completed_req_ids.add(req_id)
+            state.sampling.output_token_ids.extend(toks)
+            state.last_token = toks[-1]
+            state.num_computed -= n - len(toks)  # rejected drafts' KV is overwritten later
+            out.sampled_token_ids[req_id] = toks
+            if out.logprobs is not None and logprobs is not None:
+                out.logprobs[req_id] = logprobs[first : first + len(toks)]
+            result.rows[req_id] = (first, n)
+        return result
