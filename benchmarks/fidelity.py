@@ -113,9 +113,29 @@ def compare_steps(
                 "ctx_sum": sum(c for _, c, _ in s.requests),
                 "ctx_max": max(c for _, c, _ in s.requests), "wall_s": s.wall_s,
                 "execute_s": s.execute_s, "idle_before_s": s.idle_before_s, "pred_s": pred,
+                "device_s": s.device_s, "device_idle_before_s": s.device_idle_before_s,
                 "shape": [list(r) for r in s.requests],  # (tokens, context, is_prompt) each
             })  # fmt: skip
     return table
+
+
+def device_errors(steps: list[tuple[str, list[Any], float | None]], cost: Any) -> dict[str, Any]:
+    """The cost model's device price of each real step, (kind, shape, device span) each,
+    against the device's span of its work (CUDA events, benchmarks/step_events.py), by
+    step kind: the price's own error, apart from the host's work and how it overlaps.
+    Steps without a span (off CUDA) are left out."""
+    return _error_table([
+        (kind, shape, span, cost.step_time(_step_output(shape)))
+        for kind, shape, span in steps
+        if span
+    ])  # fmt: skip
+
+
+def _step_output(shape: list[Any]) -> SchedulerOutput:
+    """A step of `shape`'s requests, (tokens, context, is_prompt) each, for pricing."""
+    return SchedulerOutput(
+        0, [ScheduledRequest(str(i), q, c, p, True, []) for i, (q, c, p) in enumerate(shape)]
+    )
 
 
 def _predicted(
@@ -125,9 +145,7 @@ def _predicted(
     step's own execute time), on `basis` (`step_basis`)."""
     out = []
     for kind, shape, wall, execute in steps:
-        so = SchedulerOutput(
-            0, [ScheduledRequest(str(i), q, c, p, True, []) for i, (q, c, p) in enumerate(shape)]
-        )
+        so = _step_output(shape)
         host, device = cost.cpu_time(so), cost.step_time(so)
         pred = {"launch": device, "overlap": max(host, device)}.get(basis, host + device)
         out.append((kind, shape, execute if basis == "launch" else wall, pred))
@@ -210,6 +228,7 @@ def run_workload(
         "cost_model": meta,
         "requests": compare_requests(real.records, sim.requests),
         "steps": compare_steps(real, cost, samples := [], step_basis(cfg, hardware)),
+        "steps_device": device_errors([(x.kind, x.requests, x.device_s) for x in real.steps], cost),
         "step_samples": samples,
     }
     res["_records"] = {
@@ -235,6 +254,14 @@ def print_tables(results: list[dict[str, Any]]) -> None:
                 f"  {r['workload'][:44]:44s} {kind:8s} n={row['steps']:5d}  "
                 f"{row['p10']:+.1%} / {row['p50']:+.1%} / {row['p90']:+.1%}"
             )
+    if any(r.get("steps_device") for r in results):
+        print("\nper-step signed error of the device price on the device's span (p10 / p50 / p90)")
+        for r in results:
+            for kind, row in r.get("steps_device", {}).items():
+                print(
+                    f"  {r['workload'][:44]:44s} {kind:8s} n={row['steps']:5d}  "
+                    f"{row['p10']:+.1%} / {row['p50']:+.1%} / {row['p90']:+.1%}"
+                )
     print("\nrequests: simulated vs real, signed error at p50 / p99; per-request median |err|")
     for r in results:
         q = r["requests"]
@@ -333,7 +360,13 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
                 cost,
                 step_basis(cfg, meta["hardware"]),
             )
-            results.append({"workload": wname, "requests": q, "steps": steps})
+            on_device = [
+                (x["kind"], x["shape"], x.get("device_s")) for x in samples if "shape" in x
+            ]
+            results.append({
+                "workload": wname, "requests": q, "steps": steps,
+                "steps_device": device_errors(on_device, cost),
+            })  # fmt: skip
     print_tables(results)
     out.mkdir(parents=True, exist_ok=True)
     (out / "resimulated.json").write_text(json.dumps(results, indent=1, default=str) + "\n")

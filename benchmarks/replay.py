@@ -9,6 +9,7 @@ their time has come, as the simulator admits them; the engine sleeps when idle.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -33,6 +34,11 @@ class StepSample:
     wall_s: float  # the whole round: schedule, execute, process
     execute_s: float
     idle_before_s: float  # time since the previous step ended (the engine slept)
+    step_id: int = -1
+    # On CUDA (benchmarks/step_events.py): the device's span of the step's work, and the
+    # device idle before it (queued after the step before had finished).
+    device_s: float | None = None
+    device_idle_before_s: float | None = None
 
     @property
     def kind(self) -> str:
@@ -88,6 +94,28 @@ def replay(
     )
     pending = deque(sorted(requests, key=lambda r: r.arrival_time))
     result = ReplayResult(records=[])
+    device = getattr(executor, "device", None)
+    timer = None
+    if device is not None and device.type == "cuda":
+        from step_events import StepEvents  # (torch: a real executor's run only)
+
+        timer = StepEvents(executor)
+    with timer or contextlib.nullcontext():
+        _run(engine, pending, result)
+    if timer is not None:
+        for sample in result.steps:
+            got = timer.step(sample.step_id)
+            if got is not None:
+                sample.device_s, sample.device_idle_before_s = got
+    result.wall_s = time.monotonic() - t0
+    result.engine_steps = list(engine.steps)
+    by_id = {r.req_id: r for r in engine.records}
+    result.records = [by_id[r.request_id] for r in requests]
+    return result
+
+
+def _run(engine: EngineCore, pending: deque[Request], result: ReplayResult) -> None:
+    """`replay`'s loop: admit arrivals, step, sample each applied step."""
     last_end = time.perf_counter()
     scheduled: dict[int, SchedulerOutput] = {}  # step id -> the step, until its result
     while pending or engine.has_unfinished():
@@ -110,10 +138,7 @@ def replay(
                 del scheduled[step_id]
             step = scheduled.pop(rec.step_id)
             shape = [(r.num_tokens, r.num_computed_tokens, r.is_prompt) for r in step.scheduled]
-            result.steps.append(StepSample(shape, end - start, rec.duration, start - last_end))
+            result.steps.append(
+                StepSample(shape, end - start, rec.duration, start - last_end, rec.step_id)
+            )
         last_end = end
-    result.wall_s = time.monotonic() - t0
-    result.engine_steps = list(engine.steps)
-    by_id = {r.req_id: r for r in engine.records}
-    result.records = [by_id[r.request_id] for r in requests]
-    return result

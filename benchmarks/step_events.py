@@ -48,6 +48,16 @@ class StepEvents:
         del self.executor.execute_async  # the class's method again
         torch.cuda.synchronize()
 
+    def step(self, step_id: int) -> tuple[float, float | None] | None:
+        """(span, gap before) of one launched step in seconds (gap None for the first
+        step timed); None if `step_id` was not launched while timing. After `__exit__`."""
+        if step_id not in self.events:
+            return None
+        start, end = self.events[step_id]
+        prev = self.events.get(step_id - 1)
+        gap = None if prev is None else max(prev[1].elapsed_time(start), 0.0) / 1e3
+        return start.elapsed_time(end) / 1e3, gap
+
     def summary(self, step_ids: list[int]) -> dict[str, float]:
         """Medians over `step_ids` (the steps to judge, e.g. decode steps) in ms: span,
         gap before, and their sum per step; plus the mean gap (a few long stalls)."""

@@ -57,6 +57,24 @@ def test_each_real_step_is_compared_with_the_time_that_is_its_own() -> None:
     }
 
 
+def test_the_device_price_is_compared_with_the_device_span_alone() -> None:
+    """A step's device span (CUDA events) against the device price only, host time
+    apart; steps without a span (a CPU run) are left out, not counted as zero."""
+    bench = _bench()
+    steps = [
+        ("decode", [(1, 10, False)], 2.5),  # priced 2.0: -20%
+        ("decode", [(1, 10, False)], 1.6),  # +25%
+        ("decode", [(1, 10, False)], 2.0),  # 0%
+        ("mixed", [(1, 10, False), (64, 0, True)], None),
+    ]
+    table = bench.device_errors(steps, _Cost())
+    assert set(table) == {"decode"}
+    assert table["decode"]["steps"] == 3
+    assert abs(table["decode"]["p50"]) < 1e-12
+    assert abs(table["decode"]["median_abs"] - 0.2) < 1e-12
+    assert bench.device_errors([steps[-1]], _Cost()) == {}
+
+
 def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
     bench = _bench()
     code = bench.main([
