@@ -70,7 +70,7 @@ from executors.spec_decode import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_events import StepEvents  # noqa: E402
+from step_events import StepEvents, SyncWatch  # noqa: E402
 
 WAVE_GAP_S = 3600.0  # simulated seconds between waves: each starts on an idle engine
 
@@ -190,6 +190,7 @@ def run(
     tag: str,
     profile_steps: int = 0,
     waves: int = 1,
+    sync_debug: bool = False,
 ) -> tuple[float, dict[str, list[int]], float | None, str]:
     """Decode tokens/s of `waves` batches of `prompts`, one after another on one engine
     (as a served engine keeps what varlen learned of its step times), each request's
@@ -198,14 +199,16 @@ def run(
     executors/spec_chain.py). profile_steps: print where that many decode steps (after 4
     warm ones) of the first wave spend their time (profile_step.py's kernel table and
     GPU idle time by host region; the run's figures then include the profiler's
-    overhead)."""
+    overhead). sync_debug: also count the calls that made the host wait for the device,
+    by line (step_events.SyncWatch; they slow the run a little)."""
     engine = EngineCore(cfg, executor, model_max_len=executor.max_model_len)
     chained_before = executor.runner.num_chained_steps
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     reqs: list[Request] = []
     on_cuda = getattr(executor, "device", torch.device("cpu")).type == "cuda"
     events = StepEvents(executor) if on_cuda else contextlib.nullcontext()
-    with events:
+    watch = SyncWatch() if sync_debug and on_cuda else contextlib.nullcontext()
+    with events, watch:
         _run_waves(engine, executor, prompts, params, tag, profile_steps, waves, reqs)
     decode = [s for s in engine.steps if s.num_prompt_tokens == 0]
     seconds = sum(s.duration for s in decode)
@@ -223,6 +226,8 @@ def run(
     )
     if isinstance(events, StepEvents) and not profile_steps:
         line += "; " + events.line([s.step_id for s in decode])
+    if isinstance(watch, SyncWatch):
+        line += "; " + watch.line(len(engine.steps))
     return tokens / seconds if seconds else 0.0, outs, acc, line
 
 
@@ -349,6 +354,11 @@ def main() -> None:
         "--profile-steps", type=int, default=0,
         help="profile this many decode steps of each speculating run at the first batch",
     )  # fmt: skip
+    p.add_argument(
+        "--sync-debug", action="store_true",
+        help="count the synchronising CUDA calls of every run, by line (the host waiting "
+        "for the device leaves it idle under async scheduling)",
+    )  # fmt: skip
     args = p.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
     accs = [float(x) for x in args.acceptance.split(",")]
@@ -379,7 +389,7 @@ def main() -> None:
         prof = args.profile_steps if b == batches[0] else 0
         ref[b], _, _, line = run(
             plain, plain.engine_config, all_prompts[:b], args.max_tokens, f"p{b}", prof,
-            num_waves(b, args.min_sequences),
+            num_waves(b, args.min_sequences), args.sync_debug,
         )  # fmt: skip
         print(f"batch {b}: {ref[b]:.0f} decode tok/s without speculation ({line})", flush=True)
     plain.shutdown()
@@ -397,8 +407,9 @@ def main() -> None:
                 prof = args.profile_steps if b == batches[0] else 0
                 waves = num_waves(b, args.min_sequences)
                 rate, _, acc, line = run(
-                    ex, ex.engine_config, all_prompts[:b], args.max_tokens, tag, prof, waves
-                )
+                    ex, ex.engine_config, all_prompts[:b], args.max_tokens, tag, prof, waves,
+                    args.sync_debug,
+                )  # fmt: skip
                 sim = simulated_rates(
                     cfg_dir, ex.engine_config, b, args.prompt_len, args.max_tokens, a, waves
                 )

@@ -13,11 +13,18 @@ reaches them, so for step N:
 - gap: start(N) - end(N - 1), the device idle before N because N was queued after N - 1
   had finished (0 when N was launched while N - 1 ran, as async scheduling intends).
 A step whose launch ran no device work (an empty step) is skipped.
+
+`SyncWatch` counts the calls that made the host wait for the device while it was
+entered, by the Python line that made them: under async scheduling a launch that waits
+for the step in flight leaves the device idle after it.
 """
 
 from __future__ import annotations
 
 import statistics
+import warnings
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,3 +94,37 @@ class StepEvents:
             f"device span {s['span_ms']:.2f} ms (mean {s['mean_span_ms']:.2f}); "
             f"idle before {s['gap_ms']:.2f} ms (mean {s['mean_gap_ms']:.2f}) a step"
         )
+
+
+class SyncWatch:
+    """Synchronising CUDA calls (PyTorch's sync debug mode: blocking copies, `.item()`,
+    `.tolist()` of device tensors, `nonzero`) made while entered, by file and line. An
+    event's `synchronize()` (a step's result read back) is not one of them."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, int]] = Counter()
+        self._catch: Any = None
+        self._seen: list[warnings.WarningMessage] = []
+
+    def __enter__(self) -> SyncWatch:
+        self._catch = warnings.catch_warnings(record=True)
+        self._seen = self._catch.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(*exc)
+        for w in self._seen:
+            if "synchroniz" in str(w.message):
+                self.counts[(Path(w.filename).name, w.lineno)] += 1
+
+    def line(self, steps: int, top: int = 6) -> str:
+        """The most frequent places, with their count per step."""
+        if not self.counts:
+            return "no synchronising calls"
+        where = ", ".join(
+            f"{f}:{n} x{c / max(steps, 1):.2f}" for (f, n), c in self.counts.most_common(top)
+        )
+        return f"synchronising calls a step: {where}"
