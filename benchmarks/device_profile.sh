@@ -5,6 +5,9 @@
 # change to the real executor's speed must re-measure before it lands; about 7 minutes,
 # so give the call the whole 600 s; the fidelity run is skipped if Moonlight's profile failed).
 # At most 8 files come back from $OUT: ship writes 5.
+# Then, back on the repo's machine, for each profile: python benchmarks/install_profile.py
+# FILE --commit HASH (how each step kind moved against the shipped profile; the device's
+# copied .git cannot tell the commit measured: its meta says commit_dirty).
 # The profiles speculate (3 drafts, through an MTP layer added in each model's shapes:
 # neither ships one): besides the plain grid (measured with the drafter detached) they
 # hold verify steps of 1 + k tokens a request, k = 1..3, each with the drafter's proposal.

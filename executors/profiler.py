@@ -440,15 +440,20 @@ def environment(executor: Any) -> dict[str, Any]:
     except ImportError:
         triton_version = None
     root = Path(__file__).resolve().parents[1]
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-            or None
-        )
-    except OSError:
-        commit = None
+
+    def git(*cmd: str) -> str | None:
+        try:
+            run = subprocess.run(
+                ["git", *cmd], cwd=root, capture_output=True, text=True, timeout=10
+            )
+        except OSError:
+            return None
+        return run.stdout.strip() if run.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD") or None
+    # Files that differ from that commit: the numbers are not the commit's alone (a copied
+    # working tree, as on the device machine, keeps an older .git beside newer files).
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
     dev = executor.device
     backend = envs.kernel_backend()  # the kernels its steps ran (kernels.ops.use_triton)
     if backend == "auto":
@@ -462,6 +467,7 @@ def environment(executor: Any) -> dict[str, Any]:
         "triton": triton_version,
         "python": platform.python_version(),
         "commit": commit,
+        "commit_dirty": None if status is None else bool(status),
         "cpu_threads": torch.get_num_threads(),
         "kernel_backend": backend,
         "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),

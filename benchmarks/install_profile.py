@@ -1,0 +1,89 @@
+"""Install a freshly measured profile into sim/data/profiles/, and say how it moved.
+
+    python benchmarks/install_profile.py OUT/moonlight-16b-a3b__h200.json [--commit HASH]
+        [--dry-run]
+
+Prints, by step kind, the median ratio of the new profile's step times to the shipped
+one's over the points both measured (same kind, same groups), and the points that moved
+most, then copies the file over the shipped one of the same name. A profile measured in
+a copied working tree (the device machine's) records a commit its git could not know:
+`--commit` sets the one measured, and clears `commit_dirty`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "sim" / "data" / "profiles"
+
+
+def _key(point: dict[str, Any]) -> str:
+    return json.dumps([point["kind"], point["groups"]])
+
+
+def compare(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    """By kind: points both profiles measured, the median new/old ratio of median_s (and
+    of pipelined_s where both have it), and the largest moves as (ratio, key)."""
+    old_points = {_key(p): p for p in old["points"]}
+    by_kind: dict[str, dict[str, list]] = {}
+    for p in new["points"]:
+        q = old_points.get(_key(p))
+        if q is None:
+            continue
+        row = by_kind.setdefault(p["kind"], {"median": [], "pipelined": [], "moves": []})
+        r = p["median_s"] / q["median_s"]
+        row["median"].append(r)
+        row["moves"].append((r, _key(p), q["median_s"], p["median_s"]))
+        if p.get("pipelined_s") and q.get("pipelined_s"):
+            row["pipelined"].append(p["pipelined_s"] / q["pipelined_s"])
+    out = {}
+    for kind, row in sorted(by_kind.items()):
+        moves = sorted(row["moves"], key=lambda m: abs(m[0] - 1), reverse=True)
+        out[kind] = {
+            "points": len(row["median"]),
+            "median_ratio": statistics.median(row["median"]),
+            "pipelined_ratio": statistics.median(row["pipelined"]) if row["pipelined"] else None,
+            "largest_moves": moves[:3],
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("profile", type=Path)
+    p.add_argument("--commit", default=None, help="the commit the profile was measured at")
+    p.add_argument("--dry-run", action="store_true", help="compare only; install nothing")
+    args = p.parse_args(argv)
+    new = json.loads(args.profile.read_text())
+    target = SHIPPED / args.profile.name
+    if target.exists():
+        old = json.loads(target.read_text())
+        print(f"{args.profile.name}: new / shipped, median over the points both measured")
+        for kind, row in compare(new, old).items():
+            pipe = row["pipelined_ratio"]
+            print(
+                f"  {kind:8s} {row['points']:4d} points  median_s {row['median_ratio']:.3f}"
+                + (f"  pipelined_s {pipe:.3f}" if pipe else "")
+            )
+            for r, key, before, after in row["largest_moves"]:
+                print(f"      {r:.3f}  {key}: {1e3 * before:.2f} -> {1e3 * after:.2f} ms")
+    else:
+        print(f"{args.profile.name}: no shipped profile of that name; nothing to compare")
+    if args.commit:
+        new["meta"]["commit"] = args.commit
+        new["meta"]["commit_dirty"] = False
+    if args.dry_run:
+        return 0
+    target.write_text(json.dumps(new, indent=1) + "\n")
+    print(f"installed {target.relative_to(ROOT)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
