@@ -3,22 +3,16 @@ assertions: this checks the pipeline, the device run checks the numbers)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 from deepinfer.config import EngineConfig
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity.py"
+from tests.bench_modules import load_benchmark
 
 
 def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("fidelity_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_benchmark("fidelity")
 
 
 class _Cost:

@@ -4,7 +4,6 @@ request of every burst finishes (no timing is asserted)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,16 +11,11 @@ import pytest
 import torch
 
 from executors.demo import DEMO_MODEL_DIR
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "first_burst.py"
+from tests.bench_modules import load_benchmark
 
 
 def _bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("first_burst", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_benchmark("first_burst")
 
 
 def test_later_bursts_have_the_first_ones_sizes_and_new_ids() -> None:

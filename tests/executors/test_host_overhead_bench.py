@@ -3,20 +3,16 @@ the whole batch whose inputs are prepared for a decode graph (no timing is asser
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "host_overhead.py"
+from tests.bench_modules import load_benchmark
 
 
 def test_decode_steps_of_the_whole_batch_prepare_graph_inputs(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("host_overhead", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("host_overhead")
     cfg, runner, blocks = bench.build(32, 4)
     loads = []
     graphs = runner.graphs

@@ -3,24 +3,18 @@ and sizes the KV cache so that such steps exist (above the prefill watermark).""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
 from executors.torch_executor import TorchExecutor
+from tests.bench_modules import load_benchmark
 from tests.executors.tiny_models import TinyModel
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "model_speed.py"
 
 
 @pytest.fixture(scope="module")
 def model_speed():
-    spec = importlib.util.spec_from_file_location("model_speed", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("model_speed")
 
 
 def test_whole_batch_decode_steps_exist_only_with_room_above_the_watermark(

@@ -3,9 +3,6 @@ given, whatever the (random) weights would accept, and hands verification back a
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 import executors.model_runner as runner_module
@@ -13,17 +10,13 @@ import executors.spec_steps as spec_steps_module
 from deepinfer.config import EngineConfig
 from executors.spec_decode import verify, verify_on_device
 from executors.torch_executor import TorchExecutor
+from tests.bench_modules import load_benchmark
 from tests.executors.tiny_models import TinyModel
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "speculative.py"
 
 
 @pytest.fixture(scope="module")
 def speculative():
-    spec = importlib.util.spec_from_file_location("speculative_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("speculative")
 
 
 def test_forced_acceptance_follows_the_rate_it_is_given(

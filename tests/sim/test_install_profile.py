@@ -3,23 +3,17 @@ shipped one before it replaces it, and gets the commit it was measured at."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_modules import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def install():
-    spec = importlib.util.spec_from_file_location(
-        "install_profile", ROOT / "benchmarks" / "install_profile.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("install_profile")
 
 
 def _point(kind: str, batch: int, median: float, pipelined: float | None = None) -> dict:

@@ -3,13 +3,13 @@ profiles (a step faster than its roofline would mean the FLOP or byte count is w
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from deepinfer.model_config import load_model_config
+from tests.bench_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = sorted((ROOT / "sim" / "data" / "profiles").glob("*__h200.json"))
@@ -17,12 +17,7 @@ PROFILES = sorted((ROOT / "sim" / "data" / "profiles").glob("*__h200.json"))
 
 @pytest.fixture(scope="module")
 def step_roofline():
-    spec = importlib.util.spec_from_file_location(
-        "step_roofline", ROOT / "benchmarks" / "step_roofline.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("step_roofline")
 
 
 @pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.stem)
