@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -36,6 +37,8 @@ def compare(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
         q = old_points.get(_key(p))
         if q is None:
             continue
+        if not (q["median_s"] > 0 and p["median_s"] > 0):
+            continue
         row = by_kind.setdefault(p["kind"], {"median": [], "pipelined": [], "moves": []})
         r = p["median_s"] / q["median_s"]
         row["median"].append(r)
@@ -44,7 +47,7 @@ def compare(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
             row["pipelined"].append(p["pipelined_s"] / q["pipelined_s"])
     out = {}
     for kind, row in sorted(by_kind.items()):
-        moves = sorted(row["moves"], key=lambda m: abs(m[0] - 1), reverse=True)
+        moves = sorted(row["moves"], key=lambda m: abs(math.log(m[0])), reverse=True)
         out[kind] = {
             "points": len(row["median"]),
             "median_ratio": statistics.median(row["median"]),
@@ -78,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.commit:
         new["meta"]["commit"] = args.commit
         new["meta"]["commit_dirty"] = False
+    elif new["meta"].get("commit_dirty"):
+        print(
+            f"warning: {args.profile.name} was measured in a tree that differs from commit "
+            f"{new['meta'].get('commit')}: give --commit (the one measured)",
+            file=sys.stderr,
+        )
     if args.dry_run:
         return 0
     target.write_text(json.dumps(new, indent=1) + "\n")

@@ -446,7 +446,7 @@ def environment(executor: Any) -> dict[str, Any]:
             run = subprocess.run(
                 ["git", *cmd], cwd=root, capture_output=True, text=True, timeout=10
             )
-        except OSError:
+        except (OSError, subprocess.SubprocessError):  # no git, or it hung
             return None
         return run.stdout.strip() if run.returncode == 0 else None
 

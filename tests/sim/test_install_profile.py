@@ -58,3 +58,11 @@ def test_install_sets_the_commit_measured(install, tmp_path: Path, monkeypatch) 
     got = json.loads((shipped / "m__h200.json").read_text())
     assert got["points"][0]["median_s"] == 1.0
     assert got["meta"]["commit"] == "abc123" and got["meta"]["commit_dirty"] is False
+
+
+def test_moves_rank_by_factor_either_way(install) -> None:
+    """2.5x faster moved more than 1.8x slower (|log| of the ratio, not |ratio - 1|)."""
+    old = _profile([_point("decode", 1, 1.0), _point("decode", 8, 1.0)])
+    new = _profile([_point("decode", 1, 0.4), _point("decode", 8, 1.8)])
+    moves = install.compare(new, old)["decode"]["largest_moves"]
+    assert [m[0] for m in moves] == pytest.approx([0.4, 1.8])
