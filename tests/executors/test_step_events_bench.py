@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tests.bench_modules import load_benchmark
@@ -29,6 +30,15 @@ class _Event:
         return other.t - self.t
 
 
+@pytest.fixture
+def bench(monkeypatch):  # type: ignore[no-untyped-def]
+    """The benchmark module, with the stand-in events in torch.cuda."""
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    return load_benchmark("step_events")
+
+
 class _Executor:
     device = torch.device("cuda")
 
@@ -37,11 +47,7 @@ class _Executor:
         return out.step_id
 
 
-def test_gaps_follow_the_launch_order_and_leaving_restores_the_launch(monkeypatch) -> None:
-    bench = load_benchmark("step_events")
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+def test_gaps_follow_the_launch_order_and_leaving_restores_the_launch(bench) -> None:
     ex = _Executor()
     _Clock.now = 0.0
     with bench.StepEvents(ex) as ev:
@@ -58,11 +64,7 @@ def test_gaps_follow_the_launch_order_and_leaving_restores_the_launch(monkeypatc
     assert ", " not in ev.line([1, 3, 4])
 
 
-def test_an_instance_launch_shadowed_on_entry_comes_back(monkeypatch) -> None:
-    bench = load_benchmark("step_events")
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+def test_an_instance_launch_shadowed_on_entry_comes_back(bench) -> None:
     ex = _Executor()
     own = lambda out: "spy"  # noqa: E731
     ex.execute_async = own  # type: ignore[method-assign]
