@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         return resimulate(args.real, args.profile, args.out)
     cfg = engine_config_from_args(args)
 
-    from executors.profiler import hardware_name
+    from executors.profile_env import hardware_name
     from executors.torch_executor import TorchExecutor
 
     load_format = "dummy" if args.model in known_models() else "auto"

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deepinfer.config import EngineConfig  # noqa: E402
 from deepinfer.outputs import SchedulerOutput  # noqa: E402
 from executors.profile_grid import StepShape  # noqa: E402
-from executors.profiler import StepSession  # noqa: E402
+from executors.profile_session import StepSession  # noqa: E402
 from executors.torch_executor import TorchExecutor  # noqa: E402
 
 

@@ -74,8 +74,9 @@ def run_profile(args: argparse.Namespace) -> int:
     from deepinfer.engine import EngineCore
     from deepinfer.executor import get_executor_class
     from deepinfer.model_config import known_models, write_config_with_mtp_layer
+    from executors.profile_env import environment
     from executors.profile_grid import GridLimits, default_grid, run_slack, speculative_grid
-    from executors.profiler import drafter_detached, environment, profile_host, profile_steps
+    from executors.profiler import drafter_detached, profile_host, profile_steps
 
     if args.reps < 1 or args.rounds < 1:
         raise ValueError(f"--reps {args.reps}, --rounds {args.rounds}: each must be >= 1")
