@@ -32,7 +32,7 @@ from executors.model_runner import ModelRunner
 from executors.sampler import SamplingState, sample_on_device
 from executors.step_handle import PendingStep
 from executors.structured_outputs import GrammarCompiler
-from executors.warmup import WarmupReport, warm_up
+from executors.warmup import WarmupReport, freeze_heap, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,11 @@ class TorchExecutor:
             list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),
             trust_remote_code=trust_remote_code,
         )
+        # Start-up's objects live as long as the engine: a full collection would scan them
+        # all, in a served step (on the device, the pause idles it).
+        self._froze_heap = self.device.type == "cuda"
+        if self._froze_heap:
+            freeze_heap()
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
             "TorchExecutor: %s on %s in %s, %d KV blocks of %d tokens; started in %.1f s",
@@ -197,6 +202,9 @@ class TorchExecutor:
         self.runner.discard_pending()
 
     def shutdown(self) -> None:
+        if self._froze_heap:  # (the graphs' and modules' cycles must be collectable again)
+            gc.unfreeze()
+            self._froze_heap = False
         if self.runner.grammars is not None:
             self.runner.grammars.shutdown()
         self.runner.requests.clear()
