@@ -9,6 +9,8 @@
 #     whole sweep takes longer than one device call; e.g. spec --ks 3 --acceptance 0.85)
 #   bash benchmarks/run_device.sh first   (not in all: start-up, then the first burst on the
 #     fresh engine against the same-sized bursts after it; about 1.5 min)
+#   bash benchmarks/run_device.sh gc   (not in all: the collector's pauses in a served run,
+#     the start-up heap frozen and not, Moonlight shapes; about 2 min)
 # The model sweep's JSON plots here with benchmarks/plot_model_speed.py (matplotlib).
 # Missing pure-Python packages (simpy) travel as wheels in .whl/.
 set -uo pipefail
@@ -118,6 +120,10 @@ if [[ $what == spec ]]; then
   status=${PIPESTATUS[0]}
   python3 benchmarks/speculative.py --json "$OUT/speculative.json" "$@" 2>&1 \
     | grep -v Warning | tee "$OUT/speculative.log" | tail -70
+fi
+if [[ $what == gc ]]; then
+  python3 benchmarks/gc_pauses.py --model moonlight-16b-a3b --device cuda \
+    --json "$OUT/gc_pauses.json" 2>&1 | grep -v Warning | tee "$OUT/gc_pauses.log" | tail -4
 fi
 if [[ $what == first ]]; then
   # First use (issue 12): the engine's start-up, then 3 bursts of 128 requests; the first
