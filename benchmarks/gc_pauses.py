@@ -37,8 +37,8 @@ def run(model: str, device: str | None, frozen: bool, args: argparse.Namespace) 
 
     cfg = EngineConfig(
         max_num_seqs=args.requests, max_num_batched_tokens=4096, async_scheduling=True,
-        num_gpu_blocks=args.requests * -(-(args.prompt_len + args.max_tokens) // 16) + 16,
-        block_size=16,
+        num_gpu_blocks=args.requests * -(-(args.prompt_len + args.max_tokens) // 64) + 16,
+        block_size=64,
     )  # fmt: skip
     ex = TorchExecutor(cfg, model, device=device, load_format="dummy")
     if frozen:
