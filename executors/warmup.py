@@ -88,6 +88,8 @@ def freeze_heap() -> None:
     objects (modules, graphs, kernel metadata: about 300k tracked on the CPU demo) are then
     not traversed again: a full collection took 133 ms there, stalling whatever step it
     fell in, and 3.4 ms with the heap frozen (benchmarks/gc_pauses.py). Frozen cycles
-    are never collected until `gc.unfreeze()` (the executor's shutdown)."""
+    are never collected until `gc.unfreeze()` (the executor's shutdown, or the next
+    freeze: an executor dropped without a shutdown, with its device memory, goes then)."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
