@@ -32,7 +32,7 @@ from executors.model_runner import ModelRunner
 from executors.sampler import SamplingState, sample_on_device
 from executors.step_handle import PendingStep
 from executors.structured_outputs import GrammarCompiler
-from executors.warmup import WarmupReport, freeze_heap, warm_up
+from executors.warmup import WarmupReport, freeze_heap, release_dropped_engines, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class TorchExecutor:
         self.max_model_len = engine_config.max_model_len or self.config.max_position_embeddings
         self.expert_parallel = self._expert_parallel(dp_rank)
         if self.device.type == "cuda":
+            release_dropped_engines()
             _check_fits(self.config, self.dtype, self.device, engine_config)
         self.eos_token_id = self._eos_token_id()
         self.model = load_model(

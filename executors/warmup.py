@@ -86,10 +86,21 @@ def freeze_heap() -> None:
     """Collect, then move every object alive into the collector's permanent generation
     (gc.freeze, as vLLM's engine does after start-up). A served engine's long-lived
     objects (modules, graphs, kernel metadata: about 300k tracked on the CPU demo) are then
-    not traversed again: a full collection took 133 ms there, stalling whatever step it
-    fell in, and 3.4 ms with the heap frozen (benchmarks/gc_pauses.py). Frozen cycles
-    are never collected until `gc.unfreeze()` (the executor's shutdown, or the next
-    freeze: an executor dropped without a shutdown, with its device memory, goes then)."""
+    not traversed again: a full collection took 131 ms there, stalling whatever step it
+    fell in, and at most 6.5 ms with the heap frozen (benchmarks/gc_pauses.py). Frozen
+    cycles are never collected until `gc.unfreeze()`: the executor's shutdown, or the next
+    CUDA executor's start (`release_dropped_engines`), which frees an engine dropped
+    without a shutdown before it sizes its own KV cache."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+def release_dropped_engines() -> None:
+    """Before a CUDA executor sizes its KV cache from the free device memory: an engine
+    dropped without a shutdown holds its memory in cycles that `freeze_heap` froze, which
+    a plain `gc.collect()` no longer frees. Unfreeze, collect, and give the freed blocks
+    back to the device."""
+    gc.unfreeze()
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -33,5 +33,6 @@ def _free_the_device(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     torch = sys.modules.get("torch")
     if "gpu" in request.keywords and torch is not None and torch.cuda.is_available():
+        gc.unfreeze()  # (a CUDA executor froze its start-up heap: executors/warmup.py)
         gc.collect()
         torch.cuda.empty_cache()

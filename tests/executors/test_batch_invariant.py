@@ -40,6 +40,7 @@ def scenarios(
     results: dict[str, list[CompletionOutput]] = {}
 
     def engine(**extra: Any) -> LLM:
+        gc.unfreeze()  # (the last engine froze its heap: executors/warmup.py)
         gc.collect()
         torch.cuda.empty_cache()
         return LLM(str(path), dtype="bfloat16", batch_invariant=batch_invariant,
