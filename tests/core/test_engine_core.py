@@ -78,9 +78,15 @@ def test_a_step_done_inside_its_launch_is_timed_there(async_scheduling: bool) ->
     """Under async scheduling step N+1 is launched before N is applied; when the launch
     itself runs the step, N's duration must not take N+1's time with it (the varlen
     policy prices draft lengths from these durations)."""
+    _assert_each_step_timed_by_its_launch(_TimedSyncExecutor, async_scheduling)
+
+
+def _assert_each_step_timed_by_its_launch(executor: type, async_scheduling: bool) -> None:
+    """A request of 6 tokens through `executor` (its launch of step N advances the clock
+    by N seconds): each step's duration is N, its own launch's time."""
     clock = _ManualClock()
     cfg = make_config(num_gpu_blocks=40, async_scheduling=async_scheduling)
-    engine = EngineCore(cfg, _TimedSyncExecutor(40, clock), clock=clock)
+    engine = EngineCore(cfg, executor(40, clock), clock=clock)
     engine.add_request(make_request("a", 4, max_tokens=6))
     while engine.has_unfinished():
         engine.step()
@@ -153,11 +159,4 @@ def test_a_step_its_launch_ran_is_timed_by_the_launch(async_scheduling: bool) ->
     """A handle that says its launch ran the step (`ran_in_launch`, the torch executor
     on a CPU) ends the step at the launch's return, though its result is unread: under
     async scheduling N's end was read after N+1's launch, which did N+1's work."""
-    clock = _ManualClock()
-    cfg = make_config(num_gpu_blocks=40, async_scheduling=async_scheduling)
-    engine = EngineCore(cfg, _RanInLaunchExecutor(40, clock), clock=clock)
-    engine.add_request(make_request("a", 4, max_tokens=6))
-    while engine.has_unfinished():
-        engine.step()
-    assert [r.finish_reason for r in engine.records] == ["length"]
-    assert [s.duration for s in engine.steps] == [float(s.step_id) for s in engine.steps]
+    _assert_each_step_timed_by_its_launch(_RanInLaunchExecutor, async_scheduling)
