@@ -1,6 +1,6 @@
 """Kernel benchmarks against the device's measured ceilings (run on a CUDA machine).
 
-    python benchmarks/kernels_bench.py [--quick] [--no-sweep] [--only accuracy,mla,moe,rmsnorm,router,prefill,binv_mla,moe_sweep]
+    python benchmarks/kernels_bench.py [--quick] [--no-sweep] [--only accuracy,mla,moe,rmsnorm,router,prefill,binv_mla,moe_sweep,small_sweep]
 
 First the two ceilings: device-to-device copy bandwidth (bytes read + written) and a
 bf16 8192^3 matmul on random data (triton.testing.do_bench medians; L2 cleared before
@@ -307,6 +307,62 @@ def sweep_moe(ceil: dict) -> None:
         torch.cuda.empty_cache()
 
 
+# Decode-sized candidates (BLOCK_M 16: a few rows an expert): narrower and wider N and K
+# tiles, deeper pipelines, more warps; the table's row for these T comes first.
+MOE_SMALL_SWEEP = [moe_config(1)] + [
+    {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": nw, "num_stages": ns}
+    for bn, bk, nw, ns in (
+        (32, 128, 4, 4), (32, 256, 4, 4), (64, 64, 4, 6), (64, 128, 4, 6), (64, 128, 8, 4),
+        (64, 256, 4, 3), (64, 256, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4),
+        (32, 128, 4, 6), (16, 256, 4, 4),
+    )
+]  # fmt: skip
+
+
+def sweep_small(ceil: dict) -> None:
+    """Batch-1 to 32 decode kernels around their defaults, as the engine calls them:
+    the fused MoE with Moonlight's two shared experts riding along (8 weight slices a
+    token), and MLA decode with a block table as wide as an 8k-context graph's (the split
+    count follows the width), by split count and key tile."""
+    shared_i = 2 * 1408
+    for t in (1, 8, 32):
+        x, w13, w2, weights, ids = moe_inputs(t)
+        sw13 = torch.randn(2 * shared_i, 2048, device=DEV, dtype=torch.bfloat16) / 45
+        sw2 = torch.randn(2048, shared_i, device=DEV, dtype=torch.bfloat16) / 53
+        e = w13.shape[0]
+        ids8 = torch.cat([ids, torch.tensor([e, e + 1], device=DEV).expand(t, 2)], 1)
+        w8 = torch.cat([weights, weights.new_ones(t, 2)], 1)
+        nbytes = (ids.unique().numel() + 2) * 3 * 1408 * 2048 * 2 + 2 * t * 2048 * 2
+
+        def run(cfg: dict, a: tuple = (x, w13, w2, w8, ids8), s: tuple = (sw13, sw2)):
+            return fused_moe(*a, config=cfg, shared=s)
+
+        with torch.inference_mode():
+            sweep("moe_small", run, MOE_SMALL_SWEEP, nbytes, ceil, T=t)
+        del x, w13, w2, sw13, sw2
+        torch.cuda.empty_cache()
+    width = 8192 // 64
+    configs = [{}] + [
+        {"splits": s, "BLOCK_N": bn, "num_warps": nw}
+        for s in (8, 16, 32, 64)
+        for bn, nw in ((16, 4), (32, 4), (64, 4))
+    ]
+    for batch, ctx in ((1, 1024), (1, 4096), (8, 1024)):
+        q, kv, table, seq, qsl, lat, scale = mla_inputs(batch, ctx, 16)
+        wide = torch.zeros(batch, width, dtype=table.dtype, device=DEV)
+        wide[:, : table.shape[1]] = table
+        args = (q, kv, wide, seq, qsl, lat, scale)
+
+        def run_mla(cfg: dict, args: tuple = args) -> torch.Tensor:
+            cfg = dict(cfg)
+            return mla_decode(*args, num_splits=cfg.pop("splits", None), config=cfg)
+
+        nbytes = batch * ctx * 576 * 2 + batch * 16 * (576 + 512) * 2
+        sweep("mla_small", run_mla, configs, nbytes, ceil, B=batch, ctx=ctx)
+        del args, kv
+        torch.cuda.empty_cache()
+
+
 def bench_rmsnorm(ceil: dict) -> None:
     for t, hidden in ((1, 2048), (64, 2048), (4096, 2048), (16384, 7168)):
         bench_rmsnorm_one(t, hidden, ceil)
@@ -513,7 +569,7 @@ def main() -> None:
     p.add_argument(
         "--only",
         default="accuracy,mla,moe,rmsnorm,router,prefill",
-        help="also: binv_mla, moe_sweep",
+        help="also: binv_mla, moe_sweep, small_sweep",
     )
     a = p.parse_args()
     only = set(a.only.split(","))
@@ -532,6 +588,8 @@ def main() -> None:
         bench_moe(ceil)
     if "moe_sweep" in only:
         sweep_moe(ceil)
+    if "small_sweep" in only:
+        sweep_small(ceil)
     if "mla" in only:
         bench_mla(ceil, a.quick)
         if not a.no_sweep:

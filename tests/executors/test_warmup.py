@@ -103,11 +103,14 @@ def test_a_cuda_executor_freezes_its_heap_and_frees_a_dropped_one_first() -> Non
     cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, gpu_memory_utilization=0.45)
     ex = TorchExecutor(cfg, str(DEMO_MODEL_DIR), device="cuda", dtype="float32")
     blocks = ex.num_kv_blocks()
-    assert gc.get_freeze_count() > 0
+    assert not any(o is ex.runner for o in gc.get_objects())  # frozen: never scanned
     del ex  # dropped without a shutdown: its KV cache sits in frozen cycles
     ex = TorchExecutor(cfg, str(DEMO_MODEL_DIR), device="cuda", dtype="float32")
     try:
         assert ex.num_kv_blocks() >= 0.95 * blocks  # the first one's memory was freed first
     finally:
         ex.shutdown()
-    assert gc.get_freeze_count() == 0
+    # Shut down, its objects are the collector's again. (Not `get_freeze_count() == 0`:
+    # on CPython 3.12 a collection leaves a few hundred objects counted there with nothing
+    # frozen at all.)
+    assert any(o is ex.runner for o in gc.get_objects())
