@@ -1,6 +1,6 @@
 """Kernel benchmarks against the device's measured ceilings (run on a CUDA machine).
 
-    python benchmarks/kernels_bench.py [--quick] [--no-sweep] [--only accuracy,mla,moe,rmsnorm,router,prefill,binv_mla,moe_sweep,small_sweep]
+    python benchmarks/kernels_bench.py [--quick] [--no-sweep] [--only accuracy,mla,moe,rmsnorm,router,prefill,binv_mla,moe_sweep,small_sweep,align]
 
 First the two ceilings: device-to-device copy bandwidth (bytes read + written) and a
 bf16 8192^3 matmul on random data (triton.testing.do_bench medians; L2 cleared before
@@ -319,6 +319,20 @@ MOE_SMALL_SWEEP = [moe_config(1)] + [
 ]  # fmt: skip
 
 
+def bench_align(ceil: dict) -> None:
+    """moe_align's three forms by size, Moonlight's routing with its shared experts fused
+    (64 + 2 ids, 8 pairs a token): sets MAX_PAIRS_ONE_PROGRAM in kernels/moe_align.py."""
+    from kernels.moe_align import ALIGN_METHODS, moe_align
+
+    e, k, block_m = 66, 8, 64
+    for t in (1, 16, 64, 128, 256, 1024, 4096, 16384):
+        ids = torch.rand(t, e, device=DEV).topk(k, dim=-1).indices
+        for method in ALIGN_METHODS:
+            record(f"moe_align {method}", f"T={t} E={e} k={k} BM={block_m}",
+                   lambda i=ids, m=method: moe_align(i, e, block_m, m), ids.numel() * 8, 0.0,
+                   ceil)  # fmt: skip
+
+
 def sweep_small(ceil: dict) -> None:
     """Batch-1 to 32 decode kernels around their defaults, as the engine calls them:
     the fused MoE with Moonlight's two shared experts riding along (8 weight slices a
@@ -569,7 +583,7 @@ def main() -> None:
     p.add_argument(
         "--only",
         default="accuracy,mla,moe,rmsnorm,router,prefill",
-        help="also: binv_mla, moe_sweep, small_sweep",
+        help="also: binv_mla, moe_sweep, small_sweep, align",
     )
     a = p.parse_args()
     only = set(a.only.split(","))
@@ -590,6 +604,8 @@ def main() -> None:
         sweep_moe(ceil)
     if "small_sweep" in only:
         sweep_small(ceil)
+    if "align" in only:
+        bench_align(ceil)
     if "mla" in only:
         bench_mla(ceil, a.quick)
         if not a.no_sweep:

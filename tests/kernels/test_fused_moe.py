@@ -30,18 +30,27 @@ def _moe_inputs(t, e, k, hidden, inter, dtype, device, gen, skew=False):
     return x.to(**cast), w13.to(**cast), w2.to(**cast), weights.to(device), ids.to(device)
 
 
+@pytest.mark.parametrize("method", ["one_program", "grid"])
 @pytest.mark.parametrize(
     "t,e,k,block_m",
-    [(1, 8, 2, 16), (13, 8, 3, 16), (150, 8, 2, 32), (37, 5, 4, 16), (70, 64, 6, 16)],
-)
-def test_align_equals_stable_sort_with_padding(t, e, k, block_m, device) -> None:
+    # The last two span many chunks of the grid form (128 pairs each for 66 experts,
+    # 16 for 1,000), with one expert's run crossing chunks when skewed.
+    [(1, 8, 2, 16), (13, 8, 3, 16), (150, 8, 2, 32), (37, 5, 4, 16), (70, 64, 6, 16),
+     (300, 66, 8, 64), (45, 1000, 3, 16)],
+)  # fmt: skip
+def test_align_equals_stable_sort_with_padding(t, e, k, block_m, method, device) -> None:
     """Pairs sorted stably by expert, each run padded to BLOCK_M; one expert per row block."""
     gen = torch.Generator().manual_seed(t * e + k)
     _, ids = _routing(t, e, k, gen, skew=t % 2 == 0)
-    got = moe_align(ids.to(device), e, block_m)
+    got = moe_align(ids.to(device), e, block_m, method)
     want = moe_align_ref(ids, e, block_m)
     for name in ("sorted_pairs", "block_expert", "num_padded"):
         assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+
+
+def test_align_refuses_an_unknown_method() -> None:
+    with pytest.raises(ValueError, match="method must be one of"):
+        moe_align(torch.zeros(2, 1, dtype=torch.long), 4, 16, "bitonic")
 
 
 # (T, E, k, H, I, config overrides that make the tiny shapes cover several tiles)
@@ -50,6 +59,7 @@ TINY = [
     (13, 8, 3, 64, 48, {"BLOCK_K": 32, "BLOCK_N": 32}),
     (40, 5, 2, 96, 40, {"BLOCK_M": 32, "BLOCK_K": 32, "BLOCK_N": 16, "GROUP_M": 2}),
     (24, 4, 2, 48, 24, {"BLOCK_M": 16, "BLOCK_K": 16, "BLOCK_N": 16, "GROUP_M": 4}),
+    (70, 8, 3, 64, 48, {"BLOCK_K": 32, "BLOCK_N": 32}),  # 210 pairs: the 3-kernel alignment
 ]
 
 
