@@ -22,12 +22,17 @@ import triton.language as tl
 from kernels.moe_align import moe_align
 
 # (max T, config): block shapes by batch size; small T -> BLOCK_M 16 (decode: few rows per
-# expert, the GEMMs stream weights); large T -> bigger tiles (tensor-core bound).
+# expert, the GEMMs stream weights); large T -> bigger tiles (tensor-core bound). Each
+# BLOCK_M-row block streams its expert's weights once, so BLOCK_M grows with the pairs an
+# expert gets (6T/64 for Moonlight and DeepSeek-V2-Lite): `kernels_bench.py --only
+# moe_sweep` on an H100 (24 configs, T = 128..8,192) found the table's rows best or within
+# 1% everywhere but T = 512 (BLOCK_M 64: -8.9% against 32) and T = 1,024 (128: -8.5%
+# against 64); the rows past 256 follow.
 CONFIGS: tuple[tuple[int, dict[str, int]], ...] = (
     (32, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}),
     (128, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}),
-    (512, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}),
-    (1024, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}),
+    (256, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}),
+    (640, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}),
     (1 << 62, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}),
 )  # fmt: skip
 
