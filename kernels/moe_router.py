@@ -9,10 +9,13 @@ the selection runs in registers as rounds of row-wise argmax (padding experts si
 -inf). No host synchronisation and nothing allocated but the two outputs, so the call
 can be captured in a CUDA graph.
 
-Float32 gate weights (what the executor keeps) take a split path: cuBLAS computes the
-float32 logits across every SM and the kernel only selects (`LOGITS_IN`), since one
-program per 16 tokens streaming a float32 weight runs at one SM's bandwidth. So the
-selection is always one launch, the logits one GEMM (plus a cast of x).
+Float32 gate weights (what the executor keeps) take a split path: the float32 logits
+are computed across many SMs and the kernel only selects (`LOGITS_IN`), since one
+program per 16 tokens streaming a float32 weight runs at one SM's bandwidth. Up to
+SPLIT_LOGITS_MAX_TOKENS tokens (decode at small batch) a Triton kernel computes them,
+BLOCK_E experts a program, straight from the bf16 activations (`_router_logits_kernel`:
+one launch where the cast of x and cuBLAS's GEMV with its reduce were three); more
+tokens take cuBLAS (plus a cast of x). So the selection is always one launch.
 
 Precision: the twin casts x and the gate weight to float32; so does the kernel, with
 one exception. Float32 anywhere (the executor keeps router weights in float32): tiles
@@ -39,6 +42,10 @@ _NO_GROUPS, _TOP2_SUM_NEG_INF, _MAX_ZERO = 0, 1, 2
 
 # Token counts at which router_config changes its launch settings (for warm-up).
 ROUTER_THRESHOLDS = (8, 2048)
+# Up to this many tokens float32 logits come from `_router_logits_kernel` (a program per
+# SPLIT_LOGITS_BLOCK_E experts: 32 programs for Moonlight's 64, 128 for V3's 256).
+SPLIT_LOGITS_MAX_TOKENS = 8
+SPLIT_LOGITS_BLOCK_E = 2
 
 
 def router_config(num_tokens: int, e_pow2: int, upcast: bool) -> dict[str, int | bool]:
@@ -99,6 +106,54 @@ def _logits_fma(x_ptrs, w_ptrs, t_mask, e_mask, H, BLOCK_T: tl.constexpr, E_POW2
         x3 += BLOCK_H
         w3 += BLOCK_H
     return tl.sum(acc, axis=2)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _router_logits_kernel(
+    x_ptr,  # [T, H], T <= BLOCK_T
+    w_ptr,  # [E, H] gate weight
+    out_ptr,  # [T, E] float32 logits
+    T,
+    E,
+    H,
+    stride_xt,
+    stride_we,
+    stride_ot,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Float32 logits of a few tokens, BLOCK_E experts a program: the gate weight streams
+    through E / BLOCK_E SMs at once. The products are the fused path's (`_logits_fma`)."""
+    offs_t = tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_mask = offs_e < E
+    offs_h = tl.arange(0, BLOCK_H)
+    x_ptrs = x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :]  # [BLOCK_T, BLOCK_H]
+    rows = offs_e[:, None].to(tl.int64) * stride_we
+    w_ptrs = w_ptr + rows + offs_h[None, :]  # [BLOCK_E, BLOCK_H]
+    acc = _logits_fma(x_ptrs, w_ptrs, t_mask, e_mask, H, BLOCK_T, BLOCK_E, BLOCK_H)
+    out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_e[None, :]
+    tl.store(out_ptrs, acc, mask=t_mask[:, None] & e_mask[None, :])
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H] (T <= SPLIT_LOGITS_MAX_TOKENS, any float dtype), weight [E, H] -> float32
+    logits [T, E]: x and weight upcast, exact float32 products summed per hidden lane."""
+    t, hidden = x.shape
+    num_experts = weight.shape[0]
+    assert t <= SPLIT_LOGITS_MAX_TOKENS and x.stride(1) == 1 and weight.stride(1) == 1
+    out = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)
+    block_t = triton.next_power_of_2(max(t, 1))
+    block_e = SPLIT_LOGITS_BLOCK_E
+    # A [BLOCK_T, BLOCK_E, BLOCK_H] accumulator of at most 4k elements (32 a thread).
+    block_h = max(16, min(triton.next_power_of_2(hidden), 4096 // (block_t * block_e)))
+    _router_logits_kernel[(triton.cdiv(num_experts, block_e),)](
+        x, weight, out, t, num_experts, hidden, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
 
 
 # Per-step sizes are runtime arguments Triton must not specialise on (value 1, divisible
@@ -278,8 +333,9 @@ def moe_router(
         cfg["UPCAST"] = True  # tl.dot needs one operand dtype
     # Float32 math: one program streaming the whole float32 gate weight (0.5 MB for
     # Moonlight, 7 MB for V3) is bandwidth-starved on one SM (H200: 24 us and 504 us at
-    # T = 1, slower than torch), so cuBLAS computes the logits over every SM and the
-    # kernel only selects (logits_in). config={"LOGITS_IN": False} keeps the fused GEMM.
+    # T = 1, slower than torch), so the logits are computed over many SMs (a few tokens:
+    # `router_logits`; more: cuBLAS) and the kernel only selects (logits_in).
+    # config={"LOGITS_IN": False} keeps the fused GEMM, {"SPLIT_LOGITS": False} cuBLAS.
     logits_in = batch_invariant or bool(cfg.get("LOGITS_IN", cfg["UPCAST"]))
     if batch_invariant:
         from kernels.batch_invariant import linear as bi_linear
@@ -289,7 +345,10 @@ def moe_router(
         # Every launch setting fixed (BLOCK_H is unused with logits in, but a constexpr).
         cfg.update(BLOCK_T=16, BLOCK_H=16, num_warps=4 if e_pow2 <= 64 else 8, num_stages=3)
     elif logits_in:
-        x = torch.nn.functional.linear(x.float(), weight.float())  # [T, E] float32
+        if t <= SPLIT_LOGITS_MAX_TOKENS and cfg.get("SPLIT_LOGITS", True):
+            x = router_logits(x, weight)  # [T, E] float32
+        else:
+            x = torch.nn.functional.linear(x.float(), weight.float())  # [T, E] float32
         hidden = num_experts
         cfg["BLOCK_T"] = min(16, triton.next_power_of_2(t)) if t < 16 else 16
     block_h = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(hidden)))

@@ -39,14 +39,15 @@ def test_split_kv_decode_matches_reference(
 
 def test_splits_fill_the_machine_only_when_needed() -> None:
     """Small batches over long contexts split until the programs fill one wave of resident
-    CTAs and no more (at most 64 pieces of >= 128 keys); big batches don't split."""
+    CTAs and no more (at most 64 pieces of >= 64 keys); big batches don't split."""
     assert choose_num_splits(1, 8192, 132) == 64
     assert choose_num_splits(8, 8192, 132) == 33  # 264 programs: 2 per SM
     assert choose_num_splits(64, 4096, 132) == 4  # 256, not 320 (a second, ragged wave)
     assert choose_num_splits(64, 4096, 132, ctas_per_sm=1) == 2
     assert choose_num_splits(512, 8192, 132) == 1
-    assert choose_num_splits(1, 300, 132) == 2
-    assert choose_num_splits(1, 200, 132) == 1  # too short to be worth a merge
+    assert choose_num_splits(1, 300, 132) == 4
+    assert choose_num_splits(1, 1024, 132) == 16  # (kernels_bench --only small_sweep)
+    assert choose_num_splits(1, 100, 132) == 1  # too short to be worth a merge
 
 
 @pytest.mark.gpu

@@ -100,15 +100,20 @@ def _poisoned(t, k, device):
 
 @pytest.mark.parametrize("name", TINY)
 @pytest.mark.parametrize("t", [1, 5, 37])  # few-token path (BLOCK_T < 16) and 16-token tiles
-@pytest.mark.parametrize("logits_in", [True, False], ids=["cublas_logits", "fused_gemm"])
-def test_router_matches_twin(name, t, logits_in, device) -> None:
+@pytest.mark.parametrize(
+    "logits",
+    [{"LOGITS_IN": True}, {"LOGITS_IN": True, "SPLIT_LOGITS": False}, {"LOGITS_IN": False}],
+    ids=["logits_in", "cublas_logits", "fused_gemm"],
+)
+def test_router_matches_twin(name, t, logits, device) -> None:
     """float32 inputs; hidden 40 in BLOCK_H=16 slices (a masked tail). Float32 weights
-    take the logits-in path by default; the fused GEMM stays reachable by config."""
+    take the logits-in path by default (up to 8 tokens from `router_logits`, then
+    cuBLAS); cuBLAS for few tokens and the fused GEMM stay reachable by config."""
     e, r = TINY[name]
     gen = torch.Generator().manual_seed(t * 131 + e)
     x, w, bias = _inputs(t, e, 40, r, torch.float32, torch.float32, device, gen)
     out = _poisoned(t, r["top_k"], device)
-    moe_router(x, w, bias, **r, config={"BLOCK_H": 16, "LOGITS_IN": logits_in}, out=out)
+    moe_router(x, w, bias, **r, config={"BLOCK_H": 16, **logits}, out=out)
     want = moe_router_ref(x, w, bias, **r)
     assert_same_routing(out, want, decision_gaps(x, w, bias, r), e, tol=1e-6, w_tol=1e-6)
 
@@ -123,6 +128,22 @@ def test_bf16_activations_with_float32_router(t, device) -> None:
     moe_router(x, w, bias, **r, config={"BLOCK_H": 32}, out=out)
     want = moe_router_ref(x, w, bias, **r)
     assert_same_routing(out, want, decision_gaps(x, w, bias, r), e, tol=1e-6, w_tol=1e-6)
+
+
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_split_logits_are_the_float32_products(t, device) -> None:
+    """router_logits: bf16 activations and a float32 weight, an odd expert count (a
+    program's last pair half empty) and a hidden size past one BLOCK_H slice: the float32
+    logits of x upcast, to float32 rounding."""
+    from kernels.moe_router import router_logits
+
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 4160, generator=gen).to(device=device, dtype=torch.bfloat16)
+    w = (torch.randn(13, 4160, generator=gen) / 64).to(device)
+    got = router_logits(x, w)
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == (t, 13)
+    assert (got.double() - want).abs().max() < 1e-5 * want.abs().max()
 
 
 def test_ops_backends_agree(device) -> None:
