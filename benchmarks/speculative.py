@@ -40,9 +40,11 @@ import argparse
 import contextlib
 import gc
 import json
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +184,24 @@ def model_dir(name: str) -> Path:
     return write_config_with_mtp_layer(name, tempfile.mkdtemp(prefix="spec-bench-"))
 
 
+def length_mix(steps: Sequence[Any]) -> str:
+    """Decode steps (StepRecords, real or simulated) by the drafts each request verified
+    (tokens / requests - 1), as "L: steps x median ms": what varlen chose and what each
+    length cost; steps whose requests verified different counts are counted as ragged."""
+    by_len: dict[int, list[float]] = {}
+    ragged = 0
+    for s in steps:
+        if s.num_scheduled_reqs and s.num_batched_tokens % s.num_scheduled_reqs == 0:
+            length = s.num_batched_tokens // s.num_scheduled_reqs - 1
+            by_len.setdefault(length, []).append(s.duration)
+        else:
+            ragged += 1
+    cells = [
+        f"{n}: {len(d)} x {1e3 * statistics.median(d):.1f} ms" for n, d in sorted(by_len.items())
+    ]
+    return ", ".join(cells + ([f"ragged: {ragged}"] if ragged else []))
+
+
 def run(
     executor: Any,
     cfg: EngineConfig,
@@ -224,6 +244,8 @@ def run(
         f"{per_req:.2f} tokens a request, {chained} chained"
         + (f", {waves} waves" if waves > 1 else "")
     )
+    if cfg.enable_mtp_varlen:
+        line += "; drafts verified: " + length_mix(decode)
     if isinstance(events, StepEvents) and not profile_steps:
         line += "; " + events.line([s.step_id for s in decode])
     if isinstance(watch, SyncWatch):
@@ -287,11 +309,12 @@ def simulated_rates(
     max_tokens: int,
     a: float,
     waves: int = 1,
-) -> tuple[float, float] | None:
+) -> tuple[float, float, str] | None:
     """The simulator's decode tokens/s without and with speculation for the same workload
-    (None without simpy): `waves` batches, each arriving long after the one before has
-    finished. Both sides, beside the measured ones, say which the predicted speed-up
-    misses: the plain decode steps' price or the verify steps'."""
+    (None without simpy), and its speculating decode steps' `length_mix`: `waves`
+    batches, each arriving long after the one before has finished. Both sides, beside
+    the measured ones, say which the predicted speed-up misses: the plain decode steps'
+    price or the verify steps' (and under varlen, whether the lengths chosen differ)."""
     try:
         from sim import simulate
         from sim.traces import TraceRequest
@@ -311,7 +334,7 @@ def simulated_rates(
         )  # fmt: skip
         decode = [s for s in res.steps if s.num_prompt_tokens == 0]
         rates.append(len(reqs) * (max_tokens - 1) / sum(s.duration for s in decode))
-    return rates[0], rates[1]
+    return rates[0], rates[1], length_mix(decode)
 
 
 def wave_requests(make: Any, batch: int, prompt_len: int, max_tokens: int, waves: int) -> list[Any]:
@@ -422,6 +445,7 @@ def main() -> None:
                 rows.append(row)
                 pred = (
                     f"{sched_speedup:.2f}x: plain {sim[0]:.0f}, speculating {sim[1]:.0f} tok/s"
+                    + (f", drafts verified: {sim[2]}" if ex.engine_config.enable_mtp_varlen else "")
                     if sim and sched_speedup
                     else "n/a"
                 )

@@ -89,3 +89,37 @@ def test_small_batches_run_as_waves_on_one_engine(
     assert max(s.num_running for s in res.steps) == 2 and len(res.requests) == 6
     rates = speculative.simulated_rates(moonlight, varlen, 1, 16, 24, 0.8, waves=3)
     assert rates is not None and rates[1] / rates[0] > 1.0
+    assert rates[2] and all(" x " in cell for cell in rates[2].split(", "))  # lengths chosen
+
+
+def test_length_mix_says_what_each_verified_length_cost(speculative) -> None:
+    """The decode steps by drafts verified a request (tokens / requests - 1), each length's
+    step count and median ms: what varlen chose, and what each choice cost; ragged steps
+    (requests verifying different counts) apart."""
+    from deepinfer.records import StepRecord
+
+    def step(reqs: int, tokens: int, ms: float) -> StepRecord:
+        return StepRecord(0, 0.0, ms / 1e3, reqs, 0, tokens, 0, reqs, 0.0, 0)
+
+    steps = [step(4, 16, 20.0), step(4, 16, 22.0), step(4, 16, 30.0), step(4, 4, 9.0)]
+    steps.append(step(4, 13, 18.0))  # ragged: 13 tokens over 4 requests
+    assert speculative.length_mix(steps) == "0: 1 x 9.0 ms, 3: 3 x 22.0 ms, ragged: 1"
+    assert speculative.length_mix([]) == ""
+
+
+def test_a_varlen_run_says_which_lengths_it_verified(
+    speculative, tiny_models: dict[str, TinyModel]
+) -> None:
+    tiny = tiny_models["v3_mtp"]
+    cfg = EngineConfig(
+        max_num_seqs=4, max_model_len=96, block_size=4, num_speculative_tokens=2,
+        enable_mtp_varlen=True,
+    )  # fmt: skip
+    ex = TorchExecutor(cfg, str(tiny.path), device="cpu", dtype="float32")
+    try:
+        speculative.ForcedAcceptance(ex.runner.drafter, 0.9, seed=1).install(ex.runner)
+        _, _, _, line = speculative.run(ex, cfg, [[3, 5, 7, 11], [4, 6, 8, 10]], 24, "v")
+    finally:
+        speculative.ForcedAcceptance.uninstall()
+    lengths = line.split("drafts verified: ")[1].split("; ")[0].split(", ")
+    assert lengths and all(cell.split(":")[0] in ("0", "1", "2", "ragged") for cell in lengths)
