@@ -13,7 +13,7 @@ Float32 gate weights (what the executor keeps) take a split path: the float32 lo
 are computed across many SMs and the kernel only selects (`LOGITS_IN`), since one
 program per 16 tokens streaming a float32 weight runs at one SM's bandwidth. Up to
 SPLIT_LOGITS_MAX_TOKENS tokens (decode at small batch) a Triton kernel computes them,
-BLOCK_E experts a program, straight from the bf16 activations (`_router_logits_kernel`:
+BLOCK_E experts a program, straight from the bf16 activations (kernels/router_logits.py:
 one launch where the cast of x and cuBLAS's GEMV with its reduce were three); more
 tokens take cuBLAS (plus a cast of x). So the selection is always one launch.
 
@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.router_logits import SPLIT_LOGITS_MAX_TOKENS, logits_dot, logits_fma, router_logits
+
 SCORING = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -42,10 +44,6 @@ _NO_GROUPS, _TOP2_SUM_NEG_INF, _MAX_ZERO = 0, 1, 2
 
 # Token counts at which router_config changes its launch settings (for warm-up).
 ROUTER_THRESHOLDS = (8, 2048)
-# Up to this many tokens float32 logits come from `_router_logits_kernel` (a program per
-# SPLIT_LOGITS_BLOCK_E experts: 32 programs for Moonlight's 64, 128 for V3's 256).
-SPLIT_LOGITS_MAX_TOKENS = 8
-SPLIT_LOGITS_BLOCK_E = 2
 
 
 def router_config(num_tokens: int, e_pow2: int, upcast: bool) -> dict[str, int | bool]:
@@ -65,95 +63,6 @@ def router_config(num_tokens: int, e_pow2: int, upcast: bool) -> dict[str, int |
         "num_warps": 4 if e_pow2 <= 64 else 8,
         "num_stages": 3,
     }
-
-
-@triton.jit
-def _logits_dot(x_ptrs, w_ptrs, t_mask, e_mask, H, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
-                E_POW2: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
-    """logits [BLOCK_T, E_POW2] = x . w^T over H in BLOCK_H slices, float32 accumulation."""
-    offs_h = tl.arange(0, BLOCK_H)
-    acc = tl.zeros([BLOCK_T, E_POW2], tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        h_mask = offs_h < H - h0
-        a = tl.load(x_ptrs, mask=t_mask[:, None] & h_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=e_mask[:, None] & h_mask[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, tl.trans(w), acc=acc, input_precision="ieee")
-        x_ptrs += BLOCK_H
-        w_ptrs += BLOCK_H
-    return acc
-
-
-@triton.jit
-def _logits_fma(x_ptrs, w_ptrs, t_mask, e_mask, H, BLOCK_T: tl.constexpr, E_POW2: tl.constexpr,
-                BLOCK_H: tl.constexpr):  # fmt: skip
-    """The same for a few tokens on the CUDA cores: exact float32 products accumulated per
-    hidden lane, [BLOCK_T, E_POW2, BLOCK_H], summed over the lanes once at the end. The
-    tiles are loaded as 3-D slices of that shape, so loads and products share a layout."""
-    offs_h = tl.arange(0, BLOCK_H)[None, None, :]
-    x3 = x_ptrs[:, None, :]  # [BLOCK_T, 1, BLOCK_H]
-    w3 = w_ptrs[None, :, :]  # [1, E_POW2, BLOCK_H]
-    x_mask = t_mask[:, None, None]
-    w_mask = e_mask[None, :, None]
-    acc = tl.zeros([BLOCK_T, E_POW2, BLOCK_H], tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        h_mask = offs_h < H - h0
-        a = tl.load(x3, mask=x_mask & h_mask, other=0.0).to(tl.float32)
-        w = tl.load(w3, mask=w_mask & h_mask, other=0.0).to(tl.float32)
-        acc += a * w
-        x3 += BLOCK_H
-        w3 += BLOCK_H
-    return tl.sum(acc, axis=2)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _router_logits_kernel(
-    x_ptr,  # [T, H], T <= BLOCK_T
-    w_ptr,  # [E, H] gate weight
-    out_ptr,  # [T, E] float32 logits
-    T,
-    E,
-    H,
-    stride_xt,
-    stride_we,
-    stride_ot,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """Float32 logits of a few tokens, BLOCK_E experts a program: the gate weight streams
-    through E / BLOCK_E SMs at once. The products are the fused path's (`_logits_fma`)."""
-    offs_t = tl.arange(0, BLOCK_T)
-    t_mask = offs_t < T
-    offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_mask = offs_e < E
-    offs_h = tl.arange(0, BLOCK_H)
-    x_ptrs = x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :]  # [BLOCK_T, BLOCK_H]
-    rows = offs_e[:, None].to(tl.int64) * stride_we
-    w_ptrs = w_ptr + rows + offs_h[None, :]  # [BLOCK_E, BLOCK_H]
-    acc = _logits_fma(x_ptrs, w_ptrs, t_mask, e_mask, H, BLOCK_T, BLOCK_E, BLOCK_H)
-    out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_e[None, :]
-    tl.store(out_ptrs, acc, mask=t_mask[:, None] & e_mask[None, :])
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, H] (T <= SPLIT_LOGITS_MAX_TOKENS, any float dtype), weight [E, H] -> float32
-    logits [T, E]: x and weight upcast, exact float32 products summed per hidden lane."""
-    t, hidden = x.shape
-    num_experts = weight.shape[0]
-    assert t <= SPLIT_LOGITS_MAX_TOKENS and x.stride(1) == 1 and weight.stride(1) == 1
-    out = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)
-    block_t = triton.next_power_of_2(max(t, 1))
-    block_e = SPLIT_LOGITS_BLOCK_E
-    # A [BLOCK_T, BLOCK_E, BLOCK_H] accumulator of at most 4k elements (32 a thread).
-    block_h = max(16, min(triton.next_power_of_2(hidden), 4096 // (block_t * block_e)))
-    _router_logits_kernel[(triton.cdiv(num_experts, block_e),)](
-        x, weight, out, t, num_experts, hidden, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, num_stages=3,
-    )  # fmt: skip
-    return out
 
 
 # Per-step sizes are runtime arguments Triton must not specialise on (value 1, divisible
@@ -204,9 +113,9 @@ def _moe_router_kernel(
             other=0.0,
         )
     elif BLOCK_T >= 16:  # tl.dot's smallest tile
-        acc = _logits_dot(x_ptrs, w_ptrs, t_mask, e_mask, H, UPCAST, BLOCK_T, E_POW2, BLOCK_H)
+        acc = logits_dot(x_ptrs, w_ptrs, t_mask, e_mask, H, UPCAST, BLOCK_T, E_POW2, BLOCK_H)
     else:
-        acc = _logits_fma(x_ptrs, w_ptrs, t_mask, e_mask, H, BLOCK_T, E_POW2, BLOCK_H)
+        acc = logits_fma(x_ptrs, w_ptrs, t_mask, e_mask, H, BLOCK_T, E_POW2, BLOCK_H)
 
     neg_inf = float("-inf")
     if SOFTMAX:

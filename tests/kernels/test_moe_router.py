@@ -135,7 +135,7 @@ def test_split_logits_are_the_float32_products(t, device) -> None:
     """router_logits: bf16 activations and a float32 weight, an odd expert count (a
     program's last pair half empty) and a hidden size past one BLOCK_H slice: the float32
     logits of x upcast, to float32 rounding."""
-    from kernels.moe_router import router_logits
+    from kernels.router_logits import router_logits
 
     gen = torch.Generator().manual_seed(t)
     x = torch.randn(t, 4160, generator=gen).to(device=device, dtype=torch.bfloat16)
