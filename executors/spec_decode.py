@@ -3,7 +3,7 @@
 A request with k drafts d_1..d_k is scored on 1 + k rows in one step: row j holds
 the target's logits for its output n + j (n: outputs before the step), as if
 d_1..d_j had been accepted, so each row is processed (min_tokens, penalties,
-temperature, top-k/p, min-p: `sampler.process_logits`) with that history.
+temperature, top-k/p, min-p: `logits_processors.process_logits`) with that history.
 
 - Greedy requests accept the longest prefix of drafts equal to the rows' argmax,
   then take the next row's argmax: token for token what plain greedy decoding gives.
@@ -29,14 +29,8 @@ import torch
 
 from deepinfer.sampling_params import SamplingParams
 from executors.host_copy import to_device
-from executors.sampler import (
-    SamplingState,
-    gather_logprobs,
-    process_logits,
-    random_sample,
-    raw_logprobs,
-    rows_of,
-)
+from executors.logits_processors import process_logits, rows_of
+from executors.sampler import SamplingState, gather_logprobs, random_sample, raw_logprobs
 from executors.sampler import greedy as argmax_rows
 
 ACCEPT_STREAM = 1  # seeded generator streams (sampler.SamplingState.seeded_generator)

@@ -9,17 +9,14 @@ import torch
 from scipy.stats import chisquare
 
 from deepinfer.sampling_params import SamplingParams
-from executors.sampler import (
-    SamplingState,
+from executors.logits_processors import (
     apply_min_p,
     apply_penalties,
     apply_temperature,
     apply_top_k,
     apply_top_p,
-    greedy,
-    random_sample,
-    sample_tokens,
 )
+from executors.sampler import SamplingState, greedy, random_sample, sample_tokens
 
 NEG_INF = float("-inf")
 
