@@ -187,7 +187,8 @@ def model_dir(name: str) -> Path:
 def length_mix(steps: Sequence[Any]) -> str:
     """Decode steps (StepRecords, real or simulated) by the drafts each request verified
     (tokens / requests - 1), as "L: steps x median ms": what varlen chose and what each
-    length cost; steps whose requests verified different counts are counted as ragged."""
+    length cost. A record holds no per-request counts: a step whose tokens do not divide
+    evenly among its requests is counted as ragged, one that does at its mean length."""
     by_len: dict[int, list[float]] = {}
     ragged = 0
     for s in steps:

@@ -1,8 +1,7 @@
 """What sampling does to the logits before the draw (executors/sampler.py's steps 2-5):
 min_tokens, the repetition / frequency / presence penalties, then for the rows that
 sample temperature, min-p, top-k and top-p (`process_logits`). Speculative decoding
-(executors/spec_decode.py, executors/mtp_drafter.py) shares them, so that drafts are
-sampled from, and verified against, exactly the distributions sampled. Every step is
+(executors/spec_decode.py) verifies drafts against exactly these distributions. Every step is
 row-wise, and an exact identity for a row that disables it.
 """
 

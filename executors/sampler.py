@@ -12,9 +12,8 @@
    (argmax of probs / q with q ~ Exp(1), the Gumbel-max trick in prob space).
 
 Steps 2-5 short of the draw are `process_logits` (executors/logits_processors.py),
-which speculative decoding (executors/spec_decode.py, executors/mtp_drafter.py) shares
-so that drafts are sampled from, and verified against, exactly the distributions
-sampled here.
+which speculative decoding (executors/spec_decode.py) shares, so that drafts are
+verified against exactly the distributions sampled here.
 
 Determinism: a row whose params carry `seq_seed` draws its noise alone from its
 own generator, re-seeded from (seq_seed, number of outputs so far) on every

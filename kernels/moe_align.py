@@ -94,9 +94,10 @@ def _moe_align_kernel(
 
 
 # The same alignment as three kernels, for many pairs: the one-program kernel's loops
-# are serial (117 us at 8,192 pairs on the H200: a batch-256 verify step of Moonlight,
-# 64 + 2 shared experts and 8 pairs a token), while here each CHUNK of pairs is one
-# program and only the per-expert prefix sums over the chunks run in one.
+# are serial (8,192 pairs, a batch-256 verify step of Moonlight with 64 + 2 shared
+# experts and 8 pairs a token: 117 us in an H200 engine profile, 421 us in
+# kernels_bench's replays on an H100), while here each CHUNK of pairs is one program and
+# only the per-expert prefix sums over the chunks run in one.
 @triton.jit(do_not_specialize=["num_pairs", "max_padded", "fill_per_program"])
 def _moe_count_kernel(
     ids_ptr,  # [num_pairs]
@@ -191,6 +192,8 @@ def moe_align(
     num_pairs = ids.numel()
     if method is None:
         method = "one_program" if num_pairs <= MAX_PAIRS_ONE_PROGRAM else "grid"
+    if method == "grid" and num_pairs == 0:  # (the grid needs at least one chunk)
+        method = "one_program"
     if method == "torch":
         return moe_align_ref(topk_ids, num_experts, block_m)
     if method not in ALIGN_METHODS:

@@ -6,8 +6,8 @@ decode, where every launch costs ~2 us even inside a CUDA graph. Semantics are t
 `kernels.reference.moe_router_ref`. Each program owns BLOCK_T tokens and every expert:
 logits [BLOCK_T, E_POW2] accumulate in float32 over BLOCK_H-wide slices of hidden, then
 the selection runs in registers as rounds of row-wise argmax (padding experts sit at
--inf). No host synchronisation and nothing allocated but the two outputs, so the call
-can be captured in a CUDA graph.
+-inf). No host synchronisation, and nothing allocated but the two outputs and, on the
+logits-in path below, a [T, E] float32 buffer, so the call can be captured in a CUDA graph.
 
 Float32 gate weights (what the executor keeps) take a split path: the float32 logits
 are computed across many SMs and the kernel only selects (`LOGITS_IN`), since one

@@ -222,7 +222,7 @@ def test_greedy_output_is_identical_with_speculation_on_cuda(
     """On the device (Triton kernels, CUDA graphs for decode and verify steps), token for
     token, and most drafts accepted. In float32 every sequence. bf16 rounds a 1 + k-token
     verify query differently from a one-token decode, and in a MoE a near-tie in the
-    router then picks another expert, which can move the next token by any margin: when
+    router can then pick another expert, which can move the next token by any margin: when
     decode attention's pieces went from 128 keys to 64 (2026-12-05), one of the four
     sequences parted at token 62 where plain decoding's top two logprobs were 0.63 apart
     (and agreed again with 128). So in bf16 most sequences, not all."""

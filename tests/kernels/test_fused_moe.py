@@ -48,6 +48,16 @@ def test_align_equals_stable_sort_with_padding(t, e, k, block_m, method, device)
         assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
 
 
+@pytest.mark.parametrize("method", ["one_program", "grid"])
+def test_align_of_no_pairs(method, device) -> None:
+    """A step with no tokens for the MoE aligns nothing, by either form (the grid's chunk
+    count would be 0)."""
+    ids = torch.empty(0, 2, dtype=torch.long)
+    got = moe_align(ids.to(device), 8, 16, method)
+    want = moe_align_ref(ids, 8, 16)
+    assert torch.equal(got.num_padded.cpu(), want.num_padded)
+
+
 def test_align_refuses_an_unknown_method() -> None:
     with pytest.raises(ValueError, match="method must be one of"):
         moe_align(torch.zeros(2, 1, dtype=torch.long), 4, 16, "bitonic")
