@@ -186,3 +186,18 @@ def test_blocks_that_accepted_drafts_complete_enter_the_prefix_cache() -> None:
         assert len(engine.scheduler.kv.find_cached_prefix(probe)) == written // 4, tokens
         checked += 1
     assert checked >= 2
+
+
+def test_an_interrupted_engine_keeps_the_blocks_of_the_steps_it_applied() -> None:
+    """Only what the discarded step would have filled leaves the prefix cache: the
+    prompt's blocks, cached when its step was scheduled, stay cached once that step's
+    results were applied, whatever step is in flight when the engine is interrupted."""
+    engine = make_engine(make_config(block_size=4, num_gpu_blocks=16, async_scheduling=True))
+    engine.add_request(make_request("r", 8, max_tokens=4))
+    while not engine.scheduler.requests["r"].output_token_ids:
+        engine.step()  # until the prompt's step is applied (the next one is in flight)
+    engine.abort("r")
+    engine.discard_in_flight()
+    again = make_request("r2", 9, max_tokens=1)  # the same 8 tokens, and one more
+    engine.add_request(again)
+    assert len(engine.scheduler.kv.find_cached_prefix(again)) == 2
