@@ -1,7 +1,8 @@
 """Scheduler introspection: the stall diagnosis and the invariant checks.
 
-Kept apart from the scheduling rules as a base class of `Scheduler` (this
-module never imports the scheduler); the tests call these after every step.
+Kept apart from the scheduling rules as a base class of `Scheduler` (through
+`SchedulerResults`; this module never imports either); the tests call these after every
+step.
 """
 
 from __future__ import annotations
