@@ -69,6 +69,16 @@ def test_the_device_price_is_compared_with_the_device_span_alone() -> None:
     assert bench.device_errors([steps[-1]], _Cost()) == {}
 
 
+def test_each_kind_sums_its_real_and_priced_time() -> None:
+    """Beside the per-step percentiles, a kind's total: under async scheduling a round's
+    wall goes to the step it applied, so per-step errors scatter while the totals (what
+    a served run's time is made of) can still agree."""
+    bench = _bench()
+    steps = [("decode", [(1, 10, False)], 2.5), ("decode", [(1, 10, False)], 1.5)]
+    row = bench.device_errors(steps, _Cost())["decode"]  # priced 2.0 each
+    assert row["real_sum_s"] == 4.0 and row["pred_sum_s"] == 4.0 and row["sum_err"] == 0.0
+
+
 def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
     bench = _bench()
     code = bench.main([
