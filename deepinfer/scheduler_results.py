@@ -1,5 +1,6 @@
 """The scheduler's side after a step: applying its results (sampled tokens, accepted
-drafts, a failed step undone) and ending requests (finished, aborted, rejected).
+drafts, a failed step undone) and ending requests (finished, aborted, rejected); with
+them preemption by recompute and the drafter's lookahead, which scheduling uses too.
 
 A base class of `Scheduler` (deepinfer/scheduler.py decides who computes what; this
 module never imports it), over the state that `Scheduler.__init__` sets up.
