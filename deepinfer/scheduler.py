@@ -65,10 +65,10 @@ class Scheduler(SchedulerResults):
         # varlen: the longest length verified in each of the last PROBE_EVERY steps
         self._recent_lengths: deque[int] = deque(maxlen=PROBE_EVERY)
         # Varlen: measured step times price the draft lengths (spec_policy.StepTimes);
-        # step_id -> (requests, drafts each, requests running when the length was chosen)
-        # of uniform decode / verify steps not yet timed.
+        # step_id -> (requests, drafts each, requests running when the length was chosen,
+        # drafts proposed after it) of uniform decode / verify steps not yet timed.
         self.step_times = StepTimes()
-        self._uniform_steps: dict[int, tuple[int, int, int]] = {}
+        self._uniform_steps: dict[int, tuple[int, int, int, int | None]] = {}
         self._proposals_in_flight: int | None = None  # drafts the latest step proposes
         # Varlen: the running mean chances by position over every request's proposals
         # (spec_policy.smooth_chances): they judge a request's first unseen drafts, under
@@ -151,8 +151,16 @@ class Scheduler(SchedulerResults):
                 )
                 for r in self.running
             }
+            # Lengths of uniform steps in flight in this bucket, not yet timed: not
+            # tried again meanwhile (spec_policy.draft_lengths).
+            bucket = StepTimes.bucket(len(conf))
+            pending = {
+                length
+                for _, length, decided, _ in self._uniform_steps.values()
+                if StepTimes.bucket(decided) == bucket
+            }
             self._draft_len = draft_lengths(
-                conf, self.config.num_speculative_tokens, times=self.step_times
+                conf, self.config.num_speculative_tokens, times=self.step_times, pending=pending
             )
             self.step_times.note_choice(len(conf), max(self._draft_len.values(), default=0))
         self._schedule_running(step)
@@ -238,14 +246,20 @@ class Scheduler(SchedulerResults):
         )  # fmt: skip
         self._proposals_in_flight = out.num_proposals
         if len(lengths) == 1 and not any(sr.is_prompt for sr in out.scheduled):
-            self._uniform_steps[out.step_id] = (len(out.scheduled), longest, decided)
+            self._uniform_steps[out.step_id] = (
+                len(out.scheduled),
+                longest,
+                decided,
+                out.num_proposals,
+            )
 
     def observe_step_time(self, step_id: int, seconds: float) -> None:
         """A step's measured duration (wall time, or the simulator's): varlen prices its
         draft lengths from these."""
         shape = self._uniform_steps.pop(step_id, None)
         if shape is not None:
-            self.step_times.observe(*shape[:2], seconds, decided_reqs=shape[2])
+            num_reqs, length, decided, proposed = shape
+            self.step_times.observe(num_reqs, length, seconds, decided, proposed)
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
         """The waiting queue in order: chunked prefills in progress first, then new starts."""

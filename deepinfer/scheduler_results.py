@@ -27,7 +27,7 @@ class SchedulerResults(SchedulerChecks):
     num_accepted_drafts: int
     draft_position_stats: list[list[int]]
     _cached_ahead: dict[int, list[KVBlock]]
-    _uniform_steps: dict[int, tuple[int, int, int]]
+    _uniform_steps: dict[int, tuple[int, int, int, int | None]]
     _proposals_in_flight: int | None
     _finished_since_last: set[str]
     _preempted_since_last: set[str]

@@ -34,7 +34,7 @@ from deepinfer.config import EngineRole
 from deepinfer.kv_cache.manager import cdiv
 from deepinfer.outputs import SchedulerOutput
 from deepinfer.request import RequestStatus
-from deepinfer.spec_policy import confidences_from_chances, draft_lengths
+from deepinfer.spec_policy import StepTimes, confidences_from_chances, draft_lengths
 from tests.property.harness import Checker, Driver, Snapshot, max_model_len, note
 from tests.property.mirror import KVMirror
 
@@ -149,7 +149,15 @@ class WorkConservation(Checker):
                 else snap.state[rid].confidences
                 for rid in running
             }
-            lengths = draft_lengths(conf, cfg.num_speculative_tokens, times=snap.step_times)
+            # a length tried by a uniform step in flight (this bucket) is not tried again
+            pending = {
+                length
+                for _, length, decided, _ in snap.uniform_in_flight
+                if StepTimes.bucket(decided) == StepTimes.bucket(len(conf))
+            }
+            lengths = draft_lengths(
+                conf, cfg.num_speculative_tokens, times=snap.step_times, pending=pending
+            )
         i = 0
         while i < len(running) and budget > 0:
             rid = running[i]

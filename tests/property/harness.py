@@ -101,6 +101,8 @@ class Snapshot:
     # mean chances (a request's first unseen drafts are judged by them).
     step_times: StepTimes | None = None
     proposals_in_flight: int | None = None
+    # (requests, drafts each, requests when chosen, proposals) of uniform steps in flight
+    uniform_in_flight: list[tuple[int, int, int, int | None]] = field(default_factory=list)
     prior_chances: list[float] = field(default_factory=list)
 
 
@@ -250,6 +252,7 @@ class Driver:
             },
             step_times=copy.deepcopy(s.step_times),
             proposals_in_flight=s._proposals_in_flight,
+            uniform_in_flight=list(s._uniform_steps.values()),
             prior_chances=list(s.prior_chances),
         )
         self.time.tick()

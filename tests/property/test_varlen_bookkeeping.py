@@ -6,7 +6,8 @@ steps it times. Three rules, checked on every step of generated workloads with v
 forced on (random acceptance, preemption, async scheduling, chunking, the roles):
 - a step asks for as many drafts as the longest length of the last PROBE_EVERY steps
   (at least one), or one more (capped at k) whenever that longer length has no price
-  in the bucket its lengths were chosen in (StepTimes.prices), and every PROBE_EVERY
+  in the bucket its lengths were chosen in (StepTimes.prices) or a price still due to
+  be measured again (StepTimes.due), and every PROBE_EVERY
   steps (a probe);
 - under async scheduling a step verifies no more placeholders than the step in flight
   was asked to propose;
@@ -47,12 +48,12 @@ class VarlenBookkeeping(Checker):
         assert d.snap is not None  # the bucket its lengths were chosen in
         decided = len(d.snap.running) or len(out.scheduled)
         times = d.sched.step_times  # as _plan_proposals read it: observed only in process
-        known = times.prices(decided).keys()
+        known = times.prices(decided).keys() - times.due(decided)  # settled prices
         grows = base + 1 not in known or out.step_id % PROBE_EVERY == 0
         want = min(k, base + 1) if grows else max(1, base)
         assert out.num_proposals == want, (
             f"step {out.step_id}: asks for {out.num_proposals} drafts after verifying up to "
-            f"{longest}, {base} lately (k = {k}; {base + 1} priced: {base + 1 in known})"
+            f"{longest}, {base} lately (k = {k}; {base + 1} settled: {base + 1 in known})"
         )
         for sr in out.scheduled:
             if sr.draft_token_ids[:1] == [DRAFT_PLACEHOLDER]:
