@@ -203,6 +203,19 @@ def length_mix(steps: Sequence[Any]) -> str:
     return ", ".join(cells + ([f"ragged: {ragged}"] if ragged else []))
 
 
+def steps_line(steps: Sequence[Any]) -> str:
+    """Each decode step (StepRecords) as "id: requests x drafts verified, drafts
+    proposed after it, ms", what varlen chose and timed step by step (a ragged step's
+    drafts are its mean)."""
+    cells = []
+    for s in steps:
+        n = max(s.num_scheduled_reqs, 1)
+        proposed = "" if s.num_proposals is None else f" P{s.num_proposals}"
+        drafts = s.num_batched_tokens / n - 1
+        cells.append(f"{s.step_id}: {n} x L{drafts:g}{proposed} {1e3 * s.duration:.2f}ms")
+    return " | ".join(cells)
+
+
 def run(
     executor: Any,
     cfg: EngineConfig,
@@ -212,6 +225,7 @@ def run(
     profile_steps: int = 0,
     waves: int = 1,
     sync_debug: bool = False,
+    step_log: bool = False,
 ) -> tuple[float, dict[str, list[int]], float | None, str]:
     """Decode tokens/s of `waves` batches of `prompts`, one after another on one engine
     (as a served engine keeps what varlen learned of its step times), each request's
@@ -221,7 +235,8 @@ def run(
     warm ones) of the first wave spend their time (profile_step.py's kernel table and
     GPU idle time by host region; the run's figures then include the profiler's
     overhead). sync_debug: also count the calls that made the host wait for the device,
-    by line (step_events.SyncWatch; they slow the run a little)."""
+    by line (step_events.SyncWatch; they slow the run a little). step_log: also list
+    the speculating run's decode steps one by one (`steps_line`)."""
     engine = EngineCore(cfg, executor, model_max_len=executor.max_model_len)
     chained_before = executor.runner.num_chained_steps
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -247,6 +262,8 @@ def run(
     )
     if cfg.enable_mtp_varlen:
         line += "; drafts verified: " + length_mix(decode)
+    if step_log:
+        line += "; steps: " + steps_line(decode)
     if isinstance(events, StepEvents) and not profile_steps:
         line += "; " + events.line([s.step_id for s in decode])
     if isinstance(watch, SyncWatch):
@@ -383,6 +400,11 @@ def main() -> None:
         help="count the synchronising CUDA calls of every run, by line (the host waiting "
         "for the device leaves it idle under async scheduling)",
     )  # fmt: skip
+    p.add_argument(
+        "--step-log", action="store_true",
+        help="list each speculating run's decode steps: requests, drafts verified and "
+        "proposed, ms (what varlen chose and timed)",
+    )  # fmt: skip
     args = p.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
     accs = [float(x) for x in args.acceptance.split(",")]
@@ -432,7 +454,7 @@ def main() -> None:
                 waves = num_waves(b, args.min_sequences)
                 rate, _, acc, line = run(
                     ex, ex.engine_config, all_prompts[:b], args.max_tokens, tag, prof, waves,
-                    args.sync_debug,
+                    args.sync_debug, args.step_log,
                 )  # fmt: skip
                 sim = simulated_rates(
                     cfg_dir, ex.engine_config, b, args.prompt_len, args.max_tokens, a, waves

@@ -358,6 +358,7 @@ class EngineCore:
             num_scheduled_reqs=len(out.scheduled),
             kv_usage=s.kv.usage,
             num_preempted=len(out.preempted_req_ids),
+            num_proposals=out.num_proposals,
         )
 
 

@@ -47,3 +47,5 @@ class StepRecord:
     num_scheduled_reqs: int
     kv_usage: float  # fraction of blocks held by requests (evictable cached blocks count as free)
     num_preempted: int  # preemptions made while scheduling this step
+    # drafts the drafter proposes after the step (varlen; None: num_speculative_tokens)
+    num_proposals: int | None = None

@@ -118,8 +118,23 @@ def test_a_varlen_run_says_which_lengths_it_verified(
     ex = TorchExecutor(cfg, str(tiny.path), device="cpu", dtype="float32")
     try:
         speculative.ForcedAcceptance(ex.runner.drafter, 0.9, seed=1).install(ex.runner)
-        _, _, _, line = speculative.run(ex, cfg, [[3, 5, 7, 11], [4, 6, 8, 10]], 24, "v")
+        _, _, _, line = speculative.run(
+            ex, cfg, [[3, 5, 7, 11], [4, 6, 8, 10]], 24, "v", step_log=True
+        )
     finally:
         speculative.ForcedAcceptance.uninstall()
     lengths = line.split("drafts verified: ")[1].split("; ")[0].split(", ")
     assert lengths and all(cell.split(":")[0] in ("0", "1", "2", "ragged") for cell in lengths)
+    # every decode step listed, with the drafts its drafter was asked for (1 or 2)
+    steps = line.split("steps: ")[1].split("; ")[0].split(" | ")
+    assert steps and all(" P1 " in cell or " P2 " in cell for cell in steps), steps
+
+
+def test_the_step_log_lists_each_decode_step(speculative) -> None:
+    from deepinfer.records import StepRecord
+
+    steps = [
+        StepRecord(7, 0.0, 0.0215, 4, 0, 16, 0, 4, 0.0, 0, num_proposals=3),
+        StepRecord(8, 0.0, 0.009, 4, 0, 13, 0, 4, 0.0, 0),
+    ]
+    assert speculative.steps_line(steps) == "7: 4 x L3 P3 21.50ms | 8: 4 x L2.25 9.00ms"
