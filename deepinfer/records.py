@@ -47,5 +47,6 @@ class StepRecord:
     num_scheduled_reqs: int
     kv_usage: float  # fraction of blocks held by requests (evictable cached blocks count as free)
     num_preempted: int  # preemptions made while scheduling this step
-    # drafts the drafter proposes after the step (varlen; None: num_speculative_tokens)
+    # drafts the drafter proposes after the step (varlen; None: num_speculative_tokens,
+    # or a data-parallel round, whose ranks propose apart)
     num_proposals: int | None = None

@@ -75,6 +75,7 @@ class Records(Checker):
             num_scheduled_reqs=len(out.scheduled),
             kv_usage=s.kv.usage,
             num_preempted=len(out.preempted_req_ids),
+            num_proposals=out.num_proposals,  # what the scheduler asked the drafter for
         )
         got = d.engine.steps[-1] if d.engine.steps else None
         assert got == want, f"step {out.step_id}: step record {got} != {want}"
