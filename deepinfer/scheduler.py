@@ -27,11 +27,11 @@ from deepinfer.request_queue import WaitingQueue
 from deepinfer.scheduler_results import SchedulerResults
 from deepinfer.spec_policy import (
     PROBE_EVERY,
-    StepTimes,
     confidences_from_chances,
     draft_lengths,
     proposals,
 )
+from deepinfer.step_times import StepTimes
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Scheduler(SchedulerResults):
         self._draft_len: dict[str, int] | None = None  # varlen: this step's draft lengths
         # varlen: the longest length verified in each of the last PROBE_EVERY steps
         self._recent_lengths: deque[int] = deque(maxlen=PROBE_EVERY)
-        # Varlen: measured step times price the draft lengths (spec_policy.StepTimes);
+        # Varlen: measured step times price the draft lengths (step_times.StepTimes);
         # step_id -> (requests, drafts each, requests running when the length was chosen,
         # drafts proposed after it) of uniform decode / verify steps not yet timed.
         self.step_times = StepTimes()

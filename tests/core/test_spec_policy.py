@@ -9,15 +9,13 @@ import pytest
 from deepinfer.engine import EngineCore
 from deepinfer.outputs import DRAFT_PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 from deepinfer.spec_policy import (
-    MAX_ATTEMPTS,
     PROBE_EVERY,
-    RETRY_AFTER,
-    StepTimes,
     confidences_from_chances,
     draft_lengths,
     proposals,
     smooth_chances,
 )
+from deepinfer.step_times import MAX_ATTEMPTS, RETRY_AFTER, StepTimes
 from tests.factories import (
     ScriptedExecutor,
     StepClock,
@@ -279,7 +277,9 @@ def test_a_length_priced_by_one_slow_step_is_measured_again() -> None:
     about 26, and varlen then verified 2 drafts for the rest of the run, 8% slower than
     a fixed 3. Here 2 drafts pay best (12 / 14 / 30 ms for 1 / 2 / 3 at confidence 0.75)
     but the first step verifying 2 takes 42 ms: the engine must measure 2 again within
-    RETRY_AFTER steps, price it by the lower quartile of its recent steps, and settle on it."""
+    2 x RETRY_AFTER steps (it must first be proposed, and under the hill climb its
+    other neighbour may be due too), price it by the lower quartile of its recent
+    steps, and settle on it."""
     ms = {0: 10.0, 1: 12.0, 2: 14.0, 3: 30.0}
     ex = ConfidentExecutor(1024, 3, 0.75)
     engine = _varlen_engine(ex)

@@ -34,7 +34,8 @@ from deepinfer.config import EngineRole
 from deepinfer.kv_cache.manager import cdiv
 from deepinfer.outputs import SchedulerOutput
 from deepinfer.request import RequestStatus
-from deepinfer.spec_policy import StepTimes, confidences_from_chances, draft_lengths
+from deepinfer.spec_policy import confidences_from_chances, draft_lengths
+from deepinfer.step_times import StepTimes
 from tests.property.harness import Checker, Driver, Snapshot, max_model_len, note
 from tests.property.mirror import KVMirror
 

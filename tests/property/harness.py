@@ -21,7 +21,7 @@ from hypothesis.control import currently_in_test_context
 from deepinfer.engine import EngineCore
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
-from deepinfer.spec_policy import StepTimes
+from deepinfer.step_times import StepTimes
 from sim.sim_executor import SimExecutor
 from tests.property.oracle import (  # noqa: F401  (re-exported: the checkers import them here)
     admissible,

@@ -24,7 +24,8 @@ from collections import Counter
 from hypothesis import assume, given
 
 from deepinfer.outputs import DRAFT_PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
-from deepinfer.spec_policy import PROBE_EVERY, StepTimes
+from deepinfer.spec_policy import PROBE_EVERY
+from deepinfer.step_times import StepTimes
 from tests.property.harness import Checker, Driver, run_case
 from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
 
