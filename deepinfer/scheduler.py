@@ -151,13 +151,15 @@ class Scheduler(SchedulerResults):
                 )
                 for r in self.running
             }
-            # Lengths of uniform steps in flight in this bucket, not yet timed: not
-            # tried again meanwhile (spec_policy.draft_lengths).
-            bucket = StepTimes.bucket(len(conf))
+            # Lengths of uniform steps in flight, not yet timed, decided in this batch's
+            # bucket or the one that prices it: not tried again meanwhile
+            # (spec_policy.draft_lengths).
+            n = len(conf)
+            buckets = {StepTimes.bucket(n), self.step_times.pricing_bucket(n)}
             pending = {
                 length
                 for _, length, decided, _ in self._uniform_steps.values()
-                if StepTimes.bucket(decided) == bucket
+                if StepTimes.bucket(decided) in buckets
             }
             self._draft_len = draft_lengths(
                 conf, self.config.num_speculative_tokens, times=self.step_times, pending=pending

@@ -10,14 +10,15 @@ the latest few by batch bucket and length, a length timed once timed again, on e
 executor: the simulator's steps last what its cost model says), scaled to the step by
 the model below; a length not measured yet in the bucket is priced from the nearest
 measured one by the model, a bucket with nothing measured from the nearest bucket that
-has, and with nothing measured anywhere by the
-model alone. The model: a step of n tokens costs about S + n
-token-times (S: the step's fixed cost, weights read and launches, in tokens: below S a
-step is memory-bound and one more token is nearly free). The measurements matter
-where the model is wrong: on the H200 a batch of 256 verifying 1 or 2 drafts each ran
-piecewise and took longer than verifying 3 in a graph, which the model cannot know
-(verify graphs now exist for every length, but the point stands for what a profile or
-a model cannot see).
+has, and with nothing measured anywhere by the model alone. The model: a step of n
+tokens costs about S + n token-times (S: the step's fixed cost, weights read and
+launches, in tokens: below S a step is memory-bound and one more token is nearly
+free), and each chained pass of the drafter past the steady state (more drafts
+proposed than verified) a fraction of S + n (`StepTimes.units`). The measurements
+matter where the model is wrong: on the H200 a batch of 256 verifying 1 or 2 drafts
+each ran piecewise and took longer than verifying 3 in a graph, which the model cannot
+know (verify graphs now exist for every length, but the point stands for what a
+profile or a model cannot see).
 A step yields E tokens in expectation (one per request, plus each verified draft's c_j).
 Under async scheduling the drafts a step verifies come from the step in flight, so their
 confidences are unseen when it is scheduled: a request's running mean chances by
@@ -126,8 +127,9 @@ def proposals(
     bucket of `num_reqs`, where `length` is the longest length verified lately (the
     scheduler passes the longest of its last PROBE_EVERY steps, so one step of low
     confidences that chose a shorter length does not keep the next ones from theirs):
-    one more while that longer length is unmeasured in the bucket (the hill climb in
-    `draft_lengths` tries it next, or prices it by the model once given up) and every
+    one more while that longer length is unmeasured in the bucket, or due to be timed
+    again and not given up (`StepTimes.due`, `given_up`: the hill climb in
+    `draft_lengths` tries it next, or prices it by the model once given up), and every
     PROBE_EVERY steps (confidences can rise); else `length`, at least 1 (its confidence
     keeps the policy informed). A chained pass a step for a length measured worse cost
     varlen 13% at batch 1 on the H200 (benchmarks/RESULTS.md). Pass 1 runs whatever this
@@ -136,7 +138,10 @@ def proposals(
         return max_len
     if times is None or step_id % PROBE_EVERY == 0:
         return length + 1
-    settled = times.prices(num_reqs).keys() - times.due(num_reqs)
+    # due to be timed again, unless given up: its steps never come out uniform, so a
+    # pass a step for it would buy nothing
+    due = times.due(num_reqs) - times.given_up(num_reqs)
+    settled = times.prices(num_reqs).keys() - due
     return max(1, length) if length + 1 in settled else length + 1
 
 
@@ -172,10 +177,12 @@ def draft_lengths(
             expected += cumulative[rid]
         tokens += len(drafting)
         rates[length] = expected / cost(length, tokens)
-    # With measurements to learn from, a length not measured (recently) in this bucket is
-    # tried first, since the model may misprice it either way; but only next to the best
-    # measured length (a hill climb): trying every length, 0 and 1 included at a batch
-    # where 5 pays, cost 3% / 15% of a 40-step run at batch 256 / 32 in the simulator.
+    # With measurements to learn from (the bucket's, or the nearest bucket's while it has
+    # none: StepTimes.prices), a length not measured recently, or due to be timed again,
+    # is tried first, since the model may misprice it either way, unless given up or
+    # still in flight (`pending`); but only next to the best measured length (a hill
+    # climb): trying every length, 0 and 1 included at a batch where 5 pays, cost 3% /
+    # 15% of a 40-step run at batch 256 / 32 in the simulator.
     candidates = list(rates)
     if times is not None:
         skip = measured.keys() - times.due(len(confidences))

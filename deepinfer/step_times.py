@@ -120,12 +120,12 @@ class StepTimes:
         while it has none, the nearest bucket's (seconds per model unit carry across
         buckets by the model's scaling), so that a batch crossing a power of two (256
         requests, one finishes: 255) does not explore every length again."""
-        return self._fresh(self._pricing_bucket(num_reqs))
+        return self._fresh(self.pricing_bucket(num_reqs))
 
     def due(self, num_reqs: int) -> set[int]:
         """Lengths among `prices` with fewer than SETTLED recent steps, the latest of
         them `retry_after` or more steps of its bucket ago: to be measured again."""
-        bucket = self._pricing_bucket(num_reqs)
+        bucket = self.pricing_bucket(num_reqs)
         now = self._steps.get(bucket, 0)
         return {
             length
@@ -138,7 +138,9 @@ class StepTimes:
         lengths measured recently enough (maybe none)."""
         return self._fresh(self.bucket(num_reqs))
 
-    def _pricing_bucket(self, num_reqs: int) -> int:
+    def pricing_bucket(self, num_reqs: int) -> int:
+        """The bucket whose steps price a batch of `num_reqs` (`prices`): its own while it
+        has any recent ones, else the nearest that has (the larger of two as near)."""
         here = self.bucket(num_reqs)
         for bucket in sorted(self._samples.keys() | {here}, key=lambda b: (abs(b - here), -b)):
             if self._recent(bucket):

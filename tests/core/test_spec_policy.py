@@ -271,6 +271,27 @@ def test_a_varlen_engine_settles_on_the_length_its_measured_steps_favour() -> No
     assert proposed[-8:].count(2) == 8 // PROBE_EVERY and len(probes) >= 3, proposed
 
 
+def test_the_scheduler_times_a_step_with_the_drafts_its_drafter_proposed() -> None:
+    """The first uniform step that asks the drafter for one draft more than it verifies
+    (the climb's next length) is filed with that proposal: a 20 ms step prices its
+    length below 20 ms (StepTimes.units), the extra pass taken out."""
+    ex = ConfidentExecutor(1024, 3, 0.75)
+    engine = _varlen_engine(ex)
+    for i in range(32):
+        engine.add_request(make_request(f"r{i}", 4, max_tokens=40))
+    while engine.has_unfinished():
+        out = engine.schedule()
+        res = ex.execute(out)
+        longest, uniform = _shape(out)
+        engine.process(out, res, 0.02)
+        proposed = out.num_proposals or 0
+        if uniform and len(out.scheduled) == 32 and proposed > max(1, longest):
+            times = engine.scheduler.step_times
+            assert times.prices(32)[longest] * times.units(32, longest) < 0.0199
+            return
+    raise AssertionError("no step asked for more drafts than it verified")
+
+
 def test_a_length_priced_by_one_slow_step_is_measured_again() -> None:
     """A step's wall time can hold another step's (a collection, a step that could not
     overlap): on the H100 at batch 256 one step verifying 3 drafts took 85 ms against
@@ -427,8 +448,8 @@ def test_under_async_scheduling_unseen_drafts_are_judged_by_the_mean_chances() -
     host has seen only earlier drafts' confidences, here alternating 0.95 / 0.3 a step
     (all of a step's drafts alike), which say nothing about the next drafts. The policy
     judges them by each request's mean chances (through draft 3: (0.86 + 0.03) / 2), by
-    which 1, 2 and 3 drafts pay about alike, and keeps drafting (mostly 2 or 3, which
-    of them moving with the lengths it measures again, StepTimes.due); from the latest
+    which 1, 2 and 3 drafts pay about alike, and keeps drafting (mostly 2 or 3); from
+    the latest
     confidences alone it dropped to 0 drafts after every doubtful step (about half the
     steps), whichever the next drafts were."""
     cheap = {0: 10.0, 1: 14.0, 2: 18.0, 3: 22.0}
@@ -441,6 +462,7 @@ def test_under_async_scheduling_unseen_drafts_are_judged_by_the_mean_chances() -
     ]
     settled = lengths[len(lengths) // 3 :]
     assert settled.count(0) <= 0.1 * len(settled), lengths
+    assert settled.count(3) >= 0.3 * len(settled), lengths
     assert settled.count(2) + settled.count(3) >= 0.5 * len(settled), lengths
 
 

@@ -49,7 +49,8 @@ class VarlenBookkeeping(Checker):
         assert d.snap is not None  # the bucket its lengths were chosen in
         decided = len(d.snap.running) or len(out.scheduled)
         times = d.sched.step_times  # as _plan_proposals read it: observed only in process
-        known = times.prices(decided).keys() - times.due(decided)  # settled prices
+        # settled prices: a due length is not, unless given up
+        known = times.prices(decided).keys() - (times.due(decided) - times.given_up(decided))
         grows = base + 1 not in known or out.step_id % PROBE_EVERY == 0
         want = min(k, base + 1) if grows else max(1, base)
         assert out.num_proposals == want, (
