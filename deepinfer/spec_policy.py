@@ -159,8 +159,8 @@ def draft_lengths(
     request is one token of the step plus its drafts; num_other_tokens: the step's
     other tokens (prompt chunks); times: the engine's measured step times (None: the
     model alone; when given, its own fixed cost replaces fixed_cost_tokens); pending:
-    lengths of uniform steps in flight in this bucket, not yet timed (async
-    scheduling), which are not tried again meanwhile.
+    lengths of uniform steps in flight, decided in this bucket or the one that prices
+    it, not yet timed (async scheduling), which are not tried again meanwhile.
     """
     cost, measured = _step_cost(times, len(confidences), fixed_cost_tokens)
 
