@@ -24,9 +24,10 @@ that reads the request's history, drafts verified on the host) cannot overlap
 (`can_overlap`): the engine launches it once N is applied, and a launch that finds N
 unread anyway reads N first.
 
-Two mixins hold the rest: the input side, a step's rows flattened into host lists
-(executors/step_inputs.py: `collect`, `to_device`), and the speculative steps on the
-device (executors/spec_steps.py: verification and the drafter's next proposal).
+Three mixins hold the rest: the input side, a step's rows flattened into host lists
+(executors/step_inputs.py: `collect`, `to_device`), the speculative steps on the
+device (executors/spec_steps.py: verification and the drafter's next proposal), and
+the per-request state (executors/runner_states.py: `update_states`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from collections.abc import Callable
 import torch
 
 from deepinfer.config import EngineConfig
-from deepinfer.errors import RequestFailed
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.sampling_params import SamplingParams
 from executors import prompt_logprobs
@@ -47,7 +47,8 @@ from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
 from executors.mtp_drafter import MTPDrafter
 from executors.piecewise_graphs import PiecewiseGraphs, default_token_buckets
-from executors.sampler import DeviceSample, SamplingState, sample_on_device, sample_tokens
+from executors.runner_states import RunnerStates
+from executors.sampler import DeviceSample, sample_on_device, sample_tokens
 from executors.spec_chain import Shift, StepBuffers, rows_by_sequence
 from executors.spec_decode import VerifyRequest, verify
 from executors.spec_steps import SpeculativeSteps
@@ -55,12 +56,11 @@ from executors.step_handle import PendingStep, StepResult
 from executors.step_inputs import Batch, HostBatch, RequestState
 from executors.structured_outputs import (
     GrammarCompiler,
-    GrammarState,
     TokenMasks,
 )
 
 
-class ModelRunner(SpeculativeSteps):
+class ModelRunner(RunnerStates, SpeculativeSteps):
     def __init__(
         self,
         model: DeepseekForCausalLM,
@@ -375,51 +375,6 @@ class ModelRunner(SpeculativeSteps):
         ):
             return None
         return graphs
-
-    def _drop(self, out: SchedulerOutput) -> None:
-        """Forget the requests `out` says ended or were preempted."""
-        for req_id in out.finished_req_ids | out.preempted_req_ids:
-            self.requests.pop(req_id, None)
-            if self.drafter is not None:
-                self.drafter.pending.pop(req_id, None)
-
-    def update_states(self, out: SchedulerOutput) -> None:
-        self._drop(out)
-        for sr in out.scheduled:
-            if sr.block_table is not None:
-                if self.drafter is not None:  # (re)started: nothing of its past is pending
-                    self.drafter.pending.pop(sr.req_id, None)
-                params = sr.sampling_params or SamplingParams()
-                state = SamplingState(params, [], eos_token_id=self.eos_token_id)
-                self.requests[sr.req_id] = RequestState(
-                    list(sr.block_table), state, sr.num_prompt_tokens,
-                    num_computed=sr.num_computed_tokens,
-                )  # fmt: skip
-                if sr.prior_token_ids:
-                    self._record_history(self.requests[sr.req_id], 0, sr.prior_token_ids)
-                if sr.prompt_token_ids is not None:
-                    self.requests[sr.req_id].prompt_ids = list(sr.prompt_token_ids)
-                if params.so_args is not None:
-                    self.requests[sr.req_id].grammar = self._grammar(sr.req_id, params.so_args)
-            elif sr.req_id not in self.requests:
-                raise ValueError(
-                    f"request {sr.req_id!r}: no block_table and no state held "
-                    "(first schedule and resumes must send the whole table)"
-                )
-            else:
-                table = self.requests[sr.req_id].block_table
-                if sr.num_prior_blocks is not None:  # slots of rejected drafts were freed
-                    del table[sr.num_prior_blocks :]
-                table.extend(sr.new_block_ids)
-
-    def _grammar(self, req_id: str, so_args: dict) -> GrammarState:
-        """A fresh matcher (a resumed request catches up with its history in collect)."""
-        if self.grammars is None:
-            raise RequestFailed({req_id: "so_args: this model runner has no grammar compiler"})
-        try:
-            return GrammarState(self.grammars.compiled(so_args))
-        except Exception as e:  # the engine schedules a request once its compile succeeded
-            raise RequestFailed({req_id: f"so_args: {e}"}) from e
 
     def _sample(
         self, sample_rows: dict[str, tuple[int, int, list[int]]], logits: torch.Tensor
