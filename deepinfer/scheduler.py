@@ -62,7 +62,8 @@ class Scheduler(SchedulerResults):
         self.num_rejected = 0
         self.num_preemptions = 0
         self._draft_len: dict[str, int] | None = None  # varlen: this step's draft lengths
-        # varlen: the longest length verified in each of the last PROBE_EVERY steps
+        # varlen: the longest length verified in each of the last PROBE_EVERY steps that
+        # chose one (steps of prompts alone choose none)
         self._recent_lengths: deque[int] = deque(maxlen=PROBE_EVERY)
         # Varlen: measured step times price the draft lengths (step_times.StepTimes);
         # step_id -> (requests, drafts each, requests running when the length was chosen,
@@ -240,11 +241,15 @@ class Scheduler(SchedulerResults):
         decided = len(self._draft_len) if self._draft_len else len(out.scheduled)
         # From the longest length of the last few steps, not this one's alone: one step
         # of low confidences must not keep the next ones from their length (under async
-        # the step after next is capped by this step's proposals).
-        self._recent_lengths.append(longest)
+        # the step after next is capped by this step's proposals). A step of prompts
+        # alone chose no length: when four of them counted as 0, a request arriving
+        # alone after a long prompt started at 1 draft and climbed back one length per
+        # probe step.
+        if self._draft_len:
+            self._recent_lengths.append(longest)
         out.num_proposals = proposals(
-            max(self._recent_lengths), self.config.num_speculative_tokens, decided,
-            self.step_times, out.step_id,
+            max(self._recent_lengths, default=longest), self.config.num_speculative_tokens,
+            decided, self.step_times, out.step_id,
         )  # fmt: skip
         self._proposals_in_flight = out.num_proposals
         if len(lengths) == 1 and not any(sr.is_prompt for sr in out.scheduled):

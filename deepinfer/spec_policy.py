@@ -125,24 +125,20 @@ def proposals(
 ) -> int:
     """Drafts the drafter proposes after a step whose requests were decided in the batch
     bucket of `num_reqs`, where `length` is the longest length verified lately (the
-    scheduler passes the longest of its last PROBE_EVERY steps, so one step of low
-    confidences that chose a shorter length does not keep the next ones from theirs):
-    one more while that longer length is unmeasured in the bucket, or due to be timed
-    again and not given up (`StepTimes.due`, `given_up`: the hill climb in
-    `draft_lengths` tries it next, or prices it by the model once given up), and every
-    PROBE_EVERY steps (confidences can rise); else `length`, at least 1 (its confidence
-    keeps the policy informed). A chained pass a step for a length measured worse cost
-    varlen 13% at batch 1 on the H200 (benchmarks/RESULTS.md). Pass 1 runs whatever this
-    says: it writes the MTP layer's KV of the step's tokens."""
+    scheduler passes the longest of its last PROBE_EVERY steps that chose a length, so
+    one step of low confidences that chose a shorter length does not keep the next ones
+    from theirs): one more while that longer length's price does not stand
+    (`StepTimes.settled`: unmeasured in the bucket, or due to be timed again; the hill
+    climb in `draft_lengths` tries it next), and every PROBE_EVERY steps (confidences
+    can rise); else `length`, at least 1 (its confidence keeps the policy informed). A
+    chained pass a step for a length measured worse cost varlen 13% at batch 1 on the
+    H200 (benchmarks/RESULTS.md). Pass 1 runs whatever this says: it writes the MTP
+    layer's KV of the step's tokens."""
     if length >= max_len:
         return max_len
     if times is None or step_id % PROBE_EVERY == 0:
         return length + 1
-    # due to be timed again, unless given up: its steps never come out uniform, so a
-    # pass a step for it would buy nothing
-    due = times.due(num_reqs) - times.given_up(num_reqs)
-    settled = times.prices(num_reqs).keys() - due
-    return max(1, length) if length + 1 in settled else length + 1
+    return max(1, length) if length + 1 in times.settled(num_reqs) else length + 1
 
 
 def draft_lengths(

@@ -133,6 +133,12 @@ class StepTimes:
             if len(recent) < SETTLED and now - recent[-1][1] >= self.retry_after
         }
 
+    def settled(self, num_reqs: int) -> set[int]:
+        """Lengths whose price stands for a batch of `num_reqs`: priced by recent steps
+        (`prices`) and not due to be timed again, or due but given up (their steps never
+        come out uniform, so no timing would come of trying them)."""
+        return self.prices(num_reqs).keys() - (self.due(num_reqs) - self.given_up(num_reqs))
+
     def per_unit(self, num_reqs: int) -> dict[int, float]:
         """length -> measured seconds per model unit in the batch's bucket, for the
         lengths measured recently enough (maybe none)."""

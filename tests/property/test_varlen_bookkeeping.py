@@ -5,9 +5,10 @@ drafts the next step may verify, and learns what each draft length costs from th
 steps it times. Three rules, checked on every step of generated workloads with varlen
 forced on (random acceptance, preemption, async scheduling, chunking, the roles):
 - a step asks for as many drafts as the longest length of the last PROBE_EVERY steps
-  (at least one), or one more (capped at k) whenever that longer length has no price
-  in the bucket its lengths were chosen in (StepTimes.prices) or a price still due to
-  be measured again (StepTimes.due), and every PROBE_EVERY
+  that chose one (at least one; a step scheduled with no request running, prompts
+  alone, chooses none; with none, the step's own), or one more (capped at k) whenever
+  that longer length's price does not stand in the bucket its lengths were chosen in
+  (StepTimes.settled: none, or one due to be measured again), and every PROBE_EVERY
   steps (a probe);
 - under async scheduling a step verifies no more placeholders than the step in flight
   was asked to propose;
@@ -33,7 +34,7 @@ from tests.property.strategies import EngineCase, Workload, any_case_and_workloa
 class VarlenBookkeeping(Checker):
     def __init__(self) -> None:
         self.in_flight_proposals: int | None = None
-        self.recent: list[int] = []  # the longest length of each of the last steps
+        self.recent: list[int] = []  # the longest length of the last steps that chose one
         self.pending: dict[int, int] = {}  # step_id -> bucket of a uniform step
         self.uniform: Counter[int] = Counter()  # bucket -> uniform steps processed
         self.processed = 0
@@ -44,13 +45,14 @@ class VarlenBookkeeping(Checker):
         k = d.case.config.num_speculative_tokens
         lengths = {len(sr.draft_token_ids) for sr in out.scheduled}
         longest = max(lengths)
-        self.recent = (self.recent + [longest])[-PROBE_EVERY:]
-        base = max(self.recent)
         assert d.snap is not None  # the bucket its lengths were chosen in
         decided = len(d.snap.running) or len(out.scheduled)
         times = d.sched.step_times  # as _plan_proposals read it: observed only in process
         # settled prices: a due length is not, unless given up
         known = times.prices(decided).keys() - (times.due(decided) - times.given_up(decided))
+        if d.snap.running:  # a length was chosen (for the requests running)
+            self.recent = (self.recent + [longest])[-PROBE_EVERY:]
+        base = max(self.recent, default=longest)
         grows = base + 1 not in known or out.step_id % PROBE_EVERY == 0
         want = min(k, base + 1) if grows else max(1, base)
         assert out.num_proposals == want, (
