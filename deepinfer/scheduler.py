@@ -11,10 +11,10 @@ deepinfer/scheduler_results.py.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass, field
 
 from deepinfer.config import EngineConfig, EngineRole
+from deepinfer.draft_plan import DraftPlan
 from deepinfer.kv_cache.block_pool import KVBlock
 from deepinfer.kv_cache.manager import KVCacheManager, cdiv
 from deepinfer.outputs import (
@@ -25,13 +25,6 @@ from deepinfer.outputs import (
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.request_queue import WaitingQueue
 from deepinfer.scheduler_results import SchedulerResults
-from deepinfer.spec_policy import (
-    PROBE_EVERY,
-    confidences_from_chances,
-    draft_lengths,
-    proposals,
-)
-from deepinfer.step_times import StepTimes
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +55,9 @@ class Scheduler(SchedulerResults):
         self.num_rejected = 0
         self.num_preemptions = 0
         self._draft_len: dict[str, int] | None = None  # varlen: this step's draft lengths
-        # varlen: the longest length verified in each of the last PROBE_EVERY steps that
-        # chose one (steps of prompts alone choose none)
-        self._recent_lengths: deque[int] = deque(maxlen=PROBE_EVERY)
-        # Varlen: measured step times price the draft lengths (step_times.StepTimes);
-        # step_id -> (requests, drafts each, requests running when the length was chosen,
-        # drafts proposed after it) of uniform decode / verify steps not yet timed.
-        self.step_times = StepTimes()
-        self._uniform_steps: dict[int, tuple[int, int, int, int | None]] = {}
-        self._proposals_in_flight: int | None = None  # drafts the latest step proposes
+        # Varlen's plan across steps: draft lengths, proposals, measured step times.
+        k = config.num_speculative_tokens
+        self.varlen = DraftPlan(k) if config.enable_mtp_varlen and k else None
         # Varlen: the running mean chances by position over every request's proposals
         # (spec_policy.smooth_chances): they judge a request's first unseen drafts, under
         # async scheduling, before it has means of its own.
@@ -136,36 +123,8 @@ class Scheduler(SchedulerResults):
     def schedule(self) -> SchedulerOutput:
         step = _StepPlan(self.config.max_num_batched_tokens)
         self._draft_len = None
-        if self.config.enable_mtp_varlen and self.config.num_speculative_tokens:
-            # Each request's draft length from its latest confidences; under async
-            # scheduling its next drafts come from the step in flight, unseen, and are
-            # judged by its running mean chances (spec_policy.smooth_chances), or the
-            # engine's before it has any (its first drafts: those its prompt's last step
-            # proposes), as many as that step proposes.
-            conf = {
-                r.request_id: (
-                    confidences_from_chances(r.spec_chance_means or self.prior_chances)[
-                        : self._proposals_in_flight
-                    ]
-                    if r.num_output_placeholders
-                    else r.spec_confidences
-                )
-                for r in self.running
-            }
-            # Lengths of uniform steps in flight, not yet timed, decided in this batch's
-            # bucket or the one that prices it: not tried again meanwhile
-            # (spec_policy.draft_lengths).
-            n = len(conf)
-            buckets = {StepTimes.bucket(n), self.step_times.pricing_bucket(n)}
-            pending = {
-                length
-                for _, length, decided, _ in self._uniform_steps.values()
-                if StepTimes.bucket(decided) in buckets
-            }
-            self._draft_len = draft_lengths(
-                conf, self.config.num_speculative_tokens, times=self.step_times, pending=pending
-            )
-            self.step_times.note_choice(len(conf), max(self._draft_len.values(), default=0))
+        if self.varlen is not None:
+            self._draft_len = self.varlen.choose(self.running, self.prior_chances)
         self._schedule_running(step)
         self._schedule_waiting(step)
         self.step_id += 1
@@ -175,8 +134,8 @@ class Scheduler(SchedulerResults):
         out = SchedulerOutput(
             self.step_id, step.scheduled, self._finished_since_last, self._preempted_since_last
         )
-        if self._draft_len is not None and step.scheduled:
-            self._plan_proposals(out)
+        if self.varlen is not None and step.scheduled:
+            self.varlen.plan_proposals(out)
         if step.scheduled:  # an empty step is never launched: the next one tells the
             # executor which requests ended (else it would hold their state for good; a
             # preempted one's state is rebuilt when it resumes, or dropped when it ends)
@@ -198,8 +157,8 @@ class Scheduler(SchedulerResults):
             drafts = req.spec_token_ids[:k]
             if req.num_output_placeholders and k:
                 # The step in flight proposes this step's drafts: the executor fills them.
-                if self._proposals_in_flight is not None:
-                    k = min(k, self._proposals_in_flight)
+                if self.varlen is not None and self.varlen.proposals_in_flight is not None:
+                    k = min(k, self.varlen.proposals_in_flight)
                 drafts = [DRAFT_PLACEHOLDER] * k
             num_new = min(
                 num_known + len(drafts) - req.num_computed_tokens,
@@ -230,43 +189,11 @@ class Scheduler(SchedulerResults):
             step.budget -= num_new
             i += 1
 
-    def _plan_proposals(self, out: SchedulerOutput) -> None:
-        """Varlen: how many drafts the drafter proposes after `out` (spec_policy.proposals),
-        and whether its time prices a draft length (a uniform step: no prompt tokens, the
-        same drafts everywhere)."""
-        lengths = {len(sr.draft_token_ids) for sr in out.scheduled}
-        longest = max(lengths)
-        # The bucket its length was chosen in (the token budget or a preemption may have
-        # scheduled fewer than were running): the proposals and the timing read that one.
-        decided = len(self._draft_len) if self._draft_len else len(out.scheduled)
-        # From the longest length of the last few steps, not this one's alone: one step
-        # of low confidences must not keep the next ones from their length (under async
-        # the step after next is capped by this step's proposals). A step of prompts
-        # alone chose no length: when four of them counted as 0, a request arriving
-        # alone after a long prompt started at 1 draft and climbed back one length per
-        # probe step.
-        if self._draft_len:
-            self._recent_lengths.append(longest)
-        out.num_proposals = proposals(
-            max(self._recent_lengths, default=longest), self.config.num_speculative_tokens,
-            decided, self.step_times, out.step_id,
-        )  # fmt: skip
-        self._proposals_in_flight = out.num_proposals
-        if len(lengths) == 1 and not any(sr.is_prompt for sr in out.scheduled):
-            self._uniform_steps[out.step_id] = (
-                len(out.scheduled),
-                longest,
-                decided,
-                out.num_proposals,
-            )
-
     def observe_step_time(self, step_id: int, seconds: float) -> None:
         """A step's measured duration (wall time, or the simulator's): varlen prices its
-        draft lengths from these."""
-        shape = self._uniform_steps.pop(step_id, None)
-        if shape is not None:
-            num_reqs, length, decided, proposed = shape
-            self.step_times.observe(num_reqs, length, seconds, decided, proposed)
+        draft lengths from these (DraftPlan.observe_step_time)."""
+        if self.varlen is not None:
+            self.varlen.observe_step_time(step_id, seconds)
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
         """The waiting queue in order: chunked prefills in progress first, then new starts."""

@@ -9,6 +9,7 @@ module never imports it), over the state that `Scheduler.__init__` sets up.
 from __future__ import annotations
 
 from deepinfer.config import EngineRole
+from deepinfer.draft_plan import DraftPlan
 from deepinfer.kv_cache.block_pool import KVBlock
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import FinishReason, Request, RequestStatus
@@ -27,8 +28,7 @@ class SchedulerResults(SchedulerChecks):
     num_accepted_drafts: int
     draft_position_stats: list[list[int]]
     _cached_ahead: dict[int, list[KVBlock]]
-    _uniform_steps: dict[int, tuple[int, int, int, int | None]]
-    _proposals_in_flight: int | None
+    varlen: DraftPlan | None
     _finished_since_last: set[str]
     _preempted_since_last: set[str]
 
@@ -59,8 +59,8 @@ class SchedulerResults(SchedulerChecks):
         for blocks in self._cached_ahead.values():
             self.kv.forget(blocks)
         self._cached_ahead.clear()
-        self._uniform_steps.clear()
-        self._proposals_in_flight = None
+        if self.varlen is not None:
+            self.varlen.forget_steps()
 
     def fail_step(self, outs: list[SchedulerOutput], errors: dict[str, str]) -> list[Request]:
         """Undo steps whose work the executor could not run (`outs`: the failed step, and
@@ -71,8 +71,8 @@ class SchedulerResults(SchedulerChecks):
         aborted = []
         for out in outs:  # blocks the failed steps would have filled hold nothing
             self.kv.forget(self._cached_ahead.pop(out.step_id, ()))
-            self._uniform_steps.pop(out.step_id, None)  # its time measures no step
-        self._proposals_in_flight = None  # no placeholder survives a failed step
+        if self.varlen is not None:  # their times measure no step; no placeholder survives
+            self.varlen.forget_steps([out.step_id for out in outs])
         # In schedule order (not a set's): requeued requests re-enter the waiting queue in
         # an order that does not depend on the process's string hashing.
         for req_id in dict.fromkeys(sr.req_id for out in outs for sr in out.scheduled):

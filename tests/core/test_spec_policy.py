@@ -286,7 +286,8 @@ def test_the_scheduler_times_a_step_with_the_drafts_its_drafter_proposed() -> No
         engine.process(out, res, 0.02)
         proposed = out.num_proposals or 0
         if uniform and len(out.scheduled) == 32 and proposed > max(1, longest):
-            times = engine.scheduler.step_times
+            assert engine.scheduler.varlen is not None
+            times = engine.scheduler.varlen.step_times
             assert times.prices(32)[longest] * times.units(32, longest) < 0.0199
             return
     raise AssertionError("no step asked for more drafts than it verified")
@@ -436,7 +437,8 @@ def test_with_a_prompt_beside_every_step_the_engine_stops_trying_an_unmeasured_l
             chosen.append(max(verified))
         engine.process(out, ex.execute(out), 0.01)
     runs = [len(list(g)) for _, g in itertools.groupby(chosen)]
-    times = engine.scheduler.step_times
+    assert engine.scheduler.varlen is not None
+    times = engine.scheduler.varlen.step_times
     assert times.num_measured(24) <= 1 and len(chosen) > 20
     # Each length tried at most MAX_ATTEMPTS times in a row, until one settles.
     settled = runs.index(max(runs))

@@ -1,4 +1,4 @@
-"""How many drafts varlen asks the drafter for (Scheduler._plan_proposals): no step of
+"""How many drafts varlen asks the drafter for (DraftPlan.plan_proposals): no step of
 prompts alone lowers it."""
 
 from __future__ import annotations

@@ -346,7 +346,7 @@ def test_shorter_uniform_verify_steps_take_their_own_graphs(monkeypatch) -> None
     (here L = 1 and 2 of k = 3, forced in turn), with the eager engine's greedy output."""
     from tokenizers import Tokenizer
 
-    import deepinfer.scheduler as scheduler_module
+    import deepinfer.draft_plan as draft_plan_module
 
     cfg = ModelConfig.from_dict(read_hf_config(DEMO_MODEL_DIR))
     model = load_model(DEMO_MODEL_DIR, cfg, dtype=torch.float32, device=torch.device("cpu"))
@@ -358,7 +358,7 @@ def test_shorter_uniform_verify_steps_take_their_own_graphs(monkeypatch) -> None
         length = 1 + next(steps) % 2
         return {rid: min(length, len(c)) for rid, c in conf.items()}
 
-    monkeypatch.setattr(scheduler_module, "draft_lengths", alternating)
+    monkeypatch.setattr(draft_plan_module, "draft_lengths", alternating)
     outputs, served = [], []
     for graphs in (False, True):
         runner, engine_cfg = _varlen_demo_runner(model)

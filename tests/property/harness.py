@@ -250,9 +250,9 @@ class Driver:
                 )
                 for rid, r in s.requests.items()
             },
-            step_times=copy.deepcopy(s.step_times),
-            proposals_in_flight=s._proposals_in_flight,
-            uniform_in_flight=list(s._uniform_steps.values()),
+            step_times=copy.deepcopy(s.varlen.step_times) if s.varlen else None,
+            proposals_in_flight=s.varlen.proposals_in_flight if s.varlen else None,
+            uniform_in_flight=s.varlen.uniform_in_flight() if s.varlen else [],
             prior_chances=list(s.prior_chances),
         )
         self.time.tick()

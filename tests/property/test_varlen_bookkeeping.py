@@ -1,4 +1,4 @@
-"""Varlen's bookkeeping in the scheduler (deepinfer/spec_policy.py, scheduler.py).
+"""Varlen's bookkeeping in the scheduler (deepinfer/draft_plan.py, spec_policy.py).
 
 With confidence-scheduled drafts the scheduler asks the drafter, in each step, for the
 drafts the next step may verify, and learns what each draft length costs from the
@@ -47,7 +47,8 @@ class VarlenBookkeeping(Checker):
         longest = max(lengths)
         assert d.snap is not None  # the bucket its lengths were chosen in
         decided = len(d.snap.running) or len(out.scheduled)
-        times = d.sched.step_times  # as _plan_proposals read it: observed only in process
+        assert d.sched.varlen is not None
+        times = d.sched.varlen.step_times  # as plan_proposals read it: observed in process
         # settled prices: a due length is not, unless given up
         known = times.prices(decided).keys() - (times.due(decided) - times.given_up(decided))
         if d.snap.running:  # a length was chosen (for the requests running)
@@ -77,7 +78,8 @@ class VarlenBookkeeping(Checker):
         self.processed += 1
         if bucket is not None and self.processed > 1:  # the first step has no duration
             self.uniform[bucket] += 1
-        times = d.sched.step_times
+        assert d.sched.varlen is not None
+        times = d.sched.varlen.step_times
         for b, n in self.uniform.items():
             got = times.num_measured(1 << (b - 1))
             assert got == n, (
