@@ -4,13 +4,22 @@ Each step it returns one placeholder token per request that samples (the
 scheduler finishes a request after its trace `output_len`, via max_tokens),
 and when speculating it accepts draft j with the acceptance model's probability
 for position j given the earlier drafts passed (sim/acceptance.py: measured on a
-real model, or one fixed rate), drawn from a seeded generator so runs repeat exactly.
+real model, or one fixed rate).
+
+Every draw is a function of the seed, the request, the token position a draft
+guesses and its place in the drafter's chain (`_unit`): runs repeat exactly, and two
+runs of the same trace under different policies (draft lengths, batch sizes, async
+or not) meet the same luck wherever they draft the same position at the same depth,
+so a difference between them is the policy's, not the dice's (common random numbers).
+With one generator drawn in step order, a policy that verified one draft less in one
+step shifted every later draw: one run's varlen / best fixed k moved by 2-4% with the
+seed alone (2026-12-05).
 """
 
 from __future__ import annotations
 
-import random
 import zlib
+from collections.abc import Iterable
 
 from deepinfer.config import EngineConfig
 from deepinfer.executor import Done
@@ -19,6 +28,20 @@ from sim.acceptance import AcceptanceModel
 
 # Placeholder tokens stay clear of id 0 so a user's EOS id is never produced.
 _VOCAB = 1 << 20
+# What a draw decides (`_unit`'s last key): a draft's acceptance, its token, its confidence.
+_ACCEPT, _TOKEN, _CONFIDENCE = 1, 2, 3
+_MASK = (1 << 64) - 1
+
+
+def _unit(key: Iterable[int]) -> float:
+    """A number in [0, 1) fixed by `key`, the integers folded through splitmix64's
+    finaliser (the same on every machine and Python, unlike `hash`)."""
+    z = 0x9E3779B97F4A7C15
+    for part in key:
+        z = (z ^ (part & _MASK)) * 0xBF58476D1CE4E5B9 & _MASK
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK
+        z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
 
 
 class SimExecutor:
@@ -42,7 +65,7 @@ class SimExecutor:
             self.acceptance = AcceptanceModel.fixed(acceptance_rate)
         self._num_blocks = blocks
         self.k = config.num_speculative_tokens
-        self._rng = random.Random(config.seed)
+        self._seed = config.seed
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         # crc32 of each request id, computed once: it salts every token of the request.
@@ -51,23 +74,22 @@ class SimExecutor:
         # scheduling a step's num_computed_tokens assumes the drafts in flight were all
         # accepted.
         self._computed: dict[str, int] = {}
-        # Varlen: each draft gets a confidence ~ Beta with mean the position's acceptance,
-        # and is accepted with that probability (a calibrated drafter).
+        # Each draft has a confidence ~ Beta with mean its chain position's acceptance,
+        # and is accepted with that probability (a calibrated drafter); varlen reads the
+        # confidences.
         self.varlen = config.enable_mtp_varlen
-        self._confidences: dict[str, list[float]] = {}  # req_id -> its latest proposal's
 
     def num_kv_blocks(self) -> int:
         return self._num_blocks
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         res = ModelRunnerOutput()
-        rng = self._rng
+        seed = self._seed
         sampled = res.sampled_token_ids
         salts = self._salts
         if self.k:
             for rid in out.finished_req_ids | out.preempted_req_ids:
                 self._computed.pop(rid, None)
-                self._confidences.pop(rid, None)
         for sr in out.scheduled:
             if not self.k and not sr.draft_token_ids:
                 if not sr.samples:
@@ -88,40 +110,54 @@ class SimExecutor:
             salt = salts.get(sr.req_id)
             if salt is None:
                 salt = salts[sr.req_id] = zlib.crc32(sr.req_id.encode())
+            # Position of the first sampled token: right after the last known token
+            # (the draft slots being verified come after it); draft j guesses the token
+            # at pos + j - 1.
+            pos = start + sr.num_tokens - len(sr.draft_token_ids)
             accepted = 0
-            conf = self._confidences.get(sr.req_id, [])
             for j in range(1, len(sr.draft_token_ids) + 1):  # stops at the first rejection
-                p = (
-                    conf[j - 1]
-                    if self.varlen and j <= len(conf)
-                    else self.acceptance.probability(j)
-                )
-                if rng.random() >= p:
+                guessed = pos + j - 1
+                if _unit((seed, salt, guessed, _ACCEPT)) >= self._confidence(
+                    seed, salt, guessed, j
+                ):
                     break
                 accepted += 1
             self.num_draft_tokens += len(sr.draft_token_ids)
             self.num_accepted_tokens += accepted
             self._computed[sr.req_id] -= len(sr.draft_token_ids) - accepted
             # A deterministic function of (request, position): repeatable across runs.
-            # Position of the first sampled token: right after the last known token
-            # (the draft slots being verified come after it).
-            pos = start + sr.num_tokens - len(sr.draft_token_ids)
             res.sampled_token_ids[sr.req_id] = [
                 1 + ((salt + (pos + j) * 2654435761) % (_VOCAB - 1)) for j in range(accepted + 1)
             ]
             if self.k:
                 k = self.k if out.num_proposals is None else min(out.num_proposals, self.k)
-                res.draft_token_ids[sr.req_id] = [1 + rng.randrange(_VOCAB - 1) for _ in range(k)]
+                # The next step's draft j guesses the token at pos + accepted + j.
+                base = pos + accepted
+                res.draft_token_ids[sr.req_id] = [
+                    1 + int(_unit((seed, salt, base + j, j, _TOKEN)) * (_VOCAB - 1))
+                    for j in range(1, k + 1)
+                ]
                 if self.varlen:
-                    conf = [self._confidence(j) for j in range(1, k + 1)]
-                    self._confidences[sr.req_id] = conf
-                    res.draft_confidences[sr.req_id] = conf
+                    res.draft_confidences[sr.req_id] = [
+                        self._confidence(seed, salt, base + j, j) for j in range(1, k + 1)
+                    ]
         return res
 
-    def _confidence(self, position: int, concentration: float = 4.0) -> float:
-        """A draft's confidence: Beta-distributed around the position's acceptance."""
-        p = min(max(self.acceptance.probability(position), 1e-3), 1 - 1e-3)
-        return self._rng.betavariate(p * concentration, (1 - p) * concentration)
+    def _confidence(
+        self, seed: int, salt: int, position: int, j: int, concentration: float = 4.0
+    ) -> float:
+        """The confidence of a draft that guesses the token at `position` as draft j of its
+        chain: Beta-distributed around draft j's acceptance, at a quantile fixed by the
+        position (whatever j: the same token looks as easy to every chain that drafts
+        it, and with one acceptance for every j its confidence is the same). An
+        acceptance of 0 or 1 is certain."""
+        from scipy.special import betaincinv
+
+        p = self.acceptance.probability(j)
+        if p <= 0.0 or p >= 1.0:
+            return p
+        quantile = _unit((seed, salt, position, _CONFIDENCE))
+        return float(betaincinv(p * concentration, (1 - p) * concentration, quantile))
 
     def execute_async(self, out: SchedulerOutput) -> Done:
         return Done(self.execute(out))

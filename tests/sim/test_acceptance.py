@@ -9,6 +9,7 @@ import pytest
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
 from deepinfer.model_config import load_model_config, write_config_with_mtp_layer
+from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 from sim import simulate
 from sim.acceptance import AcceptanceModel
 from sim.sim_executor import SimExecutor
@@ -38,6 +39,34 @@ def test_the_sim_executor_accepts_each_position_with_its_probability() -> None:
     stats = engine.scheduler.draft_position_stats
     got = AcceptanceModel.from_counts([n for n, _ in stats], [a for _, a in stats])
     assert got.per_position == pytest.approx(model.per_position, abs=0.04)
+
+
+def _accepted(seed: int, start: int, k: int, rate: float = 0.7) -> int:
+    """Drafts a fresh SimExecutor accepts of a step of request "r" that verifies k drafts
+    after `start` computed tokens (its first draft guesses the token at start + 1)."""
+    cfg = make_config(num_speculative_tokens=3, num_gpu_blocks=64, seed=seed)
+    sr = ScheduledRequest(
+        "r", 1 + k, start, False, True, [], block_table=[0], draft_token_ids=[7] * k
+    )
+    res = SimExecutor(cfg, acceptance_rate=rate).execute(SchedulerOutput(1, [sr], set(), set()))
+    return len(res.sampled_token_ids["r"]) - 1
+
+
+def test_a_drafted_token_meets_the_same_luck_in_every_chain_that_drafts_it() -> None:
+    """Common random numbers: whether the draft of a token is accepted is drawn from the
+    seed, the request and the token's position, not from a generator shared in step
+    order, so runs of one trace under two policies differ by their policies. At one
+    acceptance rate a token's draft passes in a chain of 3 exactly when it passes alone;
+    over many tokens the rate is the model's, and another seed draws other tokens."""
+    outcomes = []
+    for start in range(600):
+        chain = _accepted(0, start, 3)
+        assert _accepted(0, start, 1) == min(chain, 1)
+        if chain:  # its second draft guesses the token the next start's first draft does
+            assert _accepted(0, start + 1, 1) == min(chain - 1, 1)
+        outcomes.append(_accepted(0, start, 1))
+    assert sum(outcomes) / len(outcomes) == pytest.approx(0.7, abs=0.05)
+    assert outcomes != [_accepted(1, start, 1) for start in range(600)]
 
 
 def test_simulate_reads_a_shipped_acceptance_file() -> None:
