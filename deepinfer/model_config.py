@@ -4,8 +4,10 @@ The simulator's cost models and the real executor's model read the same object.
 Both spellings found in the wild are accepted: transformers 5.x
 (`rope_parameters`, `dtype`) and the original DeepSeek / transformers 4.x
 (`rope_theta` + `rope_scaling`, `torch_dtype`). Keys the model's math depends on
-are validated, and an error names the file and the key. Parameter counts and
-byte sizes (what cost models price) come from `ModelSizes`.
+are validated, and an error names the file and the key. What each raw key means
+(defaults per model type, the required keys, RoPE, the dtype) is
+deepinfer/hf_config_keys.py; parameter counts and byte sizes (what cost models
+price) come from `ModelSizes`; presets by name are loaded at the end of this file.
 """
 
 from __future__ import annotations
@@ -17,76 +19,22 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer import envs
+from deepinfer.hf_config_keys import (
+    MODEL_TYPE_DEFAULTS,
+    NULLABLE_KEYS,
+    REQUIRED_KEYS,
+    RopeConfig,
+    dtype_bytes,
+    model_type_of,
+    reject_unsupported,
+    rope_config,
+)
 from deepinfer.model_sizes import ModelSizes
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURES = {
-    "DeepseekV2ForCausalLM": "deepseek_v2",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-}
 _SCORING = ("softmax", "sigmoid")
 _TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-_ROPE_TYPES = ("default", "yarn")
-_V3_DEFAULTS: dict[str, Any] = {
-    "q_lora_rank": 1536,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "n_group": 8,
-    "topk_group": 4,
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 3,
-    "n_shared_experts": 1,
-    "rope_interleave": True,
-    "num_nextn_predict_layers": 1,
-}
-# Optional keys and their transformers defaults, per model type (Kimi K2 is V3's layout).
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "deepseek_v2": {
-        "q_lora_rank": 1536,
-        "scoring_func": "softmax",
-        "topk_method": "greedy",
-        "n_group": None,
-        "topk_group": None,
-        "norm_topk_prob": False,
-        "routed_scaling_factor": 1.0,
-        "first_k_dense_replace": 0,
-        "n_shared_experts": 2,
-        "rope_interleave": True,
-        "num_nextn_predict_layers": 0,
-    },
-    "deepseek_v3": _V3_DEFAULTS,
-    "kimi_k2": _V3_DEFAULTS,
-}
-_NULLABLE = ("q_lora_rank", "n_group", "topk_group")  # null is meaningful, not "use the default"
-_REQUIRED = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "max_position_embeddings",
-)
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    type: str  # "default" or "yarn"
-    factor: float = 1.0
-    original_max_position_embeddings: int = 0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -140,15 +88,15 @@ class ModelConfig(ModelSizes):
         cls, raw: dict[str, Any], *, source: str = "config.json", name: str | None = None
     ) -> ModelConfig:
         """Parse and validate; errors name `source` and the offending key."""
-        model_type = _model_type(raw, source)
-        missing = [k for k in _REQUIRED if raw.get(k) is None]
+        model_type = model_type_of(raw, source)
+        missing = [k for k in REQUIRED_KEYS if raw.get(k) is None]
         if missing:
             raise ValueError(f"{source}: missing required key(s) {missing}")
         d = {
-            k: raw[k] if k in raw and (raw[k] is not None or k in _NULLABLE) else default
-            for k, default in _DEFAULTS[model_type].items()
+            k: raw[k] if k in raw and (raw[k] is not None or k in NULLABLE_KEYS) else default
+            for k, default in MODEL_TYPE_DEFAULTS[model_type].items()
         }
-        _reject(raw, source)
+        reject_unsupported(raw, source)
         quant = raw.get("quantization_config") or None
         quant_method = str(quant.get("quant_method", "?")).lower() if quant else None
         try:
@@ -166,7 +114,7 @@ class ModelConfig(ModelSizes):
                 qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
                 v_head_dim=int(raw["v_head_dim"]),
                 max_position_embeddings=int(raw["max_position_embeddings"]),
-                rope=_rope(raw, source),
+                rope=rope_config(raw, source),
                 rope_interleave=bool(d["rope_interleave"]),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 attention_bias=bool(raw.get("attention_bias", False)),
@@ -187,10 +135,10 @@ class ModelConfig(ModelSizes):
                 dtype=raw.get("dtype") or raw.get("torch_dtype"),
                 eos_token_id=raw.get("eos_token_id"),
                 quant_method=quant_method,
-                dtype_bytes=1 if quant_method == "fp8" else _dtype_bytes(raw),
+                dtype_bytes=1 if quant_method == "fp8" else dtype_bytes(raw),
                 # The real executor caches KV in the checkpoint's dtype (bf16 beside fp8
                 # weights, whose config states bf16).
-                kv_dtype_bytes=2 if quant_method == "fp8" else _dtype_bytes(raw),
+                kv_dtype_bytes=2 if quant_method == "fp8" else dtype_bytes(raw),
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from None
@@ -246,7 +194,7 @@ class ModelConfig(ModelSizes):
         def bad(key: str, value: Any, why: str) -> ValueError:
             return ValueError(f"{source}: {key}={value!r}: {why}")
 
-        for key in _REQUIRED:
+        for key in REQUIRED_KEYS:
             if key != "max_position_embeddings" and getattr(self, key) <= 0:
                 raise bad(key, getattr(self, key), "must be positive")
         if self.scoring_func not in _SCORING:
@@ -277,70 +225,6 @@ class ModelConfig(ModelSizes):
                 f"the chosen groups hold fewer than num_experts_per_tok="
                 f"{self.num_experts_per_tok} experts",
             )
-
-
-def _model_type(raw: dict[str, Any], source: str) -> str:
-    archs = raw.get("architectures") or []
-    model_type = raw.get("model_type")
-    known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
-    if archs and not known:
-        raise ValueError(
-            f"{source}: unknown architecture(s) {archs} (model_type {model_type!r}); "
-            f"supported: {sorted(ARCHITECTURES)}"
-        )
-    if model_type is None and known:
-        model_type = known[0]
-    if model_type not in _DEFAULTS:
-        raise ValueError(
-            f"{source}: unknown model_type {model_type!r} (architectures {archs}); "
-            f"supported: {sorted(_DEFAULTS)}"
-        )
-    return str(model_type)
-
-
-def _reject(raw: dict[str, Any], source: str) -> None:
-    """Keys whose presence changes the math in ways this engine does not model."""
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"{source}: hidden_act={act!r}: only 'silu' is supported")
-    if raw.get("mlp_bias"):
-        raise ValueError(f"{source}: mlp_bias=True is not supported")
-    if raw.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{source}: partial_rotary_factor is not supported")
-
-
-def _dtype_bytes(raw: dict[str, Any]) -> int:
-    dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
-    return _DTYPE_BYTES.get(dtype, 2)
-
-
-def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in _ROPE_TYPES:
-        raise ValueError(f"{source}: rope type {kind!r} is not supported; expected {_ROPE_TYPES}")
-    if kind == "default":
-        return RopeConfig(theta=theta, type="default")
-    max_pos = int(raw["max_position_embeddings"])
-    orig = int(
-        raw.get("original_max_position_embeddings")
-        or params.get("original_max_position_embeddings")
-        or max_pos
-    )
-    factor = params.get("factor")
-    return RopeConfig(
-        theta=theta,
-        type="yarn",
-        factor=float(factor) if factor is not None else max_pos / orig,
-        original_max_position_embeddings=orig,
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
-        mscale=params.get("mscale"),
-        mscale_all_dim=params.get("mscale_all_dim"),
-        attention_factor=params.get("attention_factor"),
-        truncate=bool(params.get("truncate", True)),
-    )
 
 
 PRESETS_DIR = Path(__file__).parent / "data" / "models"
