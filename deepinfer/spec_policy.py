@@ -124,16 +124,16 @@ def proposals(
     step_id: int = 0,
 ) -> int:
     """Drafts the drafter proposes after a step whose requests were decided in the batch
-    bucket of `num_reqs`, where `length` is the longest length verified lately (the
-    scheduler passes the longest of its last PROBE_EVERY steps that chose a length, so
+    bucket of `num_reqs`, where `length` is the longest length verified lately
+    (DraftPlan passes the longest of its last PROBE_EVERY steps that chose a length, so
     one step of low confidences that chose a shorter length does not keep the next ones
     from theirs): one more while that longer length's price does not stand
-    (`StepTimes.settled`: unmeasured in the bucket, or due to be timed again; the hill
-    climb in `draft_lengths` tries it next), and every PROBE_EVERY steps (confidences
-    can rise); else `length`, at least 1 (its confidence keeps the policy informed). A
-    chained pass a step for a length measured worse cost varlen 13% at batch 1 on the
-    H200 (benchmarks/RESULTS.md). Pass 1 runs whatever this says: it writes the MTP
-    layer's KV of the step's tokens."""
+    (`StepTimes.settled`: unmeasured in the bucket, or due to be timed again and not
+    given up; the hill climb in `draft_lengths` tries it next), and every PROBE_EVERY
+    steps (confidences can rise); else `length`, at least 1 (its confidence keeps the
+    policy informed). A chained pass a step for a length measured worse cost varlen 13%
+    at batch 1 on the H200 (benchmarks/RESULTS.md). Pass 1 runs whatever this says: it
+    writes the MTP layer's KV of the step's tokens."""
     if length >= max_len:
         return max_len
     if times is None or step_id % PROBE_EVERY == 0:

@@ -1,6 +1,6 @@
 """What varlen's uniform decode / verify steps cost: their measured seconds by batch
 bucket and draft length (`StepTimes`), which `spec_policy.draft_lengths` prices draft
-lengths from. Pure Python: the scheduler keeps one under either executor (the
+lengths from. Pure Python: varlen's DraftPlan keeps one under either executor (the
 simulator's steps last what its cost model says)."""
 
 from __future__ import annotations

@@ -6,11 +6,12 @@ and when speculating it accepts draft j with the acceptance model's probability
 for position j given the earlier drafts passed (sim/acceptance.py: measured on a
 real model, or one fixed rate).
 
-Every draw is a function of the seed, the request, the token position a draft
-guesses and its place in the drafter's chain (`_unit`): runs repeat exactly, and two
-runs of the same trace under different policies (draft lengths, batch sizes, async
-or not) meet the same luck wherever they draft the same position at the same depth,
-so a difference between them is the policy's, not the dice's (common random numbers).
+Every draw is a function of the seed, the request and the token position a draft
+guesses (`_unit`; the draft's place j in the drafter's chain enters only through the
+acceptance model's p(j)): runs repeat exactly, and two runs of the same trace under
+different policies (draft lengths, batch sizes, async or not) meet the same luck
+wherever they draft the same token, so a difference between them is the policy's, not
+the dice's (common random numbers).
 With one generator drawn in step order, a policy that verified one draft less in one
 step shifted every later draw: one run's varlen / best fixed k moved by 2-4% with the
 seed alone (2026-12-05).
@@ -28,7 +29,9 @@ from sim.acceptance import AcceptanceModel
 
 # Placeholder tokens stay clear of id 0 so a user's EOS id is never produced.
 _VOCAB = 1 << 20
-# What a draw decides (`_unit`'s last key): a draft's acceptance, its token, its confidence.
+# What a draw decides: a draft's acceptance, its token, its confidence; the last key of
+# (seed, salt, position, kind) for the first and last, and before j for the token, so no
+# key begins with another's.
 _ACCEPT, _TOKEN, _CONFIDENCE = 1, 2, 3
 _MASK = (1 << 64) - 1
 
@@ -134,7 +137,7 @@ class SimExecutor:
                 # The next step's draft j guesses the token at pos + accepted + j.
                 base = pos + accepted
                 res.draft_token_ids[sr.req_id] = [
-                    1 + int(_unit((seed, salt, base + j, j, _TOKEN)) * (_VOCAB - 1))
+                    1 + int(_unit((seed, salt, base + j, _TOKEN, j)) * (_VOCAB - 1))
                     for j in range(1, k + 1)
                 ]
                 if self.varlen:

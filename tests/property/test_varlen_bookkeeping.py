@@ -93,10 +93,9 @@ class VarlenBookkeeping(Checker):
 def test_varlen_asks_for_verifiable_drafts_and_learns_from_uniform_steps(
     cw: tuple[EngineCase, Workload],
 ) -> None:
-    """Caught: `Scheduler._plan_proposals__mutmut_4` (no proposals asked for),
-    `_plan_proposals__mutmut_15` (uniform steps taken for two lengths),
-    `observe_step_time__mutmut_1` (no time recorded) and `_7` (filed under the scheduled
-    requests' bucket: a budget-cut step lands in the wrong one)."""
+    """Caught mutants of `DraftPlan.plan_proposals` (no proposals asked for; uniform
+    steps taken for two lengths) and `observe_step_time` (no time recorded; filed under
+    the scheduled requests' bucket: a budget-cut step lands in the wrong one)."""
     case, workload = cw
     assume(case.config.num_speculative_tokens > 0)
     case = EngineCase(case.config.replace(enable_mtp_varlen=True), case.acceptance_rate)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -41,32 +42,39 @@ def test_the_sim_executor_accepts_each_position_with_its_probability() -> None:
     assert got.per_position == pytest.approx(model.per_position, abs=0.04)
 
 
-def _accepted(seed: int, start: int, k: int, rate: float = 0.7) -> int:
-    """Drafts a fresh SimExecutor accepts of a step of request "r" that verifies k drafts
-    after `start` computed tokens (its first draft guesses the token at start + 1)."""
+def _accepted(seed: int, starts: Iterable[int], k: int, rate: float = 0.7) -> dict[int, int]:
+    """Drafts one SimExecutor accepts of request "r", start -> accepted, stepping through
+    `starts` in order, each step verifying k drafts after `start` computed tokens (its
+    first draft guesses the token at start + 1)."""
     cfg = make_config(num_speculative_tokens=3, num_gpu_blocks=64, seed=seed)
-    sr = ScheduledRequest(
-        "r", 1 + k, start, False, True, [], block_table=[0], draft_token_ids=[7] * k
-    )
-    res = SimExecutor(cfg, acceptance_rate=rate).execute(SchedulerOutput(1, [sr], set(), set()))
-    return len(res.sampled_token_ids["r"]) - 1
+    ex = SimExecutor(cfg, acceptance_rate=rate)
+    accepted = {}
+    for step_id, start in enumerate(starts, 1):
+        sr = ScheduledRequest(
+            "r", 1 + k, start, False, True, [], block_table=[0], draft_token_ids=[7] * k
+        )
+        res = ex.execute(SchedulerOutput(step_id, [sr], set(), set()))
+        accepted[start] = len(res.sampled_token_ids["r"]) - 1
+    return accepted
 
 
 def test_a_drafted_token_meets_the_same_luck_in_every_chain_that_drafts_it() -> None:
     """Common random numbers: whether the draft of a token is accepted is drawn from the
     seed, the request and the token's position, not from a generator shared in step
-    order, so runs of one trace under two policies differ by their policies. At one
-    acceptance rate a token's draft passes in a chain of 3 exactly when it passes alone;
-    over many tokens the rate is the model's, and another seed draws other tokens."""
-    outcomes = []
-    for start in range(600):
-        chain = _accepted(0, start, 3)
-        assert _accepted(0, start, 1) == min(chain, 1)
+    order, so runs of one trace under two policies differ by their policies. One
+    executor verifies chains of 3 drafts, position after position; another verifies
+    single drafts, in the opposite order: at one acceptance rate a token's draft passes
+    alone exactly when it passes in the chain (its first draft, and its second when the
+    first passed). Over many tokens the rate is the model's, and another seed draws
+    other tokens."""
+    chains = _accepted(0, range(600), 3)
+    alone = _accepted(0, reversed(range(601)), 1)
+    for start, chain in chains.items():
+        assert alone[start] == min(chain, 1), start
         if chain:  # its second draft guesses the token the next start's first draft does
-            assert _accepted(0, start + 1, 1) == min(chain - 1, 1)
-        outcomes.append(_accepted(0, start, 1))
-    assert sum(outcomes) / len(outcomes) == pytest.approx(0.7, abs=0.05)
-    assert outcomes != [_accepted(1, start, 1) for start in range(600)]
+            assert alone[start + 1] == min(chain - 1, 1), start
+    assert sum(alone.values()) / len(alone) == pytest.approx(0.7, abs=0.05)
+    assert alone != _accepted(1, reversed(range(601)), 1)
 
 
 def test_simulate_reads_a_shipped_acceptance_file() -> None:
