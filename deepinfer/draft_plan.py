@@ -63,7 +63,7 @@ class DraftPlan:
             if StepTimes.bucket(decided) in buckets
         }
         self.lengths = draft_lengths(conf, self.max_len, times=self.step_times, pending=pending)
-        self.step_times.note_choice(len(conf), max(self.lengths.values(), default=0))
+        self.step_times.note_choice(n, max(self.lengths.values(), default=0))
         return self.lengths
 
     def plan_proposals(self, out: SchedulerOutput) -> None:

@@ -181,8 +181,8 @@ def draft_lengths(
     # 15% of a 40-step run at batch 256 / 32 in the simulator.
     candidates = list(rates)
     if times is not None:
-        skip = measured.keys() - times.due(len(confidences))
-        skip |= times.given_up(len(confidences)) | set(pending)
+        num_reqs = len(confidences)
+        skip = times.settled(num_reqs) | times.given_up(num_reqs) | set(pending)
         best = max(measured.keys() & rates.keys(), key=lambda n: (rates[n], -n), default=None)
         untried = [n for n in rates if n not in skip and (best is None or abs(n - best) <= 1)]
         candidates = untried or candidates
