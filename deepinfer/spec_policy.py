@@ -4,49 +4,38 @@ Pure Python, so the scheduler runs it under both executors. Each request's draft
 come with confidences q_1..q_L (the drafter's probability of each draft); draft j is
 accepted, all drafts before it too, with probability about c_j = q_1 * ... * q_j.
 
-A step's cost: this engine's own measured seconds of steps of its batch size and
-draft length (`step_times.StepTimes`: decode and verify steps, the lower quartile of
-the latest few by batch bucket and length, a length timed once timed again, on either
-executor: the simulator's steps last what its cost model says), scaled to the step by
-the model below; a length not measured yet in the bucket is priced from the nearest
-measured one by the model, a bucket with nothing measured from the nearest bucket that
-has, and with nothing measured anywhere by the model alone. The model: a step of n
-tokens costs about S + n token-times (S: the step's fixed cost, weights read and
-launches, in tokens: below S a step is memory-bound and one more token is nearly
-free), and each chained pass of the drafter past the steady state (more drafts
-proposed than verified) a fraction of S + n (`StepTimes.units`). The measurements
-matter where the model is wrong: on the H200 a batch of 256 verifying 1 or 2 drafts
-each ran piecewise and took longer than verifying 3 in a graph, which the model cannot
-know (verify graphs now exist for every length, but the point stands for what a
-profile or a model cannot see).
-A step yields E tokens in expectation (one per request, plus each verified draft's c_j).
+A step verifies the same number L of drafts for every request, since the real executor
+replays a verify graph per query length 1 + L only for steps in which every request
+scores 1 + L tokens; a ragged step runs piecewise with attention eager, which costs more
+than verifying the longer uniform length in a graph. L maximises E(L) / cost(L) over
+0..max_len, where E(L) sums the c_j of every request's first L drafts (plus one token
+per request): the confidences of the whole batch set it. At batch 1 almost every likely
+draft pays; as the batch grows the step's tokens n(L) grow B times faster than one
+request's yield, so speculation fades out instead of slowing the engine. A request with
+fewer than L drafts (its drafter chain ended at the block table's end) verifies what it
+has, and the step runs piecewise.
+
+cost(L) comes from a model scaled by this engine's own step times. The model: a step of
+n tokens costs about S + n token-times (S: the step's fixed cost, weights read and
+launches, in tokens: below S a step is memory-bound and one more token is nearly free),
+plus a fraction of S + n for each chained pass of the drafter past the steady state
+(`StepTimes.units`). The times (`step_times.StepTimes`, on either executor: the
+simulator's steps last what its cost model says) correct the model where no model or
+profile can see, as where a step that falls back from graphs costs more than a longer
+one that replays a graph. A length not timed in the batch's bucket is priced from the
+nearest timed one, a bucket with nothing timed from the nearest bucket that has, and
+with nothing timed anywhere by the model alone.
+
 Under async scheduling the drafts a step verifies come from the step in flight, so their
 confidences are unseen when it is scheduled: a request's running mean chances by
-position (`smooth_chances`) stand in for them, and the engine's over all requests
-before the request has its own (its first decode step: without them it verified none,
-one step in every few of a short answer; in the simulator, on the Azure code trace at
-20 requests/s, mean TPOT fell from 12.3 to 9.8 ms, 2026-12-05).
+position (`smooth_chances`) stand in for them, and until it has its own, the engine's
+over all requests (otherwise its first decode step would verify none, which in a short
+answer is one step in every few).
 
-The step verifies the same number L of drafts for every request: the real executor
-replays a verify graph per query length 1 + L, and only for steps in which every
-request scores 1 + L tokens; a ragged step (per-request lengths) runs piecewise, with
-attention eager, and measured slower on the H200 than verifying the longer uniform
-length in a graph (benchmarks/RESULTS.md, 2026-12-04). L maximises E(L) / cost(L)
-over 0..max_len, where E(L) sums the c_j of every request's first L drafts: the
-confidences of the whole batch set it. At batch 1 almost every likely draft pays; as
-the batch grows n(L) grows B times faster than one request's yield, so the verify
-budget shrinks and speculation fades out instead of slowing the engine. A request with
-fewer than L drafts (its drafter chain ended at the block table's end) verifies what it
-has; such a ragged step runs piecewise on the real executor.
-
-Lengths not measured recently are tried next to the best measured one only (a hill
-climb), so a bucket's exploration costs a step or two, not one step per length. The
-drafter then proposes `proposals` drafts after the step, from the longest L of the last
-PROBE_EVERY steps (so one step of low confidences that chose a shorter L is no
-ratchet): L + 1 while L + 1 is not measured (the next step may grow by one) and every
-PROBE_EVERY steps, else L (at least one, whose confidence keeps the policy informed);
-each chained pass past what the next step uses costs a pass of the MTP layer and the
-head.
+Lengths not timed recently are tried only next to the best timed one (a hill climb), so
+a bucket's exploration costs a step or two, not one step per length; the drafter
+proposes one draft more than the chosen length while the next length is untimed and
+every PROBE_EVERY steps (`proposals`), so that the climb can take that step.
 
 Because the lengths follow measured times, a seeded request's sampled tokens may differ
 between runs under varlen (each run is exactly distributed; greedy output never moves).
@@ -93,12 +82,10 @@ def smooth_chances(
     """A running mean (a request's, or the engine's over all requests), by position j,
     of drafts' chance c_1 * ... * c_j of being accepted through draft j, moved toward
     the latest drafts' (`confidences`; a position not drafted before starts at its
-    value). Under async scheduling the drafts
-    a step verifies are proposed by the step still in flight, so the host has not seen
-    their confidences: the latest it has belong to other drafts, and acting on them
-    draft by draft follows noise (in the simulator, where each draft's confidence is
-    drawn anew, varlen at batch 1 made 1.32x against 1.52x for a fixed 3 drafts). The
-    means of the chances (not of each confidence: a step's confidences may rise and fall
+    value). Under async scheduling the drafts a step verifies are proposed by the step
+    still in flight, so the host has not seen their confidences: the latest it has
+    belong to other drafts, and acting on them draft by draft follows noise. The means
+    of the chances (not of each confidence: a step's confidences may rise and fall
     together) predict them as well as anything the host holds."""
     chances = list(itertools.accumulate(confidences, operator.mul))
     out = [m + weight * (c - m) for m, c in zip(means, chances)]
@@ -131,9 +118,10 @@ def proposals(
     (`StepTimes.settled`: unmeasured in the bucket, or due to be timed again and not
     given up; the hill climb in `draft_lengths` tries it next), and every PROBE_EVERY
     steps (confidences can rise); else `length`, at least 1 (its confidence keeps the
-    policy informed). A chained pass a step for a length measured worse cost varlen 13%
-    at batch 1 on the H200 (benchmarks/RESULTS.md). Pass 1 runs whatever this says: it
-    writes the MTP layer's KV of the step's tokens."""
+    policy informed). Proposing more only now and then, not every step, spares the steps
+    between probes a chained pass for a length already measured worse: at small batches
+    a pass of the drafter is a sizeable share of the step. Pass 1 runs whatever this
+    says: it writes the MTP layer's KV of the step's tokens."""
     if length >= max_len:
         return max_len
     if times is None or step_id % PROBE_EVERY == 0:
@@ -177,8 +165,8 @@ def draft_lengths(
     # none: StepTimes.prices), a length not measured recently, or due to be timed again,
     # is tried first, since the model may misprice it either way, unless given up or
     # still in flight (`pending`); but only next to the best measured length (a hill
-    # climb): trying every length, 0 and 1 included at a batch where 5 pays, cost 3% /
-    # 15% of a 40-step run at batch 256 / 32 in the simulator.
+    # climb): trying every length, 0 and 1 included at a batch where 5 pays, would spend
+    # a short run's steps on lengths the model already knows are poor.
     candidates = list(rates)
     if times is not None:
         num_reqs = len(confidences)

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections import deque
 
 # Fixed cost of a step in token-times: roughly the batch at which a decode step of a
-# DeepSeek-style MoE turns compute-bound. Fitted on the H200 (Moonlight shapes): 128
-# requests took 13.5 ms a step decoding and 29.3 ms verifying 3 drafts each (512 tokens,
-# with the drafter), so S + 512 = 2.17 (S + 128), S = 200 (benchmarks/RESULTS.md).
+# DeepSeek-style MoE turns compute-bound. Fitted so that the model gives the ratio of
+# Moonlight's steps of 128 requests verifying 3 drafts each (S + 512) to its decode
+# steps of 128 (S + 128); timed steps correct it once a length has them.
 STEP_FIXED_COST_TOKENS = 200.0
 MAX_ATTEMPTS = 3  # choices of an unmeasured length before it is no longer tried first
 # Steps of its bucket after which a length priced by fewer than SETTLED recent steps is
@@ -20,10 +20,8 @@ SETTLED = 2
 WINDOW = 8
 # A chained pass of the drafter (its MTP layer and the LM head over the step's requests)
 # costs about this fraction of the model's units of a decode step of those requests (S +
-# n). On the H100 (Moonlight shapes) one more pass cost 0.45-0.6 ms beside a 7.4-8.5 ms
-# verify step of one request and 1.6 ms beside a 27.4 ms step of 256 requests verifying 3
-# drafts (benchmarks/RESULTS.md, 2026-12-05): 0.06-0.07 and 0.16 of S + n in the units of
-# those steps.
+# n): one MTP layer and the head against the whole model. The fraction is smaller at
+# batch 1 than at large batches; this lies between.
 PASS_COST_FRACTION = 0.1
 
 
@@ -33,17 +31,16 @@ class StepTimes:
 
     Each bucket and length keeps its latest WINDOW steps' seconds per model unit (S +
     the step's tokens), so a step of another batch size in the bucket is priced by the
-    model's scaling from them, at their lower quartile (the cheapest of up to three):
-    a step's wall time can hold the host's stalls and part of another step's (on the
-    H100 at batch 256, three steps in a row of 27.5 ms work took 45, 35 and 55 ms, and
-    the next two 26 and 22), so one slow step must not set a price, nor a burst of
-    them, and a length that looks cheaper than it is gets chosen and timed again. A
-    length with fewer than SETTLED recent steps is due to be measured again once
-    `retry_after` later steps of its bucket have passed (`due`): a hill climb never
-    returns to a neighbour measured worse, so one slow step would otherwise keep it out
-    until it went stale. A step goes stale after `stale_after` later steps of its
-    bucket, and a length with none left is measured again (once), since costs move as
-    contexts grow."""
+    model's scaling from them, at their lower quartile (the cheapest of up to three): a
+    step's wall time can hold the host's stalls and part of another step's (a stall can
+    stretch a few steps in a row, and the steps after it then look short), so one slow
+    step must not set a price, nor a burst of them, and a length that looks cheaper than
+    it is gets chosen and timed again. A length with fewer than SETTLED recent steps is
+    due to be measured again once `retry_after` later steps of its bucket have passed
+    (`due`): a hill climb never returns to a neighbour measured worse, so one slow step
+    would otherwise keep it out until it went stale. A step goes stale after
+    `stale_after` later steps of its bucket, and a length with none left is measured
+    again (once), since costs move as contexts grow."""
 
     def __init__(
         self,

@@ -27,7 +27,7 @@ PACK_ALIGN = 16
 def packed_to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Host tensors of one dtype on `device` with one copy (from pinned memory on CUDA):
     views of one device buffer, each contiguous and starting aligned (`PACK_ALIGN`).
-    Each copy costs the host ~10-20 us of its own; a step's metadata has a dozen."""
+    Each copy has a fixed host cost of its own, and a step's metadata has a dozen."""
     if not tensors:
         return []
     dtype = tensors[0].dtype

@@ -64,9 +64,8 @@ def default_grid(limits: GridLimits, quick: bool = False) -> list[StepShape]:
     else:
         batches = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
         # Up to the model's context: long-context models decode at 16k-64k in real traces.
-        # 512: on the H200, 32 Moonlight decodes took 5.9 ms at 256 and 10.0 ms at 1024
-        # (the split-KV choice), and a trace at 256-384 ran at 10.3 ms: the fit between
-        # the two nodes missed it (benchmarks/RESULTS.md, the drafter's graphs).
+        # 512: the split-KV choice changes with the context, so decode time need not be
+        # linear between 256 and 1024.
         contexts = [256, 512, 1024, 4096, 7168] + [
             c for c in (16384, 32768, 65536) if c < limits.max_len
         ]
@@ -74,7 +73,7 @@ def default_grid(limits: GridLimits, quick: bool = False) -> list[StepShape]:
         priors = [0, 1024, 4096]
         # Chunks of long prompts after a long cached prefix (multi-turn traces reach 64k+):
         # prefill attention is then most of the step, and a short-prefix grid cannot
-        # calibrate it (Mooncake on DeepSeek-V2-Lite: 8k after 75k took 0.49 s).
+        # calibrate it.
         long_priors = [c for c in (16384, 65536) if c < limits.max_len]
         mixes = [
             (d, p, c)

@@ -156,9 +156,8 @@ def fill_context_kv(kv_cache: Any, seed: int) -> None:
     A point's context is never prefilled: its requests attend to whatever the blocks
     hold. Zeros (a fresh cache) give every request the same attention output, so the
     requests of a decode point route to the same few experts, and on a MoE model a
-    step that reads 6 experts' weights instead of all of them measured up to 1.7x
-    faster than served steps of its shape (Moonlight, batch 32, context 256: 5.96 ms
-    profiled against 10.3 ms served)."""
+    step that reads a few experts' weights instead of all of them is much faster than
+    served steps of its shape."""
     gen = torch.Generator(device=kv_cache.layers[0].device).manual_seed(seed)
     for layer in [*kv_cache.layers, *kv_cache.mtp_layers]:
         layer.normal_(generator=gen)
@@ -235,9 +234,9 @@ def _pipelined(executor: Any, session: StepSession, reps: int) -> float:
     scheduling, ModelRunner.launch): the runner's host work overlaps the device's, so
     this is the longer of the two. The median of `reps` gaps between consecutive results
     once the pipeline is full, each with the next step launched in it: one stall (a
-    collection, another tenant's burst) moves it little, where a mean over the run
-    carried it into the point (H200 points read up to 3x their sequential medians). On
-    a CPU each launch does its step's work, so a gap is one step there."""
+    collection, another tenant's burst) moves it little, where a mean over the run would
+    carry it into the point. On a CPU each launch does its step's work, so a gap is one
+    step there."""
     in_flight = executor.execute_async(session.next_step(pipelined=True))
     stamps: list[float] = []
     for _ in range(reps + 1):
@@ -260,7 +259,7 @@ def profile_host(
     real run: per step the request and token counts and the two times. A mixed wave of
     `num_requests` (prompts of 16..max_prompt tokens), then, with `decode_batch`, that
     many short prompts at once, so that decode steps of the engine's largest batches are
-    sampled too (the cost model's host fit extrapolated from ~96 requests before)."""
+    sampled too, and the cost model's host fit need not extrapolate to them."""
     rng = random.Random(seed)
     vocab = engine.executor.config.vocab_size
     max_prompt = min(max_prompt, engine.scheduler.max_model_len // 2)

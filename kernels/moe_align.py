@@ -94,10 +94,9 @@ def _moe_align_kernel(
 
 
 # The same alignment as three kernels, for many pairs: the one-program kernel's loops
-# are serial (8,192 pairs, a batch-256 verify step of Moonlight with 64 + 2 shared
-# experts and 8 pairs a token: 117 us in an H200 engine profile, 421 us in
-# kernels_bench's replays on an H100), while here each CHUNK of pairs is one program and
-# only the per-expert prefix sums over the chunks run in one.
+# are serial, so its time grows with the pairs (a batch-256 verify step of Moonlight,
+# 64 + 2 shared experts and 8 pairs a token, has 8,192), while here each CHUNK of pairs
+# is one program and only the per-expert prefix sums over the chunks run in one.
 @triton.jit(do_not_specialize=["num_pairs", "max_padded", "fill_per_program"])
 def _moe_count_kernel(
     ids_ptr,  # [num_pairs]
@@ -174,11 +173,9 @@ def _moe_scatter_kernel(
     tl.store(sorted_ptr + row, offs.to(tl.int32), mask=offs < num_pairs)
 
 
-# Up to this many pairs one program (one launch) is faster than three. Measured on an
-# H100 (`benchmarks/kernels_bench.py --only align`, Moonlight's 66 ids and 8 pairs a
-# token, CUDA-graph replays): one program 6.7 / 14.3 / 33.1 / 110.8 / 421 us at 8 / 128 /
-# 512 / 2,048 / 8,192 pairs, three kernels 14.8 / 16.4 / 16.1 / 18.4 / 22.7 us, and 153 us
-# at 131k pairs against the torch twin's 183.
+# Up to this many pairs one program (one launch) is faster than three: its serial loop
+# costs less than two more launches while the pairs are few. Set where the two cross in
+# `benchmarks/kernels_bench.py --only align` (Moonlight's 66 ids, 8 pairs a token).
 MAX_PAIRS_ONE_PROGRAM = 160
 ALIGN_METHODS = ("one_program", "grid", "torch")
 

@@ -2,12 +2,13 @@
 
 Replaces the ~17 launches of the torch router (casts, linear, sigmoid, bias, group
 top-k, scatter, masked fill, top-k, gather, sum, div, mul) with one, which matters at
-decode, where every launch costs ~2 us even inside a CUDA graph. Semantics are those of
-`kernels.reference.moe_router_ref`. Each program owns BLOCK_T tokens and every expert:
-logits [BLOCK_T, E_POW2] accumulate in float32 over BLOCK_H-wide slices of hidden, then
-the selection runs in registers as rounds of row-wise argmax (padding experts sit at
--inf). No host synchronisation, and nothing allocated but the two outputs and, on the
-logits-in path below, a [T, E] float32 buffer, so the call can be captured in a CUDA graph.
+decode, where every launch has a fixed cost even inside a CUDA graph. Semantics are
+those of `kernels.reference.moe_router_ref`. Each program owns BLOCK_T tokens and every
+expert: logits [BLOCK_T, E_POW2] accumulate in float32 over BLOCK_H-wide slices of
+hidden, then the selection runs in registers as rounds of row-wise argmax (padding
+experts sit at -inf). No host synchronisation, and nothing allocated but the two outputs
+and, on the logits-in path below, a [T, E] float32 buffer, so the call can be captured
+in a CUDA graph.
 
 Float32 gate weights (what the executor keeps) take a split path: the float32 logits
 are computed across many SMs and the kernel only selects (`LOGITS_IN`), since one
@@ -241,9 +242,9 @@ def moe_router(
     if not same_16bit:
         cfg["UPCAST"] = True  # tl.dot needs one operand dtype
     # Float32 math: one program streaming the whole float32 gate weight (0.5 MB for
-    # Moonlight, 7 MB for V3) is bandwidth-starved on one SM (H200: 24 us and 504 us at
-    # T = 1, slower than torch), so the logits are computed over many SMs (a few tokens:
-    # `router_logits`; more: cuBLAS) and the kernel only selects (logits_in).
+    # Moonlight, 7 MB for V3) is bandwidth-starved on one SM (slower than torch at T = 1),
+    # so the logits are computed over many SMs (a few tokens: `router_logits`; more:
+    # cuBLAS) and the kernel only selects (logits_in).
     # config={"LOGITS_IN": False} keeps the fused GEMM, {"SPLIT_LOGITS": False} cuBLAS.
     logits_in = batch_invariant or bool(cfg.get("LOGITS_IN", cfg["UPCAST"]))
     if batch_invariant:

@@ -17,9 +17,8 @@ import torch.nn.functional as F
 PREFILL_REF_BLOCK = 128  # query rows per attention call of mla_prefill_ref (CPU caches)
 # mla_decode_ref on the CPU: requests whose page counts lie within this ratio of the
 # group's shortest share one padded attention call, when the calls' estimated cost (a
-# call's fixed part worth this many pages of one request's attention, measured on a
-# 2-core machine: 0.25 ms against ~2 us a page of the demo model's shapes) is below the
-# single padded call's.
+# call's fixed part worth DECODE_REF_CALL_PAGES pages of one request's attention, at the
+# demo model's shapes on a CPU) is below the single padded call's.
 DECODE_REF_GROUP_RATIO = 1.5
 DECODE_REF_CALL_PAGES = 128
 
@@ -43,11 +42,11 @@ def mla_decode_ref(
     seq_lens: [B], query_start_loc: [B + 1] -> [T, H, L]. Query i of a request with
     q_len queries sees keys [0, seq_len - q_len + i].
 
-    On the CPU requests of similar length go together (`_length_groups`), each group over
-    its own pages: one padded call costs every request the longest one's keys (a batch
-    of one 1,800-token and 59 100-token requests took 30 ms a layer of the demo model's
-    shapes, 1.5 ms grouped). Elsewhere (this twin on CUDA) it stays one call: grouping
-    reads the lengths on the host, a sync no CUDA graph could hold.
+    On the CPU requests of similar length go together (`_length_groups`), each group
+    over its own pages: one padded call costs every request the longest one's keys, so
+    one long request among many short ones multiplies the work. Elsewhere (this twin on
+    CUDA) it stays one call: grouping reads the lengths on the host, a sync no CUDA
+    graph could hold.
     """
     groups = []
     if q.device.type == "cpu" and block_tables.shape[0] > 1:
@@ -174,7 +173,7 @@ def mla_prefill_ref(
         k = k.to(acc).transpose(0, 1)  # [H, lk, Dn + R]
         vr = v[ks:ke].to(acc).transpose(0, 1)  # [H, lk, Dv]
         # Query rows in blocks, each against the keys it can see: a long prompt's whole
-        # [H, lq, lk] scores left the CPU's caches (1k tokens: 2-3x slower, measured).
+        # [H, lq, lk] scores would leave the CPU's caches.
         for i0 in range(0, lq, PREFILL_REF_BLOCK):
             i1 = min(lq, i0 + PREFILL_REF_BLOCK)
             seen = lk - lq + i1  # keys of the block's last query

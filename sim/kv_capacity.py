@@ -15,10 +15,9 @@ from sim.hardware import HardwareSpec
 FIXED_RESERVE_BYTES = 2 * 1024**3
 # Peak bytes per logit (rows x vocabulary) while the sampler draws with temperature,
 # top-p, top-k, min-p and logprobs: the bf16 head output and its float32 copy, then the
-# filters' copies, the sort, the race's draws and the log-softmax (34.4, measured with the
-# process's peak RSS around `sample_on_device` on the CPU; 20.3 with temperature alone;
-# benchmarks/RESULTS.md), plus the float32 logits of the step before, which under async
-# scheduling (the default) its pending result holds meanwhile.
+# filters' copies, the sort, the race's draws and the log-softmax (from the process's
+# peak RSS around `sample_on_device` on the CPU), plus the float32 logits of the step
+# before, which under async scheduling (the default) its pending result holds meanwhile.
 SAMPLER_PEAK_BYTES_PER_LOGIT = 38
 
 

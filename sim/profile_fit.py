@@ -23,8 +23,8 @@ ONE_WAVE_BATCH = 256  # decode batches up to this many requests run as one wave 
 def step_seconds(point: dict[str, Any], pipelined: bool) -> float:
     """A profile point's step time: its median, or (async scheduling) its pipelined time,
     which cannot exceed the median: launching a step while the one before runs only
-    hides host work, so a pipelined median above it is noise from its few rounds (six
-    H200 points read 1.2-3.1x their medians) and the median stands."""
+    hides host work, so a pipelined median above it is noise from its few rounds and
+    the median stands."""
     if pipelined:
         return min(float(point["pipelined_s"]), float(point["median_s"]))
     return float(point["median_s"])

@@ -132,7 +132,7 @@ class ProfiledCostModel:
         self.profile_name = Path(data.get("_path", "profile")).name
         self.meta = data["meta"]
         self.num_speculative_tokens = num_speculative_tokens
-        # Profiles measured before piecewise graphs ran every non-decode step eagerly.
+        # A profile without this key ran every non-decode step eagerly (0: no piecewise).
         self._piecewise_max = int(self.meta.get("piecewise_max_tokens", 0))
         self._analytic = AnalyticCostModel(model, hardware, load_cost_coefficients())
         points = data["points"]

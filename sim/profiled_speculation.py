@@ -82,9 +82,9 @@ class SpeculativeSteps:
             ks = sorted(self.surfaces)
             for lo, hi in zip(ks, ks[1:]):
                 self.surfaces[hi].raise_to(self.surfaces[lo])
-        # With graphs the surfaces stay as measured: on the H200 a step verifying 3
-        # drafts (graphed, 8.5 ms at batch 1) is faster than one verifying 2 (eager,
-        # 14.4 ms); raising the k = 3 surface to k = 2's priced it 70% too slow.
+        # With graphs the surfaces stay as measured: a step verifying K drafts replays a
+        # graph and may be faster than one verifying fewer, which runs eagerly, so
+        # raising the K surface to a smaller k's would overprice it.
 
     def drafter_time(self, out: SchedulerOutput, num_drafts: int) -> float:
         parts = self._analytic.drafter_parts(out, num_drafts)

@@ -1,6 +1,7 @@
 """The training tool of the demo model that ships in `executors/demo/deepinfer-demo/`.
 
-Rebuild the checkpoint from the repository root (about 8 minutes on one H200):
+Rebuild the checkpoint from the repository root (the run stops within `--minutes`; the
+checkpoint's README.md records the run that made it):
 
     python -m examples.train_demo.train --out executors/demo/deepinfer-demo --device cuda
 

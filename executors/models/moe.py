@@ -84,9 +84,9 @@ class Experts(nn.Module):
 # Steps of at most this many tokens run the shared experts inside the fused MoE launches
 # (their weights stream like a routed expert's; no GEMVs, activation or add of their own).
 # Each 16-row block of the MoE kernel streams an expert's weights again, so past a few
-# blocks cuBLAS runs the shared MLP cheaper: on the H200 (Moonlight shapes) decode went
-# +20% at batch 1, +10% at 8 and even at 64. Batch-invariant mode always fuses (one path
-# whatever the batch).
+# blocks cuBLAS runs the shared MLP cheaper; the launches saved matter most at small
+# batches, and by this size they stop paying. Batch-invariant mode always fuses (one
+# path whatever the batch).
 SHARED_IN_MOE_MAX_TOKENS = 64
 
 
