@@ -1,6 +1,6 @@
 """Frozen engine configuration.
 
-`EngineConfig` is flat: the names in DESIGN.md section 5 work at the top level
+`EngineConfig` is flat: the names in docs/design.md ("Public names") work at the top level
 (`EngineConfig(block_size=64, max_num_seqs=128)`), and `LLM(...)` and the CLI
 accept the same names. Every field does what it says on both executors, or is
 refused here with a clear error until it does.

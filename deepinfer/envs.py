@@ -59,8 +59,8 @@ def prefill_watermark() -> float:
 def enable_mtp_varlen() -> bool:
     """DEEPINFER_ENABLE_MTP_VARLEN: confidence-scheduled variable-length drafts
     (deepinfer/spec_policy.py); turns speculation on with up to use_nextn_decode() drafts
-    when num_speculative_tokens is not set. Off by default here (DESIGN.md's table says
-    1, the reference engine's default: on, it would speculate for every model)."""
+    when num_speculative_tokens is not set. Off by default here (the reference engine's
+    default is on: here that would speculate for every model)."""
     return _flag("DEEPINFER_ENABLE_MTP_VARLEN", False)
 
 

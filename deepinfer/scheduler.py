@@ -3,7 +3,7 @@
 There is no prefill phase: each step gives every chosen request some tokens,
 and `num_computed_tokens` catches up with `num_tokens`. Running requests are
 served first (decodes, draft verification), then the waiting queue in order.
-DESIGN.md section 3 is the specification; rule names below follow it. What happens
+docs/design.md ("Scheduling rules") is the specification; rule names below follow it. What happens
 after a step (its results applied, requests ended) is the base class's,
 deepinfer/scheduler_results.py.
 """
@@ -223,7 +223,7 @@ class Scheduler(SchedulerResults):
         return True
 
     def _start(self, req: Request, step: _StepPlan) -> bool:
-        """First chunk of a new or preempted request (DESIGN.md section 3's admission rules)."""
+        """First chunk of a waiting request (docs/design.md, "Starting a waiting request")."""
         cfg = self.config
         if step.num_preempted:
             return False

@@ -64,7 +64,7 @@ class SchedulerChecks:
         raise SchedulerStalled(self.diagnose())
 
     def check_output(self, out: SchedulerOutput) -> None:
-        """Budgets of one step (DESIGN.md section 3)."""
+        """Budgets of one step (docs/design.md, "Invariants")."""
         if out.num_batched_tokens > self.config.max_num_batched_tokens:
             raise AssertionError(
                 f"step {out.step_id}: {out.num_batched_tokens} tokens > max_num_batched_tokens"

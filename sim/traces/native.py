@@ -1,4 +1,4 @@
-"""The native trace format (DESIGN.md section 6): read, validate, write.
+"""The native trace format (traces/README.md documents it): read, validate, write.
 
 `.json`: one object ``{"version": 1, "name", "source", "requests": [...]}``.
 `.jsonl`: one request object a line, optionally preceded by a header line

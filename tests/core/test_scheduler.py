@@ -1,4 +1,4 @@
-"""Scheduler rules of DESIGN.md section 3, each as a small scenario."""
+"""Scheduler rules of docs/design.md ("Scheduling rules"), each as a small scenario."""
 
 from __future__ import annotations
 

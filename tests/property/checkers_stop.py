@@ -1,4 +1,4 @@
-"""Checkers of the stop conditions (DESIGN.md section 3) in generated workloads.
+"""Checkers of the stop conditions (docs/design.md) in generated workloads.
 
 harness.expected_end predicts, from a request's spec alone, after how many output
 tokens it ends and why: SimExecutor emits a known token at each position, and the

@@ -1,4 +1,4 @@
-"""Work conservation (DESIGN.md section 3): the converse of every limit.
+"""Work conservation (docs/design.md): the converse of every limit.
 
 The limit checkers (checkers_kv) show that a step never does more than the rules
 allow; `WorkConservation` shows it does all they allow. From the state just before
@@ -8,7 +8,7 @@ counts and drafts) and the KVMirror's prefix dict it replays the rules by hand:
 - running phase: running requests in order, each given min(its known tokens plus
   drafts not yet computed, the budget left, max_model_len minus computed), where
   drafts of steps in flight count as known and a step scheduled over one in flight
-  verifies k placeholder drafts (DESIGN.md section 4); when the free blocks do not
+  verifies k placeholder drafts (docs/design.md, "Async scheduling"); when the free blocks do not
   cover a request's new blocks (plus the MTP drafter's lookahead slots), the newest
   running request is preempted (itself last), and only then;
 - waiting phase: waiting requests in queue order while budget is left; a chunked
@@ -109,8 +109,8 @@ class WorkConservation(Checker):
             req = d.reqs[sr.req_id]
             reserve = req.num_tokens if sr.is_prompt else 0
             end = max(sr.num_computed_tokens + sr.num_tokens, reserve)
-            # Plus the slots the MTP drafter writes past the step (DESIGN.md 3/4: KV of
-            # chained drafts 1..k-1, never past max_model_len).
+            # Plus the MTP drafter's slots past the step (docs/design.md, "Speculative decoding":
+            # KV of chained drafts 1..k-1, never past max_model_len).
             want = cdiv(end + lookahead(d, end), bs)
             table = self.mirror.tables[sr.req_id]
             if len(table) != want:
@@ -166,7 +166,7 @@ class WorkConservation(Checker):
         while i < len(running) and budget > 0:
             rid = running[i]
             s = snap.state[rid]
-            # DESIGN.md 4 (speculation as built): drafts of steps in flight count as
+            # docs/design.md, "Async scheduling": drafts of steps in flight count as
             # accepted, and a step scheduled over one in flight verifies k placeholder
             # drafts (the executor fills in the in-flight step's proposal).
             known = s.num_tokens + s.placeholders + s.pending_drafts

@@ -30,9 +30,9 @@ def make_request(spec: ReqSpec) -> Request:
 
 
 def max_model_len(case: EngineCase) -> int:
-    """The effective limit: the configured one capped by the cache (DESIGN.md section 3)
-    and, without chunked prefill, by the step budget, so that a preempted request can
-    be recomputed in one step (the rule that fixed bug B2)."""
+    """The effective limit: the configured one capped by the cache and, without chunked
+    prefill, by the step budget, so that a preempted request can be recomputed in one
+    step (docs/design.md, "Rejection and max_model_len"; the rule that fixed bug B2)."""
     cfg = case.config
     limit = min(cfg.max_model_len or case.capacity, case.capacity)
     return limit if cfg.enable_chunked_prefill else min(limit, cfg.max_num_batched_tokens)
@@ -47,7 +47,7 @@ def admissible(case: EngineCase, spec: ReqSpec) -> bool:
 
 def expected_end(case: EngineCase, spec: ReqSpec) -> tuple[int, str]:
     """(output tokens, finish reason) an admitted request ends with when nobody aborts it
-    (DESIGN.md section 3, stop conditions): the first output token, counting from one, at
+    (docs/design.md, "Stop conditions"): the first output token, counting from one, at
     a count >= min_tokens that is a stop token id or EOS (unless ignore_eos) stops it;
     else max_tokens, max_model_len, or in the PREFILL role its first token, is its length.
     The tokens are SimExecutor's (`sim_token`), a function of the position alone."""

@@ -1,4 +1,4 @@
-"""Step budgets and the prefill watermark (DESIGN.md section 3)."""
+"""Step budgets and the prefill watermark (docs/design.md, "Scheduling rules")."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The workload runs through the real loop (`EngineCore.step()`) over a SimExecutor
 fails chosen calls, at launch (`execute_async` raises) or when the result is awaited
 (`handle.result()` raises, also with the next step already scheduled under async
 scheduling), either naming some of the step's requests (`RequestFailed`) or naming
-nobody (any other exception). The rules (DESIGN.md, fault isolation):
+nobody (any other exception). The rules (docs/design.md, "Executor failures"):
 
 - a named request that is still live ends ABORTED with its reason; with an anonymous
   error every live request of the failed step does, with "<type>: <message>";

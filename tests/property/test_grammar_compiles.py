@@ -1,4 +1,4 @@
-"""Structured requests whose grammars compile in a worker (DESIGN.md, structured outputs).
+"""Structured requests whose grammars compile in a worker (docs/design.md, "Structured outputs").
 
 The workload runs through `EngineCore.step()` over a model-less executor that samples
 tokens, so the engine asks it to compile each structured request's grammar

@@ -1,4 +1,4 @@
-"""Stop conditions (DESIGN.md section 3) over generated workloads: stop token ids and EOS
+"""Stop conditions (docs/design.md) over generated workloads: stop token ids and EOS
 emitted at known positions (inside accepted draft runs too), EOS with ignore_eos on and
 off, min_tokens, max_tokens, max_model_len and the PREFILL role's single token.
 

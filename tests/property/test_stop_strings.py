@@ -1,5 +1,5 @@
-"""Stop strings on the real CPU executor with the shipped demo model (DESIGN.md
-section 3, stop conditions): hypothesis draws stop strings from the model's own greedy
+"""Stop strings on the real CPU executor with the shipped demo model (docs/design.md,
+"Stop conditions"): hypothesis draws stop strings from the model's own greedy
 continuation, most of them spanning token boundaries, and the generation must end on
 the token that completes the first one (at or after min_tokens), its text cut before
 it. One model load for the module; each example is one short greedy generation.

@@ -1,4 +1,4 @@
-"""Work conservation (DESIGN.md section 3): the scheduler does all the work its rules
+"""Work conservation (docs/design.md): the scheduler does all the work its rules
 allow, not only no more than they allow. A scheduler more cautious than its rules
 passes every limit property and makes the simulator pessimistic; these catch it.
 
