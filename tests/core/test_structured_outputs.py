@@ -15,6 +15,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.scheduler_checks import diagnose_stall
 from tests.factories import ScriptedExecutor, make_config, make_engine, make_request
 
 REGEX = {"schema_type": "regex", "schema": "[0-9]{3}"}
@@ -127,7 +128,7 @@ def _drain(engine, max_steps: int = 200) -> None:  # type: ignore[no-untyped-def
         if not engine.has_unfinished():
             return
         engine.step()
-    raise AssertionError(f"unfinished after {max_steps} steps\n{engine.scheduler.diagnose()}")
+    raise AssertionError(f"unfinished after {max_steps} steps\n{diagnose_stall(engine.scheduler)}")
 
 
 def _only_record(engine, req: Request):  # type: ignore[no-untyped-def]
