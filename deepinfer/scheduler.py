@@ -61,10 +61,10 @@ class Scheduler:
         self.num_aborted = 0
         self.num_rejected = 0
         self.num_preemptions = 0
-        self._draft_len: dict[str, int] | None = None  # varlen: this step's draft lengths
+        self._draft_lengths: dict[str, int] | None = None  # varlen: this step's draft lengths
         # Varlen's plan across steps: draft lengths, proposals, measured step times.
         k = config.num_speculative_tokens
-        self.varlen = DraftPlan(k) if config.enable_mtp_varlen and k else None
+        self.draft_plan = DraftPlan(k) if config.enable_mtp_varlen and k else None
         # Varlen: the running mean chances by position over every request's proposals
         # (spec_policy.smooth_chances): they judge a request's first unseen drafts, under
         # async scheduling, before it has means of its own.
@@ -153,9 +153,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = _StepPlan(self.config.max_num_batched_tokens)
-        self._draft_len = None
-        if self.varlen is not None:
-            self._draft_len = self.varlen.choose(self.running, self.prior_chances)
+        self._draft_lengths = None
+        if self.draft_plan is not None:
+            self._draft_lengths = self.draft_plan.choose(self.running, self.prior_chances)
         self._schedule_running(step)
         self._schedule_waiting(step)
         self.step_id += 1
@@ -165,8 +165,8 @@ class Scheduler:
         out = SchedulerOutput(
             self.step_id, step.scheduled, self._finished_since_last, self._preempted_since_last
         )
-        if self.varlen is not None and step.scheduled:
-            self.varlen.plan_proposals(out)
+        if self.draft_plan is not None and step.scheduled:
+            self.draft_plan.plan_proposals(out)
         if step.scheduled:  # an empty step is never launched: the next one tells the
             # executor which requests ended (else it would hold their state for good; a
             # preempted one's state is rebuilt when it resumes, or dropped when it ends)
@@ -183,13 +183,13 @@ class Scheduler:
             # knows the truth and shifts; update_from_output corrects the count).
             num_known = req.num_tokens + req.num_output_placeholders + req.num_pending_drafts
             k = self.config.num_speculative_tokens
-            if self._draft_len is not None:
-                k = self._draft_len.get(req.request_id, 0)
+            if self._draft_lengths is not None:
+                k = self._draft_lengths.get(req.request_id, 0)
             drafts = req.spec_token_ids[:k]
             if req.num_output_placeholders and k:
                 # The step in flight proposes this step's drafts: the executor fills them.
-                if self.varlen is not None and self.varlen.proposals_in_flight is not None:
-                    k = min(k, self.varlen.proposals_in_flight)
+                if self.draft_plan is not None and self.draft_plan.proposals_in_flight is not None:
+                    k = min(k, self.draft_plan.proposals_in_flight)
                 drafts = [DRAFT_PLACEHOLDER] * k
             num_new = min(
                 num_known + len(drafts) - req.num_computed_tokens,
@@ -331,8 +331,8 @@ class Scheduler:
                     prompt = req.token_ids(0, req.num_prompt_tokens)
         req.num_computed_tokens = start + num_new
         req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
-        samples = req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders
-        if samples:
+        will_sample = req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders
+        if will_sample:
             req.num_output_placeholders += 1
         req.spec_token_ids = []
         req.num_pending_drafts += len(drafts)
@@ -341,7 +341,7 @@ class Scheduler:
             num_tokens=num_new,
             num_computed_tokens=start,
             is_prompt=is_prompt,
-            samples=samples,
+            will_sample=will_sample,
             new_block_ids=[b.block_id for b in blocks],
             num_prior_blocks=len(self.kv.req_blocks[req.request_id]) - len(blocks),
             block_table=table,
@@ -369,7 +369,7 @@ class Scheduler:
             req = live.get(sr.req_id)
             if req is not None and res.prompt_logprobs and sr.req_id in res.prompt_logprobs:
                 req.prompt_logprobs.update(res.prompt_logprobs[sr.req_id])
-            if req is None or not sr.samples:
+            if req is None or not sr.will_sample:
                 continue  # ended while the step was in flight, or a partial prompt chunk
             preempted_meanwhile = req.status is not RequestStatus.RUNNING
             if not preempted_meanwhile:
@@ -437,8 +437,8 @@ class Scheduler:
     def observe_step_time(self, step_id: int, seconds: float) -> None:
         """A step's measured duration (wall time, or the simulator's): varlen prices its
         draft lengths from these (DraftPlan.observe_step_time)."""
-        if self.varlen is not None:
-            self.varlen.observe_step_time(step_id, seconds)
+        if self.draft_plan is not None:
+            self.draft_plan.observe_step_time(step_id, seconds)
 
     def fail_step(self, outs: list[SchedulerOutput], errors: dict[str, str]) -> list[Request]:
         """Undo steps whose work the executor could not run (`outs`: the failed step, and
@@ -449,8 +449,8 @@ class Scheduler:
         aborted = []
         for out in outs:  # blocks the failed steps would have filled hold nothing
             self.kv.forget(self._cached_ahead.pop(out.step_id, ()))
-        if self.varlen is not None:  # their times measure no step; no placeholder survives
-            self.varlen.forget_steps([out.step_id for out in outs])
+        if self.draft_plan is not None:  # their times measure no step; no placeholder survives
+            self.draft_plan.forget_steps([out.step_id for out in outs])
         # In schedule order (not a set's): requeued requests re-enter the waiting queue in
         # an order that does not depend on the process's string hashing.
         for req_id in dict.fromkeys(sr.req_id for out in outs for sr in out.scheduled):
@@ -478,8 +478,8 @@ class Scheduler:
         for blocks in self._cached_ahead.values():
             self.kv.forget(blocks)
         self._cached_ahead.clear()
-        if self.varlen is not None:
-            self.varlen.forget_steps()
+        if self.draft_plan is not None:
+            self.draft_plan.forget_steps()
 
     def _end(self, req: Request, status: RequestStatus, reason: FinishReason) -> None:
         if req.status is RequestStatus.RUNNING:

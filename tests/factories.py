@@ -72,7 +72,7 @@ class ScriptedExecutor:
             if sr.block_table is None and sr.req_id in self._computed:
                 start = self._computed[sr.req_id]
             self._computed[sr.req_id] = start + sr.num_tokens
-            if not sr.samples:
+            if not sr.will_sample:
                 continue
             accepted = 0
             while accepted < len(sr.draft_token_ids) and self._rng.random() < self.acceptance_rate:

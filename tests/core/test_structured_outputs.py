@@ -110,7 +110,7 @@ class GrammarExecutor(ScriptedExecutor):
         res = super().execute(out)
         for sr in out.scheduled:
             n_out = sr.num_computed_tokens + sr.num_tokens - sr.num_prompt_tokens + 1
-            if sr.samples and sr.structured and n_out == self.completes_after:
+            if sr.will_sample and sr.structured and n_out == self.completes_after:
                 res.completed_req_ids.add(sr.req_id)
         return res
 

@@ -217,7 +217,7 @@ class TokenConservation(Checker):
 
     def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         for sr in out.scheduled:
-            if sr.samples and sr.req_id in d.live_before_process:
+            if sr.will_sample and sr.req_id in d.live_before_process:
                 self.returned.setdefault(sr.req_id, []).append(res.sampled_token_ids[sr.req_id])
         for rid, chunks in self.returned.items():
             self._outputs(d, rid, chunks, f"step {out.step_id}")

@@ -251,9 +251,9 @@ class Driver:
                 )
                 for rid, r in s.requests.items()
             },
-            step_times=copy.deepcopy(s.varlen.step_times) if s.varlen else None,
-            proposals_in_flight=s.varlen.proposals_in_flight if s.varlen else None,
-            uniform_in_flight=s.varlen.uniform_in_flight() if s.varlen else [],
+            step_times=copy.deepcopy(s.draft_plan.step_times) if s.draft_plan else None,
+            proposals_in_flight=s.draft_plan.proposals_in_flight if s.draft_plan else None,
+            uniform_in_flight=s.draft_plan.uniform_in_flight() if s.draft_plan else [],
             prior_chances=list(s.prior_chances),
         )
         self.time.tick()
