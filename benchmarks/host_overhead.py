@@ -74,7 +74,7 @@ class HostOnlyExecutor:
         self.prepare_s.append(time.perf_counter() - t0)
         res = ModelRunnerOutput()
         for sr in out.scheduled:
-            if sr.samples:
+            if sr.will_sample:
                 res.sampled_token_ids[sr.req_id] = [7]
         return res
 

@@ -104,7 +104,7 @@ def main() -> None:
             pr = first[-1]
             fresh = ScheduledRequest(
                 req_id=f"new{i}", num_tokens=pr.num_tokens, num_computed_tokens=0,
-                is_prompt=True, samples=True, new_block_ids=[], block_table=pr.block_table,
+                is_prompt=True, will_sample=True, new_block_ids=[], block_table=pr.block_table,
                 token_ids=pr.token_ids, sampling_params=pr.sampling_params,
                 num_prompt_tokens=pr.num_prompt_tokens,
             )  # fmt: skip

@@ -52,15 +52,15 @@ class DraftPlan:
             )
             for r in running
         }
-        # Lengths of uniform steps in flight, not yet timed, decided in this batch's
+        # Lengths of uniform steps in flight, not yet timed, chosen in this batch's
         # bucket or the one that prices it: not tried again meanwhile
         # (spec_policy.draft_lengths).
         n = len(conf)
         buckets = {StepTimes.bucket(n), self.step_times.pricing_bucket(n)}
         pending = {
             length
-            for _, length, decided, _ in self._uniform_steps.values()
-            if StepTimes.bucket(decided) in buckets
+            for _, length, num_reqs_at_choice, _ in self._uniform_steps.values()
+            if StepTimes.bucket(num_reqs_at_choice) in buckets
         }
         self.lengths = draft_lengths(conf, self.max_len, times=self.step_times, pending=pending)
         self.step_times.note_choice(n, max(self.lengths.values(), default=0))
@@ -74,7 +74,7 @@ class DraftPlan:
         longest = max(lengths)
         # The bucket its length was chosen in (the token budget or a preemption may have
         # scheduled fewer than were running): the proposals and the timing read that one.
-        decided = len(self.lengths) if self.lengths else len(out.scheduled)
+        num_reqs_at_choice = len(self.lengths) if self.lengths else len(out.scheduled)
         # From the longest length of the last few steps, not this one's alone: one step
         # of low confidences must not keep the next ones from their length (under async
         # the step after next is capped by this step's proposals). A step of prompts
@@ -84,7 +84,7 @@ class DraftPlan:
         if self.lengths:
             self._recent_lengths.append(longest)
         out.num_proposals = proposals(
-            max(self._recent_lengths, default=longest), self.max_len, decided,
+            max(self._recent_lengths, default=longest), self.max_len, num_reqs_at_choice,
             self.step_times, out.step_id,
         )  # fmt: skip
         self.proposals_in_flight = out.num_proposals
@@ -92,7 +92,7 @@ class DraftPlan:
             self._uniform_steps[out.step_id] = (
                 len(out.scheduled),
                 longest,
-                decided,
+                num_reqs_at_choice,
                 out.num_proposals,
             )
 
@@ -101,8 +101,8 @@ class DraftPlan:
         price their draft length."""
         shape = self._uniform_steps.pop(step_id, None)
         if shape is not None:
-            num_reqs, length, decided, proposed = shape
-            self.step_times.observe(num_reqs, length, seconds, decided, proposed)
+            num_reqs, length, num_reqs_at_choice, proposed = shape
+            self.step_times.observe(num_reqs, length, seconds, num_reqs_at_choice, proposed)
 
     def forget_steps(self, step_ids: Iterable[int] | None = None) -> None:
         """Steps whose results will never be applied (`step_ids`; None: every step in

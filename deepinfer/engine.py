@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Generator
 from concurrent import futures
 
+from deepinfer import scheduler_checks
 from deepinfer.config import EngineConfig
 from deepinfer.errors import RequestFailed
 from deepinfer.executor import Executor, StepHandle
@@ -167,8 +168,8 @@ class EngineCore:
     def schedule(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
         if self.check:
-            self.scheduler.check_output(out)
-            self.scheduler.check_invariants()
+            scheduler_checks.check_output(self.scheduler, out)
+            scheduler_checks.check_invariants(self.scheduler)
         if out.scheduled:
             now = self.clock()
             requests = self.scheduler.requests
@@ -199,7 +200,7 @@ class EngineCore:
             self.steps.append(self._step_record(out, now, duration))
         self._last_step_end = now
         if self.check:
-            self.scheduler.check_invariants()
+            scheduler_checks.check_invariants(self.scheduler)
         return changed
 
     def step(self) -> list[Request]:
@@ -247,7 +248,7 @@ class EngineCore:
                     if not self._grammar_rejected:  # (else hand those back first)
                         self._wait_for_a_grammar()
                 elif self.scheduler.has_unfinished():
-                    self.scheduler.raise_stalled()
+                    scheduler_checks.raise_stalled(self.scheduler)
                 return []
             yield _SCHEDULED, out
             try:
@@ -323,7 +324,7 @@ class EngineCore:
             req.times.finish = now
             self.records.append(_record(req))
         if self.check:
-            self.scheduler.check_invariants()
+            scheduler_checks.check_invariants(self.scheduler)
         return aborted
 
     def _can_overlap(self, out: SchedulerOutput) -> bool:

@@ -23,7 +23,7 @@ class ScheduledRequest:
     num_tokens: int  # tokens to compute this step (prompt chunk, 1 decode token, or 1 + drafts)
     num_computed_tokens: int  # tokens already in the KV cache before this step (context length)
     is_prompt: bool  # the step computes prompt tokens (a prefill chunk)
-    samples: bool  # the step ends at the request's last known token, so a token is sampled
+    will_sample: bool  # the step ends at the request's last known token, so a token is sampled
     new_block_ids: list[int]  # blocks appended to the request's block table this step
     # Length of the request's table before new_block_ids (None: unchanged since the last
     # step). Shorter than the executor's copy after rejected drafts' slots were freed.

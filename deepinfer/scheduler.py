@@ -1,11 +1,16 @@
-"""The scheduler: who computes how many tokens each step.
+"""The scheduler: who computes how many tokens each step, and what a step's results do.
 
 There is no prefill phase: each step gives every chosen request some tokens,
 and `num_computed_tokens` catches up with `num_tokens`. Running requests are
 served first (decodes, draft verification), then the waiting queue in order.
-docs/design.md ("Scheduling rules") is the specification; rule names below follow it. What happens
-after a step (its results applied, requests ended) is the base class's,
-deepinfer/scheduler_results.py.
+docs/design.md ("Scheduling rules") is the specification; rule names below follow it.
+
+The class reads in the order a request meets it: construction; admission (a request
+queued or rejected, or ended from outside); scheduling (`schedule` and its helpers,
+preemption by recompute and the drafter's lookahead among them); then a step's results
+applied (sampled tokens, accepted drafts, a failed or discarded step undone, requests
+ended). The invariant checks and the stall diagnosis read a scheduler from outside:
+deepinfer/scheduler_checks.py.
 """
 
 from __future__ import annotations
@@ -19,17 +24,19 @@ from deepinfer.kv_cache.block_pool import KVBlock
 from deepinfer.kv_cache.manager import KVCacheManager, cdiv
 from deepinfer.outputs import (
     DRAFT_PLACEHOLDER,
+    ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
 )
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.request_queue import WaitingQueue
-from deepinfer.scheduler_results import SchedulerResults
+from deepinfer.spec_policy import smooth_chances
+from deepinfer.stop_checker import check_stop
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(SchedulerResults):
+class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
@@ -54,10 +61,10 @@ class Scheduler(SchedulerResults):
         self.num_aborted = 0
         self.num_rejected = 0
         self.num_preemptions = 0
-        self._draft_len: dict[str, int] | None = None  # varlen: this step's draft lengths
+        self._draft_lengths: dict[str, int] | None = None  # varlen: this step's draft lengths
         # Varlen's plan across steps: draft lengths, proposals, measured step times.
         k = config.num_speculative_tokens
-        self.varlen = DraftPlan(k) if config.enable_mtp_varlen and k else None
+        self.draft_plan = DraftPlan(k) if config.enable_mtp_varlen and k else None
         # Varlen: the running mean chances by position over every request's proposals
         # (spec_policy.smooth_chances): they judge a request's first unseen drafts, under
         # async scheduling, before it has means of its own.
@@ -118,13 +125,37 @@ class Scheduler(SchedulerResults):
         self.waiting.add(req)
         return None
 
+    def finish_request(self, req_id: str, reason: FinishReason) -> Request | None:
+        """End a live request from outside (a stop string, a client abort)."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        status = RequestStatus.ABORTED if reason is FinishReason.ABORT else RequestStatus.FINISHED
+        self._end(req, status, reason)
+        return req
+
+    def abort(self, req_id: str) -> Request | None:
+        return self.finish_request(req_id, FinishReason.ABORT)
+
+    def reject(self, req_id: str, reason: str) -> Request | None:
+        """Reject a request that waits and was never scheduled (its grammar failed to
+        compile): it ends as if `add_request` had refused it."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        if req.num_computed_tokens or req.status is not RequestStatus.WAITING:
+            raise ValueError(f"reject({req_id!r}): only a request never scheduled can be rejected")
+        req.reject_reason = reason
+        self._end(req, RequestStatus.REJECTED, FinishReason.REJECTED)
+        return req
+
     # ---- scheduling ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         step = _StepPlan(self.config.max_num_batched_tokens)
-        self._draft_len = None
-        if self.varlen is not None:
-            self._draft_len = self.varlen.choose(self.running, self.prior_chances)
+        self._draft_lengths = None
+        if self.draft_plan is not None:
+            self._draft_lengths = self.draft_plan.choose(self.running, self.prior_chances)
         self._schedule_running(step)
         self._schedule_waiting(step)
         self.step_id += 1
@@ -134,8 +165,8 @@ class Scheduler(SchedulerResults):
         out = SchedulerOutput(
             self.step_id, step.scheduled, self._finished_since_last, self._preempted_since_last
         )
-        if self.varlen is not None and step.scheduled:
-            self.varlen.plan_proposals(out)
+        if self.draft_plan is not None and step.scheduled:
+            self.draft_plan.plan_proposals(out)
         if step.scheduled:  # an empty step is never launched: the next one tells the
             # executor which requests ended (else it would hold their state for good; a
             # preempted one's state is rebuilt when it resumes, or dropped when it ends)
@@ -152,13 +183,13 @@ class Scheduler(SchedulerResults):
             # knows the truth and shifts; update_from_output corrects the count).
             num_known = req.num_tokens + req.num_output_placeholders + req.num_pending_drafts
             k = self.config.num_speculative_tokens
-            if self._draft_len is not None:
-                k = self._draft_len.get(req.request_id, 0)
+            if self._draft_lengths is not None:
+                k = self._draft_lengths.get(req.request_id, 0)
             drafts = req.spec_token_ids[:k]
             if req.num_output_placeholders and k:
                 # The step in flight proposes this step's drafts: the executor fills them.
-                if self.varlen is not None and self.varlen.proposals_in_flight is not None:
-                    k = min(k, self.varlen.proposals_in_flight)
+                if self.draft_plan is not None and self.draft_plan.proposals_in_flight is not None:
+                    k = min(k, self.draft_plan.proposals_in_flight)
                 drafts = [DRAFT_PLACEHOLDER] * k
             num_new = min(
                 num_known + len(drafts) - req.num_computed_tokens,
@@ -189,11 +220,26 @@ class Scheduler(SchedulerResults):
             step.budget -= num_new
             i += 1
 
-    def observe_step_time(self, step_id: int, seconds: float) -> None:
-        """A step's measured duration (wall time, or the simulator's): varlen prices its
-        draft lengths from these (DraftPlan.observe_step_time)."""
-        if self.varlen is not None:
-            self.varlen.observe_step_time(step_id, seconds)
+    def _lookahead(self, num_tokens: int) -> int:
+        """Slots past a step ending at `num_tokens` tokens that the MTP drafter writes: the
+        KV of drafts 1..k-1, chained (never past max_model_len)."""
+        k = self.config.num_speculative_tokens
+        return max(0, min(k - 1, self.max_model_len - num_tokens))
+
+    def _preempt(self, req: Request) -> None:
+        """Preemption by recompute: free its blocks, back to the front of waiting."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_output_placeholders = 0
+        req.num_pending_drafts = 0
+        req.spec_token_ids = []
+        req.spec_confidences = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_preempted(req)
+        self._preempted_since_last.add(req.request_id)
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
         """The waiting queue in order: chunked prefills in progress first, then new starts."""
@@ -223,7 +269,7 @@ class Scheduler(SchedulerResults):
         return True
 
     def _start(self, req: Request, step: _StepPlan) -> bool:
-        """First chunk of a waiting request (docs/design.md, "Starting a waiting request")."""
+        """First chunk of a new or preempted request (docs/design.md, "Starting a waiting request")."""
         cfg = self.config
         if step.num_preempted:
             return False
@@ -285,8 +331,8 @@ class Scheduler(SchedulerResults):
                     prompt = req.token_ids(0, req.num_prompt_tokens)
         req.num_computed_tokens = start + num_new
         req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
-        samples = req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders
-        if samples:
+        will_sample = req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders
+        if will_sample:
             req.num_output_placeholders += 1
         req.spec_token_ids = []
         req.num_pending_drafts += len(drafts)
@@ -295,7 +341,7 @@ class Scheduler(SchedulerResults):
             num_tokens=num_new,
             num_computed_tokens=start,
             is_prompt=is_prompt,
-            samples=samples,
+            will_sample=will_sample,
             new_block_ids=[b.block_id for b in blocks],
             num_prior_blocks=len(self.kv.req_blocks[req.request_id]) - len(blocks),
             block_table=table,
@@ -307,6 +353,151 @@ class Scheduler(SchedulerResults):
             num_prompt_tokens=req.num_prompt_tokens,
             structured=req.structured,
         )
+
+    # ---- a step's results ------------------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput, res: ModelRunnerOutput) -> list[Request]:
+        """Apply a step's sampled tokens; returns the requests that gained tokens or ended."""
+        changed: list[Request] = []
+        for step_id in [s for s in self._cached_ahead if s <= out.step_id]:
+            del self._cached_ahead[step_id]  # the step ran: its blocks hold their content
+        live, sampled = self.requests, res.sampled_token_ids
+        is_prefill_role = self.config.role is EngineRole.PREFILL
+        k = self.config.num_speculative_tokens
+        completed = res.completed_req_ids
+        for sr in out.scheduled:
+            req = live.get(sr.req_id)
+            if req is not None and res.prompt_logprobs and sr.req_id in res.prompt_logprobs:
+                req.prompt_logprobs.update(res.prompt_logprobs[sr.req_id])
+            if req is None or not sr.will_sample:
+                continue  # ended while the step was in flight, or a partial prompt chunk
+            preempted_meanwhile = req.status is not RequestStatus.RUNNING
+            if not preempted_meanwhile:
+                req.num_output_placeholders -= 1
+            tokens = sampled.get(sr.req_id) or []
+            if not tokens:
+                raise RuntimeError(
+                    f"executor returned no token for {sr.req_id!r} in step "
+                    f"{out.step_id}, which was scheduled to sample"
+                )
+            num_rejected = len(sr.draft_token_ids) - (len(tokens) - 1)
+            if num_rejected < 0:
+                raise RuntimeError(
+                    f"executor returned {len(tokens)} tokens for {sr.req_id!r} "
+                    f"with only {len(sr.draft_token_ids)} drafts to verify"
+                )
+            self._count_acceptance(len(sr.draft_token_ids), len(tokens) - 1)
+            if not preempted_meanwhile:
+                req.num_computed_tokens -= num_rejected
+                req.num_pending_drafts -= len(sr.draft_token_ids)
+            reason = None
+            logprobs = res.logprobs.get(sr.req_id) if res.logprobs else None
+            for j, t in enumerate(tokens):
+                req.output_token_ids.append(t)
+                if logprobs is not None and j < len(logprobs):
+                    req.logprobs.append(logprobs[j])
+                reason = check_stop(req, self.max_model_len)
+                if reason is None and completed and j == len(tokens) - 1 and sr.req_id in completed:
+                    reason = FinishReason.STOP  # its grammar allows nothing more
+                if reason is None and is_prefill_role:
+                    reason = FinishReason.LENGTH  # a prefill engine hands over after one token
+                if reason is not None:
+                    break
+            changed.append(req)
+            if reason is not None:
+                self._end(req, RequestStatus.FINISHED, reason)
+                continue
+            if not preempted_meanwhile:
+                if k:
+                    req.spec_token_ids = list(res.draft_token_ids.get(sr.req_id, ()))[:k]
+                    req.spec_confidences = list(res.draft_confidences.get(sr.req_id, ()))[:k]
+                    req.spec_chance_means = smooth_chances(
+                        req.spec_chance_means, req.spec_confidences
+                    )
+                    if req.spec_confidences:
+                        self.prior_chances = smooth_chances(
+                            self.prior_chances, req.spec_confidences
+                        )
+                self.kv.cache_computed(req)
+                if num_rejected:
+                    end = max(req.num_computed_tokens, req.num_tokens + req.num_output_placeholders)
+                    self.kv.trim(req, end + self._lookahead(end))
+        return changed
+
+    def _count_acceptance(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_drafts += num_accepted
+        stats = self.draft_position_stats
+        while len(stats) < num_drafts:
+            stats.append([0, 0])
+        for j in range(min(num_drafts, num_accepted + 1)):
+            stats[j][0] += 1
+            stats[j][1] += j < num_accepted
+
+    def observe_step_time(self, step_id: int, seconds: float) -> None:
+        """A step's measured duration (wall time, or the simulator's): varlen prices its
+        draft lengths from these (DraftPlan.observe_step_time)."""
+        if self.draft_plan is not None:
+            self.draft_plan.observe_step_time(step_id, seconds)
+
+    def fail_step(self, outs: list[SchedulerOutput], errors: dict[str, str]) -> list[Request]:
+        """Undo steps whose work the executor could not run (`outs`: the failed step, and
+        the one scheduled after it under async scheduling). Requests in `errors` end as
+        aborted with that reason; the steps' other requests are requeued for recompute
+        (their blocks freed, as a preemption), so no bookkeeping of the failed steps
+        remains. Returns the aborted requests."""
+        aborted = []
+        for out in outs:  # blocks the failed steps would have filled hold nothing
+            self.kv.forget(self._cached_ahead.pop(out.step_id, ()))
+        if self.draft_plan is not None:  # their times measure no step; no placeholder survives
+            self.draft_plan.forget_steps([out.step_id for out in outs])
+        # In schedule order (not a set's): requeued requests re-enter the waiting queue in
+        # an order that does not depend on the process's string hashing.
+        for req_id in dict.fromkeys(sr.req_id for out in outs for sr in out.scheduled):
+            req = self.requests.get(req_id)
+            if req is None:
+                continue  # ended meanwhile
+            if req_id in errors:
+                req.reject_reason = errors[req_id]
+                self._end(req, RequestStatus.ABORTED, FinishReason.ABORT)
+                aborted.append(req)
+            elif req.status is RequestStatus.RUNNING:
+                self._preempt(req)
+            elif req.status is RequestStatus.PREFILLING:  # mid-chunk: start over
+                self.waiting.remove(req)
+                self.kv.free(req)
+                req.status = RequestStatus.PREEMPTED
+                req.num_computed_tokens = 0
+                self.waiting.add_preempted(req)
+                self._preempted_since_last.add(req_id)
+        return aborted
+
+    def forget_unapplied_steps(self) -> None:
+        """Every scheduled step whose results will never be applied (an interrupted
+        engine discards them): the blocks they cached ahead leave the prefix cache."""
+        for blocks in self._cached_ahead.values():
+            self.kv.forget(blocks)
+        self._cached_ahead.clear()
+        if self.draft_plan is not None:
+            self.draft_plan.forget_steps()
+
+    def _end(self, req: Request, status: RequestStatus, reason: FinishReason) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status
+        req.finish_reason = reason
+        req.num_output_placeholders = 0
+        del self.requests[req.request_id]
+        if status is RequestStatus.ABORTED:
+            self.num_aborted += 1
+        elif status is RequestStatus.REJECTED:
+            self.num_rejected += 1
+        else:
+            self.num_finished += 1
+        self._finished_since_last.add(req.request_id)
 
     # ---- introspection ---------------------------------------------------------------
 

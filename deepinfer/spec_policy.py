@@ -110,7 +110,7 @@ def proposals(
     times: StepTimes | None = None,
     step_id: int = 0,
 ) -> int:
-    """Drafts the drafter proposes after a step whose requests were decided in the batch
+    """Drafts the drafter proposes after a step whose draft length was chosen in the batch
     bucket of `num_reqs`, where `length` is the longest length verified lately
     (DraftPlan passes the longest of its last PROBE_EVERY steps that chose a length, so
     one step of low confidences that chose a shorter length does not keep the next ones
@@ -143,7 +143,7 @@ def draft_lengths(
     request is one token of the step plus its drafts; num_other_tokens: the step's
     other tokens (prompt chunks); times: the engine's measured step times (None: the
     model alone; when given, its own fixed cost replaces fixed_cost_tokens); pending:
-    lengths of uniform steps in flight, decided in this bucket or the one that prices
+    lengths of uniform steps in flight, chosen in this bucket or the one that prices
     it, not yet timed (async scheduling), which are not tried again meanwhile.
     """
     cost, measured = _step_cost(times, len(confidences), fixed_cost_tokens)

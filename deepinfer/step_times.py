@@ -84,18 +84,18 @@ class StepTimes:
         num_reqs: int,
         length: int,
         seconds: float,
-        decided_reqs: int | None = None,
+        num_reqs_at_choice: int | None = None,
         proposals: int | None = None,
     ) -> None:
         """A uniform step of `num_reqs` requests verifying `length` drafts each, its
         drafter then proposing `proposals` (None: max(1, length)), took `seconds`; it is
-        filed under the bucket of `decided_reqs` (the requests running when its length
+        filed under the bucket of `num_reqs_at_choice` (the requests running when its length
         was chosen; default num_reqs), in seconds per unit (`units`), so that a length
         timed while the drafter proposed more (the hill climb asks for one more, and a
         recent longer length keeps asking for it) is priced as if it proposed its own."""
         if num_reqs <= 0 or seconds <= 0:
             return
-        bucket = self.bucket(decided_reqs if decided_reqs is not None else num_reqs)
+        bucket = self.bucket(num_reqs_at_choice if num_reqs_at_choice is not None else num_reqs)
         self._attempts.get(bucket, {}).pop(length, None)
         count = self._steps[bucket] = self._steps.get(bucket, 0) + 1
         unit = seconds / self.units(num_reqs, length, proposals)

@@ -47,7 +47,7 @@ class StepSession:
                 tokens = [rng.randrange(vocab) for _ in range(q)]
                 self.first.append(ScheduledRequest(
                     req_id=rid, num_tokens=q, num_computed_tokens=ctx,
-                    is_prompt=is_prompt, samples=True, new_block_ids=[], block_table=table,
+                    is_prompt=is_prompt, will_sample=True, new_block_ids=[], block_table=table,
                     token_ids=tokens, draft_token_ids=tokens[q - k :] if k else [],
                     sampling_params=GREEDY,
                     num_prompt_tokens=ctx + q if is_prompt else ctx,
@@ -104,7 +104,7 @@ class StepSession:
                 self.computed[sr.req_id] += 1 + k
                 scheduled.append(ScheduledRequest(
                     req_id=sr.req_id, num_tokens=1 + k, num_computed_tokens=start,
-                    is_prompt=False, samples=True, new_block_ids=[], token_ids=[],
+                    is_prompt=False, will_sample=True, new_block_ids=[], token_ids=[],
                     draft_token_ids=[DRAFT_PLACEHOLDER] * k,
                     num_prompt_tokens=sr.num_prompt_tokens,
                 ))  # fmt: skip
@@ -113,7 +113,7 @@ class StepSession:
             drafts += [self.rng.randrange(self.vocab) for _ in range(k - len(drafts))]
             scheduled.append(ScheduledRequest(
                 req_id=sr.req_id, num_tokens=1 + k, num_computed_tokens=self.computed[sr.req_id],
-                is_prompt=False, samples=True, new_block_ids=[],
+                is_prompt=False, will_sample=True, new_block_ids=[],
                 token_ids=[self.last[sr.req_id]] + drafts, draft_token_ids=drafts,
                 num_prompt_tokens=sr.num_prompt_tokens,
             ))  # fmt: skip

@@ -64,7 +64,7 @@ class SpeculativeSteps(StepInputs):
             decodes = state is not None and sr.num_computed_tokens >= state.num_prompt_tokens
             if (decodes or sr.draft_token_ids) and (
                 state is None
-                or not sr.samples
+                or not sr.will_sample
                 or sr.num_tokens != 1 + len(sr.draft_token_ids)
                 or sr.num_tokens > self.decode_max_query_len
                 or sr.req_id in self.drafter.pending

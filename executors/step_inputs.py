@@ -122,9 +122,11 @@ class StepInputs:
         if self.batch_invariant and self.drafter is None and 0 < cut < len(tokens):
             return [
                 _Segment(sr.req_id, start, tokens[:cut], False, False, []),
-                _Segment(sr.req_id, start + cut, tokens[cut:], True, sr.samples, drafts),
+                _Segment(sr.req_id, start + cut, tokens[cut:], True, sr.will_sample, drafts),
             ]
-        return [_Segment(sr.req_id, start, tokens, self._absorbed(sr, start), sr.samples, drafts)]
+        return [
+            _Segment(sr.req_id, start, tokens, self._absorbed(sr, start), sr.will_sample, drafts)
+        ]
 
     def collect(
         self, scheduled: list[ScheduledRequest], prev: PendingStep | None = None
@@ -161,7 +163,7 @@ class StepInputs:
             state.num_computed = end  # less the rejected drafts, once verified
             # (a deferred token is recorded when prev's result is read)
             self._record_history(state, start, tokens[: len(tokens) - len(drafts) - deferred])
-            if sr.samples and state.grammar is not None:
+            if sr.will_sample and state.grammar is not None:
                 # Outputs before the sampled position (drafts aside): the matcher has them.
                 n_out = max(0, end - len(drafts) - state.num_prompt_tokens)
                 try:
@@ -170,7 +172,7 @@ class StepInputs:
                     raise RequestFailed({sr.req_id: str(e)}) from None
             if deferred:  # (no drafts, so it is one segment's last token)
                 segments.append(_Segment(
-                    sr.req_id, start, tokens, self._absorbed(sr, start), sr.samples, [],
+                    sr.req_id, start, tokens, self._absorbed(sr, start), sr.will_sample, [],
                     deferred=len(tokens) - 1,
                 ))  # fmt: skip
                 continue

@@ -260,7 +260,7 @@ class TorchExecutor:
             num_tokens=n,
             num_computed_tokens=0,
             is_prompt=True,
-            samples=True,
+            will_sample=True,
             new_block_ids=[],
             block_table=list(range(blocks)),
             token_ids=[0] * n,

@@ -40,7 +40,7 @@ def _request(req_id: str, num_tokens: int, context: int, table: list[int]) -> Sc
         num_tokens=num_tokens,
         num_computed_tokens=context,
         is_prompt=context == 0,
-        samples=True,
+        will_sample=True,
         new_block_ids=[],
         block_table=table,
         token_ids=[0] * num_tokens,

@@ -236,8 +236,8 @@ class AnalyticCostModel:
                 dec_q += q
                 dec_pairs += pairs
                 dec_keys += ctx + q
-            n_logits += len(r.draft_token_ids) + (1 if r.samples else 0)
-            n_sampling += r.samples
+            n_logits += len(r.draft_token_ids) + (1 if r.will_sample else 0)
+            n_sampling += r.will_sample
             k = max(k, len(r.draft_token_ids))
         if n_tok == 0:
             if detail is not None:

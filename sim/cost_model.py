@@ -69,7 +69,7 @@ def mask_time(out: SchedulerOutput, per_token_s: float) -> float:
     mask per sampled position (each verified draft too)."""
     n = 0
     for r in out.scheduled:
-        if r.structured and r.samples:
+        if r.structured and r.will_sample:
             n += 1 + len(r.draft_token_ids)
     return n * per_token_s
 

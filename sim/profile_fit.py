@@ -39,7 +39,7 @@ def shape_output(groups: list[list[Any]]) -> SchedulerOutput:
         for i in range(int(count)):
             scheduled.append(ScheduledRequest(
                 req_id=f"{len(scheduled)}.{i}", num_tokens=int(q), num_computed_tokens=int(ctx),
-                is_prompt=bool(is_prompt), samples=True, new_block_ids=[],
+                is_prompt=bool(is_prompt), will_sample=True, new_block_ids=[],
                 draft_token_ids=drafts,
             ))  # fmt: skip
     return SchedulerOutput(step_id=0, scheduled=scheduled)

@@ -95,7 +95,7 @@ class SimExecutor:
                 self._computed.pop(rid, None)
         for sr in out.scheduled:
             if not self.k and not sr.draft_token_ids:
-                if not sr.samples:
+                if not sr.will_sample:
                     continue
                 salt = salts.get(sr.req_id)
                 if salt is None:
@@ -108,7 +108,7 @@ class SimExecutor:
             if sr.block_table is None and sr.req_id in self._computed:
                 start = self._computed[sr.req_id]
             self._computed[sr.req_id] = start + sr.num_tokens
-            if not sr.samples:
+            if not sr.will_sample:
                 continue
             salt = salts.get(sr.req_id)
             if salt is None:

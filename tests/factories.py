@@ -11,6 +11,7 @@ from deepinfer.executor import Done, completed
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.scheduler_checks import diagnose_stall
 
 
 def make_config(**overrides: object) -> EngineConfig:
@@ -71,7 +72,7 @@ class ScriptedExecutor:
             if sr.block_table is None and sr.req_id in self._computed:
                 start = self._computed[sr.req_id]
             self._computed[sr.req_id] = start + sr.num_tokens
-            if not sr.samples:
+            if not sr.will_sample:
                 continue
             accepted = 0
             while accepted < len(sr.draft_token_ids) and self._rng.random() < self.acceptance_rate:
@@ -118,6 +119,6 @@ def run_to_completion(engine: EngineCore, max_steps: int = 10_000) -> int:
         steps += 1
         if steps > max_steps:
             raise AssertionError(
-                f"not finished after {max_steps} steps:\n{engine.scheduler.diagnose()}"
+                f"not finished after {max_steps} steps:\n{diagnose_stall(engine.scheduler)}"
             )
     return steps

@@ -10,6 +10,7 @@ import pytest
 
 from deepinfer.request import Request
 from deepinfer.scheduler import Scheduler
+from deepinfer.scheduler_checks import diagnose_stall
 from tests.factories import make_config, make_request
 
 CAP_BY_BUDGET = (
@@ -95,5 +96,5 @@ def test_diagnosis_of_a_waiting_head_that_holds_no_blocks() -> None:
     sched.add_request(make_request("a", 5))
     assert (
         "head of waiting: 'a' status waiting, 5 tokens, 0 computed, holds 0 blocks, needs 2"
-        in sched.diagnose()
+        in diagnose_stall(sched)
     )

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from deepinfer import scheduler_checks
 from deepinfer.engine import EngineCore
+from deepinfer.scheduler import Scheduler
 from tests.factories import (
     ScriptedExecutor,
     StepClock,
@@ -39,14 +41,20 @@ def test_the_model_max_len_and_the_executor_vocabulary_limit_requests() -> None:
 
 
 @pytest.mark.parametrize("asked", [None, False, True])
-def test_the_per_step_self_checks_run_only_when_asked(asked: bool | None) -> None:
+def test_the_per_step_self_checks_run_only_when_asked(
+    asked: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """They walk every block each step: off by default, on with check_invariants=True."""
     cfg = make_config(num_gpu_blocks=40)
     kwargs = {} if asked is None else {"check_invariants": asked}
     engine = EngineCore(cfg, ScriptedExecutor(40), clock=StepClock(), **kwargs)
     calls: list[None] = []
-    check = engine.scheduler.check_invariants
-    engine.scheduler.check_invariants = lambda: calls.append(check())  # type: ignore[method-assign]
+    check = scheduler_checks.check_invariants
+
+    def counted(sched: Scheduler) -> None:
+        calls.append(check(sched))
+
+    monkeypatch.setattr(scheduler_checks, "check_invariants", counted)
     engine.add_request(make_request("a", 6, max_tokens=3))
     run_to_completion(engine)
     assert bool(calls) == bool(asked), f"check_invariants={asked}: {len(calls)} checks ran"

@@ -10,6 +10,7 @@ from deepinfer.errors import RequestFailed
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import FinishReason, RequestStatus
 from deepinfer.scheduler import Scheduler
+from deepinfer.scheduler_checks import check_invariants, diagnose_stall
 from tests.factories import ScriptedExecutor, make_config, make_engine, make_request
 
 
@@ -41,7 +42,7 @@ def _run(cfg, executor, specs):  # type: ignore[no-untyped-def]
     while engine.has_unfinished():
         engine.step()
         steps += 1
-        assert steps < 2000, engine.scheduler.diagnose()
+        assert steps < 2000, diagnose_stall(engine.scheduler)
     return engine, reqs
 
 
@@ -60,7 +61,7 @@ def test_a_failing_request_is_aborted_and_every_other_finishes_unchanged(
     _, clean = _run(cfg, ScriptedExecutor(40), specs)
     faulty_ex = FaultyExecutor(40, {fault_step: victim}, generic)
     engine, reqs = _run(cfg, faulty_ex, specs)
-    engine.scheduler.check_invariants()
+    check_invariants(engine.scheduler)
     assert engine.scheduler.kv.pool.num_free_blocks == 40  # nothing leaked
     by_id = {r.request_id: r for r in reqs}
     failed = [r for r in reqs if r.status is RequestStatus.ABORTED]
@@ -92,7 +93,7 @@ def test_abort_of_a_waiting_running_or_prefilling_request_frees_its_blocks() -> 
     for r in (a, b, c):
         engine.abort(r.request_id)
         assert not engine.scheduler.kv.holds_blocks(r.request_id)
-    engine.scheduler.check_invariants()
+    check_invariants(engine.scheduler)
     assert engine.scheduler.kv.pool.num_free_blocks == 20 and not engine.has_unfinished()
 
 
@@ -132,7 +133,7 @@ def test_a_failed_step_skips_requests_ended_meanwhile_and_requeues_every_other()
                 f"trial {trial}: {r!r} not requeued"
             )
             assert not sched.kv.holds_blocks(rid)
-        sched.check_invariants()
+        check_invariants(sched)
         assert sched.schedule().preempted_req_ids == set(requeued)
 
 

@@ -13,6 +13,7 @@ from deepinfer.errors import SchedulerStalled
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
 from deepinfer.scheduler import Scheduler
+from deepinfer.scheduler_checks import check_invariants, check_output, diagnose_stall, raise_stalled
 from tests.factories import make_config, make_request
 
 
@@ -38,7 +39,7 @@ def _mixed() -> tuple[Scheduler, Request, Request, Request]:
     s.schedule()  # r decodes; p's first chunk of 7 tokens; the budget is spent
     assert r.status is RequestStatus.RUNNING and p.status is RequestStatus.PREFILLING
     assert w.status is RequestStatus.WAITING
-    s.check_invariants()
+    check_invariants(s)
     return s, r, p, w
 
 
@@ -111,7 +112,7 @@ def test_check_invariants_names_each_corruption(corrupt) -> None:  # type: ignor
     s, r, p, w = _mixed()
     message = corrupt(s, r, p, w)
     with pytest.raises(AssertionError) as err:
-        s.check_invariants()
+        check_invariants(s)
     assert str(err.value) == message
 
 
@@ -119,7 +120,7 @@ def test_a_request_queued_twice_in_waiting_alone_is_caught() -> None:
     s, r, p, w = _mixed()
     s.waiting.add(w)
     with pytest.raises(AssertionError, match="^a request is queued twice$"):
-        s.check_invariants()
+        check_invariants(s)
 
 
 def test_computed_up_to_its_tokens_plus_those_in_flight_is_legal() -> None:
@@ -127,7 +128,7 @@ def test_computed_up_to_its_tokens_plus_those_in_flight_is_legal() -> None:
     (the converse of `_computed_too_many`)."""
     s, r, p, w = _mixed()
     r.num_computed_tokens = r.num_tokens + r.num_output_placeholders + r.num_pending_drafts
-    s.check_invariants()
+    check_invariants(s)
 
 
 def _out(*scheduled: tuple[str, int]) -> SchedulerOutput:
@@ -146,15 +147,15 @@ def _out(*scheduled: tuple[str, int]) -> SchedulerOutput:
 )
 def test_check_output_names_the_broken_budget(out: SchedulerOutput, message: str) -> None:
     s = _scheduler(max_num_seqs=2, max_num_batched_tokens=16)
-    s.check_output(_out(("a", 8), ("b", 8)))  # at both limits: legal
+    check_output(s, _out(("a", 8), ("b", 8)))  # at both limits: legal
     with pytest.raises(AssertionError) as err:
-        s.check_output(out)
+        check_output(s, out)
     assert str(err.value) == message
 
 
 def test_diagnosis_of_an_empty_scheduler() -> None:
     s = _scheduler(block_size=4, num_gpu_blocks=24, prefill_watermark=1.0)
-    assert s.diagnose() == (
+    assert diagnose_stall(s) == (
         "step 0: 0 running, 0 waiting, nothing schedulable\n"
         "KV cache: 24 blocks of 4 tokens, usage 0.000, 24 free (incl. evictable); "
         "prefill watermark 1.0 (role normal)\n"
@@ -177,7 +178,7 @@ def test_diagnosis_names_the_head_of_waiting_and_the_five_largest_holders() -> N
     s.add_request(_distinct("f", 24, 700))
     s.add_request(_distinct("w", 10, 800))
     s.schedule()  # six start; w is held back by max_num_seqs
-    assert s.diagnose() == (
+    assert diagnose_stall(s) == (
         "step 1: 6 running, 1 waiting, nothing schedulable\n"
         "KV cache: 24 blocks of 4 tokens, usage 0.875, 3 free (incl. evictable); "
         "prefill watermark 0.9 (role normal)\n"
@@ -191,7 +192,7 @@ def test_diagnosis_of_a_chunked_prefill_in_progress_at_the_head() -> None:
     s = _scheduler(block_size=4, num_gpu_blocks=10, max_num_batched_tokens=8)
     s.add_request(_distinct("long", 37, 100))
     s.schedule()
-    assert s.diagnose() == (
+    assert diagnose_stall(s) == (
         "step 1: 0 running, 1 waiting, nothing schedulable\n"
         "KV cache: 10 blocks of 4 tokens, usage 1.000, 0 free (incl. evictable); "
         f"prefill watermark {s.config.prefill_watermark} (role normal)\n"
@@ -206,5 +207,5 @@ def test_raise_stalled_carries_the_diagnosis() -> None:
     s.add_request(_distinct("long", 37, 100))
     s.schedule()
     with pytest.raises(SchedulerStalled) as err:
-        s.raise_stalled()
-    assert str(err.value) == s.diagnose()
+        raise_stalled(s)
+    assert str(err.value) == diagnose_stall(s)

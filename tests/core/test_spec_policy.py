@@ -286,8 +286,8 @@ def test_the_scheduler_times_a_step_with_the_drafts_its_drafter_proposed() -> No
         engine.process(out, res, 0.02)
         proposed = out.num_proposals or 0
         if uniform and len(out.scheduled) == 32 and proposed > max(1, longest):
-            assert engine.scheduler.varlen is not None
-            times = engine.scheduler.varlen.step_times
+            assert engine.scheduler.draft_plan is not None
+            times = engine.scheduler.draft_plan.step_times
             assert times.prices(32)[longest] * times.units(32, longest) < 0.0199
             return
     raise AssertionError("no step asked for more drafts than it verified")
@@ -415,7 +415,7 @@ def test_a_length_whose_steps_never_come_out_uniform_is_not_tried_for_ever() -> 
     times.observe(32, tried, 0.02)
     assert tried not in times.given_up(32)
     budget_cut = StepTimes()
-    budget_cut.observe(25, 3, 0.03, decided_reqs=40)
+    budget_cut.observe(25, 3, 0.03, num_reqs_at_choice=40)
     assert budget_cut.per_unit(40).keys() == {3} and budget_cut.per_unit(25) == {}
 
 
@@ -437,8 +437,8 @@ def test_with_a_prompt_beside_every_step_the_engine_stops_trying_an_unmeasured_l
             chosen.append(max(verified))
         engine.process(out, ex.execute(out), 0.01)
     runs = [len(list(g)) for _, g in itertools.groupby(chosen)]
-    assert engine.scheduler.varlen is not None
-    times = engine.scheduler.varlen.step_times
+    assert engine.scheduler.draft_plan is not None
+    times = engine.scheduler.draft_plan.step_times
     assert times.num_measured(24) <= 1 and len(chosen) > 20
     # Each length tried at most MAX_ATTEMPTS times in a row, until one settles.
     settled = runs.index(max(runs))

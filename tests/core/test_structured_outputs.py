@@ -15,6 +15,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.scheduler_checks import diagnose_stall
 from tests.factories import ScriptedExecutor, make_config, make_engine, make_request
 
 REGEX = {"schema_type": "regex", "schema": "[0-9]{3}"}
@@ -109,7 +110,7 @@ class GrammarExecutor(ScriptedExecutor):
         res = super().execute(out)
         for sr in out.scheduled:
             n_out = sr.num_computed_tokens + sr.num_tokens - sr.num_prompt_tokens + 1
-            if sr.samples and sr.structured and n_out == self.completes_after:
+            if sr.will_sample and sr.structured and n_out == self.completes_after:
                 res.completed_req_ids.add(sr.req_id)
         return res
 
@@ -127,7 +128,7 @@ def _drain(engine, max_steps: int = 200) -> None:  # type: ignore[no-untyped-def
         if not engine.has_unfinished():
             return
         engine.step()
-    raise AssertionError(f"unfinished after {max_steps} steps\n{engine.scheduler.diagnose()}")
+    raise AssertionError(f"unfinished after {max_steps} steps\n{diagnose_stall(engine.scheduler)}")
 
 
 def _only_record(engine, req: Request):  # type: ignore[no-untyped-def]

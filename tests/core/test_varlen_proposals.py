@@ -40,7 +40,7 @@ def test_steps_that_fail_or_are_discarded_leave_no_length_pending() -> None:
     ex = ConfidentExecutor(1024, 3, 0.9)
     engine = _varlen_engine(ex)
     sched = engine.scheduler
-    plan = sched.varlen
+    plan = sched.draft_plan
     assert plan is not None
     for i in range(8):
         engine.add_request(make_request(f"r{i}", 4, max_tokens=50))

@@ -11,6 +11,7 @@ import pytest
 
 from deepinfer import cli
 from deepinfer.errors import SchedulerStalled
+from deepinfer.scheduler_checks import raise_stalled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +64,7 @@ def test_unknown_model_and_bad_option_exit_2() -> None:
 
 def test_a_stall_exits_3_with_the_diagnosis(monkeypatch, capsys) -> None:
     def stalled(self):  # what a scheduler bug would look like from the outside
-        self.raise_stalled()
+        raise_stalled(self)
 
     monkeypatch.setattr("deepinfer.scheduler.Scheduler.schedule", stalled)
     code = cli.main(["simulate", "traces/example.jsonl", "--no-progress"])

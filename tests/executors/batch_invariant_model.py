@@ -84,7 +84,7 @@ def prefill_step(reqs: list[list[int]], first_block: int) -> SchedulerOutput:
         n = -(-len(toks) // 16)
         scheduled.append(ScheduledRequest(
             req_id=f"r{i}", num_tokens=len(toks), num_computed_tokens=0, is_prompt=True,
-            samples=True, new_block_ids=list(range(block, block + n)),
+            will_sample=True, new_block_ids=list(range(block, block + n)),
             block_table=list(range(block, block + n)), token_ids=toks,
             sampling_params=GREEDY, num_prompt_tokens=len(toks),
         ))  # fmt: skip

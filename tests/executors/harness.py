@@ -122,7 +122,7 @@ class Driver:
             num_tokens=n,
             num_computed_tokens=seq.num_computed,
             is_prompt=seq.num_computed < seq.num_prompt,
-            samples=end == len(seq.tokens),
+            will_sample=end == len(seq.tokens),
             new_block_ids=new,
             block_table=list(seq.table) if first else None,
             token_ids=seq.tokens[seq.num_computed : end],

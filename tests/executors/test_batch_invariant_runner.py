@@ -45,10 +45,10 @@ def test_prompt_positions_take_the_prefill_path_in_the_mode(pow2_model, batch_in
     first.scheduled[1].token_ids = TARGET[:39]
     runner.collect(first.scheduled)
     decode = ScheduledRequest(req_id="r0", num_tokens=1, num_computed_tokens=16,
-                              is_prompt=False, samples=True, new_block_ids=[4],
+                              is_prompt=False, will_sample=True, new_block_ids=[4],
                               token_ids=[5], num_prompt_tokens=16)  # fmt: skip
     last_chunk = ScheduledRequest(req_id="r1", num_tokens=1, num_computed_tokens=39,
-                                  is_prompt=True, samples=True, new_block_ids=[],
+                                  is_prompt=True, will_sample=True, new_block_ids=[],
                                   token_ids=TARGET[39:40], num_prompt_tokens=40)  # fmt: skip
     runner.update_states(SchedulerOutput(1, [last_chunk, decode]))
     host = runner.collect([last_chunk, decode])
@@ -69,7 +69,7 @@ def test_a_recomputed_request_splits_at_its_prompt_end_in_the_mode(pow2_model) -
     runner = _cpu_runner(pow2_model.path, batch_invariant=True)
     tokens = TARGET[:43]
     resumed = ScheduledRequest(req_id="r", num_tokens=43, num_computed_tokens=0,
-                               is_prompt=True, samples=True, new_block_ids=[0, 1, 2],
+                               is_prompt=True, will_sample=True, new_block_ids=[0, 1, 2],
                                block_table=[0, 1, 2], token_ids=tokens,
                                sampling_params=GREEDY, num_prompt_tokens=40)  # fmt: skip
     other = prefill_step([TARGET[:20]], 3).scheduled[0]

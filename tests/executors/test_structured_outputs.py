@@ -382,7 +382,7 @@ def _step(req_id: str, pos: int, tokens: list[int], drafts: list[int] = (), **kw
         num_tokens=len(tokens) + len(drafts),
         num_computed_tokens=pos,
         is_prompt=pos == 0,
-        samples=True,
+        will_sample=True,
         new_block_ids=kw.get("block_table", []),
         token_ids=list(tokens) + list(drafts),
         draft_token_ids=list(drafts),

@@ -24,7 +24,7 @@ def _prompt_step(req_id: str, tokens: list[int], table: list[int], **kw) -> Sche
         num_tokens=len(tokens),
         num_computed_tokens=0,
         is_prompt=True,
-        samples=True,
+        will_sample=True,
         new_block_ids=list(table),
         block_table=list(table),
         token_ids=list(tokens),
@@ -41,7 +41,7 @@ def _decode_step(
         num_tokens=1,
         num_computed_tokens=pos,
         is_prompt=False,
-        samples=True,
+        will_sample=True,
         new_block_ids=list(new_blocks),
         token_ids=None if token is None else [token],
     )
@@ -134,7 +134,7 @@ def test_chunk_that_does_not_end_the_prompt_samples_nothing(
 ) -> None:
     runner = load_runner(tiny_models["v3_plain"].path, block_size=4, num_blocks=16)
     sr = _prompt_step("a", [4, 5, 6], [0, 1])
-    sr.samples, sr.num_prompt_tokens = False, 6
+    sr.will_sample, sr.num_prompt_tokens = False, 6
     assert runner.execute(SchedulerOutput(1, [sr])).sampled_token_ids == {}
 
 
@@ -155,7 +155,7 @@ def test_draft_tokens_are_verified_greedily(tiny_models: dict[str, TinyModel]) -
             num_tokens=1 + len(drafts),
             num_computed_tokens=5,
             is_prompt=False,
-            samples=True,
+            will_sample=True,
             new_block_ids=[2],
             token_ids=ref[:1] + drafts,
             draft_token_ids=drafts,

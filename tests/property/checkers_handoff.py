@@ -16,7 +16,7 @@ and the request's tokens as the test knows them:
 - the step's drafts are exactly its positions past the request's known tokens, the
   drafter's proposal (placeholders when a step in flight proposes them);
 - `token_ids` are the known ids of the step's positions plus real drafts, None for an
-  executor that needs no token ids; `samples` when the step reaches the last known token;
+  executor that needs no token ids; `will_sample` when the step reaches the last known token;
 - a request asking for prompt logprobs starts with no prefix-cache hit, and the hit
   reported for a request (`num_cached_tokens`) is that of its first start.
 """
@@ -85,12 +85,12 @@ class ExecutorHandoff(Checker):
         want = [DRAFT_PLACEHOLDER] * len(drafts) if s.placeholders else s.drafts[: len(drafts)]
         if drafts != want:
             self._fail(out, sr, f"drafts {drafts}, want {want} (proposed {s.drafts})")
-        samples = end >= s.num_tokens + s.placeholders
-        if sr.samples is not samples:
+        will_sample = end >= s.num_tokens + s.placeholders
+        if sr.will_sample is not will_sample:
             self._fail(
                 out,
                 sr,
-                f"samples {sr.samples!r}: the step ends at {end}, "
+                f"will_sample {sr.will_sample!r}: the step ends at {end}, "
                 f"{s.num_tokens} + {s.placeholders} tokens known",
             )
         if sr.num_tokens <= 0:

@@ -6,6 +6,7 @@ from collections import Counter
 
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import FinishReason, Request, RequestStatus
+from deepinfer.scheduler_checks import diagnose_stall
 from tests.property.harness import (
     Checker,
     Driver,
@@ -61,7 +62,7 @@ class NoIdleStep(Checker):
             return
         raise AssertionError(
             f"step {out.step_id}: unfinished requests, nothing in flight, "
-            f"nothing scheduled\n{d.sched.diagnose()}"
+            f"nothing scheduled\n{diagnose_stall(d.sched)}"
         )
 
 
@@ -162,7 +163,7 @@ class ComputedProgress(Checker):
         window = progress_window(d.case)
         assert d.steps - self.last_rise <= window, (
             f"no progress in {window} steps (steps {self.last_rise}..{d.steps})\n"
-            f"{d.sched.diagnose()}"
+            f"{diagnose_stall(d.sched)}"
         )
 
 
@@ -216,7 +217,7 @@ class TokenConservation(Checker):
 
     def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         for sr in out.scheduled:
-            if sr.samples and sr.req_id in d.live_before_process:
+            if sr.will_sample and sr.req_id in d.live_before_process:
                 self.returned.setdefault(sr.req_id, []).append(res.sampled_token_ids[sr.req_id])
         for rid, chunks in self.returned.items():
             self._outputs(d, rid, chunks, f"step {out.step_id}")

@@ -69,7 +69,7 @@ class DraftAcceptance(Checker):
 
     def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         for sr in out.scheduled:
-            if not sr.samples or sr.req_id not in d.live_before_process:
+            if not sr.will_sample or sr.req_id not in d.live_before_process:
                 continue
             n, a = len(sr.draft_token_ids), len(res.sampled_token_ids[sr.req_id]) - 1
             self.drafts, self.accepted = self.drafts + n, self.accepted + a
@@ -106,7 +106,7 @@ class NextDrafts(Checker):
         k = d.case.config.num_speculative_tokens
         for sr in out.scheduled:
             req = d.reqs[sr.req_id]
-            if not sr.samples or sr.req_id not in d.live_before_process:
+            if not sr.will_sample or sr.req_id not in d.live_before_process:
                 continue
             if req.status is not S.RUNNING:  # ended, or preempted while its step flew
                 continue

@@ -21,7 +21,7 @@ class StopConditions(Checker):
     def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         for sr in out.scheduled:
             rid = sr.req_id
-            if rid not in d.live_before_process or not sr.samples:
+            if rid not in d.live_before_process or not sr.will_sample:
                 continue
             req, spec = d.reqs[rid], d.specs[rid]
             want, reason = expected_end(d.case, spec)

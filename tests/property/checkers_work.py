@@ -150,14 +150,14 @@ class WorkConservation(Checker):
                 else snap.state[rid].confidences
                 for rid in running
             }
-            # a length tried by a uniform step in flight, decided in this batch's bucket
+            # a length tried by a uniform step in flight, chosen in this batch's bucket
             # or the one that prices it, is not tried again
             assert snap.step_times is not None
             buckets = {StepTimes.bucket(len(conf)), snap.step_times.pricing_bucket(len(conf))}
             pending = {
                 length
-                for _, length, decided, _ in snap.uniform_in_flight
-                if StepTimes.bucket(decided) in buckets
+                for _, length, num_reqs_at_choice, _ in snap.uniform_in_flight
+                if StepTimes.bucket(num_reqs_at_choice) in buckets
             }
             lengths = draft_lengths(
                 conf, cfg.num_speculative_tokens, times=snap.step_times, pending=pending

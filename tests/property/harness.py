@@ -21,6 +21,7 @@ from hypothesis.control import currently_in_test_context
 from deepinfer.engine import EngineCore
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
+from deepinfer.scheduler_checks import check_invariants, check_output, diagnose_stall
 from deepinfer.step_times import StepTimes
 from sim.sim_executor import SimExecutor
 from tests.property.oracle import (  # noqa: F401  (re-exported: the checkers import them here)
@@ -42,7 +43,7 @@ def note(label: str) -> None:
         event(label)
 
 
-# The core's own per-step checks (Scheduler.check_output / check_invariants) run by
+# The core's own per-step checks (scheduler_checks.check_output / check_invariants) run by
 # default; PROPERTY_CORE_CHECKS=0 turns them off to see what this suite's checkers
 # catch on their own (as when judging a mutation of the core).
 CORE_CHECKS = os.environ.get("PROPERTY_CORE_CHECKS", "1") != "0"
@@ -155,7 +156,7 @@ class Driver:
             if self.steps >= self.max_steps:
                 raise AssertionError(
                     f"liveness: unfinished after {self.steps} steps (bound "
-                    f"{self.max_steps})\n{self.sched.diagnose()}"
+                    f"{self.max_steps})\n{diagnose_stall(self.sched)}"
                 )
             self.advance()
             if self.stalled:  # nothing changes until an arrival or an abort: skip ahead
@@ -163,7 +164,7 @@ class Driver:
                 if not events:
                     raise AssertionError(
                         f"liveness: stalled at step {self.steps}, no event "
-                        f"left to unblock it\n{self.sched.diagnose()}"
+                        f"left to unblock it\n{diagnose_stall(self.sched)}"
                     )
                 skip = max(0, min(events) - self.clock)  # type: ignore[type-var]
                 self.steps, self.clock = self.steps + skip, self.clock + skip
@@ -207,7 +208,7 @@ class Driver:
         if self.sched.num_preemptions > self.max_preemptions:
             raise AssertionError(
                 f"livelock: {self.sched.num_preemptions} preemptions > "
-                f"bound {self.max_preemptions}\n{self.sched.diagnose()}"
+                f"bound {self.max_preemptions}\n{diagnose_stall(self.sched)}"
             )
 
     def add(self, spec: ReqSpec) -> None:
@@ -250,9 +251,9 @@ class Driver:
                 )
                 for rid, r in s.requests.items()
             },
-            step_times=copy.deepcopy(s.varlen.step_times) if s.varlen else None,
-            proposals_in_flight=s.varlen.proposals_in_flight if s.varlen else None,
-            uniform_in_flight=s.varlen.uniform_in_flight() if s.varlen else [],
+            step_times=copy.deepcopy(s.draft_plan.step_times) if s.draft_plan else None,
+            proposals_in_flight=s.draft_plan.proposals_in_flight if s.draft_plan else None,
+            uniform_in_flight=s.draft_plan.uniform_in_flight() if s.draft_plan else [],
             prior_chances=list(s.prior_chances),
         )
         self.time.tick()
@@ -264,8 +265,8 @@ class Driver:
         for c in self.checkers:
             c.on_schedule(self, out, in_flight)
         if CORE_CHECKS:
-            self.sched.check_output(out)
-            self.sched.check_invariants()
+            check_output(self.sched, out)
+            check_invariants(self.sched)
         return out
 
     def _process(self, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
@@ -275,7 +276,7 @@ class Driver:
         for c in self.checkers:
             c.on_process(self, out, res)
         if CORE_CHECKS:
-            self.sched.check_invariants()
+            check_invariants(self.sched)
 
     def _step(self) -> None:
         self.stalled = False

@@ -170,7 +170,7 @@ class KVMirror(Checker):
         for sr in out.scheduled:
             tokens = res.sampled_token_ids.get(sr.req_id)
             info = self.sched_info.pop((out.step_id, sr.req_id), None)
-            if not sr.samples or not tokens or sr.req_id not in self.tables or info is None:
+            if not sr.will_sample or not tokens or sr.req_id not in self.tables or info is None:
                 continue  # ended or preempted while in flight: nothing more from this step
             table, hi, _ = info
             accepted = len(tokens) - 1
@@ -193,7 +193,12 @@ class KVMirror(Checker):
         live = d.sched.requests
         for sr in out.scheduled:
             rid = sr.req_id
-            if sr.samples and rid in live and rid in self.tables and rid in d.live_before_process:
+            if (
+                sr.will_sample
+                and rid in live
+                and rid in self.tables
+                and rid in d.live_before_process
+            ):
                 toks = d.tokens(rid)
                 # Up to the newest token: its KV is written by the next step, which under
                 # async scheduling is in flight and may still fail.

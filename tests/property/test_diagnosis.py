@@ -1,6 +1,6 @@
 """The stall diagnosis reports the scheduler's state as it is.
 
-`diagnose()` is what a stalled engine (`SchedulerStalled`) and the driver's liveness
+`diagnose_stall(sched)` is what a stalled engine (`SchedulerStalled`) and the driver's liveness
 failures print, so a wrong figure in it sends whoever reads it after the wrong cause.
 It is only called when something already failed; here it is called after every step
 of ordinary runs and read back: each figure must be the scheduler's own.
@@ -22,6 +22,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.errors import SchedulerStalled
 from deepinfer.kv_cache.manager import cdiv
 from deepinfer.request import RequestStatus
+from deepinfer.scheduler_checks import diagnose_stall, raise_stalled
 from tests.property.harness import Checker, Driver, run_case
 from tests.property.strategies import EngineCase, ReqSpec, Workload, any_case_and_workload, scaled
 
@@ -35,7 +36,7 @@ def _numbers(line: str) -> list[str]:
 
 
 class Diagnosis(Checker):
-    """After every step and at the end, `diagnose()` (and what `raise_stalled` raises)
+    """After every step and at the end, `diagnose_stall` (and what `raise_stalled` raises)
     states the scheduler's figures, read back from the text."""
 
     def __init__(self) -> None:
@@ -52,9 +53,9 @@ class Diagnosis(Checker):
 
     def _check(self, d: Driver) -> None:
         s, cfg = d.sched, d.case.config
-        text = s.diagnose()
+        text = diagnose_stall(s)
         try:
-            s.raise_stalled()
+            raise_stalled(s)
         except SchedulerStalled as e:
             assert str(e) == text, f"raise_stalled carries {str(e)!r}, not the diagnosis"
         else:
@@ -129,7 +130,7 @@ _MANY_HOLDERS = (
 def test_the_stall_diagnosis_reports_the_queues_the_cache_the_head_and_the_largest_holders(
     cw: tuple[EngineCase, Workload],
 ) -> None:
-    """At any point of a run, `diagnose()` gives the step number, the running and
+    """At any point of a run, `diagnose_stall` gives the step number, the running and
     waiting counts, the cache's blocks, block size, usage, free blocks, watermark and
     role, the head of waiting (id, status, tokens, computed, blocks held and needed,
     whether a chunked prefill is in progress), and the (at most five) largest block

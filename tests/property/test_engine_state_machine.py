@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from deepinfer.request import RequestStatus
+from deepinfer.scheduler_checks import check_invariants, diagnose_stall
 from tests.property.checkers_kv import (
     BlockSafety,
     Budgets,
@@ -165,7 +166,7 @@ class EngineMachine(RuleBasedStateMachine):
         while d.sched.has_unfinished() or d.in_flight is not None:
             assert d.steps < d.max_steps, (
                 f"liveness: unfinished after {d.steps} steps (bound {d.max_steps})\n"
-                f"{d.sched.diagnose()}"
+                f"{diagnose_stall(d.sched)}"
             )
             self.step(1)
         for spec in d.workload:
@@ -192,7 +193,7 @@ class EngineMachine(RuleBasedStateMachine):
         d = self.d
         if d is None:
             return
-        d.sched.check_invariants()
+        check_invariants(d.sched)
         self.mirror._check_tables(d, "between rules")
 
     def teardown(self) -> None:

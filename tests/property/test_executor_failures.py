@@ -37,6 +37,7 @@ from deepinfer.errors import RequestFailed
 from deepinfer.executor import StepHandle
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import FinishReason, Request, RequestStatus
+from deepinfer.scheduler_checks import diagnose_stall
 from sim.sim_executor import SimExecutor
 from tests.factories import StepClock, make_config
 from tests.property.harness import (
@@ -212,7 +213,7 @@ def _run(
             missing = set(f.victims) - changed
             assert not missing, f"step {f.out.step_id} failed ({f.exc!r}); step() omits {missing}"
         clock, steps = clock + 1, steps + 1
-        assert steps <= bound, f"unfinished after {steps} steps\n{engine.scheduler.diagnose()}"
+        assert steps <= bound, f"unfinished after {steps} steps\n{diagnose_stall(engine.scheduler)}"
     return engine, {"reqs": reqs, "client_aborted": client_aborted}
 
 
@@ -390,7 +391,7 @@ def test_a_failed_step_restarts_its_mid_chunk_prompts_and_skips_requests_ended_m
                 engine.abort(client_aborted)
                 note("the client ended a request of the failed step in flight")
     else:
-        raise AssertionError(f"unfinished\n{engine.scheduler.diagnose()}")
+        raise AssertionError(f"unfinished\n{diagnose_stall(engine.scheduler)}")
     if ex.failed is None:
         return  # no step had a prompt mid-chunk beside another request
     note("a step with a prompt mid-chunk failed")

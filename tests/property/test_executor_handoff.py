@@ -56,7 +56,7 @@ def test_each_scheduled_request_carries_what_the_executor_needs(
     length before the step, `is_prompt` marks the waiting phase's steps, the drafts are
     exactly the positions past its known tokens, `token_ids` the known ids of the
     step's positions plus real drafts (None for an executor that needs no ids), and
-    `samples` whether the step reaches its last known token. A request asking for
+    `will_sample` whether the step reaches its last known token. A request asking for
     prompt logprobs takes no prefix hit; `num_cached_tokens` is its first start's hit.
     """
     case, workload = cw

@@ -94,7 +94,7 @@ class Results(Checker):
     def _broken_results_are_refused(
         d: Driver, out: SchedulerOutput, res: ModelRunnerOutput
     ) -> None:
-        sr = next((sr for sr in out.scheduled if sr.samples), None)
+        sr = next((sr for sr in out.scheduled if sr.will_sample), None)
         if sr is None or d.case.config.async_scheduling:
             return  # (async: the next schedule() comes before this result is applied)
         rid, n = sr.req_id, len(sr.draft_token_ids)
@@ -125,7 +125,7 @@ class Results(Checker):
                 f"{rid}: prompt logprobs of step {out.step_id} not kept"
             )
             tokens = res.sampled_token_ids.get(rid, [])
-            if not sr.samples or not tokens:
+            if not sr.will_sample or not tokens:
                 continue
             reached = before[rid] + len(tokens)
             natural, why = expected_end(self.normal, spec)  # stop conditions and lengths

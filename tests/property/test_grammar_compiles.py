@@ -43,6 +43,7 @@ from deepinfer.engine import EngineCore
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.scheduler_checks import diagnose_stall
 from tests.factories import ScriptedExecutor, StepClock, make_config
 from tests.property.harness import CORE_CHECKS, note
 from tests.property.strategies import scaled
@@ -210,7 +211,7 @@ def test_a_request_waits_for_its_grammar_and_a_failed_compile_rejects_it_alone(
         for rid in {r for r, q in reqs.items() if q.status is S.REJECTED} - before:
             assert rid in returned, f"{rid} was rejected in a step() that did not return it"
     else:
-        raise AssertionError(f"unfinished\n{engine.scheduler.diagnose()}")
+        raise AssertionError(f"unfinished\n{diagnose_stall(engine.scheduler)}")
 
     for rid, req in reqs.items():
         recs = [r for r in engine.records if r.req_id == rid]

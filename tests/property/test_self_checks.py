@@ -1,6 +1,6 @@
 """The engine's self-checks catch each kind of broken state, and say what broke.
 
-`Scheduler.check_invariants` / `check_output` (run per step with
+`scheduler_checks.check_invariants` / `check_output` (run per step with
 `EngineCore(check_invariants=True)`, and by this suite's driver) are only worth their
 cost if they fail on a broken state, and name the request or block at fault, so the
 failure can be followed. Every other property feeds them valid states only.
@@ -25,6 +25,7 @@ from deepinfer.kv_cache.block_pool import KVBlock
 from deepinfer.outputs import SchedulerOutput
 from deepinfer.request import Request, RequestStatus
 from deepinfer.scheduler import Scheduler
+from deepinfer.scheduler_checks import check_invariants, check_output
 from tests.property.harness import Checker, Driver, run_case
 from tests.property.strategies import (
     EngineCase,
@@ -249,7 +250,7 @@ class BrokenStates(Checker):
             return
         for broken, word in _broken_steps(d.sched, out):
             try:
-                d.sched.check_output(broken)
+                check_output(d.sched, broken)
             except AssertionError as e:
                 msg = str(e)
                 assert f"step {out.step_id}" in msg and word in msg, (
@@ -265,7 +266,7 @@ class BrokenStates(Checker):
             if words is None:
                 continue
             try:
-                s.check_invariants()
+                check_invariants(s)
             except AssertionError as e:
                 msg = str(e)
                 assert all(w in msg for w in words), (
@@ -278,7 +279,7 @@ class BrokenStates(Checker):
             req.num_computed_tokens = (
                 req.num_tokens + req.num_output_placeholders + req.num_pending_drafts
             )
-        s.check_invariants()  # computed up to the limit is legal
+        check_invariants(s)  # computed up to the limit is legal
 
 
 # For mutmut's few-example profile: a long prompt in chunks (a prefill in progress at

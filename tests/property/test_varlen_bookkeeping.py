@@ -46,11 +46,13 @@ class VarlenBookkeeping(Checker):
         lengths = {len(sr.draft_token_ids) for sr in out.scheduled}
         longest = max(lengths)
         assert d.snap is not None  # the bucket its lengths were chosen in
-        decided = len(d.snap.running) or len(out.scheduled)
-        assert d.sched.varlen is not None
-        times = d.sched.varlen.step_times  # as plan_proposals read it: observed in process
+        num_reqs_at_choice = len(d.snap.running) or len(out.scheduled)
+        assert d.sched.draft_plan is not None
+        times = d.sched.draft_plan.step_times  # as plan_proposals read it: observed in process
         # settled prices: a due length is not, unless given up
-        known = times.prices(decided).keys() - (times.due(decided) - times.given_up(decided))
+        known = times.prices(num_reqs_at_choice).keys() - (
+            times.due(num_reqs_at_choice) - times.given_up(num_reqs_at_choice)
+        )
         if d.snap.running:  # a length was chosen (for the requests running)
             self.recent = (self.recent + [longest])[-PROBE_EVERY:]
         base = max(self.recent, default=longest)
@@ -70,16 +72,16 @@ class VarlenBookkeeping(Checker):
         self.in_flight_proposals = out.num_proposals
         if len(lengths) == 1 and not any(sr.is_prompt for sr in out.scheduled):
             assert d.snap is not None  # none running when chosen: the step's own count
-            decided = len(d.snap.running) or len(out.scheduled)
-            self.pending[out.step_id] = StepTimes.bucket(decided)
+            num_reqs_at_choice = len(d.snap.running) or len(out.scheduled)
+            self.pending[out.step_id] = StepTimes.bucket(num_reqs_at_choice)
 
     def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         bucket = self.pending.pop(out.step_id, None)
         self.processed += 1
         if bucket is not None and self.processed > 1:  # the first step has no duration
             self.uniform[bucket] += 1
-        assert d.sched.varlen is not None
-        times = d.sched.varlen.step_times
+        assert d.sched.draft_plan is not None
+        times = d.sched.draft_plan.step_times
         for b, n in self.uniform.items():
             got = times.num_measured(1 << (b - 1))
             assert got == n, (

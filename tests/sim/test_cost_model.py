@@ -23,13 +23,13 @@ from sim.hardware import get_hardware, known_hardware
 from sim.traces import TraceRequest
 
 
-def _req(i: int, q: int, ctx: int, prompt: bool, samples: bool = True, drafts: int = 0):
+def _req(i: int, q: int, ctx: int, prompt: bool, will_sample: bool = True, drafts: int = 0):
     return ScheduledRequest(
         req_id=f"r{i}",
         num_tokens=q,
         num_computed_tokens=ctx,
         is_prompt=prompt,
-        samples=samples,
+        will_sample=will_sample,
         new_block_ids=[],
         draft_token_ids=list(range(drafts)),
     )
@@ -39,8 +39,8 @@ def decode_step(batch: int, ctx: int) -> SchedulerOutput:
     return SchedulerOutput(0, [_req(i, 1, ctx, prompt=False) for i in range(batch)])
 
 
-def prefill_step(q: int, ctx: int = 0, samples: bool = True) -> SchedulerOutput:
-    return SchedulerOutput(0, [_req(0, q, ctx, prompt=True, samples=samples)])
+def prefill_step(q: int, ctx: int = 0, will_sample: bool = True) -> SchedulerOutput:
+    return SchedulerOutput(0, [_req(0, q, ctx, prompt=True, will_sample=will_sample)])
 
 
 @pytest.fixture(scope="module")
@@ -246,8 +246,8 @@ def test_prefill_of_16k_tokens_is_compute_bound(
 
 
 def test_lm_head_is_priced_only_for_sampled_positions(h200_model: AnalyticCostModel) -> None:
-    mid_prompt = h200_model.step_time(prefill_step(512, samples=False))
-    last_chunk = h200_model.step_time(prefill_step(512, samples=True))
+    mid_prompt = h200_model.step_time(prefill_step(512, will_sample=False))
+    last_chunk = h200_model.step_time(prefill_step(512, will_sample=True))
     assert last_chunk > mid_prompt
     plain = SchedulerOutput(0, [_req(0, 1, 500, prompt=False)])
     verify = SchedulerOutput(0, [_req(0, 4, 500, prompt=False, drafts=3)])
@@ -310,7 +310,7 @@ def test_a_speculating_engine_pays_for_the_drafter_after_every_step(
     # Without the engine's K, a step's drafts say that the engine speculates.
     assert plain.step_time(verify) == pytest.approx(spec[1].step_time(verify))
     # A chunk that ends before its prompt drafts nothing: no chained passes, no head.
-    mid = prefill_step(2048, samples=False)
+    mid = prefill_step(2048, will_sample=False)
     assert spec[1].breakdown(mid)["mtp"].seconds == pytest.approx(
         spec[3].breakdown(mid)["mtp"].seconds
     )
