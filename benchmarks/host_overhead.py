@@ -35,7 +35,7 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
-from deepinfer.executor import StepHandle, completed
+from deepinfer.executor import Executor
 from deepinfer.model_config import ModelConfig
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request
@@ -49,7 +49,7 @@ PROMPT_LEN = 16
 BLOCK_SIZE = 16
 
 
-class HostOnlyExecutor:
+class HostOnlyExecutor(Executor):
     """The Executor contract over a real ModelRunner that prepares every step's inputs as
     for a graph replay (decode) and stops there: one constant token a request."""
 
@@ -77,12 +77,6 @@ class HostOnlyExecutor:
             if sr.samples:
                 res.sampled_token_ids[sr.req_id] = [7]
         return res
-
-    def execute_async(self, out: SchedulerOutput) -> StepHandle:
-        return completed(self.execute(out))
-
-    def shutdown(self) -> None:
-        pass
 
 
 def build(max_batch: int, steps: int) -> tuple[EngineConfig, ModelRunner, int]:

@@ -59,7 +59,7 @@ class EngineCore:
             executor.num_kv_blocks(),
             model_max_len=model_max_len,
             emit_token_ids=executor.needs_token_ids,
-            vocab_size=getattr(executor, "vocab_size", None),
+            vocab_size=executor.vocab_size,
         )
         self.check = check_invariants
         self.record_steps = record_steps
@@ -94,14 +94,10 @@ class EngineCore:
         return reason
 
     def _prepare_grammar(self, req: Request) -> str | None:
-        prepare = getattr(self.executor, "prepare_grammar", None)
+        so_args = req.sampling_params.so_args
+        assert so_args is not None  # (only a simulated trace marks a request structured)
         try:
-            if prepare is None:
-                raise ValueError(
-                    f"SamplingParams.so_args: the {type(self.executor).__name__} executor "
-                    "does not support structured outputs"
-                )
-            compile_ = prepare(req.sampling_params.so_args)
+            compile_ = self.executor.prepare_grammar(so_args)
         except ValueError as e:
             self.scheduler.reject(req.request_id, str(e))
             return str(e)
@@ -150,14 +146,7 @@ class EngineCore:
         aborted: an interrupted `generate`)."""
         self._in_flight = None
         self.scheduler.forget_unapplied_steps()
-        self._discard_executor_step()
-
-    def _discard_executor_step(self) -> None:
-        """Tell an executor that holds a launched step for the next one (the torch one)
-        that it will not be read."""
-        discard = getattr(self.executor, "discard_pending", None)
-        if discard is not None:
-            discard()
+        self.executor.discard_pending()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -265,7 +254,7 @@ class EngineCore:
                 next_out = None
             else:
                 yield _SCHEDULED, next_out
-                early = self._can_overlap(next_out)
+                early = self.executor.can_overlap(next_out)
                 if early:
                     try:
                         launched = self._launch(next_out)
@@ -312,7 +301,7 @@ class EngineCore:
         launch_error: the step after it (outs[1]) failed at its launch too; the same rule
         aborts its requests, unless `exc` names them."""
         self._in_flight = None
-        self._discard_executor_step()
+        self.executor.discard_pending()
         errors: dict[str, str] = {}
         if launch_error is not None:
             errors.update(_errors(outs[1], launch_error))
@@ -326,22 +315,13 @@ class EngineCore:
             self.scheduler.check_invariants()
         return aborted
 
-    def _can_overlap(self, out: SchedulerOutput) -> bool:
-        """Whether the executor runs `out` beside the step in flight when launched now (an
-        executor without `can_overlap` does). One that must read the step in flight
-        first, or that runs `out` inside its launch, gets `out` once the step in flight
-        is applied: its results are not held back by `out`'s work, and each step's time
-        is its own."""
-        check = getattr(self.executor, "can_overlap", None)
-        return check is None or bool(check(out))
-
     def _launch(self, out: SchedulerOutput) -> _InFlight:
         start = self.clock()  # before the call: a synchronous executor returns when done
         handle = self.executor.execute_async(out)
         returned = self.clock()
         # Done on return, or run by the launch (an executor on the host's CPU), with time
         # passed (a simulated clock passes none in a launch): the launch did the work.
-        ran = _done(handle) or bool(getattr(handle, "ran_in_launch", False))
+        ran = handle.done() or handle.ran_in_launch
         ended = returned if returned > start and ran else None
         return (out, handle, start, ended)
 
@@ -360,12 +340,6 @@ class EngineCore:
             num_preempted=len(out.preempted_req_ids),
             num_proposals=out.num_proposals,
         )
-
-
-def _done(handle: StepHandle) -> bool:
-    """Whether the handle's result is there (one without `done()`: not known, no)."""
-    done = getattr(handle, "done", None)
-    return bool(done is not None and done())
 
 
 def _errors(out: SchedulerOutput, exc: Exception) -> dict[str, str]:
