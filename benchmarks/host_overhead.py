@@ -3,7 +3,7 @@
     python benchmarks/host_overhead.py [--batches 1,16,64,256,512] [--steps 20] [--json F]
 
 A decode step's host work sits on its critical path unless async scheduling hides it:
-the core's `schedule()` and `process()` (pure Python), and the model runner's input
+the core's `schedule()` and `apply_results()` (pure Python), and the model runner's input
 preparation for a decode graph (`update_states`, `collect`, `DecodeGraphs._load`: the
 numpy tables and the pinned copies; on the CPU the same work without a device). This
 times each, per step, for batches of B decoding requests of the demo model's runner on
@@ -107,7 +107,7 @@ def measure(batch: int, steps: int, cfg: EngineConfig, runner: ModelRunner, bloc
         core.add_request(Request(f"b{batch}-{i}", [11 + i % 50] * PROMPT_LEN, params))
     while core.scheduler.waiting:  # the prompts (their steps are not timed)
         out = core.schedule()
-        core.process(out, ex.execute(out))
+        core.apply_results(out, ex.execute(out))
     sched, prep, proc = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -115,7 +115,7 @@ def measure(batch: int, steps: int, cfg: EngineConfig, runner: ModelRunner, bloc
         t1 = time.perf_counter()
         res = ex.execute(out)
         t2 = time.perf_counter()
-        core.process(out, res)
+        core.apply_results(out, res)
         t3 = time.perf_counter()
         assert len(out.scheduled) == batch and out.num_batched_tokens == batch, (
             len(out.scheduled),
@@ -127,7 +127,7 @@ def measure(batch: int, steps: int, cfg: EngineConfig, runner: ModelRunner, bloc
         proc.append(t3 - t2)
     while core.has_unfinished():
         out = core.schedule()
-        core.process(out, ex.execute(out))
+        core.apply_results(out, ex.execute(out))
     return {
         "batch": batch,
         "schedule_s": statistics.median(sched),
