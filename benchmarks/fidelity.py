@@ -39,7 +39,7 @@ from deepinfer.model_config import known_models, load_model_config  # noqa: E402
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
 from deepinfer.records import RequestRecord  # noqa: E402
 from sim import load_trace, simulate  # noqa: E402
-from sim.cost_model import resolve_cost_model  # noqa: E402
+from sim.cost_model_registry import resolve_cost_model  # noqa: E402
 from sim.hardware import get_hardware  # noqa: E402
 from sim.traces import Trace  # noqa: E402
 

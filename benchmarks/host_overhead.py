@@ -3,7 +3,7 @@
     python benchmarks/host_overhead.py [--batches 1,16,64,256,512] [--steps 20] [--json F]
 
 A decode step's host work sits on its critical path unless async scheduling hides it:
-the core's `schedule()` and `process()` (pure Python), and the model runner's input
+the core's `schedule()` and `apply_results()` (pure Python), and the model runner's input
 preparation for a decode graph (`update_states`, `collect`, `DecodeGraphs._load`: the
 numpy tables and the pinned copies; on the CPU the same work without a device). This
 times each, per step, for batches of B decoding requests of the demo model's runner on
@@ -35,7 +35,7 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
-from deepinfer.executor import StepHandle, completed
+from deepinfer.executor import Executor
 from deepinfer.model_config import ModelConfig
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request
@@ -49,7 +49,7 @@ PROMPT_LEN = 16
 BLOCK_SIZE = 16
 
 
-class HostOnlyExecutor:
+class HostOnlyExecutor(Executor):
     """The Executor contract over a real ModelRunner that prepares every step's inputs as
     for a graph replay (decode) and stops there: one constant token a request."""
 
@@ -77,12 +77,6 @@ class HostOnlyExecutor:
             if sr.will_sample:
                 res.sampled_token_ids[sr.req_id] = [7]
         return res
-
-    def execute_async(self, out: SchedulerOutput) -> StepHandle:
-        return completed(self.execute(out))
-
-    def shutdown(self) -> None:
-        pass
 
 
 def build(max_batch: int, steps: int) -> tuple[EngineConfig, ModelRunner, int]:
@@ -113,7 +107,7 @@ def measure(batch: int, steps: int, cfg: EngineConfig, runner: ModelRunner, bloc
         core.add_request(Request(f"b{batch}-{i}", [11 + i % 50] * PROMPT_LEN, params))
     while core.scheduler.waiting:  # the prompts (their steps are not timed)
         out = core.schedule()
-        core.process(out, ex.execute(out))
+        core.apply_results(out, ex.execute(out))
     sched, prep, proc = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -121,7 +115,7 @@ def measure(batch: int, steps: int, cfg: EngineConfig, runner: ModelRunner, bloc
         t1 = time.perf_counter()
         res = ex.execute(out)
         t2 = time.perf_counter()
-        core.process(out, res)
+        core.apply_results(out, res)
         t3 = time.perf_counter()
         assert len(out.scheduled) == batch and out.num_batched_tokens == batch, (
             len(out.scheduled),
@@ -133,7 +127,7 @@ def measure(batch: int, steps: int, cfg: EngineConfig, runner: ModelRunner, bloc
         proc.append(t3 - t2)
     while core.has_unfinished():
         out = core.schedule()
-        core.process(out, ex.execute(out))
+        core.apply_results(out, ex.execute(out))
     return {
         "batch": batch,
         "schedule_s": statistics.median(sched),

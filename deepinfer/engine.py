@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Generator
 from concurrent import futures
+from typing import NamedTuple
 
 from deepinfer import scheduler_checks
 from deepinfer.config import EngineConfig
@@ -36,9 +37,22 @@ class StepEventKind(enum.Enum):
 # (kind, the step it concerns): a plain tuple, made three times per step.
 StepEvent = tuple[StepEventKind, SchedulerOutput]
 _SCHEDULED, _LAUNCHED, _AWAIT = StepEventKind.SCHEDULED, StepEventKind.LAUNCHED, StepEventKind.AWAIT
-# A launched step: its output, the executor's handle, the clock at its launch, and the
-# clock when the launch returned if the executor did the step's work inside it (else None).
-_InFlight = tuple[SchedulerOutput, StepHandle, float, float | None]
+
+
+class _InFlight(NamedTuple):
+    """A launched step."""
+
+    out: SchedulerOutput
+    handle: StepHandle
+    start: float  # the clock at its launch
+    ended: float | None  # the clock when the launch returned, if the launch did the work
+
+
+class _Applied(NamedTuple):
+    """What waiting for the step in flight came to."""
+
+    changed: list[Request]  # the requests it changed, or those its failure aborted
+    ok: bool  # its results were applied (False: it failed)
 
 
 class EngineCore:
@@ -60,7 +74,7 @@ class EngineCore:
             executor.num_kv_blocks(),
             model_max_len=model_max_len,
             emit_token_ids=executor.needs_token_ids,
-            vocab_size=getattr(executor, "vocab_size", None),
+            vocab_size=executor.vocab_size,
         )
         self.check = check_invariants
         self.record_steps = record_steps
@@ -95,14 +109,10 @@ class EngineCore:
         return reason
 
     def _prepare_grammar(self, req: Request) -> str | None:
-        prepare = getattr(self.executor, "prepare_grammar", None)
+        so_args = req.sampling_params.so_args
+        assert so_args is not None  # (only a simulated trace marks a request structured)
         try:
-            if prepare is None:
-                raise ValueError(
-                    f"SamplingParams.so_args: the {type(self.executor).__name__} executor "
-                    "does not support structured outputs"
-                )
-            compile_ = prepare(req.sampling_params.so_args)
+            compile_ = self.executor.prepare_grammar(so_args)
         except ValueError as e:
             self.scheduler.reject(req.request_id, str(e))
             return str(e)
@@ -151,21 +161,15 @@ class EngineCore:
         aborted: an interrupted `generate`)."""
         self._in_flight = None
         self.scheduler.forget_unapplied_steps()
-        self._discard_executor_step()
-
-    def _discard_executor_step(self) -> None:
-        """Tell an executor that holds a launched step for the next one (the torch one)
-        that it will not be read."""
-        discard = getattr(self.executor, "discard_pending", None)
-        if discard is not None:
-            discard()
+        self.executor.discard_pending()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
-    # ---- the step --------------------------------------------------------------------
+    # ---- the engine loop -------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, its requests' first schedule stamped."""
         out = self.scheduler.schedule()
         if self.check:
             scheduler_checks.check_output(self.scheduler, out)
@@ -179,7 +183,7 @@ class EngineCore:
                     times.first_scheduled = now
         return out
 
-    def process(
+    def apply_results(
         self, out: SchedulerOutput, res: ModelRunnerOutput, duration: float | None = None
     ) -> list[Request]:
         """Apply a step's results, stamp times, record ended requests and the step."""
@@ -204,7 +208,7 @@ class EngineCore:
         return changed
 
     def step(self) -> list[Request]:
-        """One round of the engine loop in wall-clock time; returns requests that changed."""
+        """One step of the engine loop in wall-clock time; returns the requests that changed."""
         events = self.step_events()
         while True:
             try:
@@ -213,97 +217,167 @@ class EngineCore:
                 return done.value
 
     def step_events(self) -> Generator[StepEvent, None, list[Request]]:
-        """One round of the engine loop (`_round`); returns the requests that changed, with
-        those rejected meanwhile because their grammar failed to compile, whoever drives
-        it (`step()`, the simulator, benchmarks/replay.py)."""
-        changed = yield from self._round()
-        if not self._grammar_rejected:
-            return changed
-        rejected, self._grammar_rejected = self._grammar_rejected, []
-        return rejected + changed
-
-    def _round(self) -> Generator[StepEvent, None, list[Request]]:
-        """One round of the engine loop, as a coroutine that yields at its time points.
+        """One step of the engine loop, as a coroutine that yields at its time points;
+        returns the requests that changed, with those rejected meanwhile because their
+        grammar failed to compile.
 
         The loop is the same for every executor; only the driver differs. `step()` runs
         it in wall-clock time and ignores the events; the simulator advances simulated
         time at each: host time after `SCHEDULED`, the step's device time from
         `LAUNCHED`, and it resumes an `AWAIT` once that time has passed.
-
-        With async scheduling the loop is a two-step pipeline: step N+1 is scheduled and
-        launched while step N runs, then N's results are applied. The scheduler assumed
-        N's tokens (placeholders); an executor that overlaps (the torch one) feeds N's
-        sampled tokens to N+1 on the device, so the host's work for N+1 and for N's
-        results hides behind the device's (a speculating one chains N+1's drafts and
-        positions on N's too). A step the executor cannot overlap (`can_overlap`:
-        grammars, history-reading samplers) is launched once
-        N is applied, as without async scheduling (its scheduling still overlapped N).
         """
         if self._compiling:
             self._poll_grammars()
-        if self._in_flight is None:
-            out = self.schedule()
-            if out.is_empty:
-                if self._compiling:  # idle until a grammar is ready: not a stall
-                    if not self._grammar_rejected:  # (else hand those back first)
-                        self._wait_for_a_grammar()
-                elif self.scheduler.has_unfinished():
-                    scheduler_checks.raise_stalled(self.scheduler)
-                return []
-            yield _SCHEDULED, out
-            try:
-                self._in_flight = self._launch(out)
-            except Exception as exc:  # one request's bad work must not stop the engine
-                return self._fail([out], exc)
-            yield _LAUNCHED, out
-        next_out: SchedulerOutput | None = None
-        launched: _InFlight | None = None
-        launch_error: Exception | None = None
-        early = False  # N+1 launched before N is applied
         if self.config.async_scheduling:
-            next_out = self.schedule()
-            if next_out.is_empty:
-                next_out = None
-            else:
-                yield _SCHEDULED, next_out
-                early = self._can_overlap(next_out)
-                if early:
-                    try:
-                        launched = self._launch(next_out)
-                    except Exception as exc:  # failed before its device work: N still runs
-                        launch_error = exc
-                    else:
-                        yield _LAUNCHED, next_out
+            changed = yield from self._pipelined_step()
+        else:
+            changed = yield from self._sync_step()
+        if not self._grammar_rejected:
+            return changed
+        rejected, self._grammar_rejected = self._grammar_rejected, []
+        return rejected + changed
+
+    def _sync_step(self) -> Generator[StepEvent, None, list[Request]]:
+        """One step at a time: schedule step N, launch it, wait for it, apply its results."""
+        ended = yield from self._start_step()
+        if ended is not None:
+            return ended
         assert self._in_flight is not None
-        out, handle, start, ended = self._in_flight
-        yield _AWAIT, out
+        yield _AWAIT, self._in_flight.out
+        return self._apply_in_flight().changed
+
+    def _pipelined_step(self) -> Generator[StepEvent, None, list[Request]]:
+        """Async scheduling's two-step pipeline: while step N runs, step N+1 is scheduled
+        and launched; then N's results are applied, and N+1 is the step in flight.
+
+        The scheduler schedules N+1 on N's tokens assumed (placeholders); an executor
+        that overlaps (the torch one) feeds N's sampled tokens to N+1 on the device, so
+        the host's work for N+1 and for N's results hides behind the device's (a
+        speculating one chains N+1's drafts and positions on N's too). A step the
+        executor cannot overlap (`Executor.can_overlap`: grammars, history-reading
+        samplers) runs after N instead: launched once N is applied, as without async
+        scheduling (its scheduling still overlapped N). With nothing in flight (the
+        first step, after the engine idled or a step failed) N is launched first.
+
+        The events past N's launch: N+1 beside N: SCHEDULED N+1, LAUNCHED N+1, AWAIT N;
+        N+1 after N: SCHEDULED N+1, AWAIT N, LAUNCHED N+1; nothing to schedule: AWAIT N.
+        """
+        if self._in_flight is None:
+            ended = yield from self._start_step()
+            if ended is not None:
+                return ended
+        assert self._in_flight is not None
+        current = self._in_flight.out
+        following = self.schedule()  # N+1, on N's tokens assumed
+        if following.is_empty:
+            yield _AWAIT, current
+            return self._apply_in_flight().changed
+        yield _SCHEDULED, following
+        if self.executor.can_overlap(following):
+            return (yield from self._run_beside(current, following))
+        return (yield from self._run_after(current, following))
+
+    def _run_beside(
+        self, current: SchedulerOutput, following: SchedulerOutput
+    ) -> Generator[StepEvent, None, list[Request]]:
+        """Launch `following` while `current` runs, then apply `current`'s results."""
+        try:
+            launched = self._launch(following)
+        except Exception as exc:  # failed before its device work: `current` still runs
+            yield _AWAIT, current
+            applied = self._apply_in_flight(following, following_error=exc)
+            if not applied.ok:
+                return applied.changed
+            return applied.changed + self._fail([following], exc)
+        yield _LAUNCHED, following
+        yield _AWAIT, current
+        applied = self._apply_in_flight(following)
+        if applied.ok:
+            self._in_flight = launched
+        return applied.changed
+
+    def _run_after(
+        self, current: SchedulerOutput, following: SchedulerOutput
+    ) -> Generator[StepEvent, None, list[Request]]:
+        """Apply `current`'s results, then launch `following` (it needs them on the host):
+        its results are not held back by `following`'s work, and each step's time is its
+        own."""
+        yield _AWAIT, current
+        applied = self._apply_in_flight(following)
+        if not applied.ok:
+            return applied.changed
+        failed = self._launch_in_flight(following)
+        if failed is not None:
+            return applied.changed + failed
+        yield _LAUNCHED, following
+        return applied.changed
+
+    def _start_step(self) -> Generator[StepEvent, None, list[Request] | None]:
+        """With nothing in flight, schedule a step and launch it: None once it is in
+        flight. Else the engine step ends here, and this is what it returns: [] when
+        there was nothing to run, the requests aborted when the launch failed."""
+        out = self.schedule()
+        if out.is_empty:
+            self._idle()
+            return []
+        yield _SCHEDULED, out
+        failed = self._launch_in_flight(out)
+        if failed is not None:
+            return failed
+        yield _LAUNCHED, out
+        return None
+
+    def _idle(self) -> None:
+        """Nothing was scheduled with nothing in flight: wait for a grammar to compile
+        (not a stall), or raise SchedulerStalled when requests wait that no step serves."""
+        if self._compiling:
+            if not self._grammar_rejected:  # (else hand those back first)
+                self._wait_for_a_grammar()
+        elif self.scheduler.has_unfinished():
+            scheduler_checks.raise_stalled(self.scheduler)
+
+    def _launch_in_flight(self, out: SchedulerOutput) -> list[Request] | None:
+        """Launch `out` as the step in flight; when the launch raises, the requests it
+        aborted (one request's bad work must not stop the engine)."""
+        try:
+            self._in_flight = self._launch(out)
+        except Exception as exc:
+            return self._fail([out], exc)
+        return None
+
+    def _launch(self, out: SchedulerOutput) -> _InFlight:
+        start = self.clock()  # before the call: a synchronous executor returns when done
+        handle = self.executor.execute_async(out)
+        returned = self.clock()
+        # Done on return, or run by the launch (an executor on the host's CPU), with time
+        # passed (a simulated clock passes none in a launch): the launch did the work.
+        ran = handle.done() or handle.ran_in_launch
+        ended = returned if returned > start and ran else None
+        return _InFlight(out, handle, start, ended)
+
+    def _apply_in_flight(
+        self, following: SchedulerOutput | None = None, following_error: Exception | None = None
+    ) -> _Applied:
+        """Wait for the step in flight and apply its results. When it fails, `following`
+        (scheduled on its tokens) fails with it; `following_error`: `following`'s own
+        launch failed too."""
+        flight = self._in_flight
+        assert flight is not None
         self._in_flight = None
         try:
-            res = handle.result()
+            res = flight.handle.result()
         except Exception as exc:
-            if next_out is None:
-                return self._fail([out], exc)
-            return self._fail([out, next_out], exc, launch_error)
+            outs = [flight.out] if following is None else [flight.out, following]
+            return _Applied(self._fail(outs, exc, following_error), ok=False)
         # A pipelined step's device work began when the step before it ended, and ended
         # when its result came, unless its launch did the work (then N+1's launch, before
         # this, may have done N+1's too).
-        began = start if self._last_step_end is None else max(start, self._last_step_end)
-        end = self.clock() if ended is None else ended
-        changed = self.process(out, res, end - min(began, end))
+        start, last = flight.start, self._last_step_end
+        began = start if last is None else max(start, last)
+        end = self.clock() if flight.ended is None else flight.ended
+        changed = self.apply_results(flight.out, res, end - min(began, end))
         self._last_step_end = end
-        if launch_error is not None:
-            assert next_out is not None
-            return changed + self._fail([next_out], launch_error)
-        if next_out is not None and not early:  # (it needed N's results on the host)
-            try:
-                launched = self._launch(next_out)
-            except Exception as exc:
-                return changed + self._fail([next_out], exc)
-            self._in_flight = launched
-            yield _LAUNCHED, next_out
-            return changed
-        self._in_flight = launched
-        return changed
+        return _Applied(changed, ok=True)
 
     def _fail(
         self, outs: list[SchedulerOutput], exc: Exception, launch_error: Exception | None = None
@@ -313,7 +387,7 @@ class EngineCore:
         launch_error: the step after it (outs[1]) failed at its launch too; the same rule
         aborts its requests, unless `exc` names them."""
         self._in_flight = None
-        self._discard_executor_step()
+        self.executor.discard_pending()
         errors: dict[str, str] = {}
         if launch_error is not None:
             errors.update(_errors(outs[1], launch_error))
@@ -326,25 +400,6 @@ class EngineCore:
         if self.check:
             scheduler_checks.check_invariants(self.scheduler)
         return aborted
-
-    def _can_overlap(self, out: SchedulerOutput) -> bool:
-        """Whether the executor runs `out` beside the step in flight when launched now (an
-        executor without `can_overlap` does). One that must read the step in flight
-        first, or that runs `out` inside its launch, gets `out` once the step in flight
-        is applied: its results are not held back by `out`'s work, and each step's time
-        is its own."""
-        check = getattr(self.executor, "can_overlap", None)
-        return check is None or bool(check(out))
-
-    def _launch(self, out: SchedulerOutput) -> _InFlight:
-        start = self.clock()  # before the call: a synchronous executor returns when done
-        handle = self.executor.execute_async(out)
-        returned = self.clock()
-        # Done on return, or run by the launch (an executor on the host's CPU), with time
-        # passed (a simulated clock passes none in a launch): the launch did the work.
-        ran = _done(handle) or bool(getattr(handle, "ran_in_launch", False))
-        ended = returned if returned > start and ran else None
-        return (out, handle, start, ended)
 
     def _step_record(self, out: SchedulerOutput, now: float, duration: float) -> StepRecord:
         s = self.scheduler
@@ -361,12 +416,6 @@ class EngineCore:
             num_preempted=len(out.preempted_req_ids),
             num_proposals=out.num_proposals,
         )
-
-
-def _done(handle: StepHandle) -> bool:
-    """Whether the handle's result is there (one without `done()`: not known, no)."""
-    done = getattr(handle, "done", None)
-    return bool(done is not None and done())
 
 
 def _errors(out: SchedulerOutput, exc: Exception) -> dict[str, str]:

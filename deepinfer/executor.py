@@ -1,50 +1,51 @@
-"""The Executor protocol and a registry of executors by name.
+"""The executor contract (`Executor`, and the `StepHandle` its launch returns) and a
+registry of executors by name.
 
-Executors live outside the core (`sim`, `executors`); the registry imports
-them lazily so importing `deepinfer` pulls in neither simpy nor torch.
+Every hook the core calls is declared here: abstract where each executor must say
+(`execute`, `num_kv_blocks`, `needs_token_ids`; a handle's `result`), with its default
+where most executors have nothing to add. An executor subclasses `Executor` and
+overrides what it does differently; the core calls every hook without asking whether
+it is there.
+
+Executors live outside the core (`sim`, `executors`); the registry imports them lazily
+so importing `deepinfer` pulls in neither simpy nor torch.
 """
 
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from concurrent.futures import Future
+from typing import Any
 
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 
 
-@runtime_checkable
-class Executor(Protocol):
-    """Runs one scheduled step.
+class StepHandle(ABC):
+    """What `Executor.execute_async` returns: a launched step, its result to come.
 
-    `needs_token_ids`: whether `ScheduledRequest.token_ids` must be filled
-    (a real model needs them; the simulator does not).
+    The engine reads `done()` and `ran_in_launch` right after the launch returns, to
+    time the step (EngineCore._launch), and calls `result()` once, when it applies it.
     """
 
-    needs_token_ids: bool
+    __slots__ = ()
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Compute the step and return the sampled tokens (blocking)."""
-        ...
+    # The launch ran the step's work before it returned (the device is the host's CPU),
+    # though its result may be unread: the step ended when the launch returned.
+    ran_in_launch: bool = False
 
-    def execute_async(self, out: SchedulerOutput) -> StepHandle:
-        """Start the step and return a handle; `.result()` blocks for it."""
-        ...
+    @abstractmethod
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        """Wait for the step and return its output; raises what the step raised."""
 
-    def num_kv_blocks(self) -> int:
-        """KV blocks this executor's cache holds (the scheduler's pool size)."""
-        ...
-
-    def shutdown(self) -> None: ...
-
-
-class StepHandle(Protocol):
-    """What `execute_async` returns: a `concurrent.futures.Future` fits, or `Done`."""
-
-    def result(self, timeout: float | None = None) -> ModelRunnerOutput: ...
+    def done(self) -> bool:
+        """Whether the result is there already (default False: not known). True when
+        the launch returned it ready: the launch did the step's work."""
+        return False
 
 
-class Done:
+class CompletedStep(StepHandle):
     """A handle already holding its result, for executors with no real overlap (a Future
     would do, but costs a lock per step that the simulator pays a hundred thousand times)."""
 
@@ -60,9 +61,55 @@ class Done:
         return True
 
 
-def completed(result: ModelRunnerOutput) -> Done:
-    """A handle already holding its result."""
-    return Done(result)
+class Executor(ABC):
+    """Runs the steps the scheduler plans: `SchedulerOutput` in, `ModelRunnerOutput` out.
+
+    `needs_token_ids` (no default: every executor says): whether
+    `ScheduledRequest.token_ids` must be filled (a real model needs them; the simulator
+    does not). Read once, when the EngineCore is built.
+    `vocab_size` (default None: not known): the model's vocabulary; the scheduler
+    rejects a prompt with a token outside [0, vocab_size), and so does `LLM.generate`.
+    """
+
+    needs_token_ids: bool
+    vocab_size: int | None = None
+
+    @abstractmethod
+    def num_kv_blocks(self) -> int:
+        """KV blocks this executor's cache holds (the scheduler's pool size); read once,
+        when the EngineCore is built."""
+
+    @abstractmethod
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute the step and return the sampled tokens (blocking)."""
+
+    def execute_async(self, out: SchedulerOutput) -> StepHandle:
+        """Launch the step and return its handle; the engine calls this for every step.
+        Default: run the step now (`execute`) and hand back its result."""
+        return CompletedStep(self.execute(out))
+
+    def can_overlap(self, out: SchedulerOutput) -> bool:
+        """Whether `out`, launched now, runs beside the step in flight (default True).
+        Asked under async scheduling before each launch; False makes the engine apply the
+        step in flight first (the executor must read its results on the host: grammars,
+        samplers that read a request's history)."""
+        return True
+
+    def prepare_grammar(self, so_args: dict[str, Any]) -> Future[Any]:
+        """Start compiling `so_args`'s grammar (a future of it); ValueError when this
+        executor cannot serve structured outputs (the default: it cannot). Called when a
+        structured request is added to an executor that `needs_token_ids`."""
+        raise ValueError(
+            f"SamplingParams.so_args: the {type(self).__name__} executor does not support "
+            "structured outputs"
+        )
+
+    def discard_pending(self) -> None:  # noqa: B027 (a default that does nothing)
+        """The engine dropped its step in flight (a step failed, or `discard_in_flight`):
+        its result will never be read. Default: nothing to forget."""
+
+    def shutdown(self) -> None:  # noqa: B027 (a default that does nothing)
+        """Release what the executor holds (device memory, workers). Default: nothing."""
 
 
 # name -> "module:attribute" of a factory taking (engine_config, **kwargs)

@@ -162,7 +162,7 @@ class LLM:
         return None, [int(t) for t in prompt]
 
     def _check_prompt(self, index: int, token_ids: list[int]) -> None:
-        vocab = getattr(self.executor, "vocab_size", None)
+        vocab = self.executor.vocab_size  # (the executor's, or rank 0's RankInfo)
         if vocab is None:
             return
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
@@ -178,13 +178,7 @@ class LLM:
                 "SamplingParams.so_args: structured outputs are not supported with "
                 f"data_parallel_size={self.config.data_parallel_size} yet"
             )
-        prepare = getattr(self.executor, "prepare_grammar", None)
-        if prepare is None:
-            raise ValueError(
-                f"SamplingParams.so_args: the {type(self.executor).__name__} executor does "
-                "not support structured outputs"
-            )
-        prepare(so_args)
+        self.executor.prepare_grammar(so_args)
 
     def _priorities(self, priority: Sequence[int] | None, num_prompts: int) -> list[int]:
         if priority is None:
@@ -263,9 +257,11 @@ class LLM:
                     break
             # Async scheduling launched a step for requests that then ended: read it, so
             # the engine is idle when generate returns (it did no work that counts).
-            sched = getattr(self.engine, "scheduler", None)  # (data-parallel ranks: none)
-            while sched is not None and self.engine.has_unfinished() and not sched.has_unfinished():
-                self.engine.step()
+            # (The data-parallel front-end steps synchronously: nothing is left in flight.)
+            if isinstance(self.engine, EngineCore):
+                sched = self.engine.scheduler
+                while self.engine.has_unfinished() and not sched.has_unfinished():
+                    self.engine.step()
 
 
 def _launch_ranks(

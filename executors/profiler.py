@@ -291,7 +291,7 @@ def _host_wave(
         t1 = time.perf_counter()
         res = engine.executor.execute(out)
         t2 = time.perf_counter()
-        engine.process(out, res, t2 - t1)
+        engine.apply_results(out, res, t2 - t1)
         t3 = time.perf_counter()
         samples.append(
             {

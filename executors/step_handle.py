@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.executor import StepHandle
 from deepinfer.outputs import ModelRunnerOutput
 from executors.spec_chain import Chained
 
@@ -34,7 +35,7 @@ class StepResult:
         return {rid: self.sampled_logits[a : a + n] for rid, (a, n) in self.rows.items()}
 
 
-class PendingStep:
+class PendingStep(StepHandle):
     """A step whose results may still be on the device.
 
     `tokens` [num_sampled] int64 (device): each sampling request's token, in the order of
@@ -59,9 +60,6 @@ class PendingStep:
         self.tokens = tokens
         self.rows = rows or {}
         self.chain = chain
-        # The launch ran the step's work before it returned (the device is the host's
-        # CPU): its time is the launch's, though its result is still unread.
-        self.ran_in_launch = False
 
     @classmethod
     def failed(cls, error: BaseException) -> PendingStep:

@@ -16,6 +16,7 @@ import torch
 
 from deepinfer import envs
 from deepinfer.config import EngineConfig, EngineRole
+from deepinfer.executor import Executor
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.sampling_params import SamplingParams
 from executors.batch_invariant import check_supported
@@ -37,7 +38,7 @@ from executors.warmup import WarmupReport, freeze_heap, release_dropped_engines,
 logger = logging.getLogger(__name__)
 
 
-class TorchExecutor:
+class TorchExecutor(Executor):
     needs_token_ids = True
 
     def __init__(

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from deepinfer.model_config import ModelConfig
 from sim.cost_coefficients import CostCoefficients
+from sim.cost_model import CostModel
 from sim.hardware import HardwareSpec
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def expected_distinct_experts(num_tokens: int, num_experts: int, top_k: int) -> 
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
 
 
-class AnalyticCostModel:
+class AnalyticCostModel(CostModel):
     """Prices a SchedulerOutput from FLOPs and bytes; see the module docstring."""
 
     def __init__(

@@ -51,6 +51,7 @@ from deepinfer.model_config import ModelConfig
 from deepinfer.outputs import SchedulerOutput
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
+from sim.cost_model import CostModel
 from sim.hardware import HardwareSpec
 from sim.profile_fit import (
     ONE_WAVE_BATCH,
@@ -105,7 +106,7 @@ class FitReport:
     max_abs_err: float
 
 
-class ProfiledCostModel:
+class ProfiledCostModel(CostModel):
     """step_time and cpu_time from a profile; see the module docstring."""
 
     def __init__(
@@ -216,7 +217,7 @@ class ProfiledCostModel:
         speculating engine's steps from."""
         return self._spec.ready
 
-    # --- the CostModel protocol -------------------------------------------------
+    # --- the CostModel contract -------------------------------------------------
 
     def step_time(self, out: SchedulerOutput) -> float:
         k = self.num_speculative_tokens

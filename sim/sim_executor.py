@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Iterable
 
 from deepinfer.config import EngineConfig
-from deepinfer.executor import Done
+from deepinfer.executor import Executor
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from sim.acceptance import AcceptanceModel
 
@@ -47,7 +47,7 @@ def _unit(key: Iterable[int]) -> float:
     return (z >> 11) / float(1 << 53)
 
 
-class SimExecutor:
+class SimExecutor(Executor):
     needs_token_ids = False
 
     def __init__(
@@ -162,14 +162,8 @@ class SimExecutor:
         quantile = _unit((seed, salt, position, _CONFIDENCE))
         return float(betaincinv(p * concentration, (1 - p) * concentration, quantile))
 
-    def execute_async(self, out: SchedulerOutput) -> Done:
-        return Done(self.execute(out))
-
     def can_overlap(self, out: SchedulerOutput) -> bool:
         """As the torch executor: a step with structured requests (their grammar accepts
         the tokens on the host) is launched once the step in flight is applied; a
         speculating step overlaps like any other (its drafts verified on the device)."""
         return not any(sr.structured for sr in out.scheduled)
-
-    def shutdown(self) -> None:
-        pass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,8 @@ from deepinfer.sampling_params import SamplingParams
 from sim.acceptance import AcceptanceModel
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
-from sim.cost_model import CostModel, kv_capacity_blocks, mask_time, resolve_cost_model
+from sim.cost_model import CostModel, mask_time
+from sim.cost_model_registry import resolve_cost_model
 from sim.data_parallel import DataParallelStats, serve_data_parallel
 from sim.expert_parallel_cost import ExpertParallelCost
 from sim.hardware import HardwareSpec, get_hardware
@@ -37,6 +38,7 @@ from sim.kv_capacity import (
     check_blocks_fit,
     default_activation_reserve_bytes,
     kv_bytes_per_token,
+    kv_capacity_blocks,
 )
 from sim.sim_executor import SimExecutor
 from sim.traces import SyntheticPrompt, Trace, TraceRequest
@@ -89,7 +91,7 @@ def simulate(
     position, an AcceptanceModel, or an acceptance file (path or name under
     sim/data/acceptance/, written by `deepinfer measure-acceptance`).
     grammar_mask_per_token_s: host seconds per token mask of a `structured` request
-    (None: the cost model's `grammar_mask_per_token_s`, 0 where it has none).
+    (None: the cost model's `grammar_mask_per_token_s`).
     """
     if not isinstance(trace, Trace):
         trace = Trace("requests", "python", list(trace))
@@ -119,10 +121,9 @@ def simulate(
         batch_invariant=engine.batch_invariant,
         async_scheduling=engine.async_scheduling,
     )
-    profile_name = cost_meta.get("profile") or getattr(cost, "profile_name", None)
-    _check_profile(getattr(cost, "meta", {}), profile_name, engine, hw)
+    _check_profile(cost.meta, cost_meta.get("profile") or cost.profile_name, engine, hw)
     if grammar_mask_per_token_s is None:
-        grammar_mask_per_token_s = getattr(cost, "grammar_mask_per_token_s", 0.0)
+        grammar_mask_per_token_s = cost.grammar_mask_per_token_s
     if not grammar_mask_per_token_s >= 0:
         raise ValueError(f"grammar_mask_per_token_s={grammar_mask_per_token_s}: must be >= 0")
     num_blocks = engine.num_gpu_blocks
@@ -183,9 +184,9 @@ def simulate(
 
 
 def _check_profile(
-    meta: dict[str, Any], profile: object, engine: EngineConfig, hw: HardwareSpec
+    meta: Mapping[str, Any], profile: object, engine: EngineConfig, hw: HardwareSpec
 ) -> None:
-    """Warn where a profile's steps (its `meta`; none for a model without one) were
+    """Warn where a profile's steps (its `meta`; empty for a model without one) were
     measured unlike the engine it prices: another block size (the attention kernels'
     speed by block size is not modelled), or other kernels (DEEPINFER_KERNEL_BACKEND:
     the torch twins are several times slower on a GPU)."""
@@ -239,7 +240,6 @@ def _serve(
     runs the step before it returns, so the host's work and the step's follow each
     other, async or not."""
     ready_at: dict[int, float] = {}  # step id -> simulated time its results are back
-    idle_launch = getattr(cost, "idle_launch_time", None)
     host_free = device_free = 0.0
     reported = 0
     while pending or core.has_unfinished():
@@ -267,7 +267,7 @@ def _serve(
                     # Its host part (what a pipelined step hides) runs from its launch: the
                     # device starts it once that is done and the step before has ended.
                     priced = cost.step_time(out)
-                    ready = start + idle_launch(out, priced) if idle_launch is not None else start
+                    ready = start + cost.idle_launch_time(out, priced)
                     device_free = (device_free if device_free > ready else ready) + priced
                 ready_at[out.step_id] = max(device_free, host_free)
             else:

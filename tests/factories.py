@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
-from deepinfer.executor import Done, completed
+from deepinfer.executor import Executor
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
@@ -44,7 +44,7 @@ def make_engine(
     return EngineCore(cfg, ex, clock=StepClock(), check_invariants=check)
 
 
-class ScriptedExecutor:
+class ScriptedExecutor(Executor):
     """The Executor contract with no model: the token sampled at position p is
     `1000 + p`; each draft is accepted with probability `acceptance_rate` (seeded),
     and the next drafts are the tokens this rule will produce."""
@@ -84,12 +84,6 @@ class ScriptedExecutor:
                 nxt = first + accepted + 1
                 res.draft_token_ids[sr.req_id] = [1000 + nxt + j for j in range(self.k)]
         return res
-
-    def execute_async(self, out: SchedulerOutput) -> Done:
-        return completed(self.execute(out))
-
-    def shutdown(self) -> None:
-        pass
 
 
 class StepClock:

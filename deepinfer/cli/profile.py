@@ -132,7 +132,7 @@ def run_profile(args: argparse.Namespace) -> int:
             # Verify steps whose requests all score 1 + K tokens replay these graphs.
             "verify_graphs": executor.runner.verify_graphs is not None,
             # Batch-invariant kernels are slower: the simulator prices each mode only with
-            # a profile measured in it (sim/cost_model.py check_mode).
+            # a profile measured in it (sim/cost_model_registry.py check_mode).
             "batch_invariant": cfg.batch_invariant,
             # Steps up to this many tokens replay piecewise graphs; larger ones run eagerly.
             "piecewise_max_tokens": pw.max_size if (pw := executor.runner.piecewise) else 0,

@@ -139,7 +139,7 @@ def _cost_model(
 ) -> tuple[Any, dict[str, Any]]:
     """Resolved once per worker process: fitting a profile costs more than a short run,
     and a cost model is pure (the same step always costs the same)."""
-    from sim.cost_model import resolve_cost_model
+    from sim.cost_model_registry import resolve_cost_model
     from sim.hardware import get_hardware
 
     return resolve_cost_model(

@@ -6,6 +6,7 @@ import pytest
 
 from deepinfer import scheduler_checks
 from deepinfer.engine import EngineCore
+from deepinfer.executor import StepHandle
 from deepinfer.scheduler import Scheduler
 from tests.factories import (
     ScriptedExecutor,
@@ -103,15 +104,15 @@ def _assert_each_step_timed_by_its_launch(executor: type, async_scheduling: bool
     assert [s.duration for s in engine.steps] == [float(s.step_id) for s in engine.steps]
 
 
-class _Pending:
+class _Pending(StepHandle):
     """A handle whose step is still running after its launch returned: `result()` waits
     `wait` seconds on the clock. With `has_done` it says so (`done()` False); without,
-    it is a handle that cannot tell (the engine must then not ask)."""
+    it keeps the contract's `done()`, which cannot tell (False: not known)."""
 
     def __init__(self, value, clock: _ManualClock, wait: float, has_done: bool) -> None:  # type: ignore[no-untyped-def]
         self._value, self._clock, self._wait = value, clock, wait
         if has_done:
-            self.done = lambda: False
+            self.done = lambda: False  # type: ignore[method-assign]
 
     def result(self, timeout: float | None = None):  # type: ignore[no-untyped-def]
         self._clock.now += self._wait
@@ -158,7 +159,7 @@ class _RanInLaunchExecutor(ScriptedExecutor):
     def execute_async(self, out):  # type: ignore[no-untyped-def]
         self.clock.now += out.step_id
         handle = _Pending(self.execute(out), self.clock, 0.5, has_done=True)
-        handle.ran_in_launch = True  # type: ignore[attr-defined]
+        handle.ran_in_launch = True
         return handle
 
 

@@ -109,7 +109,7 @@ def test_a_request_given_no_drafts_goes_on_without_them() -> None:
     out = engine.schedule()
     drafts = {sr.req_id: sr.draft_token_ids for sr in out.scheduled}
     assert drafts["plain"] == [] and len(drafts["spec"]) == 2
-    engine.process(out, engine.executor.execute(out))
+    engine.apply_results(out, engine.executor.execute(out))
     while engine.has_unfinished():
         engine.step()
     assert plain.num_output_tokens == spec.num_output_tokens == 6

@@ -139,7 +139,7 @@ def test_speculative_steps_verify_drafts_and_roll_back_rejections() -> None:
     engine.step()
     out = engine.schedule()
     assert out.scheduled[0].num_tokens == 4 and len(out.scheduled[0].draft_token_ids) == 3
-    engine.process(out, engine.executor.execute(out))
+    engine.apply_results(out, engine.executor.execute(out))
     run_to_completion(engine)
     assert r.num_output_tokens == 40
     assert engine.scheduler.step_id < 40  # some drafts were accepted

@@ -263,7 +263,7 @@ def test_a_varlen_engine_settles_on_the_length_its_measured_steps_favour() -> No
         if uniform and len(out.scheduled) == 32:
             lengths.append(longest)
             proposed.append(out.num_proposals)
-        engine.process(out, res, ms[longest] / 1e3 if uniform else 0.02)
+        engine.apply_results(out, res, ms[longest] / 1e3 if uniform else 0.02)
     assert set(lengths[:6]) == {0, 1, 2} and 3 not in lengths, lengths
     settled = lengths[6:]
     assert len(settled) > 10 and settled.count(1) >= 0.9 * len(settled), lengths
@@ -283,7 +283,7 @@ def test_the_scheduler_times_a_step_with_the_drafts_its_drafter_proposed() -> No
         out = engine.schedule()
         res = ex.execute(out)
         longest, uniform = _shape(out)
-        engine.process(out, res, 0.02)
+        engine.apply_results(out, res, 0.02)
         proposed = out.num_proposals or 0
         if uniform and len(out.scheduled) == 32 and proposed > max(1, longest):
             assert engine.scheduler.draft_plan is not None
@@ -315,7 +315,7 @@ def test_a_length_priced_by_one_slow_step_is_measured_again() -> None:
         slow = uniform and longest == 2 and 2 not in lengths
         if uniform and len(out.scheduled) == 32:
             lengths.append(longest)
-        engine.process(out, res, (3 if slow else 1) * ms[longest] / 1e3 if uniform else 0.02)
+        engine.apply_results(out, res, (3 if slow else 1) * ms[longest] / 1e3 if uniform else 0.02)
     first = lengths.index(2)
     assert 2 in lengths[first + 1 : first + 2 + 2 * RETRY_AFTER], lengths
     assert lengths[-10:].count(2) >= 8, lengths
@@ -342,7 +342,7 @@ def _run_async(ex: ConfidentExecutor, ms: dict[int, float]) -> int:
             proposed = in_flight.num_proposals or 0
             extra = max(0, proposed - max(1, length))  # chained passes past the steady state
             seconds = (ms[length] + PASS_MS * extra) / 1e3
-            engine.process(in_flight, res, seconds if uniform else 0.02)
+            engine.apply_results(in_flight, res, seconds if uniform else 0.02)
         in_flight = None if out.is_empty else out
         if in_flight is None and not engine.has_unfinished():
             break
@@ -435,7 +435,7 @@ def test_with_a_prompt_beside_every_step_the_engine_stops_trying_an_unmeasured_l
         verified = [len(sr.draft_token_ids) for sr in out.scheduled if not sr.is_prompt]
         if verified and n > 4:
             chosen.append(max(verified))
-        engine.process(out, ex.execute(out), 0.01)
+        engine.apply_results(out, ex.execute(out), 0.01)
     runs = [len(list(g)) for _, g in itertools.groupby(chosen)]
     assert engine.scheduler.draft_plan is not None
     times = engine.scheduler.draft_plan.step_times
@@ -504,7 +504,7 @@ def test_under_async_scheduling_a_new_requests_first_drafts_are_judged_by_the_en
             res = ex.execute(in_flight)
             verified = {len(sr.draft_token_ids) for sr in in_flight.scheduled}
             uniform = len(verified) == 1 and not any(sr.is_prompt for sr in in_flight.scheduled)
-            engine.process(in_flight, res, (10 + max(verified)) / 1e3 if uniform else 0.02)
+            engine.apply_results(in_flight, res, (10 + max(verified)) / 1e3 if uniform else 0.02)
         in_flight = None if out.is_empty else out
         for sr in out.scheduled:
             if sr.req_id == "new" and not sr.is_prompt and not first_decode:

@@ -346,7 +346,9 @@ def test_a_complete_grammar_ends_the_request_with_stop_before_max_tokens() -> No
 
 def test_the_simulator_prices_masks_of_structured_requests_and_refuses_none() -> None:
     from deepinfer.model_config import load_model_config
-    from sim.cost_model import AnalyticCostModel, load_cost_coefficients, mask_time
+    from sim.analytic_cost_model import AnalyticCostModel
+    from sim.cost_coefficients import load_cost_coefficients
+    from sim.cost_model import mask_time
     from sim.hardware import get_hardware
     from sim.simulator import simulate
     from sim.traces import Trace, TraceRequest

@@ -25,7 +25,7 @@ def test_a_request_after_a_long_prompt_verifies_the_length_its_engine_settled_on
         longest, uniform = _shape(out)
         if not any(sr.is_prompt for sr in out.scheduled) and "second" in engine.scheduler.requests:
             verified.append(longest)
-        engine.process(out, res, ms[longest] / 1e3 if uniform else 0.02)
+        engine.apply_results(out, res, ms[longest] / 1e3 if uniform else 0.02)
         if not engine.has_unfinished() and not verified:
             engine.add_request(make_request("second", 5 * 256, max_tokens=40))
     assert verified[:3] == [3, 3, 3], verified
@@ -47,7 +47,7 @@ def test_steps_that_fail_or_are_discarded_leave_no_length_pending() -> None:
     for _ in range(2):
         for _ in range(4):
             out = engine.schedule()
-            engine.process(out, ex.execute(out), 0.01)
+            engine.apply_results(out, ex.execute(out), 0.01)
         uniform = engine.schedule()
         assert len(plan.uniform_in_flight()) == 1, uniform
         if sched.step_id < 10:  # first round: the step fails with the one after it

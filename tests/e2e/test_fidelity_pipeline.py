@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.config import EngineConfig
+from sim.cost_model import CostModel
 from tests.bench_modules import load_benchmark
 
 
@@ -15,7 +16,7 @@ def _bench() -> Any:
     return load_benchmark("fidelity")
 
 
-class _Cost:
+class _Cost(CostModel):
     """Host 1 s, device 2 s a step."""
 
     def cpu_time(self, out: Any) -> float:

@@ -44,7 +44,7 @@ def count_chained(runner: ModelRunner, rows: list[int] | None = None) -> list[in
 class _AsyncRunnerExecutor(_RunnerExecutor):
     """A bare runner behind the executor contract, its steps launched (async scheduling)."""
 
-    def execute_async(self, out: SchedulerOutput) -> PendingStep:  # type: ignore[override]
+    def execute_async(self, out: SchedulerOutput) -> PendingStep:
         return self.runner.launch(out)
 
     def can_overlap(self, out: SchedulerOutput) -> bool:

@@ -18,7 +18,7 @@ from scipy.stats import chi2_contingency
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
-from deepinfer.executor import Done, completed
+from deepinfer.executor import Executor
 from deepinfer.model_config import ModelConfig
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request
@@ -243,7 +243,7 @@ def test_greedy_output_is_identical_with_speculation_on_cuda(
     assert identical == len(CODE) if dtype == "float32" else identical >= len(CODE) // 2
 
 
-class _RunnerExecutor:
+class _RunnerExecutor(Executor):
     """The Executor contract over a bare ModelRunner (to switch its graphs on, on the CPU)."""
 
     needs_token_ids = True
@@ -256,12 +256,6 @@ class _RunnerExecutor:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
-
-    def execute_async(self, out: SchedulerOutput) -> Done:
-        return completed(self.execute(out))
-
-    def shutdown(self) -> None:
-        pass
 
 
 def _greedy_through_runner(

@@ -262,15 +262,15 @@ def test_compiling_does_not_hold_up_other_requests(
         return real_compile(self, grammar, *args, **kwargs)
 
     monkeypatch.setattr(xgr.GrammarCompiler, "compile_grammar", compile_grammar)
-    real_process = llm.engine.process
+    real_apply = llm.engine.apply_results
 
-    def process(out, res, duration=None):  # type: ignore[no-untyped-def]
-        changed = real_process(out, res, duration)
+    def apply_results(out, res, duration=None):  # type: ignore[no-untyped-def]
+        changed = real_apply(out, res, duration)
         if any(r.is_finished for r in changed):  # only the free one can: the other waits
             free_done.set()
         return changed
 
-    monkeypatch.setattr(llm.engine, "process", process)
+    monkeypatch.setattr(llm.engine, "apply_results", apply_results)
     sps = [
         SamplingParams(temperature=1.0, max_tokens=8, so_args=slow),
         SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True),

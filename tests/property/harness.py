@@ -272,7 +272,7 @@ class Driver:
     def _process(self, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         self.live_before_process = set(self.sched.requests)
         self.time.tick()
-        self.engine.process(out, res)
+        self.engine.apply_results(out, res)
         for c in self.checkers:
             c.on_process(self, out, res)
         if CORE_CHECKS:

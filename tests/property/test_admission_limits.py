@@ -155,7 +155,7 @@ def test_the_models_length_and_the_executors_vocabulary_limit_admission_with_rea
     case, workload, model_max, vocab = drawn
     executor = SimExecutor(case.config, case.config.num_gpu_blocks)
     if vocab is not None:
-        executor.vocab_size = vocab  # type: ignore[attr-defined]
+        executor.vocab_size = vocab
     log = logging.getLogger("deepinfer.scheduler")
     handler = _Warnings()
     log.addHandler(handler)

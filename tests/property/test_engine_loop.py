@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore, StepEventKind
 from deepinfer.errors import RequestFailed, SchedulerStalled
+from deepinfer.executor import Executor, StepHandle
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
 from sim.sim_executor import SimExecutor
@@ -79,7 +80,7 @@ class Failure:
     live: set[str]  # requests live when the executor raised
 
 
-class _Handle:
+class _Handle(StepHandle):
     def __init__(self, ex: FaultySim, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         self.ex, self.out, self.res = ex, out, res
         # The device runs one step at a time: one launched while another runs (async
@@ -111,7 +112,7 @@ class _Handle:
         return self.res
 
 
-class FaultySim:
+class FaultySim(Executor):
     """SimExecutor behind execute_async: each step takes device_time(out) on the clock,
     and chosen steps (by step id) fail at launch or when their result is collected."""
 

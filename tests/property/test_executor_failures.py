@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from deepinfer.engine import EngineCore
 from deepinfer.errors import RequestFailed
-from deepinfer.executor import StepHandle
+from deepinfer.executor import Executor, StepHandle
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.scheduler_checks import diagnose_stall
@@ -72,7 +72,7 @@ class Fault:
     at_launch: bool = False
 
 
-class _Raises:
+class _Raises(StepHandle):
     """A handle whose result is the failure (recorded when it is raised)."""
 
     def __init__(self, raise_: Callable[[], NoReturn]) -> None:
@@ -82,7 +82,7 @@ class _Raises:
         self.raise_()
 
 
-class _OverSim:
+class _OverSim(Executor):
     """The Executor contract over a SimExecutor; subclasses decide `execute_async`."""
 
     needs_token_ids = False
@@ -99,9 +99,6 @@ class _OverSim:
 
     def execute_async(self, out: SchedulerOutput) -> StepHandle:
         return self.sim.execute_async(out)
-
-    def shutdown(self) -> None:
-        self.sim.shutdown()
 
 
 class FailingExecutor(_OverSim):

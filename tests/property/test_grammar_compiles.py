@@ -54,7 +54,7 @@ FATES = ("compiles", "fails", "refused")
 
 
 class TokensOnly(ScriptedExecutor):
-    """Samples tokens but compiles no grammar (no `prepare_grammar`)."""
+    """Samples tokens but compiles no grammar (`prepare_grammar` keeps its default)."""
 
     needs_token_ids = True
 

@@ -11,15 +11,12 @@ from deepinfer.config import EngineConfig
 from deepinfer.model_config import PRESETS_DIR, ModelConfig, load_model_config
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 from sim import simulate
-from sim.cost_model import (
-    AnalyticCostModel,
-    UnitCostModel,
-    expected_distinct_experts,
-    get_cost_model,
-    kv_capacity_blocks,
-    load_cost_coefficients,
-)
+from sim.analytic_cost_model import AnalyticCostModel, expected_distinct_experts
+from sim.cost_coefficients import load_cost_coefficients
+from sim.cost_model import CostModel, UnitCostModel
+from sim.cost_model_registry import get_cost_model
 from sim.hardware import get_hardware, known_hardware
+from sim.kv_capacity import kv_capacity_blocks
 from sim.traces import TraceRequest
 
 
@@ -193,12 +190,21 @@ def test_get_cost_model_by_name_or_object(moonlight: ModelConfig) -> None:
     mine = UnitCostModel(0.5)
     assert get_cost_model(mine, moonlight, h200) is mine
 
-    class StepOnly:
+    class StepOnly(CostModel):  # every other hook keeps its default
         def step_time(self, out: SchedulerOutput) -> float:
             return 2.0
 
-    wrapped = get_cost_model(StepOnly(), moonlight, h200)
-    assert wrapped.step_time(decode_step(1, 1)) == 2.0 and wrapped.cpu_time(decode_step(1, 1)) == 0
+    own = get_cost_model(StepOnly(), moonlight, h200)
+    step = decode_step(1, 1)
+    assert own.step_time(step) == 2.0 and own.cpu_time(step) == 0.0
+    assert own.idle_launch_time(step, 2.0) == 0.0 and own.grammar_mask_per_token_s == 0.0
+
+    class Unrelated:  # the hooks are not probed: a cost model says it is one
+        def step_time(self, out: SchedulerOutput) -> float:
+            return 2.0
+
+    with pytest.raises(TypeError, match="CostModel"):
+        get_cost_model(Unrelated(), moonlight, h200)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="analytic"):
         get_cost_model("vidur", moonlight, h200)
 

@@ -1,0 +1,151 @@
+"""The cost models by name, and the one a simulation of (model, hardware) uses.
+
+  "profiled"  measured steps of the real executor, fitted (sim/profiled_cost_model.py);
+              the default wherever sim/data/profiles/ holds one for (model, hardware)
+  "analytic"  roofline per op group (sim/analytic_cost_model.py): uncalibrated
+  "unit"      every non-empty step costs 1 ms, no CPU time: for tests
+
+Batch-invariant mode (EngineConfig.batch_invariant) runs slower kernels: it is priced only
+by a profile measured in it (`deepinfer profile --batch-invariant true`, which records
+`batch_invariant` in the profile's meta). A profile measured in the other mode, or the
+analytic model (which has no measurement of the mode), is refused rather than silently
+predicting the normal speed (`check_mode`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from deepinfer.model_config import ModelConfig
+from sim.analytic_cost_model import AnalyticCostModel
+from sim.cost_coefficients import load_cost_coefficients
+from sim.cost_model import CostModel, UnitCostModel
+from sim.hardware import HardwareSpec
+from sim.profiled_cost_model import ProfiledCostModel, find_profile, profile_path
+
+
+def get_cost_model(
+    spec: str | CostModel | None,
+    model: ModelConfig,
+    hardware: HardwareSpec,
+    profile: str | Path | None = None,
+    num_speculative_tokens: int = 0,
+) -> CostModel:
+    """A cost model by name, or a cost-model object passed through (see resolve_cost_model)."""
+    return resolve_cost_model(spec, model, hardware, profile, num_speculative_tokens)[0]
+
+
+def resolve_cost_model(
+    spec: str | CostModel | None,
+    model: ModelConfig,
+    hardware: HardwareSpec,
+    profile: str | Path | None = None,
+    num_speculative_tokens: int = 0,
+    batch_invariant: bool = False,
+    async_scheduling: bool = False,
+) -> tuple[CostModel, dict[str, Any]]:
+    """The cost model and what the report says of it: its name, whether it is calibrated
+    on the real executor, and the profile it fitted.
+
+    num_speculative_tokens: the drafts the engine's MTP drafter proposes after every
+    step (the profiled and analytic models price the drafter's work from it).
+
+    None: "profiled" when `profile` is given or a shipped profile exists for (model,
+    hardware) in the engine's mode, else "analytic" (uncalibrated). An object must be a
+    CostModel (sim/cost_model.py), used as it is.
+    batch_invariant: the engine's mode; a cost model that cannot price it is refused
+    (`check_mode`). async_scheduling: the engine launches a step while the one before
+    runs (the profiled model then prices steps from the profile's pipelined times).
+    """
+    cost, meta = _resolve(
+        spec, model, hardware, profile, batch_invariant, num_speculative_tokens, async_scheduling
+    )
+    check_mode(cost, batch_invariant, model.name, hardware.name)
+    return cost, meta
+
+
+def check_mode(cost: CostModel, batch_invariant: bool, model: str, hardware: str) -> None:
+    """ValueError when `cost` would price the other mode's kernels: a profile measured
+    with batch_invariant different from the engine's, or the analytic model for a
+    batch-invariant engine. The unit model and other objects price no kernels: accepted."""
+    howto = (
+        f"measure one with `deepinfer profile --model {model} --batch-invariant true --out "
+        f"{profile_path(model, hardware, True)}` (on the GPU) and pass it, or use cost "
+        "model 'unit'"
+    )
+    if isinstance(cost, ProfiledCostModel):
+        measured = bool(cost.meta.get("batch_invariant", False))
+        if measured != batch_invariant:
+            raise ValueError(
+                f"batch_invariant={batch_invariant}: profile {cost.profile_name} was measured "
+                f"with batch_invariant={measured}, whose kernels run at another speed; "
+                + (howto if batch_invariant else "pass a profile measured without the mode")
+            )
+    elif isinstance(cost, AnalyticCostModel) and batch_invariant:
+        raise ValueError(
+            "batch_invariant=True: the analytic cost model has no measurement of the "
+            f"batch-invariant kernels and would predict normal-mode speed; {howto}"
+        )
+
+
+def _resolve(
+    spec: str | CostModel | None,
+    model: ModelConfig,
+    hardware: HardwareSpec,
+    profile: str | Path | None,
+    batch_invariant: bool,
+    num_speculative_tokens: int,
+    async_scheduling: bool = False,
+) -> tuple[CostModel, dict[str, Any]]:
+    if spec is None:
+        found = find_profile(model.name, hardware.name, batch_invariant)
+        spec = "profiled" if profile is not None or found else "analytic"
+    if isinstance(spec, str):
+        key = spec.strip().lower()
+        if key == "profiled":
+            path = (
+                Path(profile)
+                if profile is not None
+                else find_profile(model.name, hardware.name, batch_invariant)
+            )
+            if path is None:
+                raise ValueError(
+                    f"no profile of {model.name!r} on {hardware.name!r} (looked for "
+                    f"{profile_path(model.name, hardware.name, batch_invariant)}); measure one with `deepinfer "
+                    f"profile --model {model.name} --out PROFILE.json` and pass it, or use "
+                    "cost model 'analytic'"
+                )
+            cost = ProfiledCostModel(
+                path, model, hardware, num_speculative_tokens, async_scheduling=async_scheduling
+            )
+            meta: dict[str, Any] = {
+                "cost_model": "profiled",
+                "calibrated": True,
+                "profile": str(path),
+            }
+            if async_scheduling:  # whether overlapped steps are measured or taken as serial
+                meta["async_steps"] = "pipelined" if cost.pipelined else "sequential"
+            if num_speculative_tokens:  # whether verify steps are measured or guessed
+                meta["verify_steps"] = "profiled" if cost.prices_speculation else "analytic"
+            return cost, meta
+        if profile is not None:
+            raise ValueError(f"a profile was given with cost model {spec!r}; use 'profiled'")
+        if key == "analytic":
+            cost_a = AnalyticCostModel(
+                model, hardware, load_cost_coefficients(), num_speculative_tokens
+            )
+            return cost_a, {"cost_model": "analytic", "calibrated": False}
+        if key == "unit":
+            return UnitCostModel(), {"cost_model": "unit", "calibrated": False}
+        raise ValueError(
+            f"unknown cost model {spec!r}; known: 'profiled', 'analytic', 'unit', or an object"
+        )
+    if not isinstance(spec, CostModel):
+        raise TypeError(
+            f"cost model {spec!r} is not a sim.cost_model.CostModel; pass 'profiled', "
+            "'analytic', 'unit' or a subclass of CostModel (step_time(out) is the one "
+            "method it must define)"
+        )
+    meta = {"cost_model": type(spec).__name__, "calibrated": isinstance(spec, ProfiledCostModel)}
+    return spec, meta
