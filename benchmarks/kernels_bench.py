@@ -251,7 +251,7 @@ def executor_moe(w13: torch.Tensor, w2: torch.Tensor) -> Callable | None:
 
 
 def bench_moe(ceil: dict) -> None:
-    """Block configs were swept on the H200 once (kernels/NOTES.md); the table holds the best."""
+    """Block configs were swept on the H200 once (benchmarks/archive/kernels-notes.md); the table holds the best."""
     for t in (1, 8, 64, 256, 2048):
         bench_moe_one(t, ceil)
         torch.cuda.empty_cache()

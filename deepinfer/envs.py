@@ -74,8 +74,8 @@ def use_nextn_decode() -> int:
 
 def cpu_threads() -> int:
     """DEEPINFER_CPU_THREADS: torch threads of the CPU executor. Default 1: the models run on
-    the CPU here are small, and threads that spin-wait for each other made steps 7-50x
-    slower than one thread on a busy machine (and 6x on this one, measured)."""
+    the CPU are small, so more threads gain nothing, and threads that spin-wait for each
+    other make every step slower on a busy machine."""
     n = _int("DEEPINFER_CPU_THREADS", 1)
     if n < 1:
         raise ValueError(f"DEEPINFER_CPU_THREADS={n}: expected a positive integer")

@@ -12,9 +12,9 @@ acceptance model's p(j)): runs repeat exactly, and two runs of the same trace un
 different policies (draft lengths, batch sizes, async or not) meet the same luck
 wherever they draft the same token, so a difference between them is the policy's, not
 the dice's (common random numbers).
-With one generator drawn in step order, a policy that verified one draft less in one
-step shifted every later draw: one run's varlen / best fixed k moved by 2-4% with the
-seed alone (2026-12-05).
+One generator drawn in step order would not do: a policy that verified one draft less
+in one step would shift every later draw, and comparisons of policies would measure the
+seed.
 """
 
 from __future__ import annotations

@@ -198,7 +198,7 @@ def _check_profile(
             "kernels' speed by block size is not modelled)",
             stacklevel=3,
         )
-    kernels = meta.get("kernel_backend")  # (profiles before 2026-12-05 do not say)
+    kernels = meta.get("kernel_backend")  # (older profiles do not say)
     serving = envs.kernel_backend()
     if serving == "auto":
         serving = "torch" if hw.runs_on_host else "triton"
