@@ -57,9 +57,9 @@ class HostBatch:
     # (row of input_ids, index into the step in flight's `tokens`): ids sampled by the
     # step still running, filled in on the device (input_ids holds 0 there).
     deferred: list[tuple[int, int]] = field(default_factory=list)
-    # Per request, its index in the verify step in flight's `Chained.rejected`, whose
-    # last entry (0) serves requests it did not verify; None: no request is chained.
-    behind: list[int] | None = None
+    # Per segment, its request's index in the verify step in flight's `Chained.rejected`,
+    # whose last entry (0) serves requests it did not verify; None: no request is chained.
+    rejected_index: list[int] | None = None
 
 
 @dataclass
@@ -186,18 +186,18 @@ class InputBuilder:
                 continue
             segments += self._segments(sr, start, tokens, drafts, drafting)
         segments.sort(key=lambda seg: not seg.absorbed)  # stable: otherwise in step order
-        behind = None
+        rejected_index = None
         if any(seg.chained is not None for seg in segments):
             assert prev is not None and prev.chain is not None
             none = len(prev.rows)  # the zero past prev's requests
-            behind = [none if seg.chained is None else seg.chained for seg in segments]
+            rejected_index = [none if seg.chained is None else seg.chained for seg in segments]
         host = HostBatch(
             req_ids=[seg.req_id for seg in segments], input_ids=[], positions=[],
             query_lens=[len(seg.tokens) for seg in segments],
             context_lens=[seg.start for seg in segments],
             block_tables=[self.requests[seg.req_id].block_table for seg in segments],
             num_decode=sum(seg.absorbed for seg in segments),
-            logits_indices=[], behind=behind,
+            logits_indices=[], rejected_index=rejected_index,
         )  # fmt: skip
         for seg in segments:
             rid, tokens, start = seg.req_id, seg.tokens, seg.start

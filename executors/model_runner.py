@@ -352,10 +352,11 @@ class ModelRunner:
         src = [i for _, i in host.deferred]
         k = len(dst)
         shift = behind = None
-        if host.behind is not None:
+        if host.rejected_index is not None:
             assert prev.chain is not None
             self.num_chained_steps += 1
-            behind = prev.chain.rejected[to_device(host.behind, torch.int64, self.device)]
+            index = to_device(host.rejected_index, torch.int64, self.device)
+            behind = prev.chain.rejected[index]
             shift = Shift(behind, rows_by_sequence(host.query_lens), self.block_size)
         if dst == src == list(range(k)):  # the same requests first, in the same order
 

@@ -33,7 +33,7 @@ def count_chained(runner: ModelRunner, rows: list[int] | None = None) -> list[in
 
     def spy(scheduled, prev=None, *, drafting) -> HostBatch:  # type: ignore[no-untyped-def]
         host = collect(scheduled, prev, drafting=drafting)
-        chained.append(len(host.deferred) if host.behind is not None else 0)
+        chained.append(len(host.deferred) if host.rejected_index is not None else 0)
         if rows is not None:
             rows.append(len(host.input_ids))
         return host
@@ -250,7 +250,7 @@ def test_steps_with_prompt_chunks_verify_on_the_device_and_chain() -> None:
 
     def spy(scheduled, prev=None, *, drafting) -> HostBatch:  # type: ignore[no-untyped-def]
         host = collect(scheduled, prev, drafting=drafting)
-        kinds.append((host.behind is not None, host.num_decode < len(host.req_ids)))
+        kinds.append((host.rejected_index is not None, host.num_decode < len(host.req_ids)))
         return host
 
     runner.inputs.collect = spy  # type: ignore[method-assign]
