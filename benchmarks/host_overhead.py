@@ -17,7 +17,7 @@ one copy of the sampled ids; per request, the sampling state and the output list
 and the graph replay's launch.
 
 `--mixed D:P,...` also times the input preparation of eager and piecewise steps (mixed
-prefill + decode, prompts): `ModelRunner.to_device` of D decodes at context 1,024 beside
+prefill + decode, prompts): `InputBuilder.to_device` of D decodes at context 1,024 beside
 one prompt chunk of P tokens (the attention metadata, ids, positions and sampled rows;
 the copy is host-to-host here).
 """
@@ -41,9 +41,10 @@ from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from executors.demo import DEMO_MODEL_DIR
+from executors.input_builder import HostBatch
 from executors.kv_cache import PagedKVCache
 from executors.loader import load_model, read_hf_config
-from executors.model_runner import HostBatch, ModelRunner
+from executors.model_runner import ModelRunner
 
 PROMPT_LEN = 16
 BLOCK_SIZE = 16
@@ -67,7 +68,7 @@ class HostOnlyExecutor(Executor):
         t0 = time.perf_counter()
         runner = self.runner
         runner.update_states(out)
-        host = runner.collect(out.scheduled)
+        host = runner.inputs.collect(out.scheduled, drafting=runner.speculator is not None)
         graphs = runner.graphs
         if graphs is not None and host.num_decode == len(host.req_ids) and host.req_ids:
             graphs._load(host.input_ids, host.positions, host.block_tables)
@@ -137,7 +138,7 @@ def measure(batch: int, steps: int, cfg: EngineConfig, runner: ModelRunner, bloc
 
 
 def measure_mixed(runner: ModelRunner, decodes: int, prompt: int, reps: int = 30) -> float:
-    """Median seconds of `runner.to_device` for `decodes` decodes at context 1,024 (random
+    """Median seconds of `InputBuilder.to_device` for `decodes` decodes at context 1,024 (random
     block ids) beside one prompt chunk of `prompt` tokens."""
     rng = np.random.default_rng(decodes * 7919 + prompt)
     ctx = 1024 + rng.integers(0, BLOCK_SIZE * 4, size=decodes)
@@ -155,7 +156,7 @@ def measure_mixed(runner: ModelRunner, decodes: int, prompt: int, reps: int = 30
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        runner.to_device(host)
+        runner.inputs.to_device(host)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -107,12 +107,13 @@ def _mark_regions(core: EngineCore, ex, extra: tuple = ()) -> contextlib.ExitSta
         (core, "schedule"),
         (core, "process"),
         (runner, "update_states"),
-        (runner, "collect"),
+        (runner.inputs, "collect"),
         (runner, "launch"),
         (runner, "_sample"),
         (runner, "_finish"),
-        (runner, "_draft"),
     ]
+    if runner.speculator is not None:
+        targets.append((runner.speculator, "draft"))
     if runner.graphs is not None:
         targets += [(runner.graphs, "run"), (runner.graphs, "_load")]
     if runner.piecewise is not None:

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 import executors.model_runner as runner_module
-import executors.spec_steps as spec_steps_module
+import executors.speculative_decoder as speculator_module
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
 from deepinfer.model_config import load_model_config, write_config_with_mtp_layer
@@ -168,14 +168,14 @@ class ForcedAcceptance:
     def install(self, runner: Any) -> None:
         """Make `runner` draft and verify through this stand-in (greedy requests only),
         on the host and on the device; `uninstall` gives verification back."""
-        runner.drafter = self
+        runner.speculator.drafter = self
         runner_module.verify = lambda *a, **k: self.verify(runner, *a, **k)
-        spec_steps_module.verify_on_device = lambda *a, **k: self.verify_on_device(runner, *a, **k)
+        speculator_module.verify_on_device = lambda *a, **k: self.verify_on_device(runner, *a, **k)
 
     @staticmethod
     def uninstall() -> None:
         runner_module.verify = verify
-        spec_steps_module.verify_on_device = verify_on_device
+        speculator_module.verify_on_device = verify_on_device
 
 
 def model_dir(name: str) -> Path:
@@ -302,9 +302,13 @@ def _profile(engine: EngineCore, executor: Any, steps: int, tag: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     runner = executor.runner
-    extra = [(runner, "_verify_on_device"), (runner, "_draft_inputs")]
-    if runner.drafter is not None:
-        extra.append((runner.drafter, "propose_on_device"))
+    extra = []
+    if (speculator := runner.speculator) is not None:
+        extra = [
+            (speculator, "verify_and_draft_on_device"),
+            (speculator, "_draft_inputs"),
+            (speculator.drafter, "propose_on_device"),
+        ]
     torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     with _mark_regions(engine, executor, tuple(extra)), profile(activities=activities) as prof:
@@ -443,8 +447,8 @@ def main() -> None:
     gc.collect()
     for k in ks:
         ex = executor(k)
-        inner = ex.runner.drafter
-        assert inner is not None
+        assert ex.runner.speculator is not None
+        inner = ex.runner.speculator.drafter
         for a in accs:
             forced = ForcedAcceptance(inner, a)
             forced.install(ex.runner)

@@ -153,7 +153,7 @@ def gpu(args: argparse.Namespace) -> list[dict]:
     ex, _, spec = build(args.model, dev, cfg, with_hf=False)
     vocab = spec.vocab_size
     eos = ex.eos_token_id if isinstance(ex.eos_token_id, list) else [ex.eos_token_id or 1]
-    ex.runner.grammars = GrammarCompiler(tokenizer_dir(args, vocab), vocab, eos)
+    ex.runner.requests.grammars = GrammarCompiler(tokenizer_dir(args, vocab), vocab, eos)
     # Host seconds per phase: the whole mask (fill + launching its kernel) and, apart,
     # advancing the matchers over the sampled tokens (after the step's sync: not overlapped).
     seconds = {"mask": 0.0, "accept": 0.0}

@@ -1,18 +1,24 @@
 """ModelRunner: SchedulerOutput -> one flattened model forward -> sampled tokens.
 
-Keeps per-request state keyed by req_id (block table, sampling state, the last
-sampled token). A request's whole block table arrives when the runner holds no
-state for it (first schedule, or resumed after preemption: the state is then
-rebuilt); afterwards only `new_block_ids` are appended. State is dropped for
-finished and preempted requests. A structured request (so_args) also holds a grammar
-matcher: its mask is applied to its logits before sampling (executors/structured_outputs.py).
+The runner owns three parts, each an object with its own state:
+- `requests` (executors/request_states.py): per-request state keyed by req_id (block
+  table, sampling state, the last sampled token, a structured request's grammar
+  matcher, whose mask is applied to its logits before sampling:
+  executors/structured_outputs.py), built when a request arrives with its whole block
+  table and dropped when it ends or is preempted;
+- `inputs` (executors/input_builder.py): a step's rows flattened into host lists
+  (`collect`) and moved to the device with one copy (`to_device`);
+- `speculator` (executors/speculative_decoder.py), with an MTP layer to draft from:
+  the drafter and the verification of a step on the device.
+The runner itself chooses a step's forward (decode or verify graphs, piecewise graphs,
+eager), samples, and keeps the step in flight.
 
 Speculation: a request scheduled with k drafts is scored on 1 + k rows and verified
 by executors/spec_decode.py (greedy prefix match, or lossless rejection sampling);
 afterwards the model's MTP layer proposes the next drafts (executors/mtp_drafter.py),
 which go back in ModelRunnerOutput with their confidences. A step without seeds,
 penalties, prompt logprobs or grammars verifies and drafts on the device
-(`_verifies_on_device`) and is read back with one copy.
+(`SpeculativeDecoder.verifies_on_device`) and is read back with one copy.
 
 `launch` queues a step and returns its handle (executors/step_handle.py) without
 waiting for the device. Under async scheduling the engine launches step N+1 before it
@@ -23,11 +29,6 @@ A step that needs N's tokens on the host (grammars, prompt logprobs, a sampler s
 that reads the request's history, drafts verified on the host) cannot overlap
 (`can_overlap`): the engine launches it once N is applied, and a launch that finds N
 unread anyway reads N first.
-
-Three mixins hold the rest: the input side, a step's rows flattened into host lists
-(executors/step_inputs.py: `collect`, `to_device`), the speculative steps on the
-device (executors/spec_steps.py: verification and the drafter's next proposal), and
-the per-request state (executors/runner_states.py: `update_states`).
 """
 
 from __future__ import annotations
@@ -37,30 +38,26 @@ from collections.abc import Callable
 import torch
 
 from deepinfer.config import EngineConfig
-from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from executors import prompt_logprobs
 from executors.batch_invariant import set_batch_invariant
 from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
 from executors.host_copy import to_device
+from executors.input_builder import Batch, HostBatch, InputBuilder
 from executors.kv_cache import PagedKVCache
 from executors.models.deepseek import DeepseekForCausalLM
 from executors.mtp_drafter import MTPDrafter
 from executors.piecewise_graphs import PiecewiseGraphs, default_token_buckets
-from executors.runner_states import RunnerStates
+from executors.request_states import RequestState, RequestStates, record_sampled
 from executors.sampler import DeviceSample, sample_on_device, sample_tokens
 from executors.spec_chain import Shift, StepBuffers, rows_by_sequence
 from executors.spec_decode import VerifyRequest, verify
-from executors.spec_steps import SpeculativeSteps
+from executors.speculative_decoder import SpeculativeDecoder, chains
 from executors.step_handle import PendingStep, StepResult
-from executors.step_inputs import Batch, HostBatch, RequestState
-from executors.structured_outputs import (
-    GrammarCompiler,
-    TokenMasks,
-)
+from executors.structured_outputs import TokenMasks
 
 
-class ModelRunner(RunnerStates, SpeculativeSteps):
+class ModelRunner:
     def __init__(
         self,
         model: DeepseekForCausalLM,
@@ -73,12 +70,11 @@ class ModelRunner(RunnerStates, SpeculativeSteps):
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = next(model.parameters()).device
-        self.eos_token_id = eos_token_id
         self.vocab_size = model.config.vocab_size
         # Queries this short (a decode token plus drafts) take the absorbed MLA path.
-        self.decode_max_query_len = 1 + engine_config.num_speculative_tokens
+        decode_max_query_len = 1 + engine_config.num_speculative_tokens
         # Batch-invariant mode: the model's kernels are switched into it, and a step takes
-        # the absorbed path only for output positions (`_absorbed`).
+        # the absorbed path only for output positions (InputBuilder._absorbed).
         self.batch_invariant = engine_config.batch_invariant
         set_batch_invariant(
             model,
@@ -94,7 +90,11 @@ class ModelRunner(RunnerStates, SpeculativeSteps):
             kv_cache.num_blocks * kv_cache.block_size,
         )
         self.generator = torch.Generator(self.device).manual_seed(engine_config.seed)
-        self.requests: dict[str, RequestState] = {}
+        self.requests = RequestStates(eos_token_id)
+        self.inputs = InputBuilder(
+            self.requests, self.block_size, self.vocab_size, self.device,
+            self.batch_invariant, decode_max_query_len, self.max_drafts,
+        )  # fmt: skip
         self._pending: PendingStep | None = None  # the latest step launched and not read
         self.num_chained_steps = 0  # steps that chained on a verify step in flight
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
@@ -102,15 +102,18 @@ class ModelRunner(RunnerStates, SpeculativeSteps):
         # steps that varlen (spec_policy) and trimmed drafts schedule.
         self.verify_graphs_by_len: dict[int, DecodeGraphs] = {}
         self.piecewise: PiecewiseGraphs | None = None  # set by enable_cuda_graphs
-        self.grammars: GrammarCompiler | None = None  # set by the executor for so_args
         self.masks = TokenMasks(self.vocab_size, self.device)
         # Drafts come from the MTP layer when the cache holds its KV; without one the
-        # runner still verifies drafts it is given.
-        self.drafter: MTPDrafter | None = None
+        # runner still verifies drafts it is given (on the host: `_sample`).
+        self.speculator: SpeculativeDecoder | None = None
         if engine_config.num_speculative_tokens and kv_cache.mtp_layers:
-            self.drafter = MTPDrafter(
+            drafter = MTPDrafter(
                 model, kv_cache.mtp_layers[0], engine_config.num_speculative_tokens,
-                self.block_size, self.decode_max_query_len, self.batch_invariant,
+                self.block_size, decode_max_query_len, self.batch_invariant,
+            )  # fmt: skip
+            self.speculator = SpeculativeDecoder(
+                drafter, self.requests, self.device, self.generator, self.batch_invariant,
+                decode_max_query_len,
             )  # fmt: skip
 
     def enable_cuda_graphs(
@@ -143,10 +146,12 @@ class ModelRunner(RunnerStates, SpeculativeSteps):
                 self.graphs = graphs
             else:
                 self.verify_graphs_by_len[q] = graphs
-        if self.drafter is not None and not self.batch_invariant:
+        if self.speculator is not None and not self.batch_invariant:
             # A pass's rows: up to 1 + k a request (pass 1 after a verify step).
             max_rows = max(sizes) * (1 + self.max_drafts)
-            self.drafter.enable_graphs(max_rows, max_blocks, self.kv_cache.scratch_block, capture)
+            self.speculator.drafter.enable_graphs(
+                max_rows, max_blocks, self.kv_cache.scratch_block, capture
+            )
         piecewise = PiecewiseGraphs(
             self.model,
             self.kv_cache.layers,
@@ -165,6 +170,22 @@ class ModelRunner(RunnerStates, SpeculativeSteps):
 
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Apply `out`'s changes to the requests the runner holds (RequestStates.update);
+        nothing of a request that ended, or that (re)starts, stays pending in the
+        drafter."""
+        if self.speculator is not None:
+            restarted = {sr.req_id for sr in out.scheduled if sr.block_table is not None}
+            self.speculator.forget(out.finished_req_ids | out.preempted_req_ids | restarted)
+        self.requests.update(out)
+
+    def _drop(self, out: SchedulerOutput) -> None:
+        """Forget the requests `out` says ended or were preempted."""
+        ended = out.finished_req_ids | out.preempted_req_ids
+        self.requests.drop(ended)
+        if self.speculator is not None:
+            self.speculator.forget(ended)
 
     def discard_pending(self) -> None:
         """Forget the step in flight: the engine will not read it (it failed, or an
@@ -197,12 +218,15 @@ class ModelRunner(RunnerStates, SpeculativeSteps):
         self.update_states(out)
         if out.is_empty:
             return PendingStep(result=StepResult(ModelRunnerOutput()))
-        host = self.collect(out.scheduled, prev)
+        speculator = self.speculator
+        host = self.inputs.collect(out.scheduled, prev, drafting=speculator is not None)
         fill, behind = self._fill(host, prev)
         hidden, indices, input_ids = self._forward(host, fill)
         logits = self.model.compute_logits(hidden[indices])  # [N, vocab]
-        if on_device and self.drafter is not None:
-            pending = self._verify_on_device(out, host, hidden, logits, input_ids, behind)
+        if on_device and speculator is not None:
+            pending = speculator.verify_and_draft_on_device(
+                out, host, hidden, logits, input_ids, behind
+            )
             self._pending = pending
             return pending
         if on_device:
@@ -220,8 +244,8 @@ class ModelRunner(RunnerStates, SpeculativeSteps):
             self._pending = pending
             return pending
         result = self._sample(host.sample_rows, logits)
-        if self.drafter is not None:
-            self._draft(host, hidden, result.output, out)
+        if speculator is not None:
+            speculator.draft(host, hidden, result.output, out)
         if host.prompt_rows:
             result.output.prompt_logprobs = prompt_logprobs.compute(
                 self.model, hidden, host.prompt_rows
@@ -241,14 +265,14 @@ class ModelRunner(RunnerStates, SpeculativeSteps):
             hidden = graphs.run(host.input_ids, host.positions, host.block_tables, fill)[:t]
             input_ids = graphs.input_ids[:t]
         elif self.piecewise is not None and t <= self.piecewise.max_size:
-            md_host = self._metadata(host, torch.device("cpu"))
+            md_host = self.inputs.metadata(host, torch.device("cpu"))
             md = md_host.to(self.device)
             hidden = self.piecewise.run(
                 host.input_ids, host.positions, md_host.slot_mapping, md, fill
             )
             input_ids = self.piecewise.input_ids[:t]
         else:
-            batch = self.to_device(host)
+            batch = self.inputs.to_device(host)
             md = batch.md
             if fill is not None:
                 fill(StepBuffers(
@@ -271,21 +295,14 @@ class ModelRunner(RunnerStates, SpeculativeSteps):
         prev = self._pending if self._pending is not None and not self._pending.done() else None
         return self._on_device(out) and (prev is None or self._independent(out, prev))
 
-    def _params(self, sr: ScheduledRequest) -> SamplingParams | None:
-        """The request's sampling params (None: no state held, and none sent)."""
-        if sr.block_table is not None:
-            return sr.sampling_params or SamplingParams()
-        state = self.requests.get(sr.req_id)
-        return None if state is None else state.sampling.params
-
     def _on_device(self, out: SchedulerOutput) -> bool:
         """Whether the step's sampling can stay on the device until its result is read:
         no drafts to verify or propose, no grammar, no prompt logprobs; with a drafter,
-        `_verifies_on_device`."""
-        if self.drafter is not None:
-            return self._verifies_on_device(out)
+        `SpeculativeDecoder.verifies_on_device`."""
+        if self.speculator is not None:
+            return self.speculator.verifies_on_device(out)
         for sr in out.scheduled:
-            params = self._params(sr)
+            params = self.requests.params(sr)
             if (
                 sr.draft_token_ids
                 or params is None
@@ -299,12 +316,12 @@ class ModelRunner(RunnerStates, SpeculativeSteps):
         """Whether `out` can be built while `prev` (launched, unread) runs: its requests
         that prev samples for are not new to the runner and read no history (seeds,
         penalties and min_tokens count outputs); after a verify step on the device, each
-        takes its newest token and drafts from it (`_chains`)."""
+        takes its newest token and drafts from it (speculative_decoder.chains)."""
         for sr in out.scheduled:
             if sr.req_id not in prev.rows:
                 continue
             state = self.requests.get(sr.req_id)
-            params = self._params(sr)
+            params = self.requests.params(sr)
             if (
                 sr.block_table is not None
                 or state is None
@@ -316,7 +333,7 @@ class ModelRunner(RunnerStates, SpeculativeSteps):
                 or len(state.sampling.output_token_ids) < params.min_tokens
             ):
                 return False
-            if self.drafter is not None and not self._chains(sr, prev.chain):
+            if self.speculator is not None and not chains(sr, prev.chain):
                 return False
         return True
 
@@ -335,10 +352,11 @@ class ModelRunner(RunnerStates, SpeculativeSteps):
         src = [i for _, i in host.deferred]
         k = len(dst)
         shift = behind = None
-        if host.behind is not None:
+        if host.rejected_index is not None:
             assert prev.chain is not None
             self.num_chained_steps += 1
-            behind = prev.chain.rejected[to_device(host.behind, torch.int64, self.device)]
+            index = to_device(host.rejected_index, torch.int64, self.device)
+            behind = prev.chain.rejected[index]
             shift = Shift(behind, rows_by_sequence(host.query_lens), self.block_size)
         if dst == src == list(range(k)):  # the same requests first, in the same order
 
@@ -404,7 +422,7 @@ class ModelRunner(RunnerStates, SpeculativeSteps):
             result = sample_tokens(logits, sampling, self.generator, self.batch_invariant)
             tokens, logprobs = [[t] for t in result.token_ids], result.logprobs
         states = [self.requests[rid] for rid, _ in rows]
-        return self._record(rows, states, tokens, logprobs, logits, out)
+        return record_sampled(rows, states, tokens, logprobs, logits, out)
 
     def _finish(
         self,
@@ -416,4 +434,4 @@ class ModelRunner(RunnerStates, SpeculativeSteps):
         """A deferred step's sampled tokens, read back (this waits for the device)."""
         res = sample.to_host([st.sampling.params for st in states])
         tokens = [[t] for t in res.token_ids]
-        return self._record(rows, states, tokens, res.logprobs, logits, ModelRunnerOutput())
+        return record_sampled(rows, states, tokens, res.logprobs, logits, ModelRunnerOutput())

@@ -84,7 +84,8 @@ class _TimedDrafter:
             self.host_seconds += time.perf_counter() - t0
 
     def propose_on_device(self, *args: Any, **kwargs: Any) -> Any:
-        """The drafter of a step on the device (ModelRunner._verify_on_device)."""
+        """The drafter of a step on the device
+        (SpeculativeDecoder.verify_and_draft_on_device)."""
         if self.inner.device.type != "cuda":  # (there the call does the work)
             t0 = time.perf_counter()
             try:
@@ -101,14 +102,30 @@ class _TimedDrafter:
 
 
 @contextmanager
-def drafter_detached(runner: Any) -> Iterator[None]:
-    """Steps without the MTP drafter: what a non-speculating engine runs."""
-    drafter = runner.drafter
-    runner.drafter = None
+def drafted_by(runner: Any, drafter: Any) -> Iterator[None]:
+    """Steps whose drafts come from `drafter` (a wrapper of the runner's MTP drafter), or
+    with None without the drafter: what a non-speculating engine runs. The runner's
+    speculative decoder and its drafter are given back after."""
+    speculator = runner.speculator
+    inner = None if speculator is None else speculator.drafter
+    if drafter is None:
+        runner.speculator = None
+    else:
+        assert speculator is not None
+        speculator.drafter = drafter
     try:
         yield
     finally:
-        runner.drafter = drafter
+        runner.speculator = speculator
+        if speculator is not None:
+            speculator.drafter = inner
+
+
+@contextmanager
+def drafter_detached(runner: Any) -> Iterator[None]:
+    """Steps without the MTP drafter: what a non-speculating engine runs."""
+    with drafted_by(runner, None):
+        yield
 
 
 def profile_steps(
@@ -128,7 +145,7 @@ def profile_steps(
         raise ValueError(f"rounds={rounds}: must be >= 1")
     rng = random.Random(seed)
     runner = executor.runner
-    inner = runner.drafter
+    inner = None if runner.speculator is None else runner.speculator.drafter
     for shape in shapes:
         if shape.drafter and inner is None:
             raise ValueError(
@@ -140,11 +157,8 @@ def profile_steps(
     for r in range(rounds):
         for shape, got in zip(shapes, runs):
             timed = _TimedDrafter(inner) if shape.drafter else None
-            runner.drafter = timed
-            try:
+            with drafted_by(runner, timed):
                 _run_shape(executor, shape, reps, rng, timed, got)
-            finally:
-                runner.drafter = inner
             if r == rounds - 1 and on_point is not None:
                 on_point(got.point(shape, timed))
     return [got.point(shape, inner if shape.drafter else None) for shape, got in zip(shapes, runs)]
@@ -219,12 +233,9 @@ def _run_shape(
     if timed is None and not any(session.drafts.values()):
         got.pipelined.append(_pipelined(executor, session, reps))
     elif timed is not None and not any(g[3] for g in shape.groups):
-        runner = executor.runner  # (the timer's synchronisations would end the overlap)
-        runner.drafter = timed.inner
-        try:
+        # (the timer's synchronisations would end the overlap)
+        with drafted_by(executor.runner, timed.inner):
             got.pipelined.append(_pipelined(executor, session, reps))
-        finally:
-            runner.drafter = timed
     executor.execute(session.finish())
     got.compiled += total_compiled() - compiled
 

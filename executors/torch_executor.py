@@ -143,7 +143,7 @@ class TorchExecutor(Executor):
         if use_graphs:
             self.runner.enable_cuda_graphs(cuda_graph_sizes)
         eos = self.eos_token_id
-        self.runner.grammars = GrammarCompiler(  # loads xgrammar at the first so_args
+        self.runner.requests.grammars = GrammarCompiler(  # loads xgrammar at the first so_args
             self.model_dir,
             self.vocab_size,
             list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),
@@ -182,8 +182,8 @@ class TorchExecutor(Executor):
     def prepare_grammar(self, so_args: dict[str, Any]) -> Future[Any]:
         """Start compiling `so_args`'s grammar in a worker (cached by schema); ValueError
         when structured outputs cannot work here (no xgrammar, no tokenizer)."""
-        assert self.runner.grammars is not None
-        return self.runner.grammars.submit(so_args)
+        assert self.runner.requests.grammars is not None
+        return self.runner.requests.grammars.submit(so_args)
 
     def execute_async(self, out: SchedulerOutput) -> PendingStep:
         """Queues the step on the device; the handle's `result()` waits for it
@@ -207,8 +207,8 @@ class TorchExecutor(Executor):
         if self._froze_heap:  # (the graphs' and modules' cycles must be collectable again)
             gc.unfreeze()
             self._froze_heap = False
-        if self.runner.grammars is not None:
-            self.runner.grammars.shutdown()
+        if self.runner.requests.grammars is not None:
+            self.runner.requests.grammars.shutdown()
         self.runner.requests.clear()
         self.runner.discard_pending()
         # What holds device memory goes, even while the caller still holds this executor:
@@ -217,7 +217,7 @@ class TorchExecutor(Executor):
         self.kv_cache.mtp_layers.clear()
         self.runner.graphs = self.runner.piecewise = None
         self.runner.verify_graphs_by_len = {}
-        self.runner.drafter = None
+        self.runner.speculator = None
         if self.device.type == "cuda":
             self.model.to("meta")
             gc.collect()  # graphs and modules hold reference cycles

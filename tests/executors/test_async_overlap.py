@@ -32,14 +32,14 @@ def _count_deferred(llm: LLM) -> list[int]:
     """Per launched step, how many input ids came from the step before on the device."""
     runner: ModelRunner = llm.executor.runner  # type: ignore[attr-defined]
     counts: list[int] = []
-    collect = runner.collect
+    collect = runner.inputs.collect
 
-    def spy(scheduled, prev=None):  # type: ignore[no-untyped-def]
-        host = collect(scheduled, prev)
+    def spy(scheduled, prev=None, *, drafting):  # type: ignore[no-untyped-def]
+        host = collect(scheduled, prev, drafting=drafting)
         counts.append(len(host.deferred))
         return host
 
-    runner.collect = spy  # type: ignore[method-assign]
+    runner.inputs.collect = spy  # type: ignore[method-assign]
     return counts
 
 

@@ -43,7 +43,7 @@ def test_prompt_positions_take_the_prefill_path_in_the_mode(pow2_model, batch_in
     runner.update_states(first)
     first.scheduled[1].num_tokens = 39  # r1 computes all but its last prompt token
     first.scheduled[1].token_ids = TARGET[:39]
-    runner.collect(first.scheduled)
+    runner.inputs.collect(first.scheduled, drafting=False)
     decode = ScheduledRequest(req_id="r0", num_tokens=1, num_computed_tokens=16,
                               is_prompt=False, will_sample=True, new_block_ids=[4],
                               token_ids=[5], num_prompt_tokens=16)  # fmt: skip
@@ -51,7 +51,7 @@ def test_prompt_positions_take_the_prefill_path_in_the_mode(pow2_model, batch_in
                                   is_prompt=True, will_sample=True, new_block_ids=[],
                                   token_ids=TARGET[39:40], num_prompt_tokens=40)  # fmt: skip
     runner.update_states(SchedulerOutput(1, [last_chunk, decode]))
-    host = runner.collect([last_chunk, decode])
+    host = runner.inputs.collect([last_chunk, decode], drafting=False)
     if batch_invariant:
         assert host.req_ids == ["r0", "r1"] and host.num_decode == 1
     else:
@@ -74,7 +74,7 @@ def test_a_recomputed_request_splits_at_its_prompt_end_in_the_mode(pow2_model) -
                                sampling_params=GREEDY, num_prompt_tokens=40)  # fmt: skip
     other = prefill_step([TARGET[:20]], 3).scheduled[0]
     runner.update_states(SchedulerOutput(0, [resumed, other]))
-    host = runner.collect([resumed, other])
+    host = runner.inputs.collect([resumed, other], drafting=False)
     assert host.req_ids == ["r", "r", "r0"] and host.num_decode == 1
     assert host.query_lens == [3, 40, 20] and host.context_lens == [40, 0, 0]
     assert host.positions[:3] == [40, 41, 42] and host.input_ids[:3] == tokens[40:]

@@ -37,7 +37,7 @@ def test_a_request_whose_work_fails_ends_alone_and_the_others_are_unchanged(
 ) -> None:
     batch = prompts(2, [5, 9, 7])
     runner = llm.executor.runner
-    real_check = runner._check
+    real_check = runner.inputs._check
     calls = {"n": 0}
 
     def check(scheduled):  # type: ignore[no-untyped-def]
@@ -47,7 +47,7 @@ def test_a_request_whose_work_fails_ends_alone_and_the_others_are_unchanged(
             failed["1"] = "injected: the device rejected this request's work"
         return failed
 
-    monkeypatch.setattr(runner, "_check", check)
+    monkeypatch.setattr(runner.inputs, "_check", check)
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
     assert outs[1].outputs[0].finish_reason == "abort" and "injected" in (outs[1].error or "")
     for i in (0, 2):

@@ -133,7 +133,7 @@ def test_absorbed_prefill_matches_transformers(tiny_models: dict[str, TinyModel]
     """Forcing prompt chunks through the absorbed (decode) form gives the same logits."""
     tiny = tiny_models["v3_mtp"]
     runner = load_runner(tiny.path, block_size=4)
-    runner.decode_max_query_len = 1 << 20
+    runner.inputs.decode_max_query_len = 1 << 20
     d = Driver(runner)
     d.add("a", _prompts([13], seed=5)[0])
     d.step({"a": 6})

@@ -17,9 +17,10 @@ from deepinfer.outputs import SchedulerOutput
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from executors.demo import DEMO_MODEL_DIR
+from executors.input_builder import HostBatch
 from executors.kv_cache import PagedKVCache
 from executors.loader import load_model, read_hf_config
-from executors.model_runner import HostBatch, ModelRunner
+from executors.model_runner import ModelRunner
 from executors.step_handle import PendingStep
 from tests.executors.test_speculative_llm import CODE, _RunnerExecutor, needs_demo
 
@@ -28,16 +29,16 @@ def count_chained(runner: ModelRunner, rows: list[int] | None = None) -> list[in
     """Per step the runner builds from now on, how many input ids it took from a verify
     step in flight (0: it chained on none); `rows` gets each step's input ids."""
     chained: list[int] = []
-    collect = runner.collect
+    collect = runner.inputs.collect
 
-    def spy(scheduled, prev=None) -> HostBatch:  # type: ignore[no-untyped-def]
-        host = collect(scheduled, prev)
-        chained.append(len(host.deferred) if host.behind is not None else 0)
+    def spy(scheduled, prev=None, *, drafting) -> HostBatch:  # type: ignore[no-untyped-def]
+        host = collect(scheduled, prev, drafting=drafting)
+        chained.append(len(host.deferred) if host.rejected_index is not None else 0)
         if rows is not None:
             rows.append(len(host.input_ids))
         return host
 
-    runner.collect = spy  # type: ignore[method-assign]
+    runner.inputs.collect = spy  # type: ignore[method-assign]
     return chained
 
 
@@ -72,7 +73,8 @@ def _demo_runner(
     )  # fmt: skip
     runner = ModelRunner(model, cache, engine_cfg, eos_token_id=1, max_model_len=512)
     if path == "host":  # the reference: verified and drafted from the host's view
-        runner._verifies_on_device = lambda out: False  # type: ignore[method-assign]
+        assert runner.speculator is not None
+        runner.speculator.verifies_on_device = lambda out: False  # type: ignore[method-assign]
     if path == "graphs":  # (not captured: their padded buffers, run eagerly)
         runner.enable_cuda_graphs([1, 2, 4], capture=False)
     elif path == "piecewise":  # three requests exceed the largest decode graph
@@ -200,9 +202,10 @@ def test_chained_verify_steps_on_cuda_graphs_give_the_host_paths_greedy_output()
             num_speculative_tokens=3, async_scheduling=path == "chained",
         )  # fmt: skip
         runner = llm.executor.runner  # type: ignore[attr-defined]
-        assert runner.verify_graphs is not None and runner.drafter.graphs is not None
+        speculator = runner.speculator
+        assert runner.verify_graphs is not None and speculator.drafter.graphs is not None
         if path == "host":
-            runner._verifies_on_device = lambda out: False
+            speculator.verifies_on_device = lambda out: False
         chained = count_chained(runner)
         outs[path] = [o.outputs[0].token_ids for o in llm.generate(CODE, params, use_tqdm=False)]
         accepted[path] = llm.engine.scheduler.num_accepted_drafts
@@ -243,14 +246,14 @@ def test_steps_with_prompt_chunks_verify_on_the_device_and_chain() -> None:
     want, _, _, _, want_drafts = _serve(*_demo_runner("host", 3, **budget), params)
     runner, engine_cfg = _demo_runner("eager", 3, **budget)
     kinds: list[tuple[bool, bool]] = []  # per step: chained, carries a prompt chunk
-    collect = runner.collect
+    collect = runner.inputs.collect
 
-    def spy(scheduled, prev=None) -> HostBatch:  # type: ignore[no-untyped-def]
-        host = collect(scheduled, prev)
-        kinds.append((host.behind is not None, host.num_decode < len(host.req_ids)))
+    def spy(scheduled, prev=None, *, drafting) -> HostBatch:  # type: ignore[no-untyped-def]
+        host = collect(scheduled, prev, drafting=drafting)
+        kinds.append((host.rejected_index is not None, host.num_decode < len(host.req_ids)))
         return host
 
-    runner.collect = spy  # type: ignore[method-assign]
+    runner.inputs.collect = spy  # type: ignore[method-assign]
     got, _, _, _, drafts = _serve(runner, engine_cfg, params)
     assert got == want
     assert (True, True) in kinds, kinds  # a chained step with a prompt chunk in it

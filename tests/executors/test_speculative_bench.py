@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 import executors.model_runner as runner_module
-import executors.spec_steps as spec_steps_module
+import executors.speculative_decoder as speculator_module
 from deepinfer.config import EngineConfig
+from executors.mtp_drafter import MTPDrafter
 from executors.spec_decode import verify, verify_on_device
 from executors.torch_executor import TorchExecutor
 from tests.bench_modules import load_benchmark
@@ -17,6 +18,12 @@ from tests.executors.tiny_models import TinyModel
 @pytest.fixture(scope="module")
 def speculative():
     return load_benchmark("speculative")
+
+
+def _drafter(ex: TorchExecutor) -> MTPDrafter:
+    """The executor's MTP drafter (its engine speculates)."""
+    assert ex.runner.speculator is not None
+    return ex.runner.speculator.drafter
 
 
 def test_forced_acceptance_follows_the_rate_it_is_given(
@@ -29,7 +36,7 @@ def test_forced_acceptance_follows_the_rate_it_is_given(
     acceptance = {}
     try:
         for a in (0.2, 0.9):
-            forced = speculative.ForcedAcceptance(ex.runner.drafter, a, seed=1)
+            forced = speculative.ForcedAcceptance(_drafter(ex), a, seed=1)
             forced.install(ex.runner)
             _, outs, acc, line = speculative.run(ex, cfg, prompts, 40, f"a{a}")
             acceptance[a] = acc
@@ -38,7 +45,7 @@ def test_forced_acceptance_follows_the_rate_it_is_given(
             assert int(line.split(", ")[-1].split()[0]) > 5, line
     finally:
         speculative.ForcedAcceptance.uninstall()
-    assert runner_module.verify is verify and spec_steps_module.verify_on_device is verify_on_device
+    assert runner_module.verify is verify and speculator_module.verify_on_device is verify_on_device
     # Drafts before the first corrupted one: k = 2 accepts (a + a^2) / 2 of them.
     assert acceptance[0.2] < 0.3 < 0.7 < acceptance[0.9]
 
@@ -70,7 +77,7 @@ def test_small_batches_run_as_waves_on_one_engine(
     cfg = EngineConfig(max_num_seqs=4, max_model_len=96, block_size=4, num_speculative_tokens=2)
     ex = TorchExecutor(cfg, str(tiny.path), device="cpu", dtype="float32")
     try:
-        speculative.ForcedAcceptance(ex.runner.drafter, 0.8, seed=1).install(ex.runner)
+        speculative.ForcedAcceptance(_drafter(ex), 0.8, seed=1).install(ex.runner)
         _, outs, _, line = speculative.run(ex, cfg, [[3, 5, 7, 11]], 12, "w", waves=3)
     finally:
         speculative.ForcedAcceptance.uninstall()
@@ -117,7 +124,7 @@ def test_a_varlen_run_says_which_lengths_it_verified(
     )  # fmt: skip
     ex = TorchExecutor(cfg, str(tiny.path), device="cpu", dtype="float32")
     try:
-        speculative.ForcedAcceptance(ex.runner.drafter, 0.9, seed=1).install(ex.runner)
+        speculative.ForcedAcceptance(_drafter(ex), 0.9, seed=1).install(ex.runner)
         _, _, _, line = speculative.run(
             ex, cfg, [[3, 5, 7, 11], [4, 6, 8, 10]], 24, "v", step_log=True
         )

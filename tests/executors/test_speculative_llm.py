@@ -278,8 +278,9 @@ def _greedy_through_runner(
         assert verify is not None and verify.query_len == 4
         run = verify.run
         verify.run = lambda i, p, t, *f: calls.append(len(t)) or run(i, p, t, *f)  # type: ignore[method-assign]
-        assert runner.drafter is not None and runner.drafter.graphs is not None
-        draft_graphs = runner.drafter.graphs
+        speculator = runner.speculator
+        assert speculator is not None and speculator.drafter.graphs is not None
+        draft_graphs = speculator.drafter.graphs
         run_rows = draft_graphs.run_rows
         draft_graphs.run_rows = lambda h, i, p, *t: rows.append(len(p)) or run_rows(h, i, p, *t)  # type: ignore[method-assign]
     outputs, accepted = _greedy(runner, engine_cfg, prompts_)

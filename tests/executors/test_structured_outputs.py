@@ -370,7 +370,7 @@ def _drafting_runner(compiler: GrammarCompiler):  # type: ignore[no-untyped-def]
 
     runner = load_runner(DEMO_MODEL_DIR, block_size=4, num_blocks=16, num_speculative_tokens=3)
     assert runner.vocab_size == 8192
-    runner.grammars = compiler
+    runner.requests.grammars = compiler
     return runner
 
 

@@ -243,7 +243,7 @@ def test_speculation_needs_mtp_layers(tiny_models: dict[str, TinyModel]) -> None
     with pytest.raises(ValueError, match="num_speculative_tokens=2: drafts come from"):
         TorchExecutor(cfg, str(tiny_models["v3_plain"].path), device="cpu")
     ex = TorchExecutor(cfg, str(tiny_models["v3_mtp"].path), device="cpu")
-    assert len(ex.kv_cache.mtp_layers) == 1 and ex.runner.drafter is not None
+    assert len(ex.kv_cache.mtp_layers) == 1 and ex.runner.speculator is not None
 
 
 @pytest.mark.parametrize(

@@ -1,18 +1,18 @@
-"""Speculative steps that stay on the device: verification and the MTP drafter's next
-proposal, with nothing read back until the step's result is (ModelRunner's mixin).
+"""The runner's speculative decoder: the MTP drafter's proposals and their verification
+on the device, with nothing read back until the step's result is.
 
-A step qualifies (`_verifies_on_device`) when its requests are unseeded, want no
-prompt logprobs or grammar, and read no history. `_verify_on_device` verifies the
-step's drafts (executors/spec_decode.py), builds the drafter's first pass from the rows
+A step qualifies (`verifies_on_device`) when its requests are unseeded, want no
+prompt logprobs or grammar, and read no history. `verify_and_draft_on_device` verifies
+the step's drafts (executors/spec_decode.py), builds the drafter's first pass from the rows
 each request keeps (`_draft_inputs`) and returns a handle whose `tokens` hold each
 request's newest token and next drafts, and whose `chain` says what it rejected, for
-the next step to chain on (executors/spec_chain.py). Other steps verify on the host and
-draft after it (`_draft`).
+the next step to chain on (executors/spec_chain.py). Other steps verify on the host
+(ModelRunner._sample) and draft after it (`draft`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 import torch
 
@@ -24,33 +24,68 @@ from deepinfer.outputs import (
 )
 from deepinfer.sampling_params import SamplingParams
 from executors.host_copy import PackedCopy, to_device
-from executors.mtp_drafter import DeviceDraftInput, Drafts
+from executors.input_builder import HostBatch
+from executors.mtp_drafter import DeviceDraftInput, Drafts, MTPDrafter
+from executors.request_states import RequestStates, record_sampled
 from executors.sampler import LogprobTensors, logprob_tensors, raw_logprobs
 from executors.spec_chain import Chained
 from executors.spec_decode import DeviceVerify, history_free, verify_on_device
 from executors.step_handle import PendingStep, StepResult
-from executors.step_inputs import HostBatch, StepInputs
 
 
-class SpeculativeSteps(StepInputs):
-    """ModelRunner's speculative steps on the device, a mixin."""
+def chains(sr: ScheduledRequest, chain: Chained | None) -> bool:
+    """Whether `sr` takes all its tokens from the verify step in flight (`chain`): its
+    newest token and the drafts it proposed, none sent by the scheduler."""
+    drafts = sr.draft_token_ids
+    return (
+        chain is not None
+        and not sr.token_ids
+        and sr.num_tokens == 1 + len(drafts)
+        and len(drafts) < chain.width
+        and all(d == DRAFT_PLACEHOLDER for d in drafts)
+    )
 
-    generator: torch.Generator
 
-    if TYPE_CHECKING:  # ModelRunner's
+class SpeculativeDecoder:
+    """Drafts with the model's MTP layer and verifies drafts on the device.
 
-        def _params(self, sr: ScheduledRequest) -> SamplingParams | None: ...
+    drafter: the MTP drafter (its `pending` holds, per request, the last row of a prompt
+    chunk that did not sample, which the next chunk's first pass starts at); the
+    profiler and the speculative benchmark swap in a wrapper of it. requests: the
+    runner's request states (read, and given each request's latest proposal).
+    generator: the runner's, shared with its sampler."""
 
-    def _verifies_on_device(self, out: SchedulerOutput) -> bool:
-        """Whether a step with a drafter can verify and draft on the device (spec_chain.py):
+    def __init__(
+        self,
+        drafter: MTPDrafter,
+        requests: RequestStates,
+        device: torch.device,
+        generator: torch.Generator,
+        batch_invariant: bool,
+        decode_max_query_len: int,
+    ) -> None:
+        self.drafter = drafter
+        self.requests = requests
+        self.device = device
+        self.generator = generator
+        self.batch_invariant = batch_invariant
+        self.decode_max_query_len = decode_max_query_len
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Nothing of these requests' past stays pending in the drafter (they ended, were
+        preempted, or (re)start with a whole block table)."""
+        for req_id in req_ids:
+            self.drafter.pending.pop(req_id, None)
+
+    def verifies_on_device(self, out: SchedulerOutput) -> bool:
+        """Whether the step can verify and draft on the device (spec_chain.py):
         its requests are unseeded, without prompt logprobs or grammar, and their processing
         reads no history (spec_decode.history_free); each decodes its newest token (plus
         drafts, at output positions, on the absorbed path) or computes a chunk of tokens
         the host knows (a prompt chunk, or a resumed request's recompute that starts in
         its prompt: one that starts past it counts as a decode, and goes to the host)."""
-        assert self.drafter is not None
         for sr in out.scheduled:
-            params = self._params(sr)
+            params = self.requests.params(sr)
             state = self.requests.get(sr.req_id) if sr.block_table is None else None
             n_out = len(state.sampling.output_token_ids) if state is not None else 0
             if (
@@ -72,20 +107,7 @@ class SpeculativeSteps(StepInputs):
                 return False
         return bool(out.scheduled)
 
-    @staticmethod
-    def _chains(sr: ScheduledRequest, chain: Chained | None) -> bool:
-        """Whether `sr` takes all its tokens from the verify step in flight (`chain`): its
-        newest token and the drafts it proposed, none sent by the scheduler."""
-        drafts = sr.draft_token_ids
-        return (
-            chain is not None
-            and not sr.token_ids
-            and sr.num_tokens == 1 + len(drafts)
-            and len(drafts) < chain.width
-            and all(d == DRAFT_PLACEHOLDER for d in drafts)
-        )
-
-    def _verify_on_device(
+    def verify_and_draft_on_device(
         self,
         out: SchedulerOutput,
         host: HostBatch,
@@ -94,12 +116,12 @@ class SpeculativeSteps(StepInputs):
         input_ids: torch.Tensor,
         behind: torch.Tensor | None,
     ) -> PendingStep:
-        """Verify and draft with nothing read back (`_verifies_on_device`): the handle
+        """Verify and draft with nothing read back (`verifies_on_device`): the handle
         carries each sampling request's newest token and drafts, and what it rejected, for
         the next step to chain on (spec_chain.py); `result()` reads everything with one
         copy. hidden [T', hidden] (T' >= T: graph padding), logits [N, vocab],
-        input_ids [T]."""
-        assert self.drafter is not None
+        input_ids [T]; behind [B] (device; None: nowhere): how far each request's rows lie
+        before the positions the host built them at (ModelRunner._fill)."""
         rows = sorted(host.sample_rows.items(), key=lambda kv: kv[1][0])  # sampling requests
         states = [self.requests[rid] for rid, _ in rows]
         num_drafts = [n - 1 for _, (_, n, _) in rows]
@@ -175,7 +197,7 @@ class SpeculativeSteps(StepInputs):
                     chosen, ranks.long(), vals.view(shape), top.long().view(shape)
                 )
                 logprobs = read.to_lists([int(toks[i]) for i in grid], row_params)
-            res = self._record(rows, states, tokens, logprobs, logits, ModelRunnerOutput())
+            res = record_sampled(rows, states, tokens, logprobs, logits, ModelRunnerOutput())
             output = res.output
             for i, ((rid, _), state, n) in enumerate(zip(rows, states, counts)):
                 state.drafts = [int(x) for x in ids[i * p : i * p + n]]
@@ -207,7 +229,6 @@ class SpeculativeSteps(StepInputs):
         pending, which its next chunk's rows start at. verified: each sampling request's
         row in `checked`. Also each input's segment in `host` and its index among the
         sampling requests (None: it does not sample)."""
-        assert self.drafter is not None
         pending_of = self.drafter.pending
         inputs: list[DeviceDraftInput] = []
         seg_of: list[int] = []
@@ -246,12 +267,12 @@ class SpeculativeSteps(StepInputs):
             verified_of.append(v)
         return inputs, seg_of, verified_of
 
-    def _draft(
+    def draft(
         self, host: HostBatch, hidden: torch.Tensor, out: ModelRunnerOutput, step: SchedulerOutput
     ) -> None:
         """The MTP layer's next drafts for every request that sampled (mtp_drafter.py):
-        as many as the step asks for (varlen), else the engine's num_speculative_tokens."""
-        assert self.drafter is not None
+        as many as the step asks for (varlen), else the engine's num_speculative_tokens.
+        hidden [T, hidden]: the step's final hidden states."""
         inputs = self.drafter.step_inputs(
             host.req_ids, host.context_lens, host.query_lens, host.input_ids, hidden,
             out.sampled_token_ids,

@@ -1,8 +1,6 @@
-"""A step's inputs on the host: the runner's state of each request, how one
-SchedulerOutput becomes one flattened batch, and how the tokens a step sampled are
-applied to the state (`_record`).
+"""How one SchedulerOutput becomes one flattened batch of inputs (`InputBuilder`).
 
-`StepInputs.collect` checks the block tables, records each request's history and
+`InputBuilder.collect` checks the block tables, records each request's history and
 flattens the scheduled rows (the absorbed decode rows first) into a HostBatch of lists;
 `to_device` moves them with one copy (the eager path: graphs load the lists into their
 own buffers). Under async scheduling a token that the step in flight samples is not known
@@ -17,25 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.errors import RequestFailed
-from deepinfer.outputs import DRAFT_PLACEHOLDER, ModelRunnerOutput, ScheduledRequest, TokenLogprob
+from deepinfer.outputs import DRAFT_PLACEHOLDER, ScheduledRequest
 from executors import prompt_logprobs
 from executors.attention import AttentionMetadata, build_attention_metadata
-from executors.mtp_drafter import MTPDrafter
-from executors.sampler import SamplingState
-from executors.step_handle import PendingStep, StepResult
-from executors.structured_outputs import GrammarState, GrammarViolation
-
-
-@dataclass
-class RequestState:
-    block_table: list[int]
-    sampling: SamplingState
-    num_prompt_tokens: int
-    last_token: int | None = None  # last sampled token (used when async scheduling omits it)
-    prompt_ids: list[int] | None = None  # the whole prompt, when prompt logprobs are wanted
-    num_computed: int = 0  # tokens in the KV cache (the scheduler's count may run ahead)
-    drafts: list[int] = field(default_factory=list)  # the drafter's latest proposal
-    grammar: GrammarState | None = None  # its so_args matcher
+from executors.request_states import RequestState, RequestStates
+from executors.step_handle import PendingStep
+from executors.structured_outputs import GrammarViolation
 
 
 @dataclass
@@ -56,7 +41,7 @@ class _Segment:
 @dataclass
 class HostBatch:
     """One step's inputs as host lists, one entry per segment of a request's rows (one per
-    request, except in batch-invariant mode: `ModelRunner._segments`); absorbed first."""
+    request, except in batch-invariant mode: `InputBuilder._segments`); absorbed first."""
 
     req_ids: list[str]
     input_ids: list[int]  # [T]
@@ -72,9 +57,9 @@ class HostBatch:
     # (row of input_ids, index into the step in flight's `tokens`): ids sampled by the
     # step still running, filled in on the device (input_ids holds 0 there).
     deferred: list[tuple[int, int]] = field(default_factory=list)
-    # Per request, its index in the verify step in flight's `Chained.rejected`, whose
-    # last entry (0) serves requests it did not verify; None: no request is chained.
-    behind: list[int] | None = None
+    # Per segment, its request's index in the verify step in flight's `Chained.rejected`,
+    # whose last entry (0) serves requests it did not verify; None: no request is chained.
+    rejected_index: list[int] | None = None
 
 
 @dataclass
@@ -89,17 +74,30 @@ class Batch:
     sample_rows: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
 
 
-class StepInputs:
-    """ModelRunner's input side, a mixin: the runner sets these attributes."""
+class InputBuilder:
+    """Builds each step's inputs from the SchedulerOutput and the runner's request states
+    (whose histories and computed counts it advances as it reads the step).
 
-    requests: dict[str, RequestState]
-    device: torch.device
-    block_size: int
-    vocab_size: int
-    batch_invariant: bool
-    drafter: MTPDrafter | None
-    max_drafts: int
-    decode_max_query_len: int
+    decode_max_query_len: queries this short (a decode token plus drafts) take the
+    absorbed MLA path; in batch-invariant mode the output positions do instead."""
+
+    def __init__(
+        self,
+        requests: RequestStates,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+        batch_invariant: bool,
+        decode_max_query_len: int,
+        max_drafts: int,
+    ) -> None:
+        self.requests = requests
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.batch_invariant = batch_invariant
+        self.decode_max_query_len = decode_max_query_len
+        self.max_drafts = max_drafts
 
     def _absorbed(self, sr: ScheduledRequest, start: int) -> bool:
         """Whether the step's rows of `sr` (starting at position `start`) take the absorbed
@@ -112,14 +110,20 @@ class StepInputs:
         return sr.num_tokens <= self.decode_max_query_len
 
     def _segments(
-        self, sr: ScheduledRequest, start: int, tokens: list[int], drafts: list[int]
+        self,
+        sr: ScheduledRequest,
+        start: int,
+        tokens: list[int],
+        drafts: list[int],
+        drafting: bool,
     ) -> list[_Segment]:
         """The step's rows of `sr`: one segment, or in batch-invariant mode two when they
         cross the prompt's end (a preempted request recomputing its prompt and outputs):
         the prompt positions by the prefill path, the outputs by the absorbed one, as they
-        were first computed. (Not with a drafter: it reads one entry per request.)"""
+        were first computed. (Not when `drafting`: the drafter reads one entry per
+        request.)"""
         cut = self.requests[sr.req_id].num_prompt_tokens - start
-        if self.batch_invariant and self.drafter is None and 0 < cut < len(tokens):
+        if self.batch_invariant and not drafting and 0 < cut < len(tokens):
             return [
                 _Segment(sr.req_id, start, tokens[:cut], False, False, []),
                 _Segment(sr.req_id, start + cut, tokens[cut:], True, sr.will_sample, drafts),
@@ -129,10 +133,15 @@ class StepInputs:
         ]
 
     def collect(
-        self, scheduled: list[ScheduledRequest], prev: PendingStep | None = None
+        self,
+        scheduled: list[ScheduledRequest],
+        prev: PendingStep | None = None,
+        *,
+        drafting: bool,
     ) -> HostBatch:
         """Check the block tables, record history, flatten to lists, absorbed rows first.
-        prev: the step in flight, unread (`launch`): the tokens it samples are deferred."""
+        prev: the step in flight, unread (ModelRunner.launch): the tokens it samples are
+        deferred. drafting: the runner's drafter reads this step (one segment a request)."""
         starts = {r.req_id: self._start(r) for r in scheduled}
         failed = self._check(scheduled)
         if failed:  # before any device work: the engine aborts these and requeues the rest
@@ -141,7 +150,8 @@ class StepInputs:
         for sr in scheduled:
             state = self.requests[sr.req_id]
             if prev is not None and prev.chain is not None and sr.req_id in prev.rows:
-                # Newest token and drafts on the device (`_chains`), nothing to record yet.
+                # Newest token and drafts on the device (speculative_decoder.chains),
+                # nothing to record yet.
                 start = starts[sr.req_id]
                 state.num_computed = start + sr.num_tokens
                 n_drafts = sr.num_tokens - 1
@@ -162,7 +172,7 @@ class StepInputs:
             end = start + sr.num_tokens
             state.num_computed = end  # less the rejected drafts, once verified
             # (a deferred token is recorded when prev's result is read)
-            self._record_history(state, start, tokens[: len(tokens) - len(drafts) - deferred])
+            state.record_history(start, tokens[: len(tokens) - len(drafts) - deferred])
             if sr.will_sample and state.grammar is not None:
                 # Outputs before the sampled position (drafts aside): the matcher has them.
                 n_out = max(0, end - len(drafts) - state.num_prompt_tokens)
@@ -176,20 +186,20 @@ class StepInputs:
                     deferred=len(tokens) - 1,
                 ))  # fmt: skip
                 continue
-            segments += self._segments(sr, start, tokens, drafts)
+            segments += self._segments(sr, start, tokens, drafts, drafting)
         segments.sort(key=lambda seg: not seg.absorbed)  # stable: otherwise in step order
-        behind = None
+        rejected_index = None
         if any(seg.chained is not None for seg in segments):
             assert prev is not None and prev.chain is not None
             none = len(prev.rows)  # the zero past prev's requests
-            behind = [none if seg.chained is None else seg.chained for seg in segments]
+            rejected_index = [none if seg.chained is None else seg.chained for seg in segments]
         host = HostBatch(
             req_ids=[seg.req_id for seg in segments], input_ids=[], positions=[],
             query_lens=[len(seg.tokens) for seg in segments],
             context_lens=[seg.start for seg in segments],
             block_tables=[self.requests[seg.req_id].block_table for seg in segments],
             num_decode=sum(seg.absorbed for seg in segments),
-            logits_indices=[], behind=behind,
+            logits_indices=[], rejected_index=rejected_index,
         )  # fmt: skip
         for seg in segments:
             rid, tokens, start = seg.req_id, seg.tokens, seg.start
@@ -235,7 +245,8 @@ class StepInputs:
                 failed[sr.req_id] = f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
         return failed
 
-    def _metadata(self, host: HostBatch, device: torch.device) -> AttentionMetadata:
+    def metadata(self, host: HostBatch, device: torch.device) -> AttentionMetadata:
+        """The step's attention metadata, built on `device` (the CPU: moved later)."""
         return build_attention_metadata(
             host.query_lens, host.context_lens, host.block_tables, self.block_size,
             host.num_decode, device,
@@ -244,7 +255,7 @@ class StepInputs:
     def to_device(self, host: HostBatch) -> Batch:
         """The step's inputs on the device, in one host-to-device copy."""
         lists = (host.input_ids, host.positions, host.logits_indices)
-        md, (ids, positions, indices) = self._metadata(host, torch.device("cpu")).moved_with(
+        md, (ids, positions, indices) = self.metadata(host, torch.device("cpu")).moved_with(
             self.device, [torch.tensor(x, dtype=torch.int64) for x in lists]
         )
         return Batch(
@@ -297,51 +308,3 @@ class StepInputs:
                 f"{len(sr.token_ids or [])} token ids sent"
             )
         return tokens
-
-    @staticmethod
-    def _record_history(state: RequestState, start: int, tokens: list[int]) -> None:
-        """Extend the sampler's prompt / output history with tokens at positions start...
-
-        Only contiguous history is kept: positions the runner never saw (a prefix-cache
-        hit on a resumed request) leave it short.
-        """
-        s, n_prompt = state.sampling, state.num_prompt_tokens
-        end = start + len(tokens)
-        known = len(s.prompt_token_ids)
-        if start <= known < min(end, n_prompt):
-            s.prompt_token_ids.extend(tokens[known - start : min(end, n_prompt) - start])
-        if len(s.prompt_token_ids) == n_prompt:
-            pos = n_prompt + len(s.output_token_ids)  # next output position to record
-            if start <= pos < end:
-                s.output_token_ids.extend(tokens[pos - start :])
-
-    @staticmethod
-    def _record(
-        rows: list[tuple[str, tuple[int, int, list[int]]]],
-        states: list[RequestState],
-        tokens: list[list[int]],
-        logprobs: list[list[TokenLogprob]] | None,
-        logits: torch.Tensor,
-        out: ModelRunnerOutput,
-    ) -> StepResult:
-        """Apply each request's sampled tokens (rows and states in the same order) to its
-        state (the state of a request dropped meanwhile is no longer the runner's)."""
-        if logprobs is not None:
-            out.logprobs = {}
-        result = StepResult(out, logits)
-        for (req_id, (first, n, _)), state, toks in zip(rows, states, tokens):
-            if state.grammar is not None and not state.grammar.done:
-                try:  # those past the grammar's end (a draft ended it) are dropped
-                    toks = toks[: state.grammar.accept(toks)]
-                except GrammarViolation as e:
-                    raise RequestFailed({req_id: str(e)}) from None
-                if state.grammar.done:
-                    out.completed_req_ids.add(req_id)
-            state.sampling.output_token_ids.extend(toks)
-            state.last_token = toks[-1]
-            state.num_computed -= n - len(toks)  # rejected drafts' KV is overwritten later
-            out.sampled_token_ids[req_id] = toks
-            if out.logprobs is not None and logprobs is not None:
-                out.logprobs[req_id] = logprobs[first : first + len(toks)]
-            result.rows[req_id] = (first, n)
-        return result
