@@ -27,7 +27,7 @@ if [[ $what == all || $what == tests ]]; then
 fi
 if [[ $what == all || $what == profiles || $what == ship ]]; then
   for model in moonlight-16b-a3b deepseek-v2-lite; do
-    timeout 280 python3 -m deepinfer.cli profile --model "$model" --device cuda \
+    timeout 280 python3 -m deepinfer profile --model "$model" --device cuda \
       --num-gpu-blocks 20000 --max-num-seqs 512 --max-num-batched-tokens 16384 \
       --num-speculative-tokens 3 --add-mtp-layer \
       --out "$OUT/${model}__h200.json" 2>&1 | grep -v "profiling:" | tail -5

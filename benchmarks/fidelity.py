@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from replay import ReplayResult, offline, poisson, replay  # noqa: E402
 
-from deepinfer.cli.engine_options import add_engine_options, engine_config_from_args  # noqa: E402
 from deepinfer.config import EngineConfig  # noqa: E402
+from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args  # noqa: E402
 from deepinfer.model_config import known_models, load_model_config  # noqa: E402
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
 from deepinfer.records import RequestRecord  # noqa: E402

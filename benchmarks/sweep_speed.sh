@@ -10,7 +10,7 @@ rm -rf "$out"
 workers=("$@")
 [ ${#workers[@]} -eq 0 ] && workers=(1 2 4)
 for w in "${workers[@]}"; do
-    python3 -m deepinfer.cli sweep --grid benchmarks/sweep_grid.yaml --slo "$slo" \
+    python3 -m deepinfer sweep --grid benchmarks/sweep_grid.yaml --slo "$slo" \
         --workers "$w" --out "$out/w$w" --no-progress --no-plot | tail -2 | head -1
 done
 for w in "${workers[@]}"; do

@@ -58,7 +58,7 @@ def run(self, until=None):
     finally:
         marks['loop_s'] = marks.get('loop_s', 0.0) + time.perf_counter() - t0
 simpy.Environment.run = run
-from deepinfer.cli import main
+from deepinfer.entrypoints.cli import main
 code = main(sys.argv[1:])
 doc = json.load(open(sys.argv[sys.argv.index('--out') + 1]))
 status = [r['status'] for r in doc['requests']]

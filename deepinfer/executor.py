@@ -1,14 +1,12 @@
-"""The Executor protocol and a registry of executors by name.
+"""The Executor protocol: what the core asks of the executor it is handed.
 
-Executors live outside the core (`sim`, `executors`); the registry imports
-them lazily so importing `deepinfer` pulls in neither simpy nor torch.
+Executors live outside the core (`sim`, `executors`); the entry points build one
+(`deepinfer.entrypoints.executor_registry` names them) and hand it to `EngineCore`.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 
@@ -63,22 +61,3 @@ class Done:
 def completed(result: ModelRunnerOutput) -> Done:
     """A handle already holding its result."""
     return Done(result)
-
-
-# name -> "module:attribute" of a factory taking (engine_config, **kwargs)
-_REGISTRY: dict[str, str] = {
-    "sim": "sim.sim_executor:SimExecutor",
-    "torch": "executors.torch_executor:TorchExecutor",
-}
-
-
-def register_executor(name: str, target: str) -> None:
-    """Register `target` ("module:attribute") under `name`."""
-    _REGISTRY[name] = target
-
-
-def get_executor_class(name: str) -> Callable[..., Any]:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown executor {name!r}; known: {sorted(_REGISTRY)}")
-    module, _, attr = _REGISTRY[name].partition(":")
-    return getattr(importlib.import_module(module), attr)

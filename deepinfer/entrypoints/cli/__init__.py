@@ -13,11 +13,11 @@ import sys
 from typing import NoReturn
 
 from deepinfer import __version__
-from deepinfer.cli.generate import add_generate_parser
-from deepinfer.cli.measure_acceptance import add_measure_acceptance_parser
-from deepinfer.cli.profile import add_profile_parser
-from deepinfer.cli.simulate import add_simulate_parser
-from deepinfer.cli.sweep import add_sweep_parser
+from deepinfer.entrypoints.cli.generate import add_generate_parser
+from deepinfer.entrypoints.cli.measure_acceptance import add_measure_acceptance_parser
+from deepinfer.entrypoints.cli.profile import add_profile_parser
+from deepinfer.entrypoints.cli.simulate import add_simulate_parser
+from deepinfer.entrypoints.cli.sweep import add_sweep_parser
 from deepinfer.errors import SchedulerStalled
 
 EXIT_BAD_INPUT = 2

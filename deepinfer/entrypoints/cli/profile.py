@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deepinfer.cli.engine_options import add_engine_options, engine_config_from_args
+from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
 
 PROFILE_VERSION = 1
 
@@ -72,7 +72,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from deepinfer.engine import EngineCore
-    from deepinfer.executor import get_executor_class
+    from deepinfer.entrypoints.executor_registry import get_executor_class
     from deepinfer.model_config import known_models, write_config_with_mtp_layer
     from executors.profile_env import environment
     from executors.profile_grid import GridLimits, default_grid, run_slack, speculative_grid
