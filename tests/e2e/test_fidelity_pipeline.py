@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.config import EngineConfig
-from tests.bench_modules import load_benchmark
 
 
 def _bench() -> Any:
-    return load_benchmark("fidelity")
+    from benchmarks import fidelity
+
+    return fidelity
 
 
 class _Cost:

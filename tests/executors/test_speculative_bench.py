@@ -10,13 +10,14 @@ import executors.spec_steps as spec_steps_module
 from deepinfer.config import EngineConfig
 from executors.spec_decode import verify, verify_on_device
 from executors.torch_executor import TorchExecutor
-from tests.bench_modules import load_benchmark
 from tests.executors.tiny_models import TinyModel
 
 
 @pytest.fixture(scope="module")
 def speculative():
-    return load_benchmark("speculative")
+    from benchmarks import speculative
+
+    return speculative
 
 
 def test_forced_acceptance_follows_the_rate_it_is_given(
