@@ -17,16 +17,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from model_speed import build, ours, random_prompts, sweep_config  # noqa: E402
-
-from deepinfer.config import EngineConfig  # noqa: E402
+from benchmarks.model_speed import build, ours, random_prompts, sweep_config
+from deepinfer.config import EngineConfig
 
 
 def measure(

@@ -1,7 +1,7 @@
 """Attention data parallelism + expert parallelism on N GPUs against one GPU, measured and
 simulated (random weights in the model's published shapes, `load_format="dummy"`).
 
-    python benchmarks/data_parallel.py [--model moonlight-16b-a3b] [--ranks 1,2,4,8]
+    deepinfer bench data-parallel [--model moonlight-16b-a3b] [--ranks 1,2,4,8]
         [--json OUT.json]
 
 For each N (N = 1: one engine, eager and with CUDA graphs; N > 1: `LLM(...,

@@ -1,6 +1,6 @@
 """Fidelity: the same requests through the real engine and through the simulator.
 
-    python benchmarks/fidelity.py --out DIR [--model moonlight-16b-a3b] [--device cuda]
+    deepinfer bench fidelity --out DIR [--model moonlight-16b-a3b] [--device cuda]
         [--traces azure_code_small.json,mooncake_conversation_small.jsonl]
         [--num-requests 200] [--rates 0.7,1.2] [engine options]
 
@@ -29,19 +29,16 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from replay import ReplayResult, offline, poisson, replay  # noqa: E402
-
-from deepinfer.cli.engine_options import add_engine_options, engine_config_from_args  # noqa: E402
-from deepinfer.config import EngineConfig  # noqa: E402
-from deepinfer.model_config import known_models, load_model_config  # noqa: E402
-from deepinfer.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
-from deepinfer.records import RequestRecord  # noqa: E402
-from sim import load_trace, simulate  # noqa: E402
-from sim.cost_model_registry import resolve_cost_model  # noqa: E402
-from sim.hardware import get_hardware  # noqa: E402
-from sim.traces import Trace  # noqa: E402
+from benchmarks.replay import ReplayResult, offline, poisson, replay
+from deepinfer.config import EngineConfig
+from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
+from deepinfer.model_config import known_models, load_model_config
+from deepinfer.outputs import ScheduledRequest, SchedulerOutput
+from deepinfer.records import RequestRecord
+from sim import load_trace, simulate
+from sim.cost_model_registry import resolve_cost_model
+from sim.hardware import get_hardware
+from sim.traces import Trace
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("ttft", "tpot", "e2e")

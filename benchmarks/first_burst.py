@@ -1,6 +1,6 @@
 """First use of a fresh engine: its first offline burst against the same burst again.
 
-    python benchmarks/first_burst.py [--model moonlight-16b-a3b] [--num-prompts 128]
+    deepinfer bench first-burst [--model moonlight-16b-a3b] [--num-prompts 128]
         [--bursts 3] [--max-prompt 2048] [--max-output 64] [--json OUT.json]
 
 Issue 12's target: no step of a served trace pays a compile or a graph capture, so the
@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.model_speed import build
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
 from deepinfer.request import Request
@@ -34,8 +34,6 @@ from kernels.compile_stats import total_compiled
 from sim.traces import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_speed import build  # noqa: E402
 
 
 def burst_requests(

@@ -1,6 +1,6 @@
 """Host time per scheduled request of a decode step, the forward left out.
 
-    python benchmarks/host_overhead.py [--batches 1,16,64,256,512] [--steps 20] [--json F]
+    deepinfer bench host-overhead [--batches 1,16,64,256,512] [--steps 20] [--json F]
 
 A decode step's host work sits on its critical path unless async scheduling hides it:
 the core's `schedule()` and `apply_results()` (pure Python), and the model runner's input

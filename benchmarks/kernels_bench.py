@@ -1,6 +1,6 @@
 """Kernel benchmarks against the device's measured ceilings (run on a CUDA machine).
 
-    python benchmarks/kernels_bench.py [--quick] [--no-sweep] [--only accuracy,mla,moe,rmsnorm,router,prefill,binv_mla,moe_sweep,small_sweep,align]
+    deepinfer bench kernels [--quick] [--no-sweep] [--only accuracy,mla,moe,rmsnorm,router,prefill,binv_mla,moe_sweep,small_sweep,align]
 
 First the two ceilings: device-to-device copy bandwidth (bytes read + written) and a
 bf16 8192^3 matmul on random data (triton.testing.do_bench medians; L2 cleared before

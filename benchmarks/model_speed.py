@@ -1,7 +1,7 @@
 """Real-executor throughput on a dummy model in published shapes, beside HF transformers.
 
-    python benchmarks/model_speed.py [--model moonlight-16b-a3b] [--no-hf] [--eager]
-        [--async-scheduling] [--json OUT.json]      # then: python benchmarks/plot_model_speed.py OUT.json
+    deepinfer bench model-speed [--model moonlight-16b-a3b] [--no-hf] [--eager]
+        [--async-scheduling] [--json OUT.json]      # then: python -m benchmarks.plot_model_speed OUT.json
 
 Builds transformers' DeepseekV3ForCausalLM from the preset config directly on
 the GPU (random weights), copies the same weights into deepinfer's model, and
@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.model_speed_steps import print_step_table, served_row, step_rows
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
 from deepinfer.model_config import PRESETS_DIR, load_model_config
@@ -39,9 +39,6 @@ from deepinfer.sampling_params import SamplingParams
 from executors.loader import load_state_dict_into
 from executors.torch_executor import TorchExecutor
 from sim.analytic_cost_model import expected_distinct_experts
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_speed_steps import print_step_table, served_row, step_rows  # noqa: E402
 
 PRESETS = PRESETS_DIR
 

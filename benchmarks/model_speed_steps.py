@@ -15,24 +15,20 @@ the summed rooflines of the steps it ran, over the time those steps took.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from replay import poisson, replay  # noqa: E402
-from step_roofline import step_roofline_s  # noqa: E402
-
-from deepinfer.config import EngineConfig  # noqa: E402
-from deepinfer.model_config import ModelConfig  # noqa: E402
-from executors.profile_grid import StepShape  # noqa: E402
-from executors.profiler import profile_steps  # noqa: E402
-from executors.torch_executor import TorchExecutor  # noqa: E402
-from sim import load_trace  # noqa: E402
-from sim.traces import Trace  # noqa: E402
+from benchmarks.replay import poisson, replay
+from benchmarks.step_roofline import step_roofline_s
+from deepinfer.config import EngineConfig
+from deepinfer.model_config import ModelConfig
+from executors.profile_grid import StepShape
+from executors.profiler import profile_steps
+from executors.torch_executor import TorchExecutor
+from sim import load_trace
+from sim.traces import Trace
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 

@@ -1,6 +1,6 @@
 """Plot a model_speed.py sweep: prefill and decode throughput beside roofline and HF.
 
-    python benchmarks/plot_model_speed.py model_speed.json [--out benchmarks/model_speed.png]
+    python -m benchmarks.plot_model_speed model_speed.json [--out benchmarks/model_speed.png]
 
 Left: prefill tokens/s against tokens per step. Right: decode tokens/s against
 batch size, one line per context length. Log scales; the roofline is dashed.

@@ -1,6 +1,6 @@
 """Where one engine step spends its time: torch.profiler over real-executor steps.
 
-    python benchmarks/profile_step.py [--model moonlight-16b-a3b] [--prefill 16384]
+    python -m benchmarks.profile_step [--model moonlight-16b-a3b] [--prefill 16384]
         [--batches 1,64] [--context 1024] [--rows 25] [--trace-dir DIR] [--batch-invariant]
         [--async-scheduling]
 
@@ -25,10 +25,10 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from model_speed import build, random_prompts, sweep_config
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from benchmarks.model_speed import build, random_prompts, sweep_config
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
 from deepinfer.request import Request

@@ -97,7 +97,7 @@ def replay(
     device = getattr(executor, "device", None)
     timer = None
     if device is not None and device.type == "cuda":
-        from step_events import StepEvents  # (torch: a real executor's run only)
+        from benchmarks.step_events import StepEvents  # (torch: a real executor's run only)
 
         timer = StepEvents(executor)
     with timer or contextlib.nullcontext():

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one device call; logs and JSON land in $OUT.
 #   bash benchmarks/run_device.sh [tests|model|kernels|profile|structured|binv|all]   (default: all)
-#   bash benchmarks/run_device.sh dp [ARGS of benchmarks/data_parallel.py]   (several GPUs;
+#   bash benchmarks/run_device.sh dp [ARGS of deepinfer bench data-parallel]   (several GPUs;
 #     not in all: NCCL tests, the all-to-all sweep, DP + EP throughput against the simulator)
 #   bash benchmarks/run_device.sh async   (not in all: async scheduling's tests and figures)
 #   bash benchmarks/run_device.sh decode  (not in all: decode-path tests, tok/s, kernel profile)
-#   bash benchmarks/run_device.sh spec [ARGS of benchmarks/speculative.py]   (not in all: the
+#   bash benchmarks/run_device.sh spec [ARGS of deepinfer bench speculative]   (not in all: the
 #     whole sweep takes longer than one device call; e.g. spec --ks 3 --acceptance 0.85)
 #   bash benchmarks/run_device.sh first   (not in all: start-up, then the first burst on the
 #     fresh engine against the same-sized bursts after it; about 1.5 min)
 #   bash benchmarks/run_device.sh gc   (not in all: the collector's pauses in a served run,
 #     the start-up heap frozen and not, Moonlight shapes; about 2 min)
-# The model sweep's JSON plots here with benchmarks/plot_model_speed.py (matplotlib).
+# The model sweep's JSON plots here with python -m benchmarks.plot_model_speed (matplotlib).
 # Missing pure-Python packages (simpy) travel as wheels in .whl/.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -22,6 +22,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The benchmarks run as `deepinfer bench NAME`; --debug keeps a failure's traceback.
+bench=(python3 -m deepinfer --debug bench)
 what=${1:-all}
 shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > "$OUT/gpu.txt"
@@ -44,23 +46,23 @@ if [[ $what == decode || $what == async ]]; then
   python3 -m pytest -q -m gpu "${tests[@]}" -p no:cacheprovider 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -8
   status=${PIPESTATUS[0]}
-  python3 benchmarks/model_speed.py --no-hf --async-scheduling --prefill "" --contexts 1024 \
+  "${bench[@]}" model-speed --no-hf --async-scheduling --prefill "" --contexts 1024 \
     --served-rate 20 --json "$OUT/model_speed_async.json" 2>&1 | grep -v Warning \
     | tee "$OUT/model_speed_async.log" | tail -24
 fi
 if [[ $what == decode ]]; then
-  python3 benchmarks/profile_step.py --prefill "" --batches 1,256 --rows 30 2>&1 \
+  python3 -m benchmarks.profile_step --prefill "" --batches 1,256 --rows 30 2>&1 \
     | grep -v "^-" | cut -c1-60,100-240 > "$OUT/profile.log"
   grep "^==" "$OUT/profile.log"
 fi
 if [[ $what == async ]]; then
-  python3 benchmarks/fidelity.py --out "$OUT/fidelity_async" --model moonlight-16b-a3b \
+  "${bench[@]}" fidelity --out "$OUT/fidelity_async" --model moonlight-16b-a3b \
     --device cuda --num-requests 200 --traces azure_code_small.json --num-gpu-blocks 20000 \
     --max-num-seqs 256 --max-num-batched-tokens 8192 --async-scheduling true 2>&1 \
     | grep -v Warning | tee "$OUT/fidelity_async.log" | tail -30
   # The served prompt steps replayed as the profiler replays its points: is the gap
   # between the price of a mixed step and its served time in its shape or its context?
-  python3 benchmarks/step_variance.py --served "$OUT/fidelity_async/fidelity.json" \
+  python3 benchmarks/investigations/step_variance.py --served "$OUT/fidelity_async/fidelity.json" \
     --steps 12 2>&1 | grep -v Warning | tee "$OUT/served_replay.log" | tail -15
 fi
 if [[ $what == all || $what == tests ]]; then
@@ -68,24 +70,24 @@ if [[ $what == all || $what == tests ]]; then
     | tee "$OUT/gpu_tests.log" | tail -25
   status=${PIPESTATUS[0]}
 fi
-if [[ $what == all || $what == kernels ]] && [[ -f benchmarks/kernels_bench.py ]]; then
-  python3 benchmarks/kernels_bench.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -40
+if [[ $what == all || $what == kernels ]]; then
+  "${bench[@]}" kernels 2>&1 | tee "$OUT/kernels_bench.log" | tail -40
 fi
 if [[ $what == all || $what == model ]]; then
-  python3 benchmarks/model_speed.py --eager --json "$OUT/model_speed.json" 2>&1 \
+  "${bench[@]}" model-speed --eager --json "$OUT/model_speed.json" 2>&1 \
     | grep -v Warning | tee "$OUT/model_speed.log" | tail -20
 fi
 if [[ $what == all || $what == profile ]]; then
-  python3 benchmarks/profile_step.py --prefill 16384 --batches 1,64 --rows 20 2>&1 \
+  python3 -m benchmarks.profile_step --prefill 16384 --batches 1,64 --rows 20 2>&1 \
     | grep -v "^-" | cut -c1-60,100-240 > "$OUT/profile.log"
   grep "^==" "$OUT/profile.log"
 fi
 # The grammar mask's cost (so_args): needs xgrammar and its dependencies, as wheels in .whl/.
 if [[ $what == all || $what == structured ]]; then
   if python3 -c "import xgrammar" 2>/dev/null; then
-    python3 benchmarks/structured_mask.py --batches 1,64 --json "$OUT/structured_mask.json" 2>&1 \
+    "${bench[@]}" structured-outputs --batches 1,64 --json "$OUT/structured_mask.json" 2>&1 \
       | grep -v Warning | tee "$OUT/structured_mask.log" | tail -5
-    python3 benchmarks/structured_mask.py --mask-only --batches 1,64,256 2>&1 \
+    "${bench[@]}" structured-outputs --mask-only --batches 1,64,256 2>&1 \
       | grep -v Warning | tee -a "$OUT/structured_mask.log" | tail -4
   else
     echo "structured: xgrammar is not installed (put its wheels in .whl/)" | tee "$OUT/structured_mask.log"
@@ -98,16 +100,16 @@ if [[ $what == all || $what == binv ]]; then
     | grep -v Warning | tee "$OUT/batch_invariant_tests.log" | tail -40
   rc=${PIPESTATUS[0]}
   [[ $what == binv ]] && status=$rc
-  python3 benchmarks/batch_invariant.py --json "$OUT/batch_invariant.json" 2>&1 \
+  "${bench[@]}" batch-invariant --json "$OUT/batch_invariant.json" 2>&1 \
     | grep -v Warning | tee "$OUT/batch_invariant.log" | tail -12
   # Where batch 256 goes: a kernel profile in each mode, and the decode attention's fixed
   # pieces (256/512/1024 keys) against the normal split choice.
   for mode in --batch-invariant ""; do
-    python3 benchmarks/profile_step.py $mode --prefill "" --batches 256 --rows 40 2>&1 \
+    python3 -m benchmarks.profile_step $mode --prefill "" --batches 256 --rows 40 2>&1 \
       | grep -v "^-" | cut -c1-60,100-240 > "$OUT/profile_b256${mode:+_binv}.log"
   done
   grep -h "^==" "$OUT"/profile_b256*.log
-  python3 benchmarks/kernels_bench.py --only binv_mla 2>&1 | grep -v Warning \
+  "${bench[@]}" kernels --only binv_mla 2>&1 | grep -v Warning \
     | tee "$OUT/binv_mla.log" | grep "mla_decode" | tail -24
 fi
 if [[ $what == spec ]]; then
@@ -118,17 +120,17 @@ if [[ $what == spec ]]; then
     tests/executors/test_speculative_llm.py -p no:cacheprovider 2>&1 \
     | tee "$OUT/spec_tests.log" | tail -6
   status=${PIPESTATUS[0]}
-  python3 benchmarks/speculative.py --json "$OUT/speculative.json" "$@" 2>&1 \
+  "${bench[@]}" speculative --json "$OUT/speculative.json" "$@" 2>&1 \
     | grep -v Warning | tee "$OUT/speculative.log" | tail -70
 fi
 if [[ $what == gc ]]; then
-  python3 benchmarks/gc_pauses.py --model moonlight-16b-a3b --device cuda \
+  python3 benchmarks/investigations/gc_pauses.py --model moonlight-16b-a3b --device cuda \
     --json "$OUT/gc_pauses.json" 2>&1 | grep -v Warning | tee "$OUT/gc_pauses.log" | tail -4
 fi
 if [[ $what == first ]]; then
   # First use (issue 12): the engine's start-up, then 3 bursts of 128 requests; the first
   # within 10% of the later ones means no served step paid a compile or a capture.
-  python3 benchmarks/first_burst.py --json "$OUT/first_burst.json" 2>&1 \
+  "${bench[@]}" first-burst --json "$OUT/first_burst.json" 2>&1 \
     | grep -v Warning | tee "$OUT/first_burst.log" | tail -8
   status=${PIPESTATUS[0]}
 fi
@@ -139,9 +141,9 @@ if [[ $what == dp ]]; then
     tests/executors/test_data_parallel_gpu.py -p no:cacheprovider 2>&1 \
     | tee "$OUT/dp_tests.log" | tail -15
   status=${PIPESTATUS[0]}
-  python3 benchmarks/all_to_all.py --json "$OUT/all_to_all.json" 2>&1 \
+  python3 benchmarks/investigations/all_to_all.py --json "$OUT/all_to_all.json" 2>&1 \
     | grep -v Warning | tee "$OUT/all_to_all.log" | tail -30
-  python3 benchmarks/data_parallel.py --json "$OUT/data_parallel.json" "$@" 2>&1 \
+  "${bench[@]}" data-parallel --json "$OUT/data_parallel.json" "$@" 2>&1 \
     | grep -v Warning | tee "$OUT/data_parallel.log" | tail -12
 fi
 exit $status

@@ -1,6 +1,6 @@
 """Simulator speed: whole public traces through `simulate`, wall time per trace.
 
-    python benchmarks/sim_speed.py [--shared ../shared/traces] [--profile]
+    deepinfer bench sim-speed [--shared ../shared/traces] [--profile]
 
 Prints one row per trace: requests, engine steps, wall seconds, simulated
 requests per second and steps per second, and the simulated makespan. The

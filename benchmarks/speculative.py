@@ -1,6 +1,6 @@
 """Decode speed with MTP speculation over without, measured and simulated.
 
-    python benchmarks/speculative.py [--model moonlight-16b-a3b] [--batches 1,8,32,128,256]
+    deepinfer bench speculative [--model moonlight-16b-a3b] [--batches 1,8,32,128,256]
         [--acceptance 0.6,0.8,0.9] [--ks 1,2,3,5] [--json OUT.json]
 
 Random weights cannot draft (their MTP layer agrees with nothing), so this uses a
@@ -41,7 +41,6 @@ import contextlib
 import gc
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -53,6 +52,7 @@ import torch
 
 import executors.model_runner as runner_module
 import executors.speculative_decoder as speculator_module
+from benchmarks.step_events import StepEvents, SyncWatch
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
 from deepinfer.model_config import load_model_config, write_config_with_mtp_layer
@@ -70,9 +70,6 @@ from executors.spec_decode import (
     verify,
     verify_on_device,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_events import StepEvents, SyncWatch  # noqa: E402
 
 WAVE_GAP_S = 3600.0  # simulated seconds between waves: each starts on an idle engine
 
@@ -298,8 +295,9 @@ def _run_waves(
 
 
 def _profile(engine: EngineCore, executor: Any, steps: int, tag: str) -> None:
-    from profile_step import _mark_regions, _print_idle
     from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.profile_step import _mark_regions, _print_idle
 
     runner = executor.runner
     extra = []

@@ -1,6 +1,6 @@
 """Measured engine steps against their roofline, read from a profile (`deepinfer profile`).
 
-    python benchmarks/step_roofline.py [PROFILE.json] [--copy-tb-s 4.25]
+    python -m benchmarks.step_roofline [PROFILE.json] [--copy-tb-s 4.25]
         [--matmul-tflop-s 751] [--kinds prefill,mixed,short_prompts,decode]
 
 Every point of a profile is a whole real-executor step (input preparation, the forward,

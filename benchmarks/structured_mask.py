@@ -1,11 +1,11 @@
 """What structured outputs cost: the grammar token mask, per token and per decode step.
 
     # on the GPU (the issue's target: <= 5% at batch 64 with a JSON Schema on every request)
-    python benchmarks/structured_mask.py [--model moonlight-16b-a3b] [--batches 1,64]
+    deepinfer bench structured-outputs [--model moonlight-16b-a3b] [--batches 1,64]
         [--context 1024] [--steps 32] [--json OUT.json]
     # anywhere (CPU): only the mask fill, microseconds per token, for the simulator's
     # cpu_grammar_mask_per_token_s
-    python benchmarks/structured_mask.py --mask-only [--vocab 163840] [--batches 1,64]
+    deepinfer bench structured-outputs --mask-only [--vocab 163840] [--batches 1,64]
 
 The GPU mode builds the real executor on random weights in the model's shapes
 (`load_format="dummy"`, as benchmarks/model_speed.py does), then at each batch size
@@ -27,7 +27,6 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -139,8 +138,7 @@ def mask_only(args: argparse.Namespace) -> list[dict]:
 
 
 def gpu(args: argparse.Namespace) -> list[dict]:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from model_speed import build, random_prompts
+    from benchmarks.model_speed import build, random_prompts
 
     dev = torch.device(args.device)
     cfg = EngineConfig(

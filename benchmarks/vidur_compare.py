@@ -1,6 +1,6 @@
 """Vidur vs deepinfer's simulator on one public trace, timed the same way.
 
-    python benchmarks/vidur_compare.py --vidur-python /tmp/vidur-venv/bin/python --cpu 0
+    deepinfer bench vidur --vidur-python /tmp/vidur-venv/bin/python --cpu 0
 
 Vidur (PyPI `vidur`, tested with 0.0.26) runs in its own virtual environment:
     python3 -m venv /tmp/vidur-venv && /tmp/vidur-venv/bin/pip install vidur==0.0.26
@@ -34,16 +34,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from vidur_setup import (  # noqa: E402
+from benchmarks.vidur_setup import (
     VidurUnavailable,
     check_vidur,
     convert_trace,
     synth_profile,
     vidur_args,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Each shim writes {"loop_s", "num_requests", "num_finished"} to $COMPARE_TIMES.
 OURS_SHIM = """
@@ -58,7 +57,7 @@ def run(self, until=None):
     finally:
         marks['loop_s'] = marks.get('loop_s', 0.0) + time.perf_counter() - t0
 simpy.Environment.run = run
-from deepinfer.cli import main
+from deepinfer.entrypoints.cli import main
 code = main(sys.argv[1:])
 doc = json.load(open(sys.argv[sys.argv.index('--out') + 1]))
 status = [r['status'] for r in doc['requests']]

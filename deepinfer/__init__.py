@@ -14,7 +14,7 @@ from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from deepinfer.llm import LLM
+    from deepinfer.entrypoints.llm import LLM
 
 __all__ = [
     "LLM",
@@ -30,7 +30,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from deepinfer.llm import LLM
+        from deepinfer.entrypoints.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")

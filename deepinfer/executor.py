@@ -1,5 +1,4 @@
-"""The executor contract (`Executor`, and the `StepHandle` its launch returns) and a
-registry of executors by name.
+"""The executor contract: `Executor`, and the `StepHandle` its launch returns.
 
 Every hook the core calls is declared here: abstract where each executor must say
 (`execute`, `num_kv_blocks`, `needs_token_ids`; a handle's `result`), with its default
@@ -7,15 +6,13 @@ where most executors have nothing to add. An executor subclasses `Executor` and
 overrides what it does differently; the core calls every hook without asking whether
 it is there.
 
-Executors live outside the core (`sim`, `executors`); the registry imports them lazily
-so importing `deepinfer` pulls in neither simpy nor torch.
+Executors live outside the core (`sim`, `executors`); the entry points build one
+(`deepinfer.entrypoints.executor_registry` names them) and hand it to `EngineCore`.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -110,22 +107,3 @@ class Executor(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 (a default that does nothing)
         """Release what the executor holds (device memory, workers). Default: nothing."""
-
-
-# name -> "module:attribute" of a factory taking (engine_config, **kwargs)
-_REGISTRY: dict[str, str] = {
-    "sim": "sim.sim_executor:SimExecutor",
-    "torch": "executors.torch_executor:TorchExecutor",
-}
-
-
-def register_executor(name: str, target: str) -> None:
-    """Register `target` ("module:attribute") under `name`."""
-    _REGISTRY[name] = target
-
-
-def get_executor_class(name: str) -> Callable[..., Any]:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown executor {name!r}; known: {sorted(_REGISTRY)}")
-    module, _, attr = _REGISTRY[name].partition(":")
-    return getattr(importlib.import_module(module), attr)

@@ -2,7 +2,7 @@
 
 An eager prefill or mixed step launches some 25 kernels per layer from Python; below a
 few thousand tokens the GPU waits on the launches, and the step's time follows the host
-CPU's speed (`benchmarks/step_variance.py`). Attention is the only part of a layer whose
+CPU's speed (`benchmarks/investigations/step_variance.py`). Attention is the only part of a layer whose
 work depends on the step's requests (their contexts, chunk boundaries, block tables);
 everything else (norms, projections, the RoPE + cache write, o_proj, the router and the
 experts) depends on the token count alone. So each step's forward is cut at attention:

@@ -87,7 +87,7 @@ def freeze_heap() -> None:
     (gc.freeze, as vLLM's engine does after start-up). A served engine's long-lived
     objects (modules, graphs, kernel metadata: about 300k tracked on the CPU demo) are then
     not traversed again: a full collection took 131 ms there, stalling whatever step it
-    fell in, and at most 6.5 ms with the heap frozen (benchmarks/gc_pauses.py). Frozen
+    fell in, and at most 6.5 ms with the heap frozen (benchmarks/investigations/gc_pauses.py). Frozen
     cycles are never collected until `gc.unfreeze()`: the executor's shutdown, or the next
     CUDA executor's start (`release_dropped_engines`), which frees an engine dropped
     without a shutdown before it sizes its own KV cache."""

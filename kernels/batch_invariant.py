@@ -8,7 +8,7 @@ cut into segments of MATMUL_SEGMENT_K, each segment is accumulated from zero in 
 ((s0 + s1) + s2) + ... Rows meet only in the tile, and an MMA computes each output
 element from its own row and column alone, so the tile shape does not matter:
 16..128-row and 16..256-column tiles and 64..256 K-slices give the same bits
-(benchmarks/binv_matmul.py compares them). That frees the launch to follow M:
+(benchmarks/investigations/binv_matmul.py compares them). That frees the launch to follow M:
 - few rows and few tiles (decode): one program per (tile, segment) writes its float32
   segment sum, and the tile's last such program chains them: split-K whose split
   depends on K only, so that a GEMV streams the weights from every SM;
@@ -32,7 +32,7 @@ MATMUL_SEGMENT_K = 512
 # one program per (tile, K segment), then the chaining kernel; 2, the same with the tile's
 # last segment program chaining (no second launch). Split-K pays where the tiles alone
 # leave SMs idle; with many tiles the whole-K programs win. Tuned for an H200 at
-# Moonlight's shapes (benchmarks/binv_matmul.py); any config gives the same bits, so
+# Moonlight's shapes (benchmarks/investigations/binv_matmul.py); any config gives the same bits, so
 # retuning for another GPU changes speed only.
 MATMUL_CONFIGS_16BIT: tuple[dict[str, int], ...] = (
     {"max_m": 16, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "split": 2, "num_warps": 4, "num_stages": 4},
@@ -252,7 +252,7 @@ def _launch(
     cfg: dict[str, int] | None = None,
 ) -> None:
     """c = a @ b (+ bias). cfg: a launch config other than matmul_config's
-    (benchmarks/binv_matmul.py compares them)."""
+    (benchmarks/investigations/binv_matmul.py compares them)."""
     nb, m, k = a.shape
     n = b.shape[2]
     if m == 0 or n == 0 or nb == 0:

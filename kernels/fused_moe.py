@@ -39,7 +39,7 @@ CONFIGS: tuple[tuple[int, dict[str, int]], ...] = (
 # Batch-invariant mode uses the same table: a token's rows are reduced over K in one
 # order whatever the tile (MMA k-steps in order into one float32 accumulator), so the tile
 # may follow T: 16..128-row, 16..256-column tiles and 64..256 K-slices give the same bits
-# (benchmarks/binv_matmul.py, and the GPU invariance tests whose batches cross every row
+# (benchmarks/investigations/binv_matmul.py, and the GPU invariance tests whose batches cross every row
 # of the table).
 def moe_config(num_tokens: int) -> dict[str, int]:
     return next(dict(cfg) for max_t, cfg in CONFIGS if num_tokens <= max_t)

@@ -327,7 +327,7 @@ def _simulate_ranks(
     meta = _meta(trace, spec, hw, engine, cost_meta, num_blocks, cores, mask_s)
     meta["num_steps"] = stats.num_rounds
     meta.update(stats.to_meta())
-    # The link figure is the datasheet's until benchmarks/all_to_all.py measures it.
+    # The link figure is the datasheet's until benchmarks/investigations/all_to_all.py measures it.
     meta["all_to_all_calibrated"] = False
     return SimResult(records, steps, summarize(records, steps, slo), meta)
 

@@ -407,7 +407,7 @@ def test_simulate_cli_prices_every_request_as_structured(tmp_path, capsys) -> No
     import json
     from pathlib import Path
 
-    from deepinfer import cli
+    from deepinfer.entrypoints import cli
 
     trace = str(Path(__file__).resolve().parents[2] / "traces" / "example.jsonl")
     runs = {}
@@ -423,7 +423,10 @@ def test_simulate_cli_prices_every_request_as_structured(tmp_path, capsys) -> No
 def test_generate_cli_takes_so_args_as_json() -> None:
     import argparse
 
-    from deepinfer.cli.sampling_options import add_sampling_options, sampling_params_from_args
+    from deepinfer.entrypoints.cli.sampling_options import (
+        add_sampling_options,
+        sampling_params_from_args,
+    )
 
     parser = argparse.ArgumentParser()
     add_sampling_options(parser)

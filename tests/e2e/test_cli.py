@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer import cli
+from deepinfer.entrypoints import cli
 from deepinfer.errors import SchedulerStalled
 from deepinfer.scheduler_checks import raise_stalled
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "deepinfer.cli", *args],
+        [sys.executable, "-m", "deepinfer", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -9,11 +9,12 @@ from typing import Any
 
 from deepinfer.config import EngineConfig
 from sim.cost_model import CostModel
-from tests.bench_modules import load_benchmark
 
 
 def _bench() -> Any:
-    return load_benchmark("fidelity")
+    from benchmarks import fidelity
+
+    return fidelity
 
 
 class _Cost(CostModel):

@@ -91,7 +91,7 @@ def test_generate_cli_over_two_expert_parallel_ranks_prints_what_one_process_pri
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`deepinfer generate --data-parallel-size 2 --expert-parallel` on the demo model."""
-    from deepinfer.cli import main
+    from deepinfer.entrypoints.cli import main
 
     args = ["generate", "--device", "cpu", "--temperature", "0", "--max-tokens", "8"]
     args += ["Hello there", "The capital of"]

@@ -7,15 +7,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
+from deepinfer.entrypoints.cli import main
 from executors.demo import DEMO_MODEL_DIR
-from tests.bench_modules import load_benchmark
 
 
 def _bench():  # type: ignore[no-untyped-def]
-    return load_benchmark("first_burst")
+    from benchmarks import first_burst
+
+    return first_burst
 
 
 def test_later_bursts_have_the_first_ones_sizes_and_new_ids() -> None:
@@ -27,19 +28,17 @@ def test_later_bursts_have_the_first_ones_sizes_and_new_ids() -> None:
     assert all(p != q for (p, _), (q, _) in zip(first, again))
 
 
-def test_the_benchmark_runs_every_burst_to_the_end(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_benchmark_runs_every_burst_to_the_end(tmp_path: Path) -> None:
     out = tmp_path / "first.json"
-    monkeypatch.setattr("sys.argv", [
-        "first_burst", "--model", str(DEMO_MODEL_DIR / "config.json"), "--num-prompts", "6",
-        "--bursts", "2", "--max-prompt", "96", "--max-output", "4", "--block-size", "16",
-        "--num-gpu-blocks", "256", "--max-num-batched-tokens", "256", "--max-num-seqs", "8",
-        "--json", str(out),
-    ])  # fmt: skip
+    argv = [
+        "bench", "first-burst", "--model", str(DEMO_MODEL_DIR / "config.json"),
+        "--num-prompts", "6", "--bursts", "2", "--max-prompt", "96", "--max-output", "4",
+        "--block-size", "16", "--num-gpu-blocks", "256", "--max-num-batched-tokens", "256",
+        "--max-num-seqs", "8", "--json", str(out),
+    ]  # fmt: skip
     threads = torch.get_num_threads()
     try:
-        _bench().main()
+        assert main(argv) == 0
     finally:
         torch.set_num_threads(threads)
     doc = json.loads(out.read_text())

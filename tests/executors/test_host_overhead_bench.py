@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from tests.bench_modules import load_benchmark
+from benchmarks import host_overhead as bench
+from deepinfer.entrypoints.cli import main
 
 
-def test_decode_steps_of_the_whole_batch_prepare_graph_inputs(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    bench = load_benchmark("host_overhead")
+def test_decode_steps_of_the_whole_batch_prepare_graph_inputs(tmp_path: Path) -> None:
     cfg, runner, blocks = bench.build(32, 4)
     loads = []
     graphs = runner.graphs
@@ -22,11 +22,10 @@ def test_decode_steps_of_the_whole_batch_prepare_graph_inputs(tmp_path: Path, mo
     assert loads.count(2) >= 4 and loads.count(32) >= 4  # every timed step, graph inputs
     assert all(r["prepare_s"] > 0 and r["schedule_s"] > 0 for r in rows)
     out = tmp_path / "host.json"
-    monkeypatch.setattr("sys.argv", ["host_overhead", "--batches", "1,8", "--steps", "3",
-                                     "--json", str(out)])  # fmt: skip
+    argv = ["bench", "host-overhead", "--batches", "1,8", "--steps", "3", "--json", str(out)]
     threads = torch.get_num_threads()
     try:
-        bench.main()  # (sets one torch thread, as it measures: restored for later tests)
+        assert main(argv) == 0  # (sets one torch thread, as it measures: restored after)
     finally:
         torch.set_num_threads(threads)
     mixed = json.loads(out.read_text())["mixed"]  # eager steps' inputs, timed

@@ -68,7 +68,7 @@ def test_the_simulator_is_not_an_offline_api_executor(tiny_models: dict[str, Tin
 def test_generate_prints_the_logprobs_it_was_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
     """`deepinfer generate --logprobs 2` computed them and printed nothing: now one line a
     generated token (its logprob, then the top 2) and the cumulative logprob."""
-    from deepinfer.cli import main
+    from deepinfer.entrypoints.cli import main
 
     args = ["generate", "--device", "cpu", "--temperature", "0", "--max-tokens", "4", "Hello"]
     assert main([*args, "--logprobs", "2"]) == 0

@@ -8,13 +8,14 @@ import math
 import pytest
 
 from executors.torch_executor import TorchExecutor
-from tests.bench_modules import load_benchmark
 from tests.executors.tiny_models import TinyModel
 
 
 @pytest.fixture(scope="module")
 def model_speed():
-    return load_benchmark("model_speed")
+    from benchmarks import model_speed
+
+    return model_speed
 
 
 def test_whole_batch_decode_steps_exist_only_with_room_above_the_watermark(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.cli import main
+from deepinfer.entrypoints.cli import main
 from sim.profiled_cost_model import load_profile
 
 

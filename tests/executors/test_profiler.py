@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer import cli
+from deepinfer.entrypoints import cli
 from deepinfer.model_config import load_model_config, write_config_with_mtp_layer
 
 SMALL_ENGINE = [

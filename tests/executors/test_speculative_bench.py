@@ -11,13 +11,14 @@ from deepinfer.config import EngineConfig
 from executors.mtp_drafter import MTPDrafter
 from executors.spec_decode import verify, verify_on_device
 from executors.torch_executor import TorchExecutor
-from tests.bench_modules import load_benchmark
 from tests.executors.tiny_models import TinyModel
 
 
 @pytest.fixture(scope="module")
 def speculative():
-    return load_benchmark("speculative")
+    from benchmarks import speculative
+
+    return speculative
 
 
 def _drafter(ex: TorchExecutor) -> MTPDrafter:

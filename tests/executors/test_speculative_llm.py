@@ -194,7 +194,7 @@ def test_speculative_sampling_matches_plain_sampling() -> None:
 
 @needs_demo
 def test_measure_acceptance_writes_the_file_the_simulator_reads(tmp_path: Path) -> None:
-    from deepinfer.cli import main
+    from deepinfer.entrypoints.cli import main
     from sim.acceptance import AcceptanceModel
 
     out = tmp_path / "acc.json"

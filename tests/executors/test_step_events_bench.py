@@ -10,8 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.bench_modules import load_benchmark
-
 
 class _Clock:
     now = 0.0
@@ -36,7 +34,9 @@ def bench(monkeypatch):  # type: ignore[no-untyped-def]
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
-    return load_benchmark("step_events")
+    from benchmarks import step_events
+
+    return step_events
 
 
 class _Executor:

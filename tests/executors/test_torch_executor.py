@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from deepinfer.config import EngineConfig
+from deepinfer.entrypoints.executor_registry import get_executor_class
 from deepinfer.errors import RequestFailed
-from deepinfer.executor import Executor, get_executor_class
+from deepinfer.executor import Executor
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 from deepinfer.sampling_params import SamplingParams
 from executors.torch_executor import TorchExecutor

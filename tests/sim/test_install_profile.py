@@ -1,4 +1,4 @@
-"""benchmarks/install_profile.py: a re-measured profile is compared point by point with the
+"""`deepinfer profile install`: a re-measured profile is compared point by point with the
 shipped one before it replaces it, and gets the commit it was measured at."""
 
 from __future__ import annotations
@@ -8,12 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench_modules import load_benchmark
-
-
-@pytest.fixture(scope="module")
-def install():
-    return load_benchmark("install_profile")
+from deepinfer.entrypoints.cli import main
+from deepinfer.entrypoints.cli import profile_install as install
 
 
 def _point(kind: str, batch: int, median: float, pipelined: float | None = None) -> dict:
@@ -28,7 +24,7 @@ def _profile(points: list[dict], commit: str = "stale") -> dict:
             "points": points}  # fmt: skip
 
 
-def test_ratios_are_taken_over_the_points_both_measured(install) -> None:
+def test_ratios_are_taken_over_the_points_both_measured() -> None:
     old = _profile(
         [_point("decode", 1, 2.0, 1.0), _point("decode", 8, 4.0), _point("mixed", 8, 1.0)]
     )
@@ -44,23 +40,22 @@ def test_ratios_are_taken_over_the_points_both_measured(install) -> None:
     assert row["largest_moves"][0][0] == pytest.approx(0.5)
 
 
-def test_install_sets_the_commit_measured(install, tmp_path: Path, monkeypatch) -> None:
+def test_install_sets_the_commit_measured(tmp_path: Path, monkeypatch) -> None:
     shipped = tmp_path / "shipped"
     shipped.mkdir()
     (shipped / "m__h200.json").write_text(json.dumps(_profile([_point("decode", 1, 2.0)])))
     fresh = tmp_path / "m__h200.json"
     fresh.write_text(json.dumps(_profile([_point("decode", 1, 1.0)])))
-    monkeypatch.setattr(install, "SHIPPED", shipped)
-    monkeypatch.setattr(install, "ROOT", tmp_path)
-    assert install.main([str(fresh), "--commit", "abc123", "--dry-run"]) == 0
+    monkeypatch.setattr("sim.profiled_cost_model.PROFILES_DIR", shipped)
+    assert main(["profile", "install", str(fresh), "--commit", "abc123", "--dry-run"]) == 0
     assert json.loads((shipped / "m__h200.json").read_text())["points"][0]["median_s"] == 2.0
-    assert install.main([str(fresh), "--commit", "abc123"]) == 0
+    assert main(["profile", "install", str(fresh), "--commit", "abc123"]) == 0
     got = json.loads((shipped / "m__h200.json").read_text())
     assert got["points"][0]["median_s"] == 1.0
     assert got["meta"]["commit"] == "abc123" and got["meta"]["commit_dirty"] is False
 
 
-def test_moves_rank_by_factor_either_way(install) -> None:
+def test_moves_rank_by_factor_either_way() -> None:
     """2.5x faster moved more than 1.8x slower (|log| of the ratio, not |ratio - 1|)."""
     old = _profile([_point("decode", 1, 1.0), _point("decode", 8, 1.0)])
     new = _profile([_point("decode", 1, 0.4), _point("decode", 8, 1.8)])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer import cli
 from deepinfer.config import EngineConfig
+from deepinfer.entrypoints import cli
 from deepinfer.model_config import load_model_config
 from sim import simulate
 from sim.analytic_cost_model import AnalyticCostModel

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from deepinfer.model_config import load_model_config
-from tests.bench_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = sorted((ROOT / "sim" / "data" / "profiles").glob("*__h200.json"))
@@ -17,7 +16,9 @@ PROFILES = sorted((ROOT / "sim" / "data" / "profiles").glob("*__h200.json"))
 
 @pytest.fixture(scope="module")
 def step_roofline():
-    return load_benchmark("step_roofline")
+    from benchmarks import step_roofline
+
+    return step_roofline
 
 
 @pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.stem)

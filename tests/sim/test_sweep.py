@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from deepinfer.cli import main
+from deepinfer.entrypoints.cli import main
 from sim.sweep import (
     RateSpec,
     ResultStore,
@@ -208,7 +208,7 @@ def test_resume_after_a_kill_gives_the_same_results(tmp_path: Path, capsys):
     argv = ["sweep", "--grid", str(grid), "--out", str(out), "--workers", "1", *ARGS]
     argv[-2] = "120"  # --max-requests: points slow enough to be killed between two
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "deepinfer.cli", *argv], env=env, cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "deepinfer", *argv], env=env, cwd=ROOT)
     points = out / "points.jsonl"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:

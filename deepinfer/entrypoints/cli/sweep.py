@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deepinfer.cli.engine_options import ENGINE_HELP
 from deepinfer.config import EngineConfig
+from deepinfer.entrypoints.cli.engine_options import ENGINE_HELP
 
 _SIM_FLAGS = ("model", "hardware", "cost_model", "acceptance_rate")
 _RATE_FLAGS = {"rate_min": "min", "rate_max": "max", "rate_start": "start", "rate_tol": "rel_tol"}
@@ -103,7 +103,7 @@ def grid_from_args(args: argparse.Namespace) -> Any:
 def run_sweep_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from deepinfer.cli.simulate import default_trace
+    from deepinfer.entrypoints.cli.simulate import default_trace
     from sim.sweep import (
         ResultStore,
         SweepContext,

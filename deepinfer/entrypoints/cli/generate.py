@@ -7,9 +7,12 @@ import dataclasses
 import sys
 from typing import Any
 
-from deepinfer.cli.engine_options import add_engine_options, engine_config_from_args
-from deepinfer.cli.sampling_options import add_sampling_options, sampling_params_from_args
 from deepinfer.data_parallel.front_end import DataParallelEngine
+from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
+from deepinfer.entrypoints.cli.sampling_options import (
+    add_sampling_options,
+    sampling_params_from_args,
+)
 
 
 def add_generate_parser(sub: Any) -> None:
@@ -33,7 +36,7 @@ def add_generate_parser(sub: Any) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from deepinfer.llm import LLM
+    from deepinfer.entrypoints.llm import LLM
 
     engine = engine_config_from_args(args)
     try:

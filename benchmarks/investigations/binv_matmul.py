@@ -1,6 +1,6 @@
 """Batch-invariant matmul: launch configs against cuBLAS at the shapes of a model (CUDA).
 
-    python benchmarks/binv_matmul.py [--model moonlight-16b-a3b] [--ms 1,16,64,256,8192]
+    python benchmarks/investigations/binv_matmul.py [--model moonlight-16b-a3b] [--ms 1,16,64,256,8192]
 
 For every Linear shape of the model (N, K) and row count M: the median time of
 F.linear (cuBLAS, picks its kernel from M), of the mode's GEMM (kernels.batch_invariant,
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench_cudagraph
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deepinfer.model_config import load_model_config  # noqa: E402
 from kernels import batch_invariant as bi  # noqa: E402

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deepinfer.cli.engine_options import add_engine_options, engine_config_from_args
+from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
 
 
 def add_simulate_parser(sub: Any) -> None:
@@ -237,7 +237,7 @@ def _retime(trace: Any, rate: float, seed: int, time_scale: float) -> Any:
 
 def default_trace() -> Path:
     """The bundled trace `deepinfer simulate` runs when given none."""
-    return Path(__file__).resolve().parents[2] / "traces" / "azure_code_small.json"
+    return Path(__file__).resolve().parents[3] / "traces" / "azure_code_small.json"
 
 
 def _cost_model_line(meta: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """Does a step run slower after the engine sat idle? (GPU clocks drop when idle.)
 
-    python benchmarks/idle_penalty.py [--model moonlight-16b-a3b] [--batch 8]
+    python benchmarks/investigations/idle_penalty.py [--model moonlight-16b-a3b] [--batch 8]
 
 Times one decode step (a CUDA graph) and one prefill step after sleeping 0 to 500 ms,
 and prints the median of each against the back-to-back time.
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deepinfer.config import EngineConfig  # noqa: E402
 from deepinfer.outputs import SchedulerOutput  # noqa: E402

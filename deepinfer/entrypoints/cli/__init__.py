@@ -1,4 +1,5 @@
-"""`deepinfer simulate | sweep | generate | profile`: the command line.
+"""`deepinfer simulate | sweep | generate | profile | measure-acceptance | bench`: the
+command line.
 
 Each command lives in its own module and imports the simulator or the real
 executor inside its run function, so `deepinfer --help` stays light.
@@ -13,11 +14,12 @@ import sys
 from typing import NoReturn
 
 from deepinfer import __version__
-from deepinfer.cli.generate import add_generate_parser
-from deepinfer.cli.measure_acceptance import add_measure_acceptance_parser
-from deepinfer.cli.profile import add_profile_parser
-from deepinfer.cli.simulate import add_simulate_parser
-from deepinfer.cli.sweep import add_sweep_parser
+from deepinfer.entrypoints.cli.bench import add_bench_parser
+from deepinfer.entrypoints.cli.generate import add_generate_parser
+from deepinfer.entrypoints.cli.measure_acceptance import add_measure_acceptance_parser
+from deepinfer.entrypoints.cli.profile import add_profile_parser
+from deepinfer.entrypoints.cli.simulate import add_simulate_parser
+from deepinfer.entrypoints.cli.sweep import add_sweep_parser
 from deepinfer.errors import SchedulerStalled
 
 EXIT_BAD_INPUT = 2
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_profile_parser(sub)
     add_measure_acceptance_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

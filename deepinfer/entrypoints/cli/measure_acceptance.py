@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deepinfer.cli.engine_options import add_engine_options, engine_config_from_args
 from deepinfer.engine import EngineCore
+from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
 
 
 def add_measure_acceptance_parser(sub: Any) -> None:

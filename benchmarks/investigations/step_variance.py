@@ -1,6 +1,6 @@
 """Is a step's time a function of its shape alone? The same mixed step, repeated.
 
-    python benchmarks/step_variance.py [--model moonlight-16b-a3b] [--reps 40]
+    python benchmarks/investigations/step_variance.py [--model moonlight-16b-a3b] [--reps 40]
         [--served DIR/fidelity.json [--steps 12]]
 
 For a few mixed shapes (one prompt chunk beside D decodes) times `executor.execute`:
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deepinfer.config import EngineConfig  # noqa: E402
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
-from deepinfer.cli.engine_options import parse_bool
+from deepinfer.entrypoints.cli.engine_options import parse_bool
 from deepinfer.sampling_params import SamplingParams
 
 # Fields the command line leaves out: `best_of` (refused unless it equals n), the

@@ -1,7 +1,5 @@
-"""Install a freshly measured profile into sim/data/profiles/, and say how it moved.
-
-    python benchmarks/install_profile.py OUT/moonlight-16b-a3b__h200.json [--commit HASH]
-        [--dry-run]
+"""`deepinfer profile install PROFILE.json`: put a freshly measured profile among the
+shipped ones (sim/data/profiles/), and say how it moved.
 
 Prints, by step kind, the median ratio of the new profile's step times to the shipped
 one's over the points both measured (same kind, same groups), and the points that moved
@@ -20,8 +18,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "sim" / "data" / "profiles"
+
+def add_install_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "install",
+        prog="deepinfer profile install",
+        help="compare a re-measured profile with the shipped one, then replace it",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("profile", type=Path, help="the measured profile (its file name is kept)")
+    p.add_argument("--commit", default=None, help="the commit the profile was measured at")
+    p.add_argument("--dry-run", action="store_true", help="compare only; install nothing")
+    p.set_defaults(func=run_install)
 
 
 def _key(point: dict[str, Any]) -> str:
@@ -57,14 +65,11 @@ def compare(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("profile", type=Path)
-    p.add_argument("--commit", default=None, help="the commit the profile was measured at")
-    p.add_argument("--dry-run", action="store_true", help="compare only; install nothing")
-    args = p.parse_args(argv)
+def run_install(args: argparse.Namespace) -> int:
+    from sim.profiled_cost_model import PROFILES_DIR
+
     new = json.loads(args.profile.read_text())
-    target = SHIPPED / args.profile.name
+    target = PROFILES_DIR / args.profile.name
     if target.exists():
         old = json.loads(target.read_text())
         print(f"{args.profile.name}: new / shipped, median over the points both measured")
@@ -90,9 +95,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
     target.write_text(json.dumps(new, indent=1) + "\n")
-    print(f"installed {target.relative_to(ROOT)}", file=sys.stderr)
+    print(f"installed {target}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

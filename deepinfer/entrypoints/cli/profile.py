@@ -1,4 +1,6 @@
-"""`deepinfer profile --model NAME --out PROFILE.json`: measure the real executor's steps.
+"""`deepinfer profile --model NAME --out PROFILE.json`: measure the real executor's steps
+(`deepinfer profile install PROFILE.json` then puts one among the shipped profiles:
+`profile_install.py`).
 
 Writes the profile the simulator's profiled cost model fits (sim/data/profiles/ holds
 the shipped ones): start-up, a grid of whole steps (decode, prefill, mixed, many short
@@ -19,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deepinfer.cli.engine_options import add_engine_options, engine_config_from_args
+from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
+from deepinfer.entrypoints.cli.profile_install import add_install_parser
 
 PROFILE_VERSION = 1
 
@@ -27,9 +30,14 @@ PROFILE_VERSION = 1
 def add_profile_parser(sub: Any) -> None:
     p = sub.add_parser(
         "profile",
-        help="measure the real executor's step times for the simulator (needs the torch extra)",
+        help="measure the real executor's step times for the simulator (needs the torch "
+        "extra), or install a measured profile",
+        usage="deepinfer profile --out PROFILE.json [--model NAME] [options]\n"
+        "       deepinfer profile install PROFILE.json [--commit HASH] [--dry-run]",
         description="Run the real executor over a grid of whole engine steps and write the "
-        "profile that `deepinfer simulate` fits (cost model 'profiled').",
+        "profile that `deepinfer simulate` fits (cost model 'profiled'). `deepinfer profile "
+        "install PROFILE.json` compares such a profile with the shipped one of its name, "
+        "step kind by step kind, then replaces it (`install --help`).",
     )
     p.add_argument(
         "--model",
@@ -37,7 +45,7 @@ def add_profile_parser(sub: Any) -> None:
         help="preset (random weights in its shapes), checkpoint directory, or "
         "hub id (default: %(default)s)",
     )
-    p.add_argument("--out", type=Path, required=True, help="profile JSON to write")
+    p.add_argument("--out", type=Path, help="profile JSON to write (required to measure)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: detected)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     p.add_argument(
@@ -64,6 +72,7 @@ def add_profile_parser(sub: Any) -> None:
     )
     add_engine_options(p)
     p.set_defaults(func=run_profile)
+    add_install_parser(p.add_subparsers(dest="profile_action", title="install a profile"))
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -72,12 +81,14 @@ def run_profile(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from deepinfer.engine import EngineCore
-    from deepinfer.executor import get_executor_class
+    from deepinfer.entrypoints.executor_registry import get_executor_class
     from deepinfer.model_config import known_models, write_config_with_mtp_layer
     from executors.profile_env import environment
     from executors.profile_grid import GridLimits, default_grid, run_slack, speculative_grid
     from executors.profiler import drafter_detached, profile_host, profile_steps
 
+    if args.out is None:
+        raise ValueError("profile: --out PROFILE.json is required to measure")
     if args.reps < 1 or args.rounds < 1:
         raise ValueError(f"--reps {args.reps}, --rounds {args.rounds}: each must be >= 1")
     _refuse_scheduling_options(args)

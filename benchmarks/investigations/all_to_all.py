@@ -1,7 +1,7 @@
 """All-to-all time against message size over N GPUs of one host (NCCL), beside the link
 figures the simulator prices expert parallelism with (sim/data/hardware.json).
 
-    python benchmarks/all_to_all.py [--ranks 2,4,8] [--hidden 2048] [--json OUT.json]
+    python benchmarks/investigations/all_to_all.py [--ranks 2,4,8] [--hidden 2048] [--json OUT.json]
 
 For each N and each number of rows R a rank sends (its tokens x top_k), every rank sends
 R / N rows of `hidden` bf16 to every rank (itself included) with all_to_all_single, as

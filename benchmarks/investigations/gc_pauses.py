@@ -2,7 +2,7 @@
 start-up heap frozen (what the executor does on CUDA: executors/warmup.freeze_heap) and
 without.
 
-    python benchmarks/gc_pauses.py [--model deepinfer-demo] [--device cpu]
+    python benchmarks/investigations/gc_pauses.py [--model deepinfer-demo] [--device cpu]
         [--requests 256] [--prompt-len 64] [--max-tokens 400] [--json OUT.json]
 
 Each mode builds its engine, then runs the same greedy requests to the end, timing each
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deepinfer.config import EngineConfig  # noqa: E402
 from deepinfer.engine import EngineCore  # noqa: E402

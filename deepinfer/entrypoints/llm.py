@@ -17,7 +17,7 @@ from typing import Any
 from deepinfer.config import EngineConfig
 from deepinfer.data_parallel.front_end import DataParallelEngine
 from deepinfer.engine import EngineCore
-from deepinfer.executor import get_executor_class
+from deepinfer.entrypoints.executor_registry import get_executor_class
 from deepinfer.output_processor import TrackedCompletion, TrackedPrompt
 from deepinfer.outputs import RequestOutput
 from deepinfer.request import FinishReason, Request
