@@ -40,11 +40,11 @@ def default_token_buckets(max_tokens: int, limit: int = 8192) -> list[int]:
     """16, 32, 48, 64, then about 1.33x apart to 2,048, then every 512, to
     min(max_tokens, limit).
 
-    Eager steps are host-bound well past 2k tokens: on the H200 (Moonlight shapes) a
-    2,052-token step took 66 ms eagerly against 33 ms for 2,048 tokens in graphs, and
-    a 4,096-token one 65 ms. So buckets go on, 512 apart (padding costs at most ~7 ms of
-    matmuls there), to 8k tokens, where an eager step is bound by its matmuls (the
-    launches overlap the GPU work) and padding would cost more than a graph saves."""
+    Eager steps stay host-bound (their kernel launches cost more than their matmuls)
+    well past 2k tokens, so buckets go on, 512 apart (padding to the next bucket costs
+    less than the launches a graph saves), to 8k tokens, where an eager step is bound
+    by its matmuls (the launches overlap the GPU work) and padding would cost more than
+    a graph saves."""
     sizes = [16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536]
     sizes += list(range(2048, limit + 1, 512))
     top = min(max_tokens, limit)
