@@ -86,8 +86,8 @@ def freeze_heap() -> None:
     """Collect, then move every object alive into the collector's permanent generation
     (gc.freeze, as vLLM's engine does after start-up). A served engine's long-lived
     objects (modules, graphs, kernel metadata: about 300k tracked on the CPU demo) are then
-    not traversed again, so a full collection no longer walks them in the middle of
-    whatever step it falls in (benchmarks/investigations/gc_pauses.py measures it). Frozen
+    not traversed again, so a full collection skips them instead of walking them in
+    the middle of a step (benchmarks/investigations/gc_pauses.py measures it). Frozen
     cycles are never collected until `gc.unfreeze()`: the executor's shutdown, or the next
     CUDA executor's start (`release_dropped_engines`), which frees an engine dropped
     without a shutdown before it sizes its own KV cache."""
