@@ -105,7 +105,7 @@ def _mark_regions(core: EngineCore, ex, extra: tuple = ()) -> contextlib.ExitSta
     targets = [
         *extra,
         (core, "schedule"),
-        (core, "process"),
+        (core, "apply_results"),
         (runner, "update_states"),
         (runner.inputs, "collect"),
         (runner, "launch"),

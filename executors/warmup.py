@@ -85,7 +85,7 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int)
 def freeze_heap() -> None:
     """Collect, then move every object alive into the collector's permanent generation
     (gc.freeze, as vLLM's engine does after start-up). A served engine's long-lived
-    objects (modules, graphs, kernel metadata: about 300k tracked on the CPU demo) are then
+    objects (modules, graphs, kernel metadata) are then
     not traversed again, so a full collection skips them instead of walking them in
     the middle of a step (benchmarks/investigations/gc_pauses.py measures it). Frozen
     cycles are never collected until `gc.unfreeze()`: the executor's shutdown, or the next

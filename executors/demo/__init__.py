@@ -27,6 +27,6 @@ def demo_model_path() -> Path:
         raise FileNotFoundError(
             f"the demo model checkpoint is not in {DEMO_MODEL_DIR} (missing {', '.join(missing)}); "
             "build it from the repository root with `python -m examples.train_demo.train --out "
-            f"{DEMO_MODEL_DIR} --device cuda` (about 8 minutes on one H200)"
+            f"{DEMO_MODEL_DIR} --device cuda` (minutes on a GPU)"
         )
     return DEMO_MODEL_DIR

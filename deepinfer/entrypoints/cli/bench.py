@@ -64,8 +64,8 @@ def add_bench_parser(sub: Any) -> None:
         "bench",
         help="run a benchmark (deepinfer bench --help lists them)",
         description="Run one benchmark with its own options: deepinfer bench NAME [OPTIONS] "
-        "(deepinfer bench NAME --help lists them). Run from the repository root, where the "
-        "benchmarks find the bundled traces.",
+        "(deepinfer bench NAME --help lists them). The benchmarks live in the repository "
+        "(an editable install, `pip install -e .`): they read its bundled traces.",
     )
     names = p.add_subparsers(dest="benchmark", required=True, metavar="NAME")
     for name, (_, line) in BENCHMARKS.items():
