@@ -1,18 +1,34 @@
 """Simulator speed: whole public traces through `simulate`, wall time per trace.
 
-    deepinfer bench sim-speed [--shared ../shared/traces] [--profile]
+    deepinfer bench sim-speed [--shared ../shared/traces] [--only NAME] [--profile]
+    deepinfer bench sim-speed --ab COMMIT [--ab COMMIT2] [--runs 3] [--only NAME]
 
 Prints one row per trace: requests, engine steps, wall seconds, simulated
 requests per second and steps per second, and the simulated makespan. The
 scheduler's per-step cost must not grow with the waiting queue: the
 `overload` row replays the Azure trace 20x faster, so thousands wait.
+
+`--ab COMMIT` compares this working tree with COMMIT's code side by side: COMMIT is
+checked out in a temporary git worktree, and each run is a fresh process of this
+file with that tree (or this one) first on PYTHONPATH, the sides interleaved run by
+run, so a load that comes and goes on a shared machine falls on both alike. It
+prints each side's median wall seconds and microseconds a step, and each other
+side's ratio to this tree (a step's time: commits may take different steps). Pin it
+to one core (`taskset -c 0 ...`): the runs inherit the affinity.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
+import os
 import pstats
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,6 +75,66 @@ def run_case(
     )
 
 
+def run_ab(shared: Path, names: list[str], commits: list[str], runs: int) -> None:
+    """Interleaved runs of this tree and each commit's tree; prints medians and ratios."""
+    worktrees = tempfile.mkdtemp(prefix="sim-speed-ab-")
+    trees = {"this tree": ROOT}
+    try:
+        for commit in commits:
+            tree = Path(worktrees) / commit.replace("/", "_")
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit],
+                check=True, capture_output=True,
+            )  # fmt: skip
+            trees[commit] = tree
+        for name in names:
+            rows: dict[str, list[dict]] = {side: [] for side in trees}
+            for i in range(runs):
+                for side, tree in trees.items():
+                    rows[side].append(_run_in(tree, shared, name))
+                    r = rows[side][-1]
+                    print(
+                        f"  run {i + 1}/{runs} {side:12} {r['wall']:7.2f} s "
+                        f"{r['us_per_step']:7.1f} us/step",
+                        flush=True,
+                    )
+            _print_ab(name, runs, trees, rows)
+    finally:
+        for tree in list(trees.values())[1:]:
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+                check=False, capture_output=True,
+            )  # fmt: skip
+        shutil.rmtree(worktrees, ignore_errors=True)
+
+
+def _run_in(tree: Path, shared: Path, name: str) -> dict:
+    """One run of case `name` in a fresh process on `tree`'s code (this file's
+    measurement, which needs only `simulate`, `load_trace` and `EngineConfig`)."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--only", name,
+           "--shared", str(shared.resolve())]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _print_ab(name: str, runs: int, trees: dict[str, Path], rows: dict[str, list[dict]]) -> None:
+    print(f"{name}: median of {runs} interleaved runs, one process each")
+    print(f"{'side':12} {'commit':10} {'steps':>8} {'wall s':>7} {'us/step':>8} {'ratio':>7}")
+    base = statistics.median(r["us_per_step"] for r in rows["this tree"])
+    for side, tree in trees.items():
+        head = subprocess.run(
+            ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=False,
+        ).stdout.strip()  # fmt: skip
+        us = statistics.median(r["us_per_step"] for r in rows[side])
+        wall = statistics.median(r["wall"] for r in rows[side])
+        print(
+            f"{side:12} {head:10} {rows[side][0]['steps']:8d} {wall:7.2f} {us:8.1f} "
+            f"{us / base:6.2f}x"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -69,8 +145,19 @@ def main() -> None:
     )
     p.add_argument("--only", default=None, help="run only the case with this name")
     p.add_argument("--profile", action="store_true", help="cProfile the run, top 25 by tottime")
+    p.add_argument(
+        "--ab",
+        action="append",
+        metavar="COMMIT",
+        help="compare this tree with COMMIT's code, interleaved (repeat for more commits)",
+    )
+    p.add_argument("--runs", type=int, default=3, help="--ab: runs of each side (default 3)")
+    p.add_argument("--json", action="store_true", help="print each case's row as JSON")
     args = p.parse_args()
     cases = [c for c in CASES if args.only in (None, c[0])]
+    if args.ab:
+        run_ab(args.shared, [c[0] for c in cases], args.ab, args.runs)
+        return
     prof = cProfile.Profile() if args.profile else None
     rows = []
     for case in cases:
@@ -79,6 +166,10 @@ def main() -> None:
         rows.append(run_case(args.shared, *case))
         if prof:
             prof.disable()
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return
     print(
         f"{'trace':22} {'requests':>8} {'done':>6} {'rej':>5} {'steps':>8} {'wall s':>7} "
         f"{'req/s':>7} {'us/step':>8} {'waiting':>8} {'sim s':>8}"

@@ -38,18 +38,20 @@ class CostModel(ABC):
 
     @abstractmethod
     def step_time(self, out: SchedulerOutput) -> float:
-        """Device seconds to execute `out`; 0.0 for an empty step. Called at each launch."""
+        """Device seconds to execute `out`; 0.0 for an empty step. Called at each launch
+        (through `launch_cost` where the device is not the host)."""
 
     def cpu_time(self, out: SchedulerOutput) -> float:
         """Host seconds spent around `out` (scheduling, input prep, output processing),
         charged after each schedule. Default 0.0: host time is not modelled."""
         return 0.0
 
-    def idle_launch_time(self, out: SchedulerOutput, priced: float) -> float:
-        """Seconds `out` costs beyond `priced` (its `step_time`) when launched on an idle
-        device; the simulator adds them at each launch under async scheduling. Default
-        0.0: a step costs the same whatever runs before it."""
-        return 0.0
+    def launch_cost(self, out: SchedulerOutput) -> tuple[float, float]:
+        """(`step_time(out)`, the seconds more `out` costs when launched on an idle
+        device): the simulator prices each launch under async scheduling with this one
+        call, so a model that needs a second fit for the idle case reads the step once.
+        Default: the step costs the same whatever runs before it (0.0 more)."""
+        return self.step_time(out), 0.0
 
     @property
     def grammar_mask_per_token_s(self) -> float:

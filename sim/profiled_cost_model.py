@@ -97,6 +97,24 @@ def load_profile(path: str | Path) -> dict[str, Any]:
     return data
 
 
+class _Step:
+    """One step as both fits of a model read it (`ProfiledCostModel._measure`): its
+    batch, effective context, whether it runs eagerly, the drafts the drafter proposes
+    after it, and its features once the physics needed them."""
+
+    __slots__ = ("out", "n", "effective", "eager", "num_drafts", "features")
+
+    def __init__(
+        self, out: SchedulerOutput, n: float, effective: float, eager: bool, num_drafts: int
+    ) -> None:
+        self.out = out
+        self.n = n
+        self.effective = effective
+        self.eager = eager
+        self.num_drafts = num_drafts
+        self.features: list[float] | None = None
+
+
 @dataclass(frozen=True)
 class FitReport:
     """How well the fit reproduces its own points (signed relative errors)."""
@@ -191,7 +209,7 @@ class ProfiledCostModel(CostModel):
         with warnings.catch_warnings():  # its own points: nothing to warn about
             warnings.simplefilter("ignore")
             pred = np.array(
-                [self._price(o, int(p.get("drafter", 0))) for p, o in zip(points, outs)]
+                [self._price_point(o, int(p.get("drafter", 0))) for p, o in zip(points, outs)]
             )
         err = np.abs(pred - y) / y
         self.fit = FitReport(float(np.median(err)), float(np.quantile(err, 0.9)), float(err.max()))
@@ -220,36 +238,44 @@ class ProfiledCostModel(CostModel):
     # --- the CostModel contract -------------------------------------------------
 
     def step_time(self, out: SchedulerOutput) -> float:
-        k = self.num_speculative_tokens
-        if k and out.num_proposals is not None:  # varlen: the drafter proposes fewer
-            k = out.num_proposals
-        return self._price(out, k)
+        step = self._measure(out, self._drafts_proposed(out))
+        return 0.0 if step is None else self._price(step)
 
-    def idle_launch_time(self, out: SchedulerOutput, priced: float) -> float:
-        """Seconds `out` costs beyond `priced` (its `step_time`, which the caller has)
-        when launched on an idle device: a
-        pipelined step's input preparation and read-back hide behind the step before it;
-        with nothing running (the first step after the engine idled, or one launched
+    def launch_cost(self, out: SchedulerOutput) -> tuple[float, float]:
+        """(`step_time(out)`, the seconds more it costs when launched on an idle device):
+        a pipelined step's input preparation and read-back hide behind the step before
+        it; with nothing running (the first step after the engine idled, or one launched
         after the step before was applied) they are on the device's path, and the step
-        takes its sequential time, the points' medians (0 where steps are priced so)."""
+        takes its sequential time, the points' medians. Both fits price the one pass
+        over the step's requests (and its features), so a launch is measured once."""
+        step = self._measure(out, self._drafts_proposed(out))
+        if step is None:
+            return 0.0, 0.0
+        priced = self._price(step)
         if not self.pipelined:
-            return 0.0
+            return priced, 0.0
         if self._sequential is None:
             with warnings.catch_warnings():  # (the pipelined fit warned already)
                 warnings.simplefilter("ignore")
                 self._sequential = ProfiledCostModel(*self._sequential_args)
             self._sequential._warned = self._warned  # one warning a range, not two
-        extra = self._sequential.step_time(out) - priced
-        return extra if extra > 0.0 else 0.0
+        extra = self._sequential._price(step) - priced
+        return priced, extra if extra > 0.0 else 0.0
 
-    def _price(self, out: SchedulerOutput, num_drafts: int) -> float:
-        """`out` followed by the drafter proposing `num_drafts` drafts (0: as many as a
-        request of the step verifies; none: no drafter)."""
+    def _drafts_proposed(self, out: SchedulerOutput) -> int:
+        k = self.num_speculative_tokens
+        if k and out.num_proposals is not None:  # varlen: the drafter proposes fewer
+            k = out.num_proposals
+        return k
+
+    def _measure(self, out: SchedulerOutput, num_drafts: int) -> _Step | None:
+        """What the fits read of `out` followed by the drafter proposing `num_drafts`
+        drafts (0: as many as a request of the step verifies; none: no drafter), in one
+        pass over its requests (this runs for every simulated step); None for an empty
+        step. Warns once where the step lies beyond the profile's range."""
         scheduled = out.scheduled
         if not scheduled:
-            return 0.0
-        # One pass for what the range check and the decode surface read (this runs for
-        # every simulated step): tokens, the longest context, decode contexts.
+            return None
         tokens = longest = ctx_max = ctx_sum = 0
         eager = False
         for r in scheduled:
@@ -270,17 +296,23 @@ class ProfiledCostModel(CostModel):
         effective = max(1.0, float(ctx_max if n <= self._one_wave else ctx_sum / n))
         if eager and not num_drafts:  # drafts to verify: a drafter proposed them
             num_drafts = max(len(r.draft_token_ids) for r in scheduled)
-        if num_drafts:
-            return self._price_speculative(out, num_drafts, float(n), effective)
-        if not eager and self._decode.ready:
-            return self._decode.predict_at(float(n), effective)
-        return self._physics(out)
+        return _Step(out, float(n), effective, eager, num_drafts)
 
-    def _price_speculative(
-        self, out: SchedulerOutput, num_drafts: int, n: float, effective: float
-    ) -> float:
+    def _price_point(self, out: SchedulerOutput, num_drafts: int) -> float:
+        step = self._measure(out, num_drafts)
+        return 0.0 if step is None else self._price(step)
+
+    def _price(self, step: _Step) -> float:
+        if step.num_drafts:
+            return self._price_speculative(step)
+        if not step.eager and self._decode.ready:
+            return self._decode.predict_at(step.n, step.effective)
+        return self._physics_of(step)
+
+    def _price_speculative(self, step: _Step) -> float:
         """A speculating engine's step: the target part (verify surfaces for uniform
         decode-like steps, else the plain fit's physics), then the drafter's."""
+        out, n, effective = step.out, step.n, step.effective
         drafts = 0
         uniform = True  # no prompt chunk, every request its token plus its drafts
         for r in out.scheduled:
@@ -290,7 +322,7 @@ class ProfiledCostModel(CostModel):
                 uniform = False
         spec = self._spec
         if not spec.ready:
-            self._warn_no_verify_points(num_drafts)
+            self._warn_no_verify_points(step.num_drafts)
         if uniform and self._decode.ready:
 
             def decode() -> float:
@@ -303,13 +335,20 @@ class ProfiledCostModel(CostModel):
             else:
                 target = fallback_target(self._analytic, out, decode())
         else:
-            target = self._physics(out)
+            target = self._physics_of(step)
         if spec.ready:
-            return target + spec.drafter_time(out, num_drafts)
-        return target + self._analytic.drafter_seconds(out, num_drafts)
+            return target + spec.drafter_time(out, step.num_drafts)
+        return target + self._analytic.drafter_seconds(out, step.num_drafts)
 
     def _physics(self, out: SchedulerOutput) -> float:
         return sum(f * c for f, c in zip(self.features(out), self._coef))
+
+    def _physics_of(self, step: _Step) -> float:
+        """`_physics(step.out)`, its features computed once for both fits."""
+        features = step.features
+        if features is None:
+            features = step.features = self.features(step.out)
+        return sum(f * c for f, c in zip(features, self._coef))
 
     @staticmethod
     def _eager(out: SchedulerOutput) -> bool:

@@ -161,16 +161,19 @@ def simulate(
         )  # fmt: skip
     executor = SimExecutor(engine, num_blocks, acceptance_rate=acceptance)
     env = simpy.Environment()
+    clock = _Clock()
     core = EngineCore(
         engine,
         executor,
-        clock=lambda: env.now,
+        clock=clock,
         model_max_len=spec.max_position_embeddings,
         check_invariants=check_invariants,
     )
     requests = build_requests(trace, spec.vocab_size)
     mask_s = float(grammar_mask_per_token_s)
-    env.process(_serve(env, core, deque(requests), cost, mask_s, on_progress, hw.runs_on_host))
+    env.process(
+        _serve(env, clock, core, deque(requests), cost, mask_s, on_progress, hw.runs_on_host)
+    )
     env.run()
     records = _in_trace_order(requests, [core])
     meta = _meta(trace, spec, hw, engine, cost_meta, num_blocks, [core], mask_s)
@@ -211,8 +214,23 @@ def _check_profile(
         )
 
 
+class _Clock:
+    """The engine's clock in a simulated run: `_serve` passes time on it at each time
+    point of a step (a wait adds its delay, as a simpy timeout does) and advances the
+    simpy environment to it once per step."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _serve(
     env: simpy.Environment,
+    clock: _Clock,
     core: EngineCore,
     pending: deque[Request],
     cost: CostModel,
@@ -230,33 +248,38 @@ def _serve(
     The host's work is booked on `host_free` (when the host is next idle); time passes
     to it after each schedule, so the engine's clock reads a launch's start as the real
     engine's does (its step records begin there), and an await waits for the result.
+    Within a step nothing else happens (arrivals are admitted between steps), so time
+    passes on `clock`, which the engine reads, and the environment follows it once a
+    step: one simpy event per engine step.
     Under async scheduling a step is launched while the one before it runs: its device
     work starts when that one's ends (`device_free`), and no sooner than its host part
-    (the cost model's `idle_launch_time`, which a pipelined step hides behind the one
-    before it) is done after its launch: a step launched on an idle device (the first
-    after the engine idled, one that waited for the step before to be applied, or one
-    whose host work outlasted the step before) pays what that step left unhidden.
-    on_host (`HardwareSpec.runs_on_host`): the device is the host's CPU, whose launch
-    runs the step before it returns, so the host's work and the step's follow each
-    other, async or not."""
+    (the second figure of the cost model's `launch_cost`, which a pipelined step hides
+    behind the one before it) is done after its launch: a step launched on an idle
+    device (the first after the engine idled, one that waited for the step before to be
+    applied, or one whose host work outlasted the step before) pays what that step left
+    unhidden. on_host (`HardwareSpec.runs_on_host`): the device is the host's CPU, whose
+    launch runs the step before it returns, so the host's work and the step's follow
+    each other, async or not."""
     ready_at: dict[int, float] = {}  # step id -> simulated time its results are back
     host_free = device_free = 0.0
     reported = 0
     while pending or core.has_unfinished():
-        while pending and pending[0].arrival_time <= env.now:
+        now = clock.now
+        while pending and pending[0].arrival_time <= now:
             core.add_request(pending.popleft())
         if not core.has_unfinished():
             if pending:  # else the last arrivals were all rejected: the run is over
-                yield env.timeout(pending[0].arrival_time - env.now)
+                clock.now += pending[0].arrival_time - now
+                yield env.timeout(clock.now - env.now)
             continue
         for kind, out in core.step_events():
-            now = env.now
+            now = clock.now
             if kind is SCHEDULED:
                 host_free = (host_free if host_free > now else now) + cost.cpu_time(out)
                 # The engine launches once its host work is done: the step's recorded
                 # duration starts there, as the real engine's does (after `schedule`).
                 if host_free > now:
-                    yield env.timeout(host_free - now)
+                    clock.now += host_free - now
             elif kind is LAUNCHED:
                 start = host_free if host_free > now else now
                 masks = mask_time(out, mask_per_token_s) if mask_per_token_s else 0.0
@@ -266,15 +289,17 @@ def _serve(
                     host_free = start + masks
                     # Its host part (what a pipelined step hides) runs from its launch: the
                     # device starts it once that is done and the step before has ended.
-                    priced = cost.step_time(out)
-                    ready = start + cost.idle_launch_time(out, priced)
+                    priced, idle = cost.launch_cost(out)
+                    ready = start + idle
                     device_free = (device_free if device_free > ready else ready) + priced
                 ready_at[out.step_id] = max(device_free, host_free)
             else:
                 done = ready_at.pop(out.step_id)
                 wait = (done if done > host_free else host_free) - now
                 if wait > 0:
-                    yield env.timeout(wait)
+                    clock.now += wait
+        if clock.now > env.now:
+            yield env.timeout(clock.now - env.now)
         if on_progress is not None and len(core.records) != reported:
             on_progress(len(core.records) - reported)
             reported = len(core.records)

@@ -391,7 +391,7 @@ def test_the_simulator_prices_masks_of_structured_requests_and_refuses_none() ->
         assert priced == pytest.approx(unmasked.summary["duration_s"])
         seconds[kind] = priced, simulate(trace, cost_model=kind).summary["duration_s"]
     # Their steps are launched once the step before is applied, on an idle device: the
-    # profiled model prices the host part that a pipelined step hides (idle_launch_time).
+    # profiled model prices the host part that a pipelined step hides (launch_cost).
     assert seconds["analytic"][0] == pytest.approx(seconds["analytic"][1])
     assert seconds["profiled"][0] > seconds["profiled"][1] * 1.02
 

@@ -197,7 +197,7 @@ def test_get_cost_model_by_name_or_object(moonlight: ModelConfig) -> None:
     own = get_cost_model(StepOnly(), moonlight, h200)
     step = decode_step(1, 1)
     assert own.step_time(step) == 2.0 and own.cpu_time(step) == 0.0
-    assert own.idle_launch_time(step, 2.0) == 0.0 and own.grammar_mask_per_token_s == 0.0
+    assert own.launch_cost(step) == (2.0, 0.0) and own.grammar_mask_per_token_s == 0.0
 
     class Unrelated:  # the hooks are not probed: a cost model says it is one
         def step_time(self, out: SchedulerOutput) -> float:

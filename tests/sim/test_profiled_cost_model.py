@@ -185,10 +185,10 @@ def test_a_step_launched_on_an_idle_device_costs_its_sequential_time() -> None:
     pipelined = ProfiledCostModel(path, spec, hw, async_scheduling=True)
     sequential = ProfiledCostModel(path, spec, hw)
     decode = shape_output([[1, 1, 1024, False]])
-    extra = pipelined.idle_launch_time(decode, pipelined.step_time(decode))
-    assert extra > 0.0
-    assert pipelined.step_time(decode) + extra == pytest.approx(sequential.step_time(decode))
-    assert sequential.idle_launch_time(decode, sequential.step_time(decode)) == 0.0
+    priced, extra = pipelined.launch_cost(decode)
+    assert priced == pipelined.step_time(decode) and extra > 0.0
+    assert priced + extra == pytest.approx(sequential.step_time(decode))
+    assert sequential.launch_cost(decode) == (sequential.step_time(decode), 0.0)
 
     cfg = EngineConfig(max_num_seqs=8, async_scheduling=True)
     res = simulate([TraceRequest("a", 0.0, 512, 8)], spec, "h200", cfg)
@@ -197,3 +197,47 @@ def test_a_step_launched_on_an_idle_device_costs_its_sequential_time() -> None:
     assert prompt.duration == pytest.approx(sequential.step_time(prompt_out), rel=1e-6)
     decode_out = shape_output([[1, 1, 512, False]])  # launched behind the prompt step
     assert first_decode.duration == pytest.approx(pipelined.step_time(decode_out), rel=1e-6)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_launch_reads_its_step_once_for_both_fits(k: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`launch_cost` prices a step with the pipelined fit and the sequential one from a
+    single reading of it (one `_measure`), and gives exactly what the two fits' own
+    `step_time` give: decodes inside and beyond the grid, prompt chunks, mixed steps,
+    verify steps."""
+    path = PROFILES_DIR / "moonlight-16b-a3b__h200.json"
+    spec, hw = load_model_config("moonlight-16b-a3b"), get_hardware("h200")
+    spec = dataclasses.replace(spec, num_nextn_predict_layers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipelined = ProfiledCostModel(path, spec, hw, k, async_scheduling=True)
+        sequential = ProfiledCostModel(path, spec, hw, k)
+    assert pipelined.pipelined
+    pipelined.launch_cost(shape_output([[1, 1, 64, False]]))  # (fits the sequential one)
+    shapes = [
+        [[1, 1, 1024, False]],
+        [[7, 1, 100, False]],  # below the grid's contexts
+        [[3, 1, 9000, False], [2, 1, 300, False]],  # beyond them
+        [[1, 512, 0, True]],
+        [[1, 300, 200, True], [4, 1, 2000, False]],
+        [[4, 1 + k, 2000, False, k]] if k else [[600, 1, 512, False]],
+    ]
+    measured = 0
+    measure = ProfiledCostModel._measure
+
+    def counting(self, out, num_drafts):  # type: ignore[no-untyped-def]
+        nonlocal measured
+        measured += 1
+        return measure(self, out, num_drafts)
+
+    for groups in shapes:
+        out = shape_output(groups)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = pipelined.step_time(out)
+            extra = max(0.0, sequential.step_time(out) - want)
+            monkeypatch.setattr(ProfiledCostModel, "_measure", counting)
+            measured = 0
+            assert pipelined.launch_cost(out) == (want, extra), groups
+            monkeypatch.setattr(ProfiledCostModel, "_measure", measure)
+        assert measured == 1

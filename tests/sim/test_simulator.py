@@ -12,6 +12,7 @@ import pytest
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
 from deepinfer.model_config import PRESETS_DIR
+from deepinfer.outputs import SchedulerOutput
 from executors.demo import DEMO_MODEL_DIR
 from sim import load_trace, simulate
 from sim.cost_model import UnitCostModel
@@ -207,6 +208,46 @@ def test_the_simulator_runs_the_engines_own_loop(async_scheduling: bool) -> None
         assert end == pytest.approx(0.0002 + 0.001 * n)
     else:
         assert end == pytest.approx(0.0012 * n)
+
+
+class CountingCostModel(UnitCostModel):
+    """The unit model, counting which steps each hook priced."""
+
+    def __init__(self) -> None:
+        super().__init__(0.001, 0.0002)
+        self.priced: list[int] = []  # step ids, one per step_time or launch_cost call
+        self.hosted: list[int] = []  # step ids, one per cpu_time call
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        self.priced.append(out.step_id)
+        return super().step_time(out)
+
+    def launch_cost(self, out: SchedulerOutput) -> tuple[float, float]:
+        self.priced.append(out.step_id)
+        return super().step_time(out), 0.0
+
+    def cpu_time(self, out: SchedulerOutput) -> float:
+        self.hosted.append(out.step_id)
+        return super().cpu_time(out)
+
+
+@pytest.mark.parametrize("on_host", [False, True])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_each_step_is_priced_once(async_scheduling: bool, on_host: bool) -> None:
+    """The simulator asks the cost model for a step's device time once, at its launch
+    (`launch_cost` carries the idle-launch extra with it), and for its host time once,
+    after its schedule: in steps a few arrivals apart, with idle gaps between."""
+    reqs = [TraceRequest(f"r{i}", 0.05 * (i // 3), 7 + 5 * i, 3 + i) for i in range(9)]
+    cfg = EngineConfig(
+        num_gpu_blocks=30, block_size=4, max_num_batched_tokens=16,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    cost = CountingCostModel()
+    hw = replace(get_hardware("h200"), runs_on_host=on_host)
+    result = simulate(reqs, hardware=hw, engine=cfg, cost_model=cost)
+    steps = [s.step_id for s in result.steps]
+    assert len(steps) > 9 and result.summary["num_completed"] == 9
+    assert cost.priced == steps and cost.hosted == steps
 
 
 def test_speculation_without_mtp_layers_and_a_context_past_the_models_are_refused() -> None:
