@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from deepinfer import scheduler_checks
 from deepinfer.config import EngineConfig
+from deepinfer.decode_run import DecodeRun
 from deepinfer.errors import RequestFailed
 from deepinfer.executor import Executor, StepHandle
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
@@ -312,6 +313,94 @@ class EngineCore:
         yield _LAUNCHED, following
         return applied.changed
 
+    # ---- decode runs (fast-forward) -----------------------------------------------
+
+    def decode_run(self) -> DecodeRun | None:
+        """Steps from here the scheduler can prove (`Scheduler.decode_run`), for a driver
+        that times them without running them, or None: the executor cannot return a
+        run's tokens, grammars are compiling, or the step in flight is not one of them."""
+        if self._compiling or self._grammar_rejected or not self.executor.can_fast_forward:
+            return None
+        flight = self._in_flight
+        if self.config.async_scheduling:
+            if flight is None or flight.ended is not None:
+                return None
+            return self.scheduler.decode_run(flight.out)
+        return None if flight is not None else self.scheduler.decode_run(None)
+
+    def advance_decode(self, run: DecodeRun, launched: list[float], applied: list[float]) -> None:
+        """Take len(applied) steps of `run` at once (at most its horizon), as `step_events`
+        one step after another would: the scheduler's and the executor's state, each
+        request's token times, the step records. launched[s] / applied[s]: the clock when
+        the run's step s was launched, and when the loop applied results in that step's
+        turn (under async scheduling, those of the step before it). A launch must pass no
+        time on the clock (a simulated one)."""
+        k = len(applied)
+        reqs = run.requests
+        ids = [r.request_id for r in reqs]
+        flight = self._in_flight
+        pipelined = run.in_flight_step is not None
+        # Request i's tokens, one per step applied: the step in flight's, then the run's.
+        num_run = k - 1 if pipelined else k
+        sampled = self.executor.execute_decode_run(ids, run.contexts, num_run, run.dropped_req_ids)
+        if pipelined:
+            assert flight is not None
+            first = flight.handle.result().sampled_token_ids
+            for i, rid in enumerate(ids):
+                token = first.get(rid)
+                if token is None or len(token) != 1:
+                    raise RuntimeError(
+                        f"step {flight.out.step_id}: the executor returned {token!r} for "
+                        f"{rid!r}, scheduled to decode one token"
+                    )
+                sampled[i] = token + sampled[i]
+        following, usages = self.scheduler.advance_decode(run, k, sampled)
+        for req in reqs:
+            times = req.times
+            if times.first_token is None:  # (a decode engine's request: its first step)
+                times.first_token = applied[0]
+            times.token_times.extend(applied)
+        # Each applied step's record, its duration as _apply_in_flight measures it. Under
+        # async scheduling the first is the step in flight, scheduled before the run.
+        starts = launched
+        n, waiting = len(reqs), self.scheduler.num_waiting
+        shapes = [(n, n, 0, run.num_preempted_before)] + [(n, n, 0, 0)] * (k - 1)
+        if pipelined:
+            assert flight is not None
+            starts = [flight.start] + launched
+            o = flight.out
+            shapes = [_shape(o)] + shapes[: k - 1]
+        first_id = run.first_step_id - 1 if pipelined else run.first_step_id
+        last = self._last_step_end
+        for j in range(k):
+            start, end = starts[j], applied[j]
+            began = start if last is None else max(start, last)
+            if self.record_steps:
+                batched, num_reqs, prompt, preempted = shapes[j]
+                self.steps.append(
+                    StepRecord(
+                        step_id=first_id + j,
+                        time=end,
+                        duration=end - min(began, end),
+                        num_running=n,
+                        num_waiting=waiting,
+                        num_batched_tokens=batched,
+                        num_prompt_tokens=prompt,
+                        num_scheduled_reqs=num_reqs,
+                        kv_usage=usages[j],
+                        num_preempted=preempted,
+                        num_proposals=None,
+                    )
+                )
+            last = end
+        self._last_step_end = last
+        if following is not None:
+            self._in_flight = _InFlight(
+                following, self.executor.execute_async(following), launched[-1], None
+            )
+        if self.check:
+            scheduler_checks.check_invariants(self.scheduler)
+
     def _start_step(self) -> Generator[StepEvent, None, list[Request] | None]:
         """With nothing in flight, schedule a step and launch it: None once it is in
         flight. Else the engine step ends here, and this is what it returns: [] when
@@ -403,19 +492,27 @@ class EngineCore:
 
     def _step_record(self, out: SchedulerOutput, now: float, duration: float) -> StepRecord:
         s = self.scheduler
+        batched, num_reqs, prompt, preempted = _shape(out)
         return StepRecord(
             step_id=out.step_id,
             time=now,
             duration=duration,
             num_running=s.num_running,
             num_waiting=s.num_waiting,
-            num_batched_tokens=out.num_batched_tokens,
-            num_prompt_tokens=sum(r.num_tokens for r in out.scheduled if r.is_prompt),
-            num_scheduled_reqs=len(out.scheduled),
+            num_batched_tokens=batched,
+            num_prompt_tokens=prompt,
+            num_scheduled_reqs=num_reqs,
             kv_usage=s.kv.usage,
-            num_preempted=len(out.preempted_req_ids),
+            num_preempted=preempted,
             num_proposals=out.num_proposals,
         )
+
+
+def _shape(out: SchedulerOutput) -> tuple[int, int, int, int]:
+    """What a step record reads of `out`: batched tokens, requests, prompt tokens, and
+    the preemptions it reports."""
+    prompt = sum(r.num_tokens for r in out.scheduled if r.is_prompt)
+    return out.num_batched_tokens, len(out.scheduled), prompt, len(out.preempted_req_ids)
 
 
 def _errors(out: SchedulerOutput, exc: Exception) -> dict[str, str]:

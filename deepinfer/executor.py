@@ -13,6 +13,7 @@ Executors live outside the core (`sim`, `executors`); the entry points build one
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -70,6 +71,10 @@ class Executor(ABC):
 
     needs_token_ids: bool
     vocab_size: int | None = None
+    # Returns a decode run's tokens without running its steps (`execute_decode_run`):
+    # only an executor whose tokens are a function of the request and position (the
+    # simulator's) can; the engine asks for decode runs only then.
+    can_fast_forward: bool = False
 
     @abstractmethod
     def num_kv_blocks(self) -> int:
@@ -84,6 +89,23 @@ class Executor(ABC):
         """Launch the step and return its handle; the engine calls this for every step.
         Default: run the step now (`execute`) and hand back its result."""
         return CompletedStep(self.execute(out))
+
+    def execute_decode_run(
+        self,
+        req_ids: Sequence[str],
+        contexts: Sequence[int],
+        num_steps: int,
+        dropped_req_ids: frozenset[str],
+    ) -> list[list[int]]:
+        """The tokens of `num_steps` consecutive decode steps of these requests, without a
+        SchedulerOutput per step: request i decodes one token a step, step s at context
+        contexts[i] + s; [i] lists its tokens in step order. dropped_req_ids: requests
+        the first step would have told the executor to drop (ended or preempted). Called
+        by `EngineCore.advance_decode`, only where `can_fast_forward`."""
+        raise TypeError(
+            f"the {type(self).__name__} executor cannot fast-forward decode runs "
+            "(can_fast_forward is False): its tokens come from running the steps"
+        )
 
     def can_overlap(self, out: SchedulerOutput) -> bool:
         """Whether `out`, launched now, runs beside the step in flight (default True).

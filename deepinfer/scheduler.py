@@ -15,10 +15,13 @@ deepinfer/scheduler_checks.py.
 
 from __future__ import annotations
 
+import bisect
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deepinfer.config import EngineConfig, EngineRole
+from deepinfer.decode_run import DecodeRun
 from deepinfer.draft_plan import DraftPlan
 from deepinfer.kv_cache.block_pool import KVBlock
 from deepinfer.kv_cache.manager import KVCacheManager, cdiv
@@ -498,6 +501,213 @@ class Scheduler:
         else:
             self.num_finished += 1
         self._finished_since_last.add(req.request_id)
+
+    # ---- decode runs (fast-forward) ---------------------------------------------------
+
+    def decode_run(self, in_flight: SchedulerOutput | None) -> DecodeRun | None:
+        """The steps from here that are certain to schedule every running request, in
+        order, one decode token each (docs/design.md, "Fast-forward"), or None.
+
+        Certain from this state alone: each request decodes (its known tokens one past
+        its computed ones; `in_flight`: under async scheduling, the step in flight, which
+        must be the same requests one token each), none can end (no stop token or EOS
+        that only its tokens decide; the horizon stops before its max_tokens or
+        max_model_len), the token budget holds them all, no waiting request can start
+        (none waits, or the sequence limit or the watermark holds it back: neither
+        loosens while blocks are only taken), and the free blocks cover every block the
+        steps take. Speculation, a prefill engine and executors that need token ids
+        run single steps.
+        """
+        cfg = self.config
+        running = self.running
+        n = len(running)
+        if (
+            not n
+            or n > cfg.max_num_batched_tokens
+            or cfg.num_speculative_tokens
+            or cfg.role is EngineRole.PREFILL
+            or self.emit_token_ids
+            or self.waiting.num_in_progress
+        ):
+            return None
+        if self.waiting and n < cfg.max_num_batched_tokens and not self._start_held_back():
+            return None
+        placeholders = 0 if in_flight is None else 1
+        if in_flight is not None and len(in_flight.scheduled) != n:
+            return None
+        max_len = self.max_model_len
+        horizon = max_len
+        contexts = []
+        for i, req in enumerate(running):
+            if in_flight is not None:
+                sr = in_flight.scheduled[i]
+                if (
+                    sr.req_id != req.request_id
+                    or sr.num_tokens != 1
+                    or sr.is_prompt
+                    or not sr.will_sample
+                    or sr.draft_token_ids
+                ):
+                    return None
+            sp = req.sampling_params
+            if (
+                req.structured
+                or req.spec_token_ids
+                or req.num_pending_drafts
+                or sp.stop
+                or sp.stop_token_ids
+                or (not sp.ignore_eos and req.eos_token_id is not None)
+            ):
+                return None
+            c, t = req.num_computed_tokens, req.num_tokens
+            if req.num_output_placeholders != placeholders or t + placeholders - c != 1:
+                return None
+            # The run's step s applies its (outputs + s + 1)-th token: none may end it.
+            h = max_len - t - 1
+            if sp.max_tokens is not None:
+                h = min(h, sp.max_tokens - req.num_output_tokens - 1)
+            horizon = min(horizon, h)
+            contexts.append(c)
+        if horizon < 1:
+            return None
+        # Step s writes position c + s: a new block where that is the first slot past
+        # the blocks held. The step of the (free + 1)-th new block cannot be certain.
+        bs = self.block_size
+        new_blocks: list[int] = []
+        for req, c in zip(running, contexts):
+            held = len(self.kv.req_blocks[req.request_id])
+            new_blocks.extend(range(held * bs - c, horizon, bs))
+        free = self.kv.pool.num_free_blocks
+        if len(new_blocks) > free:
+            new_blocks.sort()
+            horizon = new_blocks[free]
+            if horizon < 1:
+                return None
+        dropped = frozenset(self._finished_since_last | self._preempted_since_last)
+        return DecodeRun(
+            tuple(running), tuple(contexts), horizon, self.step_id + 1,
+            None if in_flight is None else in_flight.step_id, dropped,
+            len(self._preempted_since_last),
+        )  # fmt: skip
+
+    def _take_blocks(
+        self,
+        run: DecodeRun,
+        events: list[tuple[int, int]],
+        tokens: Sequence[Sequence[int]],
+        starts: list[int],
+        taken: list[int],
+    ) -> dict[int, list[KVBlock]]:
+        """The allocations of a decode run's steps at `events` ((step, request index), in
+        order), each request as it stands when that step is scheduled; counts the blocks
+        each step takes in `taken`. Returns the blocks each request took, by index."""
+        got: dict[int, list[KVBlock]] = {}
+        for s, i in events:
+            req = run.requests[i]
+            have = req.num_output_tokens - starts[i]
+            if have < s:  # the tokens applied before step s was scheduled
+                req.output_token_ids.extend(tokens[i][have:s])
+            req.num_computed_tokens = run.contexts[i] + s
+            blocks = self.kv.allocate(req, 1)
+            if blocks is None:
+                raise RuntimeError(
+                    f"decode run: its step {s} found no free block for {req.request_id!r}; "
+                    f"the horizon ({run.horizon} steps) was not certain"
+                )
+            taken[s] += len(blocks)
+            got[i] = blocks
+        return got
+
+    def _start_held_back(self) -> bool:
+        """No waiting request can start while a decode run only takes blocks: the sequence
+        limit holds (no request ends), or usage is past the watermark (it only grows)."""
+        cfg = self.config
+        if len(self.running) + self.waiting.num_in_progress >= cfg.max_num_seqs:
+            return True
+        return cfg.role is EngineRole.NORMAL and self.kv.usage > cfg.prefill_watermark
+
+    def advance_decode(
+        self, run: DecodeRun, num_steps: int, tokens: Sequence[Sequence[int]]
+    ) -> tuple[SchedulerOutput | None, list[float]]:
+        """Schedule and apply `num_steps` (at most `run.horizon`) steps of `run` at once,
+        leaving the state those steps one by one would: tokens[i] are request i's sampled
+        tokens, one per step applied; blocks are taken and cached in the order the steps
+        would take them (their KV work is all in scheduling: in a decode step, caching
+        after the results adds no block the scheduling did not cache ahead).
+
+        Returns the step left in flight (under async scheduling, the run's last step,
+        scheduled and not applied; else None) and the cache usage each applied step's
+        record reads (after the scheduling that preceded its results)."""
+        k = num_steps
+        if not 1 <= k <= run.horizon:
+            raise ValueError(f"advance_decode: {k} steps of a run certain for {run.horizon}")
+        kv, bs = self.kv, self.block_size
+        pipelined = run.in_flight_step is not None
+        starts = [req.num_output_tokens for req in run.requests]
+        # (step, request): where a step takes a new block or fills one (then caches it),
+        # in the order the steps meet them; elsewhere a step's allocation changes nothing.
+        events: list[tuple[int, int]] = []
+        for i, req in enumerate(run.requests):
+            c, t = run.contexts[i], req.num_tokens
+            held = len(kv.req_blocks[req.request_id])
+            steps = set(range(held * bs - c, k, bs))
+            if kv.enable_caching:  # step s fills min(c + s + 1, t + s) = t + s tokens
+                steps.update(range((-t) % bs, k, bs))
+                if kv.num_cached_blocks(req.request_id) < t // bs:
+                    steps.add(0)  # full blocks not cached yet (a decode engine's prompt)
+            events.extend((s, i) for s in steps)
+        events.sort()
+        free = kv.pool.num_free_blocks
+        taken = [0] * k
+        last = bisect.bisect_left(events, (k - 1, -1))
+        self._take_blocks(run, events[:last], tokens, starts, taken)
+        kv.take_cached_ahead()  # cached by steps the run applies: they ran
+        last_blocks = self._take_blocks(run, events[last:], tokens, starts, taken)
+        ahead = kv.take_cached_ahead()
+        # Under async scheduling the step in flight (first_step_id - 1) is applied first.
+        last_applied = run.first_step_id + k - 1 - (1 if pipelined else 0)
+        for step_id in [s for s in self._cached_ahead if s <= last_applied]:
+            del self._cached_ahead[step_id]
+        for i, req in enumerate(run.requests):
+            have = req.num_output_tokens - starts[i]
+            req.output_token_ids.extend(tokens[i][have:k])
+            req.num_computed_tokens = run.contexts[i] + k
+            if req.num_computed_tokens > req.max_computed_tokens:
+                req.max_computed_tokens = req.num_computed_tokens
+        self.step_id += k
+        if k > 1:  # the run's earlier steps told the executor
+            self._finished_since_last = set()
+            self._preempted_since_last = set()
+        out = None
+        if pipelined:
+            if ahead:
+                self._cached_ahead[self.step_id] = ahead
+            scheduled = []
+            for i, req in enumerate(run.requests):
+                new = last_blocks.get(i, [])
+                scheduled.append(
+                    ScheduledRequest(
+                        req_id=req.request_id,
+                        num_tokens=1,
+                        num_computed_tokens=run.contexts[i] + k - 1,
+                        is_prompt=False,
+                        will_sample=True,
+                        new_block_ids=[b.block_id for b in new],
+                        num_prior_blocks=len(kv.req_blocks[req.request_id]) - len(new),
+                        num_prompt_tokens=req.num_prompt_tokens,
+                    )
+                )
+            out = SchedulerOutput(
+                self.step_id, scheduled, self._finished_since_last, self._preempted_since_last
+            )
+        self._finished_since_last = set()
+        self._preempted_since_last = set()
+        usages = []
+        total = kv.pool.num_blocks
+        for s in range(k):
+            free -= taken[s]
+            usages.append(1.0 - free / total)
+        return out, usages
 
     # ---- introspection ---------------------------------------------------------------
 

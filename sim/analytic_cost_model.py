@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from deepinfer.model_config import ModelConfig
 from sim.cost_coefficients import CostCoefficients
-from sim.cost_model import CostModel
+from sim.cost_model import CostModel, RunCosts
 from sim.hardware import HardwareSpec
 
 if TYPE_CHECKING:
+    from deepinfer.decode_run import DecodeRun
     from deepinfer.outputs import SchedulerOutput
 
 
@@ -153,6 +154,19 @@ class AnalyticCostModel(CostModel):
             return 0.0
         return self.coeffs.cpu_step_overhead_s + self.coeffs.cpu_per_request_s * n
 
+    def decode_run_costs(self, run: DecodeRun) -> RunCosts | None:
+        """A decode run's steps from their sums (exactly `cpu_time` and `step_time` of
+        each step's output); None when speculating (drafts are not a run's)."""
+        if self.num_speculative_tokens:
+            return None
+        return self._decode_run(run)
+
+    def _decode_run(self, run: DecodeRun) -> RunCosts:
+        n, ctx_sum = run.num_reqs, run.ctx_sum
+        cpu = self.coeffs.cpu_step_overhead_s + self.coeffs.cpu_per_request_s * n
+        for s in range(run.horizon):
+            yield cpu, self._price_sums(decode_sums(n, ctx_sum + n * s), None, None), 0.0
+
     @property
     def grammar_mask_per_token_s(self) -> float:
         """Host seconds to fill one structured request's token mask (sim.cost_model.mask_time)."""
@@ -217,29 +231,21 @@ class AnalyticCostModel(CostModel):
         """Seconds of `out` with the drafter proposing `drafts` after it (None: the step's
         num_proposals, or the engine's num_speculative_tokens, or the most drafts a
         request verifies)."""
-        n_tok = 0  # tokens computed this step
-        n_logits = 0  # positions whose logits are computed (sampled + drafts to verify)
-        pre_q = pre_pairs = pre_keys = pre_ctx = 0  # prefill form
-        dec_q = dec_pairs = dec_keys = 0  # absorbed decode form
-        k = n_sampling = 0  # drafts verified (max over requests), requests that sample
-        for r in out.scheduled:
-            q = r.num_tokens
-            ctx = r.num_computed_tokens
-            n_tok += q
-            # new token i (0-based) attends ctx + i + 1 keys: q*ctx + q(q+1)/2 pairs
-            pairs = q * ctx + (q * (q + 1) >> 1)
-            if r.is_prompt and q > 1:
-                pre_q += q
-                pre_pairs += pairs
-                pre_keys += ctx + q
-                pre_ctx += ctx
-            else:
-                dec_q += q
-                dec_pairs += pairs
-                dec_keys += ctx + q
-            n_logits += len(r.draft_token_ids) + (1 if r.will_sample else 0)
-            n_sampling += r.will_sample
-            k = max(k, len(r.draft_token_ids))
+        return self._price_sums(_sums(out), out.num_proposals, detail, sink, drafts, mtp_sink)
+
+    def _price_sums(
+        self,
+        sums: _StepSums,
+        num_proposals: int | None,
+        detail: dict[str, GroupCost] | None,
+        sink: list[float] | None = None,
+        drafts: int | None = None,
+        mtp_sink: list[float] | None = None,
+    ) -> float:
+        """`_price` of a step from its sums (a decode run prices its steps' sums without
+        an output each)."""
+        (n_tok, n_logits, pre_q, pre_pairs, pre_keys, pre_ctx, dec_q, dec_pairs, dec_keys,
+         k, n_sampling) = sums  # fmt: skip
         if n_tok == 0:
             if detail is not None:
                 detail["overhead"] = GroupCost(0.0, 0.0, 0.0)
@@ -305,8 +311,8 @@ class AnalyticCostModel(CostModel):
             sink[4] = t
         if drafts is None:  # a varlen step names its drafter's proposals
             drafts = self.num_speculative_tokens or k
-            if drafts and out.num_proposals is not None:
-                drafts = out.num_proposals
+            if drafts and num_proposals is not None:
+                drafts = num_proposals
         if drafts:
             parts = self._mtp_parts(total - self._fixed - t, n_sampling, drafts, dec_keys)
             t = parts[0] * self._layer_overhead + parts[1] + parts[2]
@@ -336,3 +342,56 @@ class AnalyticCostModel(CostModel):
             b += distinct * self._expert_bytes_each / layers
         chained = max(f / self._mm_rate, b / self._bw) + head
         return [float(k), body / layers + head, (k - 1) * chained, float(k * n_rows)]
+
+
+class _StepSums(NamedTuple):
+    """The integer sums a step's price reads (`AnalyticCostModel._price_sums`)."""
+
+    n_tok: int  # tokens computed this step
+    n_logits: int  # positions whose logits are computed (sampled + drafts to verify)
+    pre_q: int  # prefill form: query tokens, (query, key) pairs, keys, cached context
+    pre_pairs: int
+    pre_keys: int
+    pre_ctx: int
+    dec_q: int  # absorbed decode form: query tokens, pairs, keys
+    dec_pairs: int
+    dec_keys: int
+    k: int  # drafts verified (max over requests)
+    n_sampling: int  # requests that sample
+
+
+def _sums(out: SchedulerOutput) -> _StepSums:
+    n_tok = 0  # tokens computed this step
+    n_logits = 0  # positions whose logits are computed (sampled + drafts to verify)
+    pre_q = pre_pairs = pre_keys = pre_ctx = 0  # prefill form
+    dec_q = dec_pairs = dec_keys = 0  # absorbed decode form
+    k = n_sampling = 0  # drafts verified (max over requests), requests that sample
+    for r in out.scheduled:
+        q = r.num_tokens
+        ctx = r.num_computed_tokens
+        n_tok += q
+        # new token i (0-based) attends ctx + i + 1 keys: q*ctx + q(q+1)/2 pairs
+        pairs = q * ctx + (q * (q + 1) >> 1)
+        if r.is_prompt and q > 1:
+            pre_q += q
+            pre_pairs += pairs
+            pre_keys += ctx + q
+            pre_ctx += ctx
+        else:
+            dec_q += q
+            dec_pairs += pairs
+            dec_keys += ctx + q
+        n_logits += len(r.draft_token_ids) + (1 if r.will_sample else 0)
+        n_sampling += r.will_sample
+        k = max(k, len(r.draft_token_ids))
+    return _StepSums(
+        n_tok, n_logits, pre_q, pre_pairs, pre_keys, pre_ctx, dec_q, dec_pairs, dec_keys,
+        k, n_sampling,
+    )  # fmt: skip
+
+
+def decode_sums(num_reqs: int, ctx_sum: int) -> _StepSums:
+    """The sums of a step in which num_reqs requests decode one token each, their
+    contexts summing to ctx_sum (each attends its context plus the new token)."""
+    n = num_reqs
+    return _StepSums(n, n, 0, 0, 0, 0, n, ctx_sum + n, ctx_sum + n, 0, n)

@@ -15,14 +15,19 @@ sim/cost_model_registry.py.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from itertools import repeat
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from deepinfer.decode_run import DecodeRun
     from deepinfer.outputs import SchedulerOutput
 
-__all__ = ["CostModel", "UnitCostModel", "mask_time"]
+# (cpu_time, launch_cost's two figures) of each step of a decode run, in order.
+RunCosts = Iterator[tuple[float, float, float]]
+
+__all__ = ["CostModel", "RunCosts", "UnitCostModel", "mask_time"]
 
 
 class CostModel(ABC):
@@ -52,6 +57,15 @@ class CostModel(ABC):
         call, so a model that needs a second fit for the idle case reads the step once.
         Default: the step costs the same whatever runs before it (0.0 more)."""
         return self.step_time(out), 0.0
+
+    def decode_run_costs(self, run: DecodeRun) -> RunCosts | None:
+        """The run's steps priced one after another without a SchedulerOutput each: for
+        step s (every request decoding one token at its context + s), exactly the floats
+        `cpu_time(out)` and `launch_cost(out)` give for that step's `out`, up to
+        `run.horizon` steps; the simulator fast-forwards through the run with them.
+        Default None: this model prices only whole outputs, and the simulator runs
+        single steps."""
+        return None
 
     @property
     def grammar_mask_per_token_s(self) -> float:
@@ -84,3 +98,6 @@ class UnitCostModel(CostModel):
 
     def cpu_time(self, out: SchedulerOutput) -> float:
         return self.cpu_seconds if out.scheduled else 0.0
+
+    def decode_run_costs(self, run: DecodeRun) -> RunCosts:
+        return repeat((self.cpu_seconds, self.step_seconds, 0.0), run.horizon)

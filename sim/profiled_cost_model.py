@@ -47,11 +47,12 @@ from typing import Any
 
 import numpy as np
 
+from deepinfer.decode_run import DecodeRun
 from deepinfer.model_config import ModelConfig
 from deepinfer.outputs import SchedulerOutput
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
-from sim.cost_model import CostModel
+from sim.cost_model import CostModel, RunCosts
 from sim.hardware import HardwareSpec
 from sim.profile_fit import (
     ONE_WAVE_BATCH,
@@ -254,13 +255,52 @@ class ProfiledCostModel(CostModel):
         priced = self._price(step)
         if not self.pipelined:
             return priced, 0.0
+        extra = self._sequential_model()._price(step) - priced
+        return priced, extra if extra > 0.0 else 0.0
+
+    def _sequential_model(self) -> ProfiledCostModel:
+        """The fit on the points' medians, which prices a launch on an idle device."""
         if self._sequential is None:
             with warnings.catch_warnings():  # (the pipelined fit warned already)
                 warnings.simplefilter("ignore")
                 self._sequential = ProfiledCostModel(*self._sequential_args)
             self._sequential._warned = self._warned  # one warning a range, not two
-        extra = self._sequential._price(step) - priced
-        return priced, extra if extra > 0.0 else 0.0
+        return self._sequential
+
+    def decode_run_costs(self, run: DecodeRun) -> RunCosts | None:
+        """A decode run's steps from the decode surface (exactly `cpu_time` and
+        `launch_cost` of each step's output: the same batch and effective context read
+        off the run's context sums); None when speculating or without a surface."""
+        if self.num_speculative_tokens or not self._decode.ready:
+            return None
+        sequential = None
+        if self.pipelined:
+            sequential = self._sequential_model()._decode
+            if not sequential.ready:
+                return None
+        return self._decode_run(run, sequential)
+
+    def _decode_run(self, run: DecodeRun, sequential: StepSurface | None) -> RunCosts:
+        """`_measure` then `_price` (and the sequential model's) of each step, by hand."""
+        n, ctx_max, ctx_sum = run.num_reqs, run.ctx_max, run.ctx_sum
+        a, b, c = self._host
+        cpu = a + b * n + c * n
+        batch = float(n)
+        one_wave = n <= self._one_wave
+        lim, m = self._limits, _EXTRAPOLATION_MARGIN
+        beyond = n > lim["tokens"] * m or n > lim["reqs"] * m
+        longest_limit = lim["context"] * m
+        predict = self._decode.predict_at
+        for s in range(run.horizon):
+            if beyond or ctx_max + s + 1 > longest_limit:
+                self._warn_range(n, n, ctx_max + s + 1)
+            effective = max(1.0, float(ctx_max + s if one_wave else (ctx_sum + n * s) / n))
+            priced = predict(batch, effective)
+            if sequential is None:
+                yield cpu, priced, 0.0
+            else:
+                extra = sequential.predict_at(batch, effective) - priced
+                yield cpu, priced, extra if extra > 0.0 else 0.0
 
     def _drafts_proposed(self, out: SchedulerOutput) -> int:
         k = self.num_speculative_tokens

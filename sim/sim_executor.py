@@ -20,7 +20,7 @@ seed.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from deepinfer.config import EngineConfig
 from deepinfer.executor import Executor
@@ -84,6 +84,37 @@ class SimExecutor(Executor):
 
     def num_kv_blocks(self) -> int:
         return self._num_blocks
+
+    @property
+    def can_fast_forward(self) -> bool:  # type: ignore[override]
+        """A decode step's token is a function of (request, position) unless drafts are
+        verified (their acceptance is drawn per step)."""
+        return not self.k
+
+    def execute_decode_run(
+        self,
+        req_ids: Sequence[str],
+        contexts: Sequence[int],
+        num_steps: int,
+        dropped_req_ids: frozenset[str],
+    ) -> list[list[int]]:
+        """The tokens `execute` samples for these steps: step s of request i computes
+        position contexts[i] + s and samples the token at the position after it (the
+        formula of `execute`, one list a request). Without drafts nothing is held per
+        request that dropped_req_ids would clear."""
+        salts = self._salts
+        out = []
+        for rid, ctx in zip(req_ids, contexts):
+            salt = salts.get(rid)
+            if salt is None:
+                salt = salts[rid] = zlib.crc32(rid.encode())
+            out.append(
+                [
+                    1 + ((salt + pos * 2654435761) % (_VOCAB - 1))
+                    for pos in range(ctx + 1, ctx + 1 + num_steps)
+                ]
+            )
+        return out
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         res = ModelRunnerOutput()

@@ -8,6 +8,7 @@ and the stall rule and async overlap are the engine loop's.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import deque
 from collections.abc import Callable, Generator, Mapping
@@ -19,6 +20,7 @@ import simpy
 
 from deepinfer import envs
 from deepinfer.config import EngineConfig
+from deepinfer.decode_run import DecodeRun
 from deepinfer.engine import EngineCore, StepEventKind
 from deepinfer.kv_cache.host_cache import host_kv_blocks
 from deepinfer.metrics import SLO, summarize
@@ -29,7 +31,7 @@ from deepinfer.sampling_params import SamplingParams
 from sim.acceptance import AcceptanceModel
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
-from sim.cost_model import CostModel, mask_time
+from sim.cost_model import CostModel, RunCosts, mask_time
 from sim.cost_model_registry import resolve_cost_model
 from sim.data_parallel import DataParallelStats, serve_data_parallel
 from sim.expert_parallel_cost import ExpertParallelCost
@@ -82,6 +84,7 @@ def simulate(
     check_invariants: bool = False,
     on_progress: Callable[[int], None] | None = None,
     grammar_mask_per_token_s: float | None = None,
+    fast_forward: bool = True,
 ) -> SimResult:
     """Run `trace` to completion; raises deepinfer.SchedulerStalled if the engine stalls.
 
@@ -92,6 +95,9 @@ def simulate(
     sim/data/acceptance/, written by `deepinfer measure-acceptance`).
     grammar_mask_per_token_s: host seconds per token mask of a `structured` request
     (None: the cost model's `grammar_mask_per_token_s`).
+    fast_forward: advance decode runs the scheduler proves (docs/design.md,
+    "Fast-forward") several steps at a time; the results are the same to the bit as
+    with False, which runs every step (for comparison, or to time single steps).
     """
     if not isinstance(trace, Trace):
         trace = Trace("requests", "python", list(trace))
@@ -171,13 +177,15 @@ def simulate(
     )
     requests = build_requests(trace, spec.vocab_size)
     mask_s = float(grammar_mask_per_token_s)
+    runs = FastForwardStats() if fast_forward else None
     env.process(
-        _serve(env, clock, core, deque(requests), cost, mask_s, on_progress, hw.runs_on_host)
+        _serve(env, clock, core, deque(requests), cost, mask_s, on_progress, hw.runs_on_host, runs)
     )
     env.run()
     records = _in_trace_order(requests, [core])
     meta = _meta(trace, spec, hw, engine, cost_meta, num_blocks, [core], mask_s)
     meta["num_steps"] = len(core.steps)  # (under async scheduling some schedules are empty)
+    meta["fast_forward"] = runs.to_meta() if runs is not None else {"enabled": False}
     if engine.num_speculative_tokens:
         drafts = executor.num_draft_tokens
         meta["draft_acceptance_rate"] = executor.num_accepted_tokens / drafts if drafts else None
@@ -237,6 +245,7 @@ def _serve(
     mask_per_token_s: float,
     on_progress: Callable[[int], None] | None,
     on_host: bool = False,
+    runs: FastForwardStats | None = None,
 ) -> Generator[simpy.events.Event, Any, None]:
     """Admit arrivals and drive the engine's own loop (`EngineCore.step_events`) in
     simulated time: host time after each schedule, the cost model's device time from
@@ -259,7 +268,11 @@ def _serve(
     applied, or one whose host work outlasted the step before) pays what that step left
     unhidden. on_host (`HardwareSpec.runs_on_host`): the device is the host's CPU, whose
     launch runs the step before it returns, so the host's work and the step's follow
-    each other, async or not."""
+    each other, async or not.
+
+    runs: fast-forward (counted there): where the engine offers a decode run
+    (`EngineCore.decode_run`) and the cost model prices one, its steps are timed by
+    `_time_run` and applied at once, until the next arrival or the run's horizon."""
     ready_at: dict[int, float] = {}  # step id -> simulated time its results are back
     host_free = device_free = 0.0
     reported = 0
@@ -272,37 +285,111 @@ def _serve(
                 clock.now += pending[0].arrival_time - now
                 yield env.timeout(clock.now - env.now)
             continue
-        for kind, out in core.step_events():
-            now = clock.now
-            if kind is SCHEDULED:
-                host_free = (host_free if host_free > now else now) + cost.cpu_time(out)
-                # The engine launches once its host work is done: the step's recorded
-                # duration starts there, as the real engine's does (after `schedule`).
-                if host_free > now:
-                    clock.now += host_free - now
-            elif kind is LAUNCHED:
-                start = host_free if host_free > now else now
-                masks = mask_time(out, mask_per_token_s) if mask_per_token_s else 0.0
-                if on_host:  # the launch runs the step: the host is busy until it ends
-                    host_free = device_free = start + masks + cost.step_time(out)
+        run = core.decode_run() if runs is not None else None
+        costs = cost.decode_run_costs(run) if run is not None else None
+        if run is not None and costs is not None:
+            assert runs is not None
+            timeline = _time_run(clock, run, costs, pending, ready_at, host_free, device_free,
+                                 on_host)  # fmt: skip
+            launched, applied, host_free, device_free = timeline
+            core.advance_decode(run, launched, applied)
+            runs.add(len(applied))
+        else:
+            for kind, out in core.step_events():
+                now = clock.now
+                if kind is SCHEDULED:
+                    host_free = (host_free if host_free > now else now) + cost.cpu_time(out)
+                    # The engine launches once its host work is done: the step's recorded
+                    # duration starts there, as the real engine's does (after `schedule`).
+                    if host_free > now:
+                        clock.now += host_free - now
+                elif kind is LAUNCHED:
+                    start = host_free if host_free > now else now
+                    masks = mask_time(out, mask_per_token_s) if mask_per_token_s else 0.0
+                    if on_host:  # the launch runs the step: the host is busy until it ends
+                        host_free = device_free = start + masks + cost.step_time(out)
+                    else:
+                        host_free = start + masks
+                        # Its host part (what a pipelined step hides) runs from its launch: the
+                        # device starts it once that is done and the step before has ended.
+                        priced, idle = cost.launch_cost(out)
+                        ready = start + idle
+                        device_free = (device_free if device_free > ready else ready) + priced
+                    ready_at[out.step_id] = max(device_free, host_free)
                 else:
-                    host_free = start + masks
-                    # Its host part (what a pipelined step hides) runs from its launch: the
-                    # device starts it once that is done and the step before has ended.
-                    priced, idle = cost.launch_cost(out)
-                    ready = start + idle
-                    device_free = (device_free if device_free > ready else ready) + priced
-                ready_at[out.step_id] = max(device_free, host_free)
-            else:
-                done = ready_at.pop(out.step_id)
-                wait = (done if done > host_free else host_free) - now
-                if wait > 0:
-                    clock.now += wait
+                    done = ready_at.pop(out.step_id)
+                    wait = (done if done > host_free else host_free) - now
+                    if wait > 0:
+                        clock.now += wait
         if clock.now > env.now:
             yield env.timeout(clock.now - env.now)
         if on_progress is not None and len(core.records) != reported:
             on_progress(len(core.records) - reported)
             reported = len(core.records)
+
+
+class FastForwardStats:
+    """How much of a run the fast-forward took: decode runs and the steps in them."""
+
+    __slots__ = ("runs", "steps")
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self.steps = 0
+
+    def add(self, steps: int) -> None:
+        self.runs += 1
+        self.steps += steps
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"enabled": True, "runs": self.runs, "steps": self.steps}
+
+
+def _time_run(
+    clock: _Clock,
+    run: DecodeRun,
+    costs: RunCosts,
+    pending: deque[Request],
+    ready_at: dict[int, float],
+    host_free: float,
+    device_free: float,
+    on_host: bool,
+) -> tuple[list[float], list[float], float, float]:
+    """Time a decode run's steps as `_serve` times single steps, with the same floats in
+    the same order (its SCHEDULED, LAUNCHED and AWAIT handlers, inlined; a decode step
+    has no grammar masks), until the run's horizon or the first step whose turn comes
+    after an arrival (the loop admits arrivals between steps, which ends the run).
+    Returns the clock at each step's launch and at the results applied in its turn (the
+    step before it under async scheduling), and the host's and device's next free times."""
+    launched: list[float] = []
+    applied: list[float] = []
+    awaits_previous = run.in_flight_step is not None
+    step_id = run.first_step_id
+    arrival = pending[0].arrival_time if pending else math.inf
+    for cpu, priced, idle in costs:
+        now = clock.now
+        if launched and arrival <= now:
+            break
+        host_free = (host_free if host_free > now else now) + cpu  # scheduled
+        if host_free > now:
+            clock.now += host_free - now
+        now = clock.now
+        launched.append(now)
+        start = host_free if host_free > now else now  # launched
+        if on_host:
+            host_free = device_free = start + priced
+        else:
+            host_free = start
+            ready = start + idle
+            device_free = (device_free if device_free > ready else ready) + priced
+        ready_at[step_id] = max(device_free, host_free)
+        done = ready_at.pop(step_id - 1 if awaits_previous else step_id)  # awaited
+        wait = (done if done > host_free else host_free) - now
+        if wait > 0:
+            clock.now += wait
+        applied.append(clock.now)
+        step_id += 1
+    return launched, applied, host_free, device_free
 
 
 def _simulate_ranks(

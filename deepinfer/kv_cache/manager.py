@@ -40,6 +40,10 @@ class KVCacheManager:
     def holds_blocks(self, req_id: str) -> bool:
         return req_id in self.req_blocks
 
+    def num_cached_blocks(self, req_id: str) -> int:
+        """Leading blocks of the request registered in the prefix cache so far."""
+        return self._num_cached.get(req_id, 0)
+
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, ())]
 

@@ -117,6 +117,13 @@ def add_simulate_parser(sub: Any) -> None:
         help="host microseconds to fill one structured request's token mask (default: the "
         "cost model's cpu_grammar_mask_per_token_s)",
     )
+    p.add_argument(
+        "--no-fast-forward",
+        dest="fast_forward",
+        action="store_false",
+        help="run every engine step one by one instead of advancing proven decode runs "
+        "at once (the results are the same to the bit; for timing single steps)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_engine_options(p)
     p.set_defaults(func=run_simulate)
@@ -184,6 +191,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             check_invariants=args.check_invariants,
             on_progress=bar.update,
             grammar_mask_per_token_s=None if mask_us is None else mask_us * 1e-6,
+            fast_forward=args.fast_forward,
         )
     meta = dict(result.meta, trace_path=str(path))
     title = f"{trace.name}: {meta['model']} on {meta['hardware']}"

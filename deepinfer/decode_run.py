@@ -1,0 +1,50 @@
+"""A decode run: engine steps whose outcome the scheduler can prove before they happen.
+
+Between events that change a batch (an arrival, a request finishing, a waiting request
+that could start, a block the cache cannot give, a prompt chunk), consecutive steps
+schedule the same running requests, one decode token each, in the same order; only the
+contexts grow, by one token a step. `Scheduler.decode_run` says how many such steps
+are certain from its own state (the horizon), and a driver that can price and time
+them without running them (the simulator) advances several at once:
+`EngineCore.advance_decode` applies their bookkeeping in one call, exactly as the steps
+one by one would have left it (docs/design.md, "Fast-forward").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepinfer.request import Request
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """Steps first_step_id, first_step_id + 1, ... each scheduling `requests` (in this
+    order), request i at context contexts[i] + s in the run's step s; at most
+    `horizon` of them are certain. in_flight_step: under async scheduling, the step in
+    flight when the run starts (the same requests, one token each): the run's step s is
+    scheduled before that step's results, or step s - 1's, are applied."""
+
+    requests: tuple[Request, ...]
+    contexts: tuple[int, ...]  # num_computed_tokens of each before the run's first step
+    horizon: int
+    first_step_id: int
+    in_flight_step: int | None
+    # Requests that ended or were preempted since the last step scheduled: the run's
+    # first step tells the executor to drop them.
+    dropped_req_ids: frozenset[str]
+    num_preempted_before: int  # of those, preempted: the first step's record counts them
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.requests)
+
+    @property
+    def ctx_max(self) -> int:
+        """The longest context of the run's first step (step s: ctx_max + s)."""
+        return max(self.contexts)
+
+    @property
+    def ctx_sum(self) -> int:
+        """The contexts' sum in the run's first step (step s: ctx_sum + s * num_reqs)."""
+        return sum(self.contexts)
