@@ -95,7 +95,7 @@ def simulated_model(
     from deepinfer.model_config import load_model_config
     from sim.twin import twin_engine
 
-    model_dir = _checkpoint_dir(model)
+    model_dir = checkpoint_dir(model)
     spec = load_model_config(model_dir if model_dir is not None else model)
     tok_dir = Path(tokenizer) if tokenizer is not None else model_dir
     tok = maybe_tokenizer(tok_dir) if tok_dir is not None else None
@@ -126,7 +126,7 @@ def simulated_model(
     )
 
 
-def _checkpoint_dir(model: str) -> Path | None:
+def checkpoint_dir(model: str) -> Path | None:
     """The directory holding `model`'s config.json (and maybe its tokenizer), or None
     for a preset."""
     from deepinfer.model_config import known_models
