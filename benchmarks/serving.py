@@ -154,7 +154,7 @@ async def _send(
     except openai.APIStatusError as e:
         sent.status, sent.error = e.status_code, f"HTTP {e.status_code}: {e.message}"
         sent.finish = time.perf_counter() - t0
-    except (openai.APIError, asyncio.TimeoutError) as e:
+    except (TimeoutError, openai.APIError) as e:
         sent.error = f"{type(e).__name__}: {e}"
         sent.finish = time.perf_counter() - t0
     finally:

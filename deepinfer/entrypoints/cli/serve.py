@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -128,8 +129,16 @@ def run_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.drain_timeout,
         access_log=False,
     )
-    uvicorn.Server(config).run()  # returns on SIGTERM / SIGINT once drained
+    # uvicorn drains on SIGTERM / SIGINT, then raises the signal again under the handler
+    # it found: a drained server then exits 0 rather than die by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _drained)
+    uvicorn.Server(config).run()
     return 0
+
+
+def _drained(sig: int, _frame: Any) -> None:
+    print(f"deepinfer serve: {signal.Signals(sig).name}: drained, exiting", file=sys.stderr)
 
 
 def _load(args: argparse.Namespace) -> Any:

@@ -153,8 +153,10 @@ class AsyncEngine:
                 logger.exception("the engine loop failed")
                 self._fail_all(f"{type(e).__name__}: {e}")
                 continue
-            self._emit(changed)
-            self._publish()
+            events = self._deltas(changed)
+            self._publish()  # before the deltas: a client that reads them sees this step
+            if events:
+                self._post(events)
 
     def _drain(self) -> None:
         while self._commands:
@@ -187,7 +189,8 @@ class AsyncEngine:
                 added.append(rid)
         self._post([(handle, ("admitted", None))])
 
-    def _emit(self, changed: list[Request]) -> None:
+    def _deltas(self, changed: list[Request]) -> list[tuple[RequestHandle, tuple[str, Any]]]:
+        """Each handle's deltas of the step (a stop string found ends its request here)."""
         out: dict[RequestHandle, list[Delta]] = {}
         for req in changed:
             entry = self._live.get(req.request_id)
@@ -197,8 +200,7 @@ class AsyncEngine:
             if c.feed() and not req.is_finished:  # a stop string ended the text
                 self.served.engine.finish(req.request_id, FinishReason.STOP)
             out.setdefault(handle, []).append(self._delta(p, c))
-        if out:
-            self._post([(h, ("deltas", ds)) for h, ds in out.items()])
+        return [(h, ("deltas", ds)) for h, ds in out.items()]
 
     def _delta(self, p: int, c: TrackedCompletion) -> Delta:
         req = c.req
