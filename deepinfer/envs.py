@@ -51,6 +51,11 @@ def hf_model_dir() -> str | None:
     return os.environ.get("DEEPINFER_HF_MODEL_DIR") or None
 
 
+def api_key() -> str | None:
+    """DEEPINFER_API_KEY: the key `deepinfer serve` requires when --api-key is not given."""
+    return os.environ.get("DEEPINFER_API_KEY") or None
+
+
 def prefill_watermark() -> float:
     """GPU_CACHE_PREFILL_WATERMARK: KV usage above which no new prompt starts."""
     return _float("GPU_CACHE_PREFILL_WATERMARK", 0.9)

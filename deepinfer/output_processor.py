@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from deepinfer.request import Request
+from deepinfer.request import FinishReason, Request
 
 
 @dataclass
@@ -21,6 +21,8 @@ class TrackedCompletion:
     index: int
     detok: Any  # IncrementalDetokenizer, or None without a tokenizer
     num_fed: int = 0
+    # Text made final since the last `take_new_text` (a server streams it).
+    new_text: str = ""
 
     def feed(self) -> bool:
         """Detokenize new tokens; True once a stop string ended the text.
@@ -34,7 +36,7 @@ class TrackedCompletion:
             self.num_fed += len(new)
             return False
         for i, t in enumerate(new):
-            self.detok.append([t])
+            self.new_text += self.detok.append([t])
             if self.detok.stop_hit is not None:
                 self.num_fed += i + 1
                 del req.output_token_ids[self.num_fed :]
@@ -43,6 +45,14 @@ class TrackedCompletion:
         self.num_fed += len(new)
         return False
 
+    def take_new_text(self) -> str:
+        """The text made final since the last call; once the request has finished, the
+        text the detokenizer held back too (it may have started a stop string)."""
+        text, self.new_text = self.new_text, ""
+        if self.detok is not None and self.req.is_finished:
+            text += self.detok.flush()
+        return text
+
     def output(self, tokenizer: Any) -> CompletionOutput:
         req = self.req
         text = ""
@@ -50,18 +60,32 @@ class TrackedCompletion:
             self.detok.flush()
             text = self.detok.text
         reason = req.finish_reason.value if req.finish_reason is not None else None
-        stop_reason: int | str | None = self.detok.stop_hit if self.detok is not None else None
-        last = req.output_token_ids[-1] if req.output_token_ids else None
-        ends = {req.eos_token_id, *req.sampling_params.stop_token_ids}
-        if stop_reason is None and reason == "stop" and last in ends:
-            stop_reason = last  # (a structured output that ended with its grammar has none)
         logprobs = cumulative = None
         if req.sampling_params.logprobs is not None:
             logprobs = [_position(row, tokenizer) for row in req.logprobs]
             cumulative = sum(row[0].logprob for row in req.logprobs if row)
         return CompletionOutput(
-            self.index, text, list(req.output_token_ids), cumulative, logprobs, reason, stop_reason
+            self.index,
+            text,
+            list(req.output_token_ids),
+            cumulative,
+            logprobs,
+            reason,
+            self.stop_reason(),
         )
+
+    def stop_reason(self) -> int | str | None:
+        """The stop string found, or the stop token that ended the request (vLLM's
+        `stop_reason`); None otherwise (a structured output that ended with its grammar
+        has none)."""
+        req = self.req
+        if self.detok is not None and self.detok.stop_hit is not None:
+            return str(self.detok.stop_hit)
+        last = req.output_token_ids[-1] if req.output_token_ids else None
+        ends = {req.eos_token_id, *req.sampling_params.stop_token_ids}
+        if req.finish_reason is FinishReason.STOP and last in ends:
+            return last
+        return None
 
 
 @dataclass

@@ -7,6 +7,8 @@ of a profiling forward pass, divided by the bytes of one block.
 
 from __future__ import annotations
 
+from deepinfer.config import EngineConfig
+from deepinfer.kv_cache.host_cache import host_kv_blocks
 from deepinfer.model_config import ModelConfig
 from sim.hardware import HardwareSpec
 
@@ -19,6 +21,41 @@ FIXED_RESERVE_BYTES = 2 * 1024**3
 # peak RSS around `sample_on_device` on the CPU), plus the float32 logits of the step
 # before, which under async scheduling (the default) its pending result holds meanwhile.
 SAMPLER_PEAK_BYTES_PER_LOGIT = 38
+
+
+def engine_kv_blocks(
+    spec: ModelConfig, hw: HardwareSpec, engine: EngineConfig, *, check_fit: bool = True
+) -> int:
+    """The KV blocks (per rank) of an engine of `spec` on `hw`, as the torch executor sizes
+    its cache: `engine.num_gpu_blocks` when given (checked against the GPU's memory unless
+    `check_fit` is False: the unit cost model prices no hardware, so any cache is a test
+    case), else from memory minus weights and the activations' reserve (on a CPU: the
+    host's rule, `host_kv_blocks`)."""
+    num_blocks = engine.num_gpu_blocks
+    speculative = engine.num_speculative_tokens > 0
+    ep_size = engine.data_parallel_size if engine.enable_expert_parallel else 1
+    if num_blocks is None and hw.runs_on_host:  # as the torch executor on a CPU sizes it
+        per_token = kv_bytes_per_token(spec, speculative=speculative)
+        max_len = engine.max_model_len or spec.max_position_embeddings
+        return host_kv_blocks(max_len, engine.block_size, engine.block_size * per_token)
+    if num_blocks is None:  # per rank: with expert parallelism it holds 1/N of the experts
+        # The activations' reserve follows the engine's budgets, as the torch executor's
+        # memory profile (a forward over its whole token budget, then the sampler over a
+        # step's logits) measures it.
+        reserve = default_activation_reserve_bytes(
+            spec, engine.max_num_batched_tokens, engine.max_num_seqs,
+            engine.num_speculative_tokens,
+        )  # fmt: skip
+        return kv_capacity_blocks(
+            spec, hw, engine.block_size, engine.gpu_memory_utilization, reserve,
+            speculative=speculative, expert_parallel_size=ep_size,
+        )  # fmt: skip
+    if check_fit and not hw.runs_on_host:  # (a CPU executor checks no memory either)
+        check_blocks_fit(
+            spec, hw, num_blocks, engine.block_size, engine.gpu_memory_utilization,
+            speculative=speculative, expert_parallel_size=ep_size,
+        )  # fmt: skip
+    return num_blocks
 
 
 def default_activation_reserve_bytes(

@@ -22,7 +22,6 @@ from deepinfer import envs
 from deepinfer.config import EngineConfig
 from deepinfer.decode_run import DecodeRun
 from deepinfer.engine import EngineCore, StepEventKind
-from deepinfer.kv_cache.host_cache import host_kv_blocks
 from deepinfer.metrics import SLO, summarize
 from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
@@ -36,12 +35,7 @@ from sim.cost_model_registry import resolve_cost_model
 from sim.data_parallel import DataParallelStats, serve_data_parallel
 from sim.expert_parallel_cost import ExpertParallelCost
 from sim.hardware import HardwareSpec, get_hardware
-from sim.kv_capacity import (
-    check_blocks_fit,
-    default_activation_reserve_bytes,
-    kv_bytes_per_token,
-    kv_capacity_blocks,
-)
+from sim.kv_capacity import engine_kv_blocks
 from sim.sim_executor import SimExecutor
 from sim.traces import SyntheticPrompt, Trace, TraceRequest
 
@@ -132,30 +126,7 @@ def simulate(
         grammar_mask_per_token_s = cost.grammar_mask_per_token_s
     if not grammar_mask_per_token_s >= 0:
         raise ValueError(f"grammar_mask_per_token_s={grammar_mask_per_token_s}: must be >= 0")
-    num_blocks = engine.num_gpu_blocks
-    ep_size = engine.data_parallel_size if engine.enable_expert_parallel else 1
-    if num_blocks is None and hw.runs_on_host:  # as the torch executor on a CPU sizes it
-        per_token = kv_bytes_per_token(spec, speculative=engine.num_speculative_tokens > 0)
-        max_len = engine.max_model_len or spec.max_position_embeddings
-        num_blocks = host_kv_blocks(max_len, engine.block_size, engine.block_size * per_token)
-    elif num_blocks is None:  # per rank: with expert parallelism it holds 1/N of the experts
-        # The activations' reserve follows the engine's budgets, as the torch executor's
-        # memory profile (a forward over its whole token budget, then the sampler over a
-        # step's logits) measures it.
-        reserve = default_activation_reserve_bytes(
-            spec, engine.max_num_batched_tokens, engine.max_num_seqs,
-            engine.num_speculative_tokens,
-        )  # fmt: skip
-        num_blocks = kv_capacity_blocks(
-            spec, hw, engine.block_size, engine.gpu_memory_utilization, reserve,
-            speculative=engine.num_speculative_tokens > 0, expert_parallel_size=ep_size,
-        )  # fmt: skip
-    elif cost_model != "unit" and not hw.runs_on_host:  # (the unit model prices no
-        # hardware: any cache is a test case; a CPU executor checks no memory either)
-        check_blocks_fit(
-            spec, hw, num_blocks, engine.block_size, engine.gpu_memory_utilization,
-            speculative=engine.num_speculative_tokens > 0, expert_parallel_size=ep_size,
-        )  # fmt: skip
+    num_blocks = engine_kv_blocks(spec, hw, engine, check_fit=cost_model != "unit")
     spec.check_max_model_len(engine.max_model_len)
     acceptance = acceptance_rate
     if isinstance(acceptance, (str, Path)):

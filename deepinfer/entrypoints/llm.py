@@ -7,7 +7,6 @@ RequestOutputs. The executor (torch by default) is imported on construction.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -18,14 +17,13 @@ from deepinfer.config import EngineConfig
 from deepinfer.data_parallel.front_end import DataParallelEngine
 from deepinfer.engine import EngineCore
 from deepinfer.entrypoints.executor_registry import get_executor_class
+from deepinfer.entrypoints.input_processor import InputProcessor, PromptInput, maybe_tokenizer
 from deepinfer.output_processor import TrackedCompletion, TrackedPrompt
 from deepinfer.outputs import RequestOutput
-from deepinfer.request import FinishReason, Request
+from deepinfer.request import FinishReason
 from deepinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-PromptInput = str | Sequence[int] | dict[str, Any]
 
 
 class LLM:
@@ -79,10 +77,12 @@ class LLM:
                 self.config, self.executor, model_max_len=self.executor.max_model_len,
                 check_invariants=check_invariants,
             )  # fmt: skip
-        self.tokenizer = _maybe_tokenizer(self.executor.model_dir, trust_remote_code)
-        eos = self.executor.eos_token_id
-        self._eos_ids: list[int] = (
-            list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+        self.tokenizer = maybe_tokenizer(self.executor.model_dir, trust_remote_code)
+        self.processor = InputProcessor(
+            self.tokenizer,
+            self.executor.eos_token_id,
+            self.executor.vocab_size,  # (the executor's, or rank 0's RankInfo)
+            self.executor.model_dir,
         )
         self._ids = itertools.count()
         # Model load, KV sizing, kernel warm-up and graph capture: paid here, not by requests.
@@ -119,15 +119,11 @@ class LLM:
         batch = _as_list(prompts)
         params = _params_for(batch, sampling_params)
         priorities = self._priorities(priority, len(batch))
-        encoded = [self._tokenize(p) for p in batch]
+        encoded = [self.processor.tokenize(p) for p in batch]
         for i, (_, ids) in enumerate(encoded):
-            self._check_prompt(i, ids)
+            self.processor.check_prompt(i, ids)
         for sp in params:
-            if sp.stop and self.tokenizer is None:
-                raise ValueError(
-                    f"SamplingParams.stop={list(sp.stop)!r}: stop strings are matched in the "
-                    f"text, and {self.executor.model_dir} has no tokenizer (use stop_token_ids)"
-                )
+            self.processor.check_params(sp)
             if sp.so_args is not None:
                 self._prepare_grammar(sp.so_args)
         tracked = [
@@ -146,30 +142,6 @@ class LLM:
         return [t.output(self.tokenizer) for t in tracked]
 
     # ---- internals -------------------------------------------------------------------
-
-    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"{self.executor.model_dir} has no tokenizer; pass prompts as "
-                    "token ids ({'prompt_token_ids': [...]} or a list of ints)"
-                )
-            return prompt, self.tokenizer.encode(prompt)
-        return None, [int(t) for t in prompt]
-
-    def _check_prompt(self, index: int, token_ids: list[int]) -> None:
-        vocab = self.executor.vocab_size  # (the executor's, or rank 0's RankInfo)
-        if vocab is None:
-            return
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(
-                f"prompt {index}: token id {bad} is outside the model's vocabulary [0, {vocab})"
-            )
 
     def _prepare_grammar(self, so_args: dict[str, Any]) -> None:
         """Start compiling (cached); ValueError when the executor cannot serve it."""
@@ -199,43 +171,12 @@ class LLM:
         self, text: str | None, token_ids: list[int], sp: SamplingParams, priority: int = 0
     ) -> TrackedPrompt:
         """Queue the prompt's n completions (one engine request each)."""
-        rid = str(next(self._ids))
-        tracked = TrackedPrompt(rid, text, token_ids)
-        for k in range(sp.n):
-            sub = sp
-            if sp.n > 1:  # each completion samples on its own (seed + k when seeded)
-                seed = None if sp.seed is None else sp.seed + k
-                sub = dataclasses.replace(sp, n=1, best_of=None, seed=seed, seq_seed=seed)
-            req = self._make_request(rid if sp.n == 1 else f"{rid}#{k}", token_ids, sub, priority)
-            tracked.completions.append(TrackedCompletion(req, k, self._detokenizer(token_ids, sub)))
-            self.engine.add_request(req)
+        tracked = self.processor.track(
+            str(next(self._ids)), text, token_ids, sp, self.engine.clock(), priority
+        )
+        for c in tracked.completions:
+            self.engine.add_request(c.req)
         return tracked
-
-    def _make_request(
-        self, req_id: str, token_ids: list[int], sp: SamplingParams, priority: int = 0
-    ) -> Request:
-        eos = self._eos_ids[0] if self._eos_ids else None
-        extra = [t for t in self._eos_ids[1:] if t not in sp.stop_token_ids]
-        if extra and not sp.ignore_eos:  # generation_config's other end tokens stop too
-            sp = dataclasses.replace(sp, stop_token_ids=list(sp.stop_token_ids) + extra)
-        return Request(
-            req_id, token_ids, sp, self.engine.clock(), eos_token_id=eos, priority=priority
-        )
-
-    def _detokenizer(self, token_ids: list[int], sp: SamplingParams) -> Any:
-        if self.tokenizer is None:
-            return None
-        from deepinfer.detokenizer import IncrementalDetokenizer
-
-        return IncrementalDetokenizer(
-            self.tokenizer,
-            token_ids,
-            stop=list(sp.stop),
-            skip_special_tokens=sp.skip_special_tokens,
-            include_stop_str_in_output=sp.include_stop_str_in_output,
-            spaces_between_special_tokens=sp.spaces_between_special_tokens,
-            min_tokens=sp.min_tokens,
-        )
 
     def _run(self, completions: dict[str, TrackedCompletion], use_tqdm: bool) -> None:
         from tqdm import tqdm
@@ -298,12 +239,3 @@ def _params_for(
     if len(params) != len(batch):
         raise ValueError(f"sampling_params: {len(params)} given for {len(batch)} prompts")
     return params
-
-
-def _maybe_tokenizer(model_dir: Any, trust_remote_code: bool) -> Any:
-    from deepinfer.tokenizer import load_tokenizer
-
-    try:
-        return load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
-    except FileNotFoundError:
-        return None  # token-id prompts still work (e.g. load_format="dummy")

@@ -1,4 +1,4 @@
-"""`deepinfer simulate | sweep | generate | profile | measure-acceptance | bench`: the
+"""`deepinfer simulate | sweep | generate | serve | profile | measure-acceptance | bench`: the
 command line.
 
 Each command lives in its own module and imports the simulator or the real
@@ -18,6 +18,7 @@ from deepinfer.entrypoints.cli.bench import add_bench_parser
 from deepinfer.entrypoints.cli.generate import add_generate_parser
 from deepinfer.entrypoints.cli.measure_acceptance import add_measure_acceptance_parser
 from deepinfer.entrypoints.cli.profile import add_profile_parser
+from deepinfer.entrypoints.cli.serve import add_serve_parser
 from deepinfer.entrypoints.cli.simulate import add_simulate_parser
 from deepinfer.entrypoints.cli.sweep import add_sweep_parser
 from deepinfer.errors import SchedulerStalled
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_parser(sub)
     add_sweep_parser(sub)
     add_generate_parser(sub)
+    add_serve_parser(sub)
     add_profile_parser(sub)
     add_measure_acceptance_parser(sub)
     add_bench_parser(sub)

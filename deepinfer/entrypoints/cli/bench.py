@@ -52,6 +52,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "data_parallel",
         "data + expert parallelism on N GPUs against one, measured and simulated",
     ),
+    "serve": (
+        "serving",
+        "load an OpenAI-compatible endpoint with a trace: TTFT, TPOT, ITL, E2EL, goodput "
+        "(--compare-sim: the simulator's error beside)",
+    ),
     "host-overhead": (
         "host_overhead",
         "host time per scheduled request of a decode step, the forward left out",

@@ -157,7 +157,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         trace = trace.with_all_structured()
     engine = engine_config_from_args(args)
     if args.request_rate is not None:
-        trace = _retime(trace, args.request_rate, engine.seed, args.time_scale)
+        trace = retime(trace, args.request_rate, engine.seed, args.time_scale)
     slo = parse_slo(args.slo) if args.slo else None
     mask_us = args.grammar_mask_us
     # Options that cannot apply are refused, not accepted and ignored.
@@ -226,7 +226,7 @@ def _data_parallel_line(meta: dict[str, Any], ranks: int, expert_parallel: bool)
     return line
 
 
-def _retime(trace: Any, rate: float, seed: int, time_scale: float) -> Any:
+def retime(trace: Any, rate: float, seed: int, time_scale: float) -> Any:
     """The trace's requests (after --max-requests, --start, --end) at new arrivals."""
     from sim.traces.retime import offline, poisson
 

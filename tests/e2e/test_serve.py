@@ -1,0 +1,387 @@
+"""`deepinfer serve` as a client sees it: real server processes on free local ports (the
+demo model on the CPU, and its simulated twin), spoken to by the official openai client
+and by raw HTTP. Each server starts once for the module; the last test drains the real
+one with SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "test-key"
+MODEL = "deepinfer-demo"
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" + (
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class Server:
+    def __init__(self, args: list[str], log: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log = log
+        cmd = [sys.executable, "-m", "deepinfer", "serve", *args, "--port", str(self.port)]
+        self.proc = subprocess.Popen(
+            [*cmd, "--log-level", "warning"],
+            cwd=ROOT,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, key: str | None = None, timeout: float = 90.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if self.get("/health", key)[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError(f"server did not start:\n{self.log.read_text()}")
+
+    def request(
+        self, method: str, path: str, body: bytes | None = None, key: str | None = None
+    ) -> tuple[int, dict[str, str], str]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        conn.request(method, path, body=body, headers=headers)
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        conn.close()
+        return resp.status, dict(resp.getheaders()), text
+
+    def get(self, path: str, key: str | None = KEY) -> tuple[int, str]:
+        status, _, text = self.request("GET", path, key=key)
+        return status, text
+
+    def post(self, path: str, body: Any, key: str | None = KEY) -> tuple[int, dict[str, Any]]:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        status, _, text = self.request("POST", path, raw, key)
+        return status, json.loads(text)
+
+    def metric(self, name: str, key: str | None = KEY, **labels: str) -> float:
+        text = self.get("/metrics", key)[1]
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name} {labels} not in /metrics")
+
+    def client(self, key: str | None = KEY) -> Any:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
+    tmp = tmp_path_factory.mktemp("serve")
+    template = tmp / "chat.jinja"
+    template.write_text(TEMPLATE)
+    real = Server(
+        [MODEL, "--api-key", KEY, "--chat-template", str(template), "--max-num-seqs", "16"],
+        tmp / "real.log",
+    )
+    twin = Server(
+        [MODEL, "--executor", "sim", "--hardware", "cpu", "--max-num-seqs", "2",
+         "--max-waiting", "2"],
+        tmp / "twin.log",
+    )  # fmt: skip
+    try:
+        real.wait_ready(KEY)
+        twin.wait_ready()
+        yield real, twin
+    finally:
+        real.stop()
+        twin.stop()
+
+
+@pytest.fixture(scope="module")
+def real(servers: tuple[Server, Server]) -> Server:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def twin(servers: tuple[Server, Server]) -> Server:
+    return servers[1]
+
+
+def test_32_concurrent_streams_finish_with_llm_generates_greedy_tokens(real: Server) -> None:
+    """Streams and whole responses both carry what the offline API generates."""
+    from deepinfer import LLM, SamplingParams
+
+    prompts = [f"def function_{i}(x):" for i in range(32)]
+    llm = LLM(MODEL)
+    expected = [
+        o.outputs[0].text
+        for o in llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False
+        )
+    ]
+    llm.shutdown()
+
+    async def stream(client: Any, prompt: str) -> tuple[str, str | None]:
+        parts, reason = [], None
+        chunks = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0.0, stream=True
+        )
+        async for chunk in chunks:
+            parts.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason or reason
+        return "".join(parts), reason
+
+    async def all_streams() -> list[tuple[str, str | None]]:
+        client = openai.AsyncOpenAI(base_url=real.url + "/v1", api_key=KEY, max_retries=0)
+        try:
+            return await asyncio.gather(*(stream(client, p) for p in prompts))
+        finally:
+            await client.close()
+
+    got = asyncio.run(all_streams())
+    assert [t for t, _ in got] == expected
+    assert {r for _, r in got} <= {"length", "stop"}
+    whole = real.client().completions.create(
+        model=MODEL, prompt=prompts[0], max_tokens=12, temperature=0.0
+    )
+    assert whole.choices[0].text == expected[0]
+    assert whole.usage.completion_tokens <= 12 and whole.usage.prompt_tokens > 0
+
+
+def test_chat_streams_what_it_answers_whole(real: Server) -> None:
+    client = real.client()
+    messages = [{"role": "user", "content": "Write a loop."}]
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0.0
+    )
+    assert whole.choices[0].message.role == "assistant"
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=10, temperature=0.0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_n2_seeds_reproduce_and_stop_strings_end_the_text(real: Server) -> None:
+    client = real.client()
+
+    def sample() -> list[str]:
+        out = client.completions.create(
+            model=MODEL, prompt="import os\n", max_tokens=24, temperature=1.0, n=2, seed=7
+        )
+        assert [c.index for c in out.choices] == [0, 1]
+        return [c.text for c in out.choices]
+
+    first = sample()
+    assert sample() == first
+    stopped = client.completions.create(
+        model=MODEL, prompt="def main():\n", max_tokens=64, temperature=0.0, stop=["\n"]
+    )
+    assert "\n" not in stopped.choices[0].text
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_json_schema_outputs_validate_and_logprobs_come_per_token(real: Server) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {
+        "type": "object",
+        "properties": {"age": {"type": "integer", "minimum": 0}},
+        "required": ["age"],
+    }
+    out = real.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Age?"}],
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    lp = real.client().completions.create(model=MODEL, prompt="x = ", max_tokens=5, logprobs=2)
+    assert len(lp.choices[0].logprobs.token_logprobs) == lp.usage.completion_tokens
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        (b'{"prompt": "x", ', "body", "malformed JSON"),
+        ({"prompt": "x", "max_tokns": 3}, "max_tokns", "unknown field"),
+        ({"prompt": [5] * 3000, "max_tokens": 2}, "prompt", "3000 tokens"),
+        ({"prompt": "x", "temperature": -1}, "temperature", "must be >= 0"),
+        ({"prompt": "x", "logit_bias": {"1": 1}}, "logit_bias", "not supported"),
+        (
+            {"prompt": "x", "response_format": {"type": "json_schema",
+             "json_schema": {"name": "s", "schema": {"type": "foo"}}}},
+            "response_format",
+            "invalid JSON Schema",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_requests_are_one_400_naming_the_field_and_the_server_goes_on(
+    real: Server, body: Any, param: str, words: str
+) -> None:
+    status, reply = real.post("/v1/completions", body)
+    assert status == 400
+    assert reply["error"]["param"] == param and words in reply["error"]["message"]
+    assert "\n" not in reply["error"]["message"]
+    status, reply = real.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 200 and reply["choices"][0]["finish_reason"]
+
+
+def test_every_route_needs_the_api_key(real: Server) -> None:
+    assert real.get("/health", key=None)[0] == 401
+    assert real.get("/metrics", key="wrong")[0] == 401
+    status, reply = real.post("/v1/completions", {"prompt": "x"}, key=None)
+    assert status == 401 and reply["error"]["type"] == "authentication_error"
+    assert real.client().models.list().data[0].id == MODEL
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(real: Server) -> None:
+    aborted = real.metric("deepinfer_requests_total", state="aborted")
+    conn = http.client.HTTPConnection("127.0.0.1", real.port, timeout=30)
+    body = {"prompt": "def f():", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    conn.request(
+        "POST", "/v1/completions", json.dumps(body),
+        {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )  # fmt: skip
+    resp = conn.getresponse()
+    assert resp.readline().startswith(b"data: ")
+    assert real.metric("deepinfer_kv_cache_usage_perc") > 0
+    conn.sock.close()  # type: ignore[union-attr]  # leave without reading the rest
+    conn.close()
+    end = time.monotonic() + 20
+    while real.metric("deepinfer_requests_total", state="aborted") == aborted:
+        assert time.monotonic() < end, "the request was not aborted"
+        time.sleep(0.1)
+    assert real.metric("deepinfer_kv_cache_usage_perc") == 0.0
+    assert real.metric("deepinfer_num_requests_running") == 0
+    assert real.metric("deepinfer_time_to_first_token_seconds_count") > 0
+
+
+def test_the_sim_twin_answers_the_openai_client(twin: Server) -> None:
+    client = twin.client()
+    out = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=8, seed=1)
+    assert out.usage.completion_tokens == 8 and out.choices[0].text
+    again = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=8, seed=1)
+    assert again.choices[0].text == out.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=5,
+                                            stream=True))  # fmt: skip
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=1)
+
+
+def test_max_waiting_answers_503_under_a_burst_and_loses_no_request(twin: Server) -> None:
+    async def one(client: Any) -> int | str:
+        try:
+            out = await client.completions.create(model=MODEL, prompt="x", max_tokens=20)
+        except openai.APIStatusError as e:
+            assert e.response.headers["retry-after"] == "1"
+            return e.status_code
+        return out.usage.completion_tokens
+
+    async def burst() -> list[int | str]:
+        client = openai.AsyncOpenAI(base_url=twin.url + "/v1", api_key="none", max_retries=0)
+        try:
+            return await asyncio.gather(*(one(client) for _ in range(24)))
+        finally:
+            await client.close()
+
+    got = asyncio.run(burst())
+    assert got.count(503) > 0
+    assert all(g == 20 for g in got if g != 503)  # every admitted request completed whole
+    assert twin.metric("deepinfer_requests_overloaded_total") == got.count(503)
+    assert twin.metric("deepinfer_requests_total", state="finished") >= len(got) - got.count(503)
+
+
+@pytest.mark.parametrize("which", ["real", "twin"])
+def test_bench_serve_replays_a_trace_against_the_server(
+    which: str, servers: tuple[Server, Server], tmp_path: Path
+) -> None:
+    """A Mooncake trace whose requests share their first block: replayed at its own
+    arrival times (halved) against the model, as a Poisson process against the twin with
+    the simulator's prediction beside."""
+    server = servers[0] if which == "real" else servers[1]
+    trace = tmp_path / "tiny.jsonl"
+    rows = [
+        {"timestamp": 40 * i, "input_length": 200 + 30 * i, "output_length": 4 + i,
+         "hash_ids": [7]}
+        for i in range(6)
+    ]  # fmt: skip
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hits = server.metric("deepinfer_prefix_cache_hits_total") if which == "real" else 0
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "-m", "deepinfer", "bench", "serve", str(trace), "--base-url",
+        server.url, "--no-progress", "--out", str(out), "--slo", "ttft:60000",
+    ]  # fmt: skip
+    if which == "real":
+        cmd += ["--api-key", KEY, "--time-scale", "0.5"]
+    else:
+        cmd += ["--request-rate", "20", "--compare-sim", "--hardware", "cpu", "--max-num-seqs", "2"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "Mean TTFT (ms)" in run.stdout and "P99 ITL (ms)" in run.stdout
+    report = json.loads(out.read_text())
+    assert [r["status"] for r in report["requests"]] == ["finished"] * 6
+    assert [r["num_output_tokens"] for r in report["requests"]] == [4 + i for i in range(6)]
+    assert report["summary"]["num_good"] == 6
+    if which == "real":  # the shared block is one prefix in the server's cache
+        assert server.metric("deepinfer_prefix_cache_hits_total") > hits
+    else:
+        assert re.search(r"TTFT median \(ms\)\s+[\d.]+\s+[\d.]+\s+[+-][\d.]+%", run.stdout)
+
+
+def test_sigterm_drains_the_running_stream_then_exits(real: Server) -> None:
+    """Last: it stops the module's real server."""
+    got: dict[str, Any] = {}
+
+    def stream() -> None:
+        chunks = real.client().completions.create(
+            model=MODEL, prompt="class A:", max_tokens=80, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        for c in chunks:
+            got.setdefault("first", True)
+            if c.choices and c.choices[0].finish_reason:
+                got["reason"] = c.choices[0].finish_reason
+            if c.usage is not None:
+                got["tokens"] = c.usage.completion_tokens
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    end = time.monotonic() + 20
+    while "first" not in got and time.monotonic() < end:
+        time.sleep(0.01)
+    real.proc.send_signal(signal.SIGTERM)
+    thread.join(30)
+    assert got.get("reason") == "length" and got.get("tokens") == 80
+    assert real.proc.wait(30) == 0
