@@ -13,7 +13,9 @@ one by one would have left it (docs/design.md, "Fast-forward").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from deepinfer.outputs import SchedulerOutput
 from deepinfer.request import Request
 
 
@@ -48,3 +50,13 @@ class DecodeRun:
     def ctx_sum(self) -> int:
         """The contexts' sum in the run's first step (step s: ctx_sum + s * num_reqs)."""
         return sum(self.contexts)
+
+
+class AdvancedRun(NamedTuple):
+    """What `Scheduler.advance_decode` left: the step in flight (under async scheduling,
+    the run's last step, scheduled and not applied; else None), the cache usage each
+    applied step's record reads, and the requests its last step ended (by length)."""
+
+    in_flight: SchedulerOutput | None
+    usages: list[float]
+    finished: list[Request]

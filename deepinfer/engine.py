@@ -354,12 +354,15 @@ class EngineCore:
                         f"{rid!r}, scheduled to decode one token"
                     )
                 sampled[i] = token + sampled[i]
-        following, usages = self.scheduler.advance_decode(run, k, sampled)
+        following, usages, finished = self.scheduler.advance_decode(run, k, sampled)
         for req in reqs:
             times = req.times
             if times.first_token is None:  # (a decode engine's request: its first step)
                 times.first_token = applied[0]
             times.token_times.extend(applied)
+        for req in finished:
+            req.times.finish = applied[-1]
+            self.records.append(_record(req))
         # Each applied step's record, its duration as _apply_in_flight measures it. Under
         # async scheduling the first is the step in flight, scheduled before the run.
         starts = launched
@@ -382,7 +385,7 @@ class EngineCore:
                         step_id=first_id + j,
                         time=end,
                         duration=end - min(began, end),
-                        num_running=n,
+                        num_running=n if j < k - 1 else n - len(finished),
                         num_waiting=waiting,
                         num_batched_tokens=batched,
                         num_prompt_tokens=prompt,

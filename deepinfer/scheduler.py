@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deepinfer.config import EngineConfig, EngineRole
-from deepinfer.decode_run import DecodeRun
+from deepinfer.decode_run import AdvancedRun, DecodeRun
 from deepinfer.draft_plan import DraftPlan
 from deepinfer.kv_cache.block_pool import KVBlock
 from deepinfer.kv_cache.manager import KVCacheManager, cdiv
@@ -510,13 +510,14 @@ class Scheduler:
 
         Certain from this state alone: each request decodes (its known tokens one past
         its computed ones; `in_flight`: under async scheduling, the step in flight, which
-        must be the same requests one token each), none can end (no stop token or EOS
-        that only its tokens decide; the horizon stops before its max_tokens or
-        max_model_len), the token budget holds them all, no waiting request can start
-        (none waits, or the sequence limit or the watermark holds it back: neither
-        loosens while blocks are only taken), and the free blocks cover every block the
-        steps take. Speculation, a prefill engine and executors that need token ids
-        run single steps.
+        must sample one token of each of the same requests (a decode, or a prompt's last
+        chunk), beside requests that ended since it was scheduled), none can end but by length, and only in the last step (no stop
+        token or EOS, which only its tokens decide: the horizon ends at the step that
+        applies its max_tokens-th token or reaches max_model_len), the token budget
+        holds them all, no waiting request can start (none waits, or the sequence limit
+        or the watermark holds it back: neither loosens while blocks are only taken),
+        and the free blocks cover every block the steps take. Speculation, a prefill
+        engine and executors that need token ids run single steps.
         """
         cfg = self.config
         running = self.running
@@ -532,21 +533,26 @@ class Scheduler:
             return None
         if self.waiting and n < cfg.max_num_batched_tokens and not self._start_held_back():
             return None
-        placeholders = 0 if in_flight is None else 1
-        if in_flight is not None and len(in_flight.scheduled) != n:
-            return None
+        placeholders = 0
+        if in_flight is not None:  # its requests still live, in order: the running ones
+            placeholders = 1
+            live = self.requests
+            flight = [sr for sr in in_flight.scheduled if sr.req_id in live]
+            if len(flight) != n:
+                return None
         max_len = self.max_model_len
         horizon = max_len
         contexts = []
         for i, req in enumerate(running):
             if in_flight is not None:
-                sr = in_flight.scheduled[i]
+                sr = flight[i]
+                # Its one token, or the prompt chunk that completed it: a sampled token
+                # either way, applied before the run's second step is scheduled.
                 if (
                     sr.req_id != req.request_id
-                    or sr.num_tokens != 1
-                    or sr.is_prompt
                     or not sr.will_sample
                     or sr.draft_token_ids
+                    or (sr.num_tokens != 1 and not sr.is_prompt)
                 ):
                     return None
             sp = req.sampling_params
@@ -562,10 +568,11 @@ class Scheduler:
             c, t = req.num_computed_tokens, req.num_tokens
             if req.num_output_placeholders != placeholders or t + placeholders - c != 1:
                 return None
-            # The run's step s applies its (outputs + s + 1)-th token: none may end it.
-            h = max_len - t - 1
+            # The run's step s applies its (outputs + s + 1)-th token: the step that ends
+            # it by length may be the run's last.
+            h = max_len - t
             if sp.max_tokens is not None:
-                h = min(h, sp.max_tokens - req.num_output_tokens - 1)
+                h = min(h, sp.max_tokens - req.num_output_tokens)
             horizon = min(horizon, h)
             contexts.append(c)
         if horizon < 1:
@@ -628,16 +635,13 @@ class Scheduler:
 
     def advance_decode(
         self, run: DecodeRun, num_steps: int, tokens: Sequence[Sequence[int]]
-    ) -> tuple[SchedulerOutput | None, list[float]]:
+    ) -> AdvancedRun:
         """Schedule and apply `num_steps` (at most `run.horizon`) steps of `run` at once,
         leaving the state those steps one by one would: tokens[i] are request i's sampled
         tokens, one per step applied; blocks are taken and cached in the order the steps
         would take them (their KV work is all in scheduling: in a decode step, caching
-        after the results adds no block the scheduling did not cache ahead).
-
-        Returns the step left in flight (under async scheduling, the run's last step,
-        scheduled and not applied; else None) and the cache usage each applied step's
-        record reads (after the scheduling that preceded its results)."""
+        after the results adds no block the scheduling did not cache ahead); requests
+        the last step ends by length end there, in schedule order."""
         k = num_steps
         if not 1 <= k <= run.horizon:
             raise ValueError(f"advance_decode: {k} steps of a run certain for {run.horizon}")
@@ -704,10 +708,17 @@ class Scheduler:
         self._preempted_since_last = set()
         usages = []
         total = kv.pool.num_blocks
-        for s in range(k):
+        for s in range(k - 1):
             free -= taken[s]
             usages.append(1.0 - free / total)
-        return out, usages
+        finished = []
+        for req in run.requests:  # the last step's results: ends by length
+            reason = check_stop(req, self.max_model_len)
+            if reason is not None:
+                self._end(req, RequestStatus.FINISHED, reason)
+                finished.append(req)
+        usages.append(kv.usage)
+        return AdvancedRun(out, usages, finished)
 
     # ---- introspection ---------------------------------------------------------------
 
