@@ -651,15 +651,20 @@ class Scheduler:
         # (step, request): where a step takes a new block or fills one (then caches it),
         # in the order the steps meet them; elsewhere a step's allocation changes nothing.
         events: list[tuple[int, int]] = []
+        caching = kv.enable_caching
         for i, req in enumerate(run.requests):
             c, t = run.contexts[i], req.num_tokens
-            held = len(kv.req_blocks[req.request_id])
-            steps = set(range(held * bs - c, k, bs))
-            if kv.enable_caching:  # step s fills min(c + s + 1, t + s) = t + s tokens
-                steps.update(range((-t) % bs, k, bs))
-                if kv.num_cached_blocks(req.request_id) < t // bs:
-                    steps.add(0)  # full blocks not cached yet (a decode engine's prompt)
-            events.extend((s, i) for s in steps)
+            first = len(kv.req_blocks[req.request_id]) * bs - c  # its first new block
+            if caching:  # step s fills min(c + s + 1, t + s) = t + s tokens
+                filled = (-t) % bs
+                if (first - filled) % bs:  # two progressions, disjoint
+                    events.extend((s, i) for s in range(filled, k, bs))
+                    lowest = min(first, filled)
+                else:  # one progression, from the earlier of the two
+                    first = lowest = min(first, filled)
+                if lowest and kv.num_cached_blocks(req.request_id) < t // bs:
+                    events.append((0, i))  # full blocks not cached yet (a decode engine's)
+            events.extend((s, i) for s in range(first, k, bs))
         events.sort()
         free = kv.pool.num_free_blocks
         taken = [0] * k

@@ -290,16 +290,17 @@ class ProfiledCostModel(CostModel):
         lim, m = self._limits, _EXTRAPOLATION_MARGIN
         beyond = n > lim["tokens"] * m or n > lim["reqs"] * m
         longest_limit = lim["context"] * m
-        predict = self._decode.predict_at
+        predict = self._decode.at_batch(batch)
+        idle = None if sequential is None else sequential.at_batch(batch)
         for s in range(run.horizon):
             if beyond or ctx_max + s + 1 > longest_limit:
                 self._warn_range(n, n, ctx_max + s + 1)
             effective = max(1.0, float(ctx_max + s if one_wave else (ctx_sum + n * s) / n))
-            priced = predict(batch, effective)
-            if sequential is None:
+            priced = predict(effective)
+            if idle is None:
                 yield cpu, priced, 0.0
             else:
-                extra = sequential.predict_at(batch, effective) - priced
+                extra = idle(effective) - priced
                 yield cpu, priced, extra if extra > 0.0 else 0.0
 
     def _drafts_proposed(self, out: SchedulerOutput) -> int:

@@ -241,3 +241,14 @@ def test_a_launch_reads_its_step_once_for_both_fits(k: int, monkeypatch) -> None
             assert pipelined.launch_cost(out) == (want, extra), groups
             monkeypatch.setattr(ProfiledCostModel, "_measure", measure)
         assert measured == 1
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_a_decode_runs_prices_are_its_steps_to_the_bit(path) -> None:
+    """The fast-forward prices a run's steps with `StepSurface.at_batch`: it must give
+    `predict_at`'s floats exactly, inside the grid and past it on either side."""
+    surface = _model(path)._decode
+    contexts = [1.0, 1.5, 7.0, 63.5, 100.25, 511.0, 4096.0, 9999.9, 1e6]
+    for batch in (1.0, 3.0, 17.0, 256.0, 257.0, 1000.0, 20000.0):
+        at = surface.at_batch(batch)
+        assert [at(c) for c in contexts] == [surface.predict_at(batch, c) for c in contexts]
