@@ -9,6 +9,9 @@
 #     whole sweep takes longer than one device call; e.g. spec --ks 3 --acceptance 0.85)
 #   bash benchmarks/run_device.sh first   (not in all: start-up, then the first burst on the
 #     fresh engine against the same-sized bursts after it; about 1.5 min)
+#   bash benchmarks/run_device.sh serve   (not in all: `deepinfer serve` on Moonlight shapes,
+#     the bundled Azure code trace over HTTP at 70% of the offline capacity beside the same
+#     requests offline and the simulator; about 7 min)
 #   bash benchmarks/run_device.sh gc   (not in all: the collector's pauses in a served run,
 #     the start-up heap frozen and not, Moonlight shapes; about 2 min)
 # The model sweep's JSON plots here with python -m benchmarks.plot_model_speed (matplotlib).
@@ -133,6 +136,49 @@ if [[ $what == first ]]; then
   "${bench[@]}" first-burst --json "$OUT/first_burst.json" 2>&1 \
     | grep -v Warning | tee "$OUT/first_burst.log" | tail -8
   status=${PIPESTATUS[0]}
+fi
+if [[ $what == serve ]]; then
+  # The offline replay first: its capacity sets the served rate (70%), the same Poisson
+  # arrivals (seed 0) then go over HTTP, the simulator predicting them beside. A rate
+  # given (serve RATE, requests/s) skips the offline replay.
+  engine=(--num-gpu-blocks 20000 --max-num-seqs 256 --max-num-batched-tokens 8192)
+  rate=${1:-}
+  if [[ -z $rate ]]; then
+    "${bench[@]}" fidelity --out "$OUT/fidelity_offline" --model moonlight-16b-a3b \
+      --device cuda --num-requests 200 --traces azure_code_small.json --rates 0.7 \
+      "${engine[@]}" 2>&1 | grep -v Warning | tee "$OUT/fidelity_offline.log" | tail -30
+    capacity=$(grep -o "capacity [0-9.]* req/s" "$OUT/fidelity_offline.log" | head -1 \
+      | cut -d' ' -f2)
+    rate=$(python3 -c "print(0.7 * float('${capacity:-0}'))")
+  fi
+  hw=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" \
+    | tr 'H' 'h')
+  python3 -m deepinfer serve moonlight-16b-a3b --load-format dummy --port 8011 \
+    --log-level warning "${engine[@]}" > "$OUT/serve.log" 2>&1 &
+  server=$!
+  python3 - "$server" <<'PY'
+import os, sys, time, urllib.request
+for _ in range(600):  # until the server answers, or its process is gone
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8011/health", timeout=1)
+        break
+    except OSError:
+        try:
+            os.kill(int(sys.argv[1]), 0)
+        except OSError:
+            sys.exit("the server exited: see serve.log")
+        time.sleep(1)
+PY
+  "${bench[@]}" serve traces/azure_code_small.json --base-url http://127.0.0.1:8011 \
+    --max-requests 200 --request-rate "$rate" --seed 0 --compare-sim --hardware "${hw:-h200}" \
+    --out "$OUT/bench_serve.json" --no-progress 2>&1 | grep -v Warning \
+    | tee "$OUT/bench_serve.log" | tail -40
+  status=${PIPESTATUS[0]}
+  python3 -c "import urllib.request; print(urllib.request.urlopen(\
+'http://127.0.0.1:8011/metrics').read().decode())" > "$OUT/serve_metrics.txt" 2>&1
+  kill -TERM $server
+  wait $server
+  tail -5 "$OUT/serve.log"
 fi
 if [[ $what == dp ]]; then
   # Several GPUs (a multi-GPU kind): expert/data-parallel tests over NCCL, the all-to-all

@@ -144,7 +144,9 @@ async def _send(
         )
         chunks = 0
         async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
+            # Every chunk of a choice is a delta of tokens (empty text from a server with
+            # no tokenizer), or its finish, which comes with its last tokens.
+            if chunk.choices:
                 sent.chunk_times.append(time.perf_counter() - t0)
                 chunks += 1
             if chunk.usage is not None:

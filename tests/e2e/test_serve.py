@@ -385,3 +385,16 @@ def test_sigterm_drains_the_running_stream_then_exits(real: Server) -> None:
     thread.join(30)
     assert got.get("reason") == "length" and got.get("tokens") == 80
     assert real.proc.wait(30) == 0
+
+
+def test_a_model_without_a_tokenizer_streams_a_chunk_per_delta_of_tokens() -> None:
+    """A preset's random weights have no tokenizer, so no text: each delta of tokens is
+    still a chunk (empty text), which `bench serve` times as a token."""
+    from deepinfer.entrypoints.openai.async_engine import Delta
+    from deepinfer.entrypoints.openai.responses import ResponseShape
+
+    bare = ResponseShape(False, "r", MODEL, 1, None, False)
+    assert bare.chunk(Delta(0, 0, "", [5], None))["choices"][0]["text"] == ""
+    assert bare.chunk(Delta(0, 0, "", [], None)) is None  # nothing new
+    with_text = ResponseShape(False, "r", MODEL, 1, object(), False)
+    assert with_text.chunk(Delta(0, 0, "", [5], None)) is None  # a character not complete

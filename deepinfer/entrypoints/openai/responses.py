@@ -51,8 +51,11 @@ class ResponseShape:
     # ---- streaming -------------------------------------------------------------------
 
     def chunk(self, d: Delta) -> dict[str, Any] | None:
-        """The chunk of one delta; None when it adds nothing (a character not complete)."""
-        if not d.text and d.finish_reason is None and not d.logprobs:
+        """The chunk of one delta; None when it adds nothing (a character not complete).
+        Without a tokenizer (a preset's random weights) there is no text: each delta of
+        tokens is a chunk of empty text, so a client still sees every token's time."""
+        new_tokens = self._tokenizer is None and d.token_ids
+        if not d.text and d.finish_reason is None and not d.logprobs and not new_tokens:
             return None
         i = self.index(d)
         choice: dict[str, Any] = {"index": i}
