@@ -71,9 +71,9 @@ class Executor(ABC):
 
     needs_token_ids: bool
     vocab_size: int | None = None
-    # Returns a decode run's tokens without running its steps (`execute_decode_run`):
+    # Whether `execute_decode_run` gives a decode run's tokens without running its steps:
     # only an executor whose tokens are a function of the request and position (the
-    # simulator's) can; the engine asks for decode runs only then.
+    # simulator's) can; the engine offers decode runs only then.
     can_fast_forward: bool = False
 
     @abstractmethod

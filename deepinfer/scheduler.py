@@ -271,14 +271,19 @@ class Scheduler:
         self._after_prompt_chunk(req)
         return True
 
+    def _start_held_back(self) -> bool:
+        """No waiting request may start now: the sequence limit, or usage past the
+        watermark. Both hold for the whole of a decode run (no request ends before its
+        last step, and blocks are only taken)."""
+        cfg = self.config
+        if len(self.running) + self.waiting.num_in_progress >= cfg.max_num_seqs:
+            return True
+        return cfg.role is EngineRole.NORMAL and self.kv.usage > cfg.prefill_watermark
+
     def _start(self, req: Request, step: _StepPlan) -> bool:
         """First chunk of a new or preempted request (docs/design.md, "Starting a waiting request")."""
         cfg = self.config
-        if step.num_preempted:
-            return False
-        if len(self.running) + self.waiting.num_in_progress >= cfg.max_num_seqs:
-            return False
-        if cfg.role is EngineRole.NORMAL and self.kv.usage > cfg.prefill_watermark:
+        if step.num_preempted or self._start_held_back():
             return False
         # Prompt logprobs need every prompt token computed: no prefix-cache hit (as vLLM).
         wants_prompt_logprobs = req.sampling_params.prompt_logprobs is not None
@@ -511,13 +516,13 @@ class Scheduler:
         Certain from this state alone: each request decodes (its known tokens one past
         its computed ones; `in_flight`: under async scheduling, the step in flight, which
         must sample one token of each of the same requests (a decode, or a prompt's last
-        chunk), beside requests that ended since it was scheduled), none can end but by length, and only in the last step (no stop
-        token or EOS, which only its tokens decide: the horizon ends at the step that
-        applies its max_tokens-th token or reaches max_model_len), the token budget
-        holds them all, no waiting request can start (none waits, or the sequence limit
-        or the watermark holds it back: neither loosens while blocks are only taken),
-        and the free blocks cover every block the steps take. Speculation, a prefill
-        engine and executors that need token ids run single steps.
+        chunk), beside requests that ended since it was scheduled); none can end but by
+        length, and only in the last step (no stop token or EOS, which only its tokens
+        decide: the horizon ends at the step that applies its max_tokens-th token or
+        reaches max_model_len); the token budget holds them all; no waiting request can
+        start (none waits, or `_start_held_back`); and the free blocks cover every block
+        the steps take. Speculation, a prefill engine and executors that need token ids
+        run single steps.
         """
         cfg = self.config
         running = self.running
@@ -592,10 +597,14 @@ class Scheduler:
                 return None
         dropped = frozenset(self._finished_since_last | self._preempted_since_last)
         return DecodeRun(
-            tuple(running), tuple(contexts), horizon, self.step_id + 1,
-            None if in_flight is None else in_flight.step_id, dropped,
-            len(self._preempted_since_last),
-        )  # fmt: skip
+            requests=tuple(running),
+            contexts=tuple(contexts),
+            horizon=horizon,
+            first_step_id=self.step_id + 1,
+            in_flight_step=None if in_flight is None else in_flight.step_id,
+            dropped_req_ids=dropped,
+            num_preempted_before=len(self._preempted_since_last),
+        )
 
     def _take_blocks(
         self,
@@ -624,14 +633,6 @@ class Scheduler:
             taken[s] += len(blocks)
             got[i] = blocks
         return got
-
-    def _start_held_back(self) -> bool:
-        """No waiting request can start while a decode run only takes blocks: the sequence
-        limit holds (no request ends), or usage is past the watermark (it only grows)."""
-        cfg = self.config
-        if len(self.running) + self.waiting.num_in_progress >= cfg.max_num_seqs:
-            return True
-        return cfg.role is EngineRole.NORMAL and self.kv.usage > cfg.prefill_watermark
 
     def advance_decode(
         self, run: DecodeRun, num_steps: int, tokens: Sequence[Sequence[int]]

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 # (cpu_time, launch_cost's two figures) of each step of a decode run, in order.
 RunCosts = Iterator[tuple[float, float, float]]
 
-__all__ = ["CostModel", "RunCosts", "UnitCostModel", "mask_time"]
+__all__ = ["CostModel", "RunCosts", "UnitCostModel", "mask_time", "prices_decode_runs"]
 
 
 class CostModel(ABC):
@@ -72,6 +72,23 @@ class CostModel(ABC):
         """Host seconds to fill one token mask of a structured request (`mask_time`), read
         once by `simulate` unless it is given one. Default 0.0: masks are free."""
         return 0.0
+
+
+def prices_decode_runs(cost: CostModel) -> bool:
+    """Whether `cost.decode_run_costs` is the model's own account of its steps: a subclass
+    that overrides `step_time`, `cpu_time` or `launch_cost` below the class that defines
+    `decode_run_costs` would have its runs priced by the parent's formula, so it gets
+    single steps (and so does a model that defines no run pricing)."""
+    cls = type(cost)
+    owner = _definer(cls, "decode_run_costs")
+    if owner is CostModel:
+        return False
+    hooks = ("step_time", "cpu_time", "launch_cost")
+    return all(issubclass(owner, _definer(cls, hook)) for hook in hooks)
+
+
+def _definer(cls: type, name: str) -> type:
+    return next(c for c in cls.__mro__ if name in c.__dict__)
 
 
 def mask_time(out: SchedulerOutput, per_token_s: float) -> float:

@@ -30,7 +30,7 @@ from deepinfer.sampling_params import SamplingParams
 from sim.acceptance import AcceptanceModel
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
-from sim.cost_model import CostModel, RunCosts, mask_time
+from sim.cost_model import CostModel, RunCosts, mask_time, prices_decode_runs
 from sim.cost_model_registry import resolve_cost_model
 from sim.data_parallel import DataParallelStats, serve_data_parallel
 from sim.expert_parallel_cost import ExpertParallelCost
@@ -132,10 +132,13 @@ def simulate(
     if isinstance(acceptance, (str, Path)):
         acceptance = AcceptanceModel.load(acceptance)
     if engine.data_parallel_size > 1:
-        return _simulate_ranks(
+        ranks = _simulate_ranks(
             trace, spec, hw, engine, cost, cost_meta, num_blocks, acceptance,
             check_invariants, on_progress, slo, mask_s=float(grammar_mask_per_token_s),
         )  # fmt: skip
+        single = FastForwardStats("data-parallel ranks run in lock-step rounds")
+        ranks.meta["fast_forward"] = single.to_meta() if fast_forward else {"enabled": False}
+        return ranks
     executor = SimExecutor(engine, num_blocks, acceptance_rate=acceptance)
     env = simpy.Environment()
     clock = _Clock()
@@ -149,6 +152,8 @@ def simulate(
     requests = build_requests(trace, spec.vocab_size)
     mask_s = float(grammar_mask_per_token_s)
     runs = FastForwardStats() if fast_forward else None
+    if runs is not None and not prices_decode_runs(cost):
+        runs.reason = f"the cost model ({type(cost).__name__}) prices single steps only"
     env.process(
         _serve(env, clock, core, deque(requests), cost, mask_s, on_progress, hw.runs_on_host, runs)
     )
@@ -256,7 +261,7 @@ def _serve(
                 clock.now += pending[0].arrival_time - now
                 yield env.timeout(clock.now - env.now)
             continue
-        run = core.decode_run() if runs is not None else None
+        run = core.decode_run() if runs is not None and runs.reason is None else None
         costs = cost.decode_run_costs(run) if run is not None else None
         if run is not None and costs is not None:
             assert runs is not None
@@ -300,20 +305,25 @@ def _serve(
 
 
 class FastForwardStats:
-    """How much of a run the fast-forward took: decode runs and the steps in them."""
+    """How much of a run the fast-forward took: decode runs and the steps in them, or why
+    it took none (`reason`: the configuration runs single steps only)."""
 
-    __slots__ = ("runs", "steps")
+    __slots__ = ("runs", "steps", "reason")
 
-    def __init__(self) -> None:
+    def __init__(self, reason: str | None = None) -> None:
         self.runs = 0
         self.steps = 0
+        self.reason = reason
 
     def add(self, steps: int) -> None:
         self.runs += 1
         self.steps += steps
 
     def to_meta(self) -> dict[str, Any]:
-        return {"enabled": True, "runs": self.runs, "steps": self.steps}
+        meta: dict[str, Any] = {"enabled": True, "runs": self.runs, "steps": self.steps}
+        if self.reason is not None:
+            meta["single_steps_only"] = self.reason
+        return meta
 
 
 def _time_run(

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from deepinfer.config import EngineConfig, EngineRole
 from deepinfer.model_config import load_model_config
+from deepinfer.outputs import SchedulerOutput
 from sim.cost_model import CostModel, UnitCostModel
 from sim.cost_model_registry import resolve_cost_model
 from sim.hardware import get_hardware
@@ -157,3 +158,29 @@ def test_speculation_runs_single_steps() -> None:
         warnings.simplefilter("ignore")
         fast = simulate(_steady(), spec, "h200", engine, "analytic")
     assert fast.meta["fast_forward"] == {"enabled": True, "runs": 0, "steps": 0}
+
+
+def test_a_cost_model_that_overrides_its_parents_hooks_gets_single_steps() -> None:
+    """A user's model derived from the unit one, pricing context: the parent's run
+    pricing is not its own, so every step goes through its hooks, and the results are
+    those of single steps."""
+
+    class ContextCost(UnitCostModel):
+        def step_time(self, out: SchedulerOutput) -> float:
+            return 0.001 + 1e-6 * sum(r.num_computed_tokens for r in out.scheduled)
+
+    engine = EngineConfig(block_size=16, num_gpu_blocks=400, async_scheduling=False)
+    single = simulate(_steady(), MODEL, "h200", engine, ContextCost(), fast_forward=False)
+    fast = simulate(_steady(), MODEL, "h200", engine, ContextCost())
+    _assert_same(single, fast)
+    assert fast.meta["fast_forward"]["steps"] == 0
+    assert "ContextCost" in fast.meta["fast_forward"]["single_steps_only"]
+
+
+def test_data_parallel_ranks_run_single_steps_and_say_so() -> None:
+    engine = EngineConfig(block_size=16, num_gpu_blocks=400, data_parallel_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = simulate(_steady(), MODEL, "h200", engine, "unit")
+    assert fast.meta["fast_forward"]["steps"] == 0
+    assert "lock-step" in fast.meta["fast_forward"]["single_steps_only"]

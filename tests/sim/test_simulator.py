@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from deepinfer.config import EngineConfig
-from deepinfer.decode_run import DecodeRun
 from deepinfer.engine import EngineCore
 from deepinfer.model_config import PRESETS_DIR
 from deepinfer.outputs import SchedulerOutput
@@ -231,18 +230,14 @@ class CountingCostModel(UnitCostModel):
         self.hosted.append(out.step_id)
         return super().cpu_time(out)
 
-    def decode_run_costs(self, run: DecodeRun) -> None:
-        return None  # every step through the hooks above: the simulator runs single steps
-
 
 @pytest.mark.parametrize("on_host", [False, True])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_each_step_is_priced_once(async_scheduling: bool, on_host: bool) -> None:
     """The simulator asks the cost model for a step's device time once, at its launch
     (`launch_cost` carries the idle-launch extra with it), and for its host time once,
-    after its schedule: in steps a few arrivals apart, with idle gaps between. (A model
-    that prices no decode runs gets single steps; a decode run's steps are priced once
-    each by construction: `decode_run_costs` yields one price a step.)"""
+    after its schedule: in steps a few arrivals apart, with idle gaps between. (A subclass
+    that overrides the hooks gets single steps: its parent's run pricing is not its own.)"""
     reqs = [TraceRequest(f"r{i}", 0.05 * (i // 3), 7 + 5 * i, 3 + i) for i in range(9)]
     cfg = EngineConfig(
         num_gpu_blocks=30, block_size=4, max_num_batched_tokens=16,
