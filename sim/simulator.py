@@ -230,8 +230,8 @@ def _serve(
     device's forward (the real runner fills them before it first synchronises): the
     step's results are back when both are done, and the host is busy meanwhile.
 
-    The host's work is booked on `host_free` (when the host is next idle); time passes
-    to it after each schedule, so the engine's clock reads a launch's start as the real
+    The host's work is booked on the `_Timeline`'s `host_free` (when the host is next
+    idle); time passes to it after each schedule, so the engine's clock reads a launch's start as the real
     engine's does (its step records begin there), and an await waits for the result.
     Within a step nothing else happens (arrivals are admitted between steps), so time
     passes on `clock`, which the engine reads, and the environment follows it once a
@@ -249,8 +249,7 @@ def _serve(
     runs: fast-forward (counted there): where the engine offers a decode run
     (`EngineCore.decode_run`) and the cost model prices one, its steps are timed by
     `_time_run` and applied at once, until the next arrival or the run's horizon."""
-    ready_at: dict[int, float] = {}  # step id -> simulated time its results are back
-    host_free = device_free = 0.0
+    timeline = _Timeline(clock, on_host)
     reported = 0
     while pending or core.has_unfinished():
         now = clock.now
@@ -265,43 +264,76 @@ def _serve(
         costs = cost.decode_run_costs(run) if run is not None else None
         if run is not None and costs is not None:
             assert runs is not None
-            timeline = _time_run(clock, run, costs, pending, ready_at, host_free, device_free,
-                                 on_host)  # fmt: skip
-            launched, applied, host_free, device_free = timeline
+            launched, applied = _time_run(timeline, run, costs, pending)
             core.advance_decode(run, launched, applied)
             runs.add(len(applied))
         else:
             for kind, out in core.step_events():
-                now = clock.now
                 if kind is SCHEDULED:
-                    host_free = (host_free if host_free > now else now) + cost.cpu_time(out)
-                    # The engine launches once its host work is done: the step's recorded
-                    # duration starts there, as the real engine's does (after `schedule`).
-                    if host_free > now:
-                        clock.now += host_free - now
+                    timeline.scheduled(cost.cpu_time(out))
                 elif kind is LAUNCHED:
-                    start = host_free if host_free > now else now
                     masks = mask_time(out, mask_per_token_s) if mask_per_token_s else 0.0
-                    if on_host:  # the launch runs the step: the host is busy until it ends
-                        host_free = device_free = start + masks + cost.step_time(out)
+                    if on_host:
+                        timeline.launched(out.step_id, masks, cost.step_time(out), 0.0)
                     else:
-                        host_free = start + masks
-                        # Its host part (what a pipelined step hides) runs from its launch: the
-                        # device starts it once that is done and the step before has ended.
-                        priced, idle = cost.launch_cost(out)
-                        ready = start + idle
-                        device_free = (device_free if device_free > ready else ready) + priced
-                    ready_at[out.step_id] = max(device_free, host_free)
+                        timeline.launched(out.step_id, masks, *cost.launch_cost(out))
                 else:
-                    done = ready_at.pop(out.step_id)
-                    wait = (done if done > host_free else host_free) - now
-                    if wait > 0:
-                        clock.now += wait
+                    timeline.awaited(out.step_id)
         if clock.now > env.now:
             yield env.timeout(clock.now - env.now)
         if on_progress is not None and len(core.records) != reported:
             on_progress(len(core.records) - reported)
             reported = len(core.records)
+
+
+class _Timeline:
+    """When the host and the device are next free, and when each launched step's results
+    are back: `_serve` passes time on the engine's clock at each time point of a step
+    through these three calls, for single steps and decode runs alike."""
+
+    __slots__ = ("clock", "on_host", "host_free", "device_free", "ready_at")
+
+    def __init__(self, clock: _Clock, on_host: bool) -> None:
+        self.clock = clock
+        self.on_host = on_host
+        self.host_free = 0.0
+        self.device_free = 0.0
+        self.ready_at: dict[int, float] = {}  # step id -> simulated time its results are back
+
+    def scheduled(self, cpu: float) -> None:
+        """The host's work around a step just scheduled; the engine launches once it is
+        done: the step's recorded duration starts there, as the real engine's does."""
+        clock = self.clock
+        now = clock.now
+        host_free = self.host_free = (self.host_free if self.host_free > now else now) + cpu
+        if host_free > now:
+            clock.now += host_free - now
+
+    def launched(self, step_id: int, masks: float, priced: float, idle: float) -> None:
+        """A step launched, its device seconds `priced` (`idle` more on an idle device),
+        its grammar masks host work beside it. Its host part (what a pipelined step
+        hides) runs from its launch: the device starts it once that is done and the step
+        before has ended. On the host's CPU the launch runs the step: the host is busy
+        until it ends."""
+        now = self.clock.now
+        start = self.host_free if self.host_free > now else now
+        if self.on_host:
+            self.host_free = self.device_free = start + masks + priced
+        else:
+            self.host_free = start + masks
+            ready = start + idle
+            self.device_free = (self.device_free if self.device_free > ready else ready) + priced
+        self.ready_at[step_id] = max(self.device_free, self.host_free)
+
+    def awaited(self, step_id: int) -> None:
+        """The loop waits for a step's results (and for the host to be free)."""
+        clock = self.clock
+        now = clock.now
+        done = self.ready_at.pop(step_id)
+        host_free = self.host_free
+        wait = (done if done > host_free else host_free) - now
+        if wait > 0:
+            clock.now += wait
 
 
 class FastForwardStats:
@@ -327,50 +359,29 @@ class FastForwardStats:
 
 
 def _time_run(
-    clock: _Clock,
-    run: DecodeRun,
-    costs: RunCosts,
-    pending: deque[Request],
-    ready_at: dict[int, float],
-    host_free: float,
-    device_free: float,
-    on_host: bool,
-) -> tuple[list[float], list[float], float, float]:
-    """Time a decode run's steps as `_serve` times single steps, with the same floats in
-    the same order (its SCHEDULED, LAUNCHED and AWAIT handlers, inlined; a decode step
-    has no grammar masks), until the run's horizon or the first step whose turn comes
-    after an arrival (the loop admits arrivals between steps, which ends the run).
-    Returns the clock at each step's launch and at the results applied in its turn (the
-    step before it under async scheduling), and the host's and device's next free times."""
+    timeline: _Timeline, run: DecodeRun, costs: RunCosts, pending: deque[Request]
+) -> tuple[list[float], list[float]]:
+    """Time a decode run's steps as `_serve` times single steps (the same `_Timeline`
+    calls: a decode step has no grammar masks), until the run's horizon or the first step
+    whose turn comes after an arrival (the loop admits arrivals between steps, which ends
+    the run). Returns the clock at each step's launch and at the results applied in its
+    turn (the step before it under async scheduling)."""
+    clock = timeline.clock
     launched: list[float] = []
     applied: list[float] = []
     awaits_previous = run.in_flight_step is not None
     step_id = run.first_step_id
     arrival = pending[0].arrival_time if pending else math.inf
     for cpu, priced, idle in costs:
-        now = clock.now
-        if launched and arrival <= now:
+        if launched and arrival <= clock.now:
             break
-        host_free = (host_free if host_free > now else now) + cpu  # scheduled
-        if host_free > now:
-            clock.now += host_free - now
-        now = clock.now
-        launched.append(now)
-        start = host_free if host_free > now else now  # launched
-        if on_host:
-            host_free = device_free = start + priced
-        else:
-            host_free = start
-            ready = start + idle
-            device_free = (device_free if device_free > ready else ready) + priced
-        ready_at[step_id] = max(device_free, host_free)
-        done = ready_at.pop(step_id - 1 if awaits_previous else step_id)  # awaited
-        wait = (done if done > host_free else host_free) - now
-        if wait > 0:
-            clock.now += wait
+        timeline.scheduled(cpu)
+        launched.append(clock.now)
+        timeline.launched(step_id, 0.0, priced, idle)
+        timeline.awaited(step_id - 1 if awaits_previous else step_id)
         applied.append(clock.now)
         step_id += 1
-    return launched, applied, host_free, device_free
+    return launched, applied
 
 
 def _simulate_ranks(
