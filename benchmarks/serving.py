@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim = p.add_argument_group("--compare-sim: the simulator's prediction beside")
     sim.add_argument("--compare-sim", action="store_true")
     sim.add_argument("--sim-model", default=None, help="preset or config (default: --model)")
-    sim.add_argument("--hardware", default="h200", help="(default: %(default)s)")
+    sim.add_argument("--hardware", default=None, help="(default: h200)")
     sim.add_argument("--cost-model", choices=["profiled", "analytic", "unit"], default=None)
     sim.add_argument("--profile", default=None, help="a profile JSON from `deepinfer profile`")
     add_engine_options(p)
@@ -229,13 +229,36 @@ def _comparison(measured: dict[str, Any], simulated: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _simulator_options(args: argparse.Namespace) -> list[str]:
+    """The --compare-sim options given (engine options included): each means something
+    only to the simulation (--seed also seeds --request-rate's arrivals)."""
+    given = [
+        "--" + name.replace("_", "-")
+        for name in ("sim_model", "hardware", "cost_model", "profile")
+        if getattr(args, name) is not None
+    ]
+    given += [
+        "--" + name.removeprefix("engine_").replace("_", "-")
+        for name, value in vars(args).items()
+        if name.startswith("engine_") and name != "engine_seed" and value is not None
+    ]
+    return given
+
+
 def main() -> int:
+    """0 once the trace is replayed, 1 when every request failed."""
     from deepinfer.entrypoints.cli.simulate import default_trace, retime
     from sim.report import print_summary, write_report
     from sim.simulator import build_requests
     from sim.traces import load_trace
 
     args = build_parser().parse_args()
+    sim_only = _simulator_options(args)
+    if sim_only and not args.compare_sim:
+        raise ValueError(
+            f"{', '.join(sim_only)}: options of the simulation, which only --compare-sim runs "
+            "(the endpoint's own engine is configured where it was started)"
+        )
     path = Path(args.trace) if args.trace else default_trace()
     trace = load_trace(
         path, args.format, time_scale=args.time_scale, max_requests=args.max_requests,
@@ -272,7 +295,7 @@ def main() -> int:
         from sim.simulator import simulate
 
         result = simulate(
-            trace, _model_config(sim_model), args.hardware, engine, args.cost_model,
+            trace, _model_config(sim_model), args.hardware or "h200", engine, args.cost_model,
             profile=args.profile, slo=slo,
         )  # fmt: skip
         cal = "calibrated" if result.meta.get("calibrated") else "uncalibrated"
@@ -282,6 +305,10 @@ def main() -> int:
     if args.out:
         write_report(args.out, summary, records, None, meta, include_token_times=True)
         print(f"report: {args.out}")
+    failed = [s for s in sent if s.error is not None or not s.chunk_times]
+    if sent and len(failed) == len(sent):
+        print(f"bench serve: every request failed; the first: {failed[0].error}", file=sys.stderr)
+        return 1
     return 0
 
 

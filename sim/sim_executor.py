@@ -71,7 +71,8 @@ class SimExecutor(Executor):
         self._seed = config.seed
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        # crc32 of each request id, computed once: it salts every token of the request.
+        # crc32 of each live request's id, computed once: it salts every token of the
+        # request; dropped when a step names the request finished (a server runs for days).
         self._salts: dict[str, int] = {}
         # When speculating, req_id -> tokens in its (modelled) KV cache: under async
         # scheduling a step's num_computed_tokens assumes the drafts in flight were all
@@ -100,9 +101,12 @@ class SimExecutor(Executor):
     ) -> list[list[int]]:
         """The tokens `execute` samples for these steps: step s of request i computes
         position contexts[i] + s and samples the token at the position after it (the
-        formula of `execute`, one list a request). Without drafts nothing is held per
-        request that dropped_req_ids would clear."""
+        formula of `execute`, one list a request). Without drafts a request's salt is
+        all that is held of it: dropped_req_ids drop theirs (a preempted request's
+        comes back the same, from its id)."""
         salts = self._salts
+        for rid in dropped_req_ids:
+            salts.pop(rid, None)
         out = []
         for rid, ctx in zip(req_ids, contexts):
             salt = salts.get(rid)
@@ -121,6 +125,8 @@ class SimExecutor(Executor):
         seed = self._seed
         sampled = res.sampled_token_ids
         salts = self._salts
+        for rid in out.finished_req_ids:
+            salts.pop(rid, None)
         if self.k:
             for rid in out.finished_req_ids | out.preempted_req_ids:
                 self._computed.pop(rid, None)

@@ -43,7 +43,11 @@ class VocabularySimExecutor(SimExecutor):
     Each token is a function of the request's seed (or, unseeded, of its id) and its
     position, folded onto the vocabulary less `excluded` (end and special tokens): a
     seeded request repeats its tokens. Drafts are accepted as SimExecutor accepts them.
+    It does not fast-forward decode runs: the twin runs every step in wall-clock time,
+    and a run's tokens would lack the vocabulary's folding and the seed's salt.
     """
+
+    can_fast_forward = False
 
     def __init__(
         self,

@@ -109,7 +109,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
     )
     twin = Server(
         [MODEL, "--executor", "sim", "--hardware", "cpu", "--max-num-seqs", "2",
-         "--max-waiting", "2"],
+         "--max-waiting", "2", "--drain-timeout", "1"],
         tmp / "twin.log",
     )  # fmt: skip
     try:
@@ -233,6 +233,7 @@ def test_json_schema_outputs_validate_and_logprobs_come_per_token(real: Server) 
         (b'{"prompt": "x", ', "body", "malformed JSON"),
         ({"prompt": "x", "max_tokns": 3}, "max_tokns", "unknown field"),
         ({"prompt": [5] * 3000, "max_tokens": 2}, "prompt", "3000 tokens"),
+        ({"prompt": [10**7], "stop": ["x"]}, "prompt", "outside the model's vocabulary"),
         ({"prompt": "x", "temperature": -1}, "temperature", "must be >= 0"),
         ({"prompt": "x", "logit_bias": {"1": 1}}, "logit_bias", "not supported"),
         (
@@ -299,8 +300,43 @@ def test_the_sim_twin_answers_the_openai_client(twin: Server) -> None:
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=1)
 
 
+def test_the_sim_twin_refuses_structured_outputs_by_name(twin: Server) -> None:
+    """Its tokens are random and it compiles no grammar: a constraint would be ignored."""
+    for field, value in [
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"schema": {}}}),
+        ("structured_outputs", {"regex": "a+"}),
+        ("guided_grammar", "root ::= 'a'"),
+    ]:
+        status, reply = twin.post("/v1/completions", {"prompt": "x", field: value})
+        assert status == 400 and reply["error"]["param"] == field, reply
+        assert "grammar" in reply["error"]["message"]
+    status, _ = twin.post("/v1/completions", {"prompt": "x", "response_format": {"type": "text"}})
+    assert status == 200
+
+
+def test_more_completions_than_max_waiting_is_a_400_naming_n(twin: Server) -> None:
+    """n=3 against --max-waiting 2 could never be admitted, idle server or not."""
+    status, reply = twin.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 3})
+    assert status == 400 and reply["error"]["param"] == "n"
+    assert "--max-waiting" in reply["error"]["message"]
+    status, reply = twin.post("/v1/completions", {"prompt": ["x"] * 3, "max_tokens": 2})
+    assert status == 400 and reply["error"]["param"] == "prompt"
+
+
+def test_max_waiting_must_let_a_request_wait(capsys: pytest.CaptureFixture[str]) -> None:
+    from deepinfer.entrypoints.cli import main
+
+    assert main(["serve", "--max-waiting", "0"]) != 0
+    assert "--max-waiting 0: must be >= 1" in capsys.readouterr().err
+
+
 def test_max_waiting_answers_503_under_a_burst_and_loses_no_request(twin: Server) -> None:
-    async def one(client: Any) -> int | str:
+    """A burst, some requests sent a little apart (so some arrive while earlier ones are
+    being admitted): the waiting gauge never passes --max-waiting 2."""
+
+    async def one(client: Any, i: int) -> int | str:
+        await asyncio.sleep(0.002 * (i % 8))
         try:
             out = await client.completions.create(model=MODEL, prompt="x", max_tokens=20)
         except openai.APIStatusError as e:
@@ -308,18 +344,66 @@ def test_max_waiting_answers_503_under_a_burst_and_loses_no_request(twin: Server
             return e.status_code
         return out.usage.completion_tokens
 
+    peak = [0.0]
+
+    async def watch(done: asyncio.Event) -> None:
+        while not done.is_set():
+            gauge = await asyncio.to_thread(twin.metric, "deepinfer_num_requests_waiting")
+            peak[0] = max(peak[0], gauge)
+
     async def burst() -> list[int | str]:
         client = openai.AsyncOpenAI(base_url=twin.url + "/v1", api_key="none", max_retries=0)
+        done = asyncio.Event()
+        watcher = asyncio.ensure_future(watch(done))
         try:
-            return await asyncio.gather(*(one(client) for _ in range(24)))
+            return await asyncio.gather(*(one(client, i) for i in range(24)))
         finally:
+            done.set()
+            await watcher
             await client.close()
 
     got = asyncio.run(burst())
     assert got.count(503) > 0
+    assert peak[0] <= 2
     assert all(g == 20 for g in got if g != 503)  # every admitted request completed whole
     assert twin.metric("deepinfer_requests_overloaded_total") == got.count(503)
     assert twin.metric("deepinfer_requests_total", state="finished") >= len(got) - got.count(503)
+
+
+def _tiny_trace(tmp_path: Path) -> Path:
+    """Six Mooncake requests that share their first block."""
+    trace = tmp_path / "tiny.jsonl"
+    rows = [
+        {"timestamp": 40 * i, "input_length": 200 + 30 * i, "output_length": 4 + i,
+         "hash_ids": [7]}
+        for i in range(6)
+    ]  # fmt: skip
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return trace
+
+
+def test_bench_serve_refuses_simulator_options_without_compare_sim(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deepinfer.entrypoints.cli import main
+
+    args = ["bench", "serve", str(_tiny_trace(tmp_path)), "--base-url", "http://127.0.0.1:1"]
+    assert main([*args, "--hardware", "cpu", "--max-num-seqs", "2", "--seed", "3"]) != 0
+    assert "--hardware, --max-num-seqs: options of the simulation" in capsys.readouterr().err
+
+
+def test_bench_serve_fails_when_every_request_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deepinfer.entrypoints.cli import main
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["bench", "serve", str(_tiny_trace(tmp_path)), "--base-url", f"http://127.0.0.1:{port}",
+            "--model", MODEL, "--vocab-size", "100", "--no-progress", "--request-rate", "inf"]  # fmt: skip
+    assert main(args) == 1
+    assert "every request failed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("which", ["real", "twin"])
@@ -330,13 +414,7 @@ def test_bench_serve_replays_a_trace_against_the_server(
     arrival times (halved) against the model, as a Poisson process against the twin with
     the simulator's prediction beside."""
     server = servers[0] if which == "real" else servers[1]
-    trace = tmp_path / "tiny.jsonl"
-    rows = [
-        {"timestamp": 40 * i, "input_length": 200 + 30 * i, "output_length": 4 + i,
-         "hash_ids": [7]}
-        for i in range(6)
-    ]  # fmt: skip
-    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trace = _tiny_trace(tmp_path)
     hits = server.metric("deepinfer_prefix_cache_hits_total") if which == "real" else 0
     out = tmp_path / "bench.json"
     cmd = [
@@ -385,6 +463,139 @@ def test_sigterm_drains_the_running_stream_then_exits(real: Server) -> None:
     thread.join(30)
     assert got.get("reason") == "length" and got.get("tokens") == 80
     assert real.proc.wait(30) == 0
+
+
+def test_sigterm_past_the_drain_timeout_ends_streams_with_abort_and_done(twin: Server) -> None:
+    """Last for the twin (--drain-timeout 1): a stream that outlives the drain is aborted
+    by the engine, so it ends with finish_reason "abort" and [DONE], not cut."""
+    longest = twin.client().models.list().data[0].model_extra["max_model_len"]
+    conn = http.client.HTTPConnection("127.0.0.1", twin.port, timeout=30)
+    body = {"prompt": [1, 2, 3], "max_tokens": longest - 3, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.readline().startswith(b"data: ")
+    twin.proc.send_signal(signal.SIGTERM)
+    events = [line for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    conn.close()
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert twin.proc.wait(30) == 0
+
+
+# ---- in process: the engine thread and the app, over a twin with a unit cost model ------
+
+
+def _twin(model: str = MODEL, **config: Any) -> Any:
+    from deepinfer.config import EngineConfig
+    from deepinfer.entrypoints.openai.async_engine import AsyncEngine
+    from deepinfer.entrypoints.openai.served_model import simulated_model
+    from deepinfer.entrypoints.openai.server_metrics import ServerMetrics
+
+    served = simulated_model(model, EngineConfig(**config), hardware="cpu", cost_model="unit")
+    return AsyncEngine(served, ServerMetrics(served.name))
+
+
+def _handle(engine: Any, max_tokens: int, n: int = 1) -> Any:
+    from deepinfer.entrypoints.openai.async_engine import RequestHandle
+    from deepinfer.sampling_params import SamplingParams
+
+    rid = engine.next_id()
+    sp = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True)
+    prompt = engine.served.processor.track(rid, None, [1, 2, 3], sp, 0.0)
+    return RequestHandle(rid, [prompt])
+
+
+def test_an_admitted_request_counts_as_waiting_before_the_next_step() -> None:
+    """--max-waiting's count: the moment a request is admitted, it is in the scheduler's
+    waiting count the event loop sees (the step that takes it has not run yet)."""
+    engine = _twin(max_num_seqs=1)
+    step, gate = engine.served.step, threading.Event()
+
+    def held_step() -> Any:
+        gate.wait(10)
+        return step()
+
+    engine.served.step = held_step
+
+    async def admit() -> int:
+        engine.start(asyncio.get_running_loop())
+        handle = _handle(engine, max_tokens=2)
+        engine.submit(handle)
+        assert await handle.admitted() is None
+        waiting = engine.num_waiting
+        gate.set()
+        async for _ in handle.deltas():
+            pass
+        return waiting
+
+    try:
+        assert asyncio.run(admit()) == 1
+    finally:
+        gate.set()
+        engine.shutdown()
+
+
+def _app_client(engine: Any) -> Any:
+    from starlette.testclient import TestClient
+
+    from deepinfer.entrypoints.openai.app import build_app
+
+    return TestClient(build_app(engine), raise_server_exceptions=False)
+
+
+def test_a_completion_that_fails_ends_its_siblings() -> None:
+    """n=2, whole response: completion 0 ends in error (a 500); completion 1 is aborted
+    at once rather than run to its max_tokens."""
+    engine = _twin()
+    core, step = engine.served.engine, engine.served.step
+
+    def failing_step() -> Any:
+        changed = step()
+        if "0.0#0" in core.scheduler.requests and len(changed) > 0:
+            failed = core.abort("0.0#0")
+            failed.reject_reason = "its grammar failed"
+            changed.append(failed)
+        return changed
+
+    engine.served.step = failing_step
+    with _app_client(engine) as client:
+        longest = engine.served.max_model_len
+        reply = client.post(
+            "/v1/completions",
+            json={"prompt": [1, 2, 3], "n": 2, "max_tokens": longest - 3, "ignore_eos": True},
+        )
+        assert reply.status_code == 500 and "its grammar failed" in reply.text
+        end = time.monotonic() + 5
+        while engine.metrics.requests["aborted"] < 2:
+            assert time.monotonic() < end, "the sibling completion still runs"
+            time.sleep(0.01)
+        assert engine.metrics.requests["finished"] == 0
+
+
+def test_a_dead_engine_thread_fails_its_requests_and_health_says_so() -> None:
+    """A bug outside a step (here: the step hands back something that is no request)
+    ends the engine thread: the live request fails at once, /health answers 503, and a
+    later request is a 503 rather than a hang."""
+    engine = _twin()
+    step = engine.served.step
+    engine.served.step = lambda: [*step(), None]
+    with _app_client(engine) as client:
+        assert client.get("/health").status_code == 200
+        reply = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 50})
+        assert reply.status_code == 500 and "AttributeError" in reply.text
+        health = client.get("/health")
+        assert health.status_code == 503 and "engine loop died" in health.text
+        reply = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 5})
+        assert reply.status_code == 503 and "engine loop died" in reply.text
+
+
+def test_a_stop_string_without_a_tokenizer_is_a_400_naming_stop() -> None:
+    """A preset's twin has no tokenizer: a stop string is refused as `stop`."""
+    with _app_client(_twin("deepseek-v2-lite", max_model_len=512)) as client:
+        reply = client.post("/v1/completions", json={"prompt": [1, 2, 3], "stop": ["x"]})
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["param"] == "stop"
+        assert error["message"].startswith("stop=['x']: stop strings")
 
 
 def test_a_model_without_a_tokenizer_streams_a_chunk_per_delta_of_tokens() -> None:

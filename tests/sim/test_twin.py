@@ -81,3 +81,51 @@ def test_a_seeded_request_repeats_its_tokens() -> None:
 
     assert run("a", 3) == run("b", 3)
     assert run("a", None) != run("b", None)
+
+
+def test_the_twin_runs_every_step_rather_than_fast_forward() -> None:
+    """A decode run's tokens would come from SimExecutor's formula, outside the twin's
+    vocabulary and its seed: the twin's executor offers none."""
+    from deepinfer.request import Request
+    from deepinfer.sampling_params import SamplingParams
+
+    engine = EngineConfig(num_gpu_blocks=64, block_size=16, async_scheduling=False)
+    core = EngineCore(engine, VocabularySimExecutor(engine, 64, 1000, excluded={0}))
+    req = Request("a", list(range(1, 20)), SamplingParams(max_tokens=12, seed=3))
+    core.add_request(req)
+    core.step()
+    assert core.executor.can_fast_forward is False and core.decode_run() is None
+    while core.has_unfinished():
+        core.step()
+    assert all(0 < t < 1000 for t in req.output_token_ids)
+
+
+@pytest.mark.parametrize("twin", [False, True])
+def test_an_executor_forgets_a_request_once_a_step_names_it_finished(twin: bool) -> None:
+    """A server's executor holds a salt per live request, not per request it served."""
+    from deepinfer.request import Request
+    from deepinfer.sampling_params import SamplingParams
+    from sim.sim_executor import SimExecutor
+
+    engine = EngineConfig(num_gpu_blocks=256, block_size=16)
+    executor = VocabularySimExecutor(engine, 256, 100) if twin else SimExecutor(engine, 256)
+    core = EngineCore(engine, executor)
+    for batch in range(4):
+        for i in range(20):
+            seed = i if i % 2 else None
+            core.add_request(
+                Request(f"{batch}-{i}", [5] * 8, SamplingParams(max_tokens=2, seed=seed))
+            )
+        while core.has_unfinished():
+            core.step()
+        # the last batch's finish is named by the next step, when the next batch starts
+        assert len(executor._salts) <= 20
+
+
+def test_a_decode_run_drops_the_requests_its_first_step_would() -> None:
+    from sim.sim_executor import SimExecutor
+
+    executor = SimExecutor(EngineConfig(num_gpu_blocks=16, block_size=16), 16)
+    executor.execute_decode_run(["a", "b"], [4, 4], 2, frozenset())
+    executor.execute_decode_run(["b"], [6], 2, frozenset({"a"}))
+    assert set(executor._salts) == {"b"}

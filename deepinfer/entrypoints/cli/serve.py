@@ -61,14 +61,15 @@ def add_serve_parser(sub: Any) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="answer 503 (Retry-After) rather than let more than N requests wait "
-        "(default: no limit)",
+        help="answer 503 (Retry-After) rather than let more than N requests wait, N >= 1; "
+        "a request of more than N completions is a 400 (default: no limit)",
     )
     p.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM, seconds running requests may take to finish (default: %(default)s)",
+        help="on SIGTERM, seconds running requests may take to finish; the rest are "
+        "aborted (their streams end with finish_reason abort) (default: %(default)s)",
     )
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default: %(default)s)")
     torch = p.add_argument_group("--executor torch")
@@ -102,14 +103,20 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from deepinfer.entrypoints.openai.app import build_app
+        from deepinfer.entrypoints.openai.draining_server import FLUSH_S, DrainingServer
     except ModuleNotFoundError as e:
         raise ValueError(f"serve: {e.name} is not installed; pip install -e '.[serve]'") from None
     from deepinfer import envs
     from deepinfer.entrypoints.openai.async_engine import AsyncEngine
     from deepinfer.entrypoints.openai.server_metrics import ServerMetrics
 
-    if args.max_waiting is not None and args.max_waiting < 0:
-        raise ValueError(f"--max-waiting {args.max_waiting}: must be >= 0")
+    if args.max_waiting is not None and args.max_waiting < 1:
+        raise ValueError(
+            f"--max-waiting {args.max_waiting}: must be >= 1 (every request waits for a step "
+            "before it runs)"
+        )
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout {args.drain_timeout}: must be >= 0")
     served = _load(args)
     engine = AsyncEngine(served, ServerMetrics(served.name))
     app = build_app(engine, api_key=args.api_key or envs.api_key(), max_waiting=args.max_waiting)
@@ -126,14 +133,14 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.drain_timeout,
+        timeout_graceful_shutdown=FLUSH_S,
         access_log=False,
     )
-    # uvicorn drains on SIGTERM / SIGINT, then raises the signal again under the handler
-    # it found: a drained server then exits 0 rather than die by the signal.
+    # uvicorn shuts down on SIGTERM / SIGINT, then raises the signal again under the
+    # handler it found: a drained server then exits 0 rather than die by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _drained)
-    uvicorn.Server(config).run()
+    DrainingServer(config, engine, args.drain_timeout).run()
     return 0
 
 

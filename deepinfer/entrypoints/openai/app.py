@@ -5,7 +5,9 @@ A body is parsed by hand (`protocol.py`), so malformed JSON, an unknown field or
 refused value is a 400 whose message names the field. A request the engine rejects (a
 prompt that can never fit) is a 400 with the engine's reason, which names the sizes.
 When more than `max_waiting` engine requests would wait, the answer is 503 with
-Retry-After, and the request is never queued. A client that disconnects has its
+Retry-After, and the request is never queued (one that alone asks for more completions
+than that is a 400: it could never be admitted). While the server drains (SIGTERM) or
+after the engine thread died, a request is a 503, and /health answers 503 once it died. A client that disconnects has its
 completions aborted, which frees their KV blocks: a stream's generator is cancelled
 (Starlette watches the connection), a whole response races the engine against
 `http.disconnect`. `api_key` guards every route (`Authorization: Bearer KEY`).
@@ -29,6 +31,7 @@ from deepinfer.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    field_error,
     validation_error,
 )
 from deepinfer.entrypoints.openai.responses import Choice, ResponseShape, gather
@@ -59,6 +62,10 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if engine.error is not None:
+            error = OpenAIError(f"the engine loop died: {engine.error}", status=503,
+                                kind="server_error")  # fmt: skip
+            return JSONResponse(error.body(), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -120,6 +127,16 @@ def build_app(
     ) -> Response:
         _check(body, sp, prompts, chat)
         wanted = len(prompts) * sp.n
+        if max_waiting is not None and wanted > max_waiting:
+            param = "n" if sp.n > 1 else "prompt"
+            raise OpenAIError(
+                f"{param}: {len(prompts)} prompt(s) x n={sp.n} are {wanted} completions, "
+                f"more than the {max_waiting} that may wait (--max-waiting): never admitted",
+                param,
+            )
+        if engine.draining or engine.error is not None:
+            why = f"the engine loop died: {engine.error}" if engine.error else "shutting down"
+            raise OpenAIError(f"the server is down: {why}", status=503, kind="server_error")
         if max_waiting is not None and engine.num_waiting + wanted > max_waiting:
             engine.metrics.count_overloaded()
             raise OpenAIError(
@@ -136,12 +153,14 @@ def build_app(
             for i, (text, ids) in enumerate(prompts)
         ]
         handle = RequestHandle(rid, tracked)
-        engine.submit(handle)
         try:
+            engine.submit(handle)
             reason = await handle.admitted()
         except asyncio.CancelledError:
             engine.abort(handle)
             raise
+        except RuntimeError as e:  # the engine loop died
+            raise OpenAIError(str(e), status=503, kind="server_error") from None
         if reason is not None:
             raise OpenAIError(reason, "messages" if chat else "prompt")
         shape = ResponseShape(
@@ -152,7 +171,8 @@ def build_app(
             return StreamingResponse(
                 _stream(engine, handle, shape, usage), media_type="text/event-stream"
             )
-        return await _until_disconnect(request, _whole(handle, shape), lambda: engine.abort(handle))
+        whole = _whole(engine, handle, shape)
+        return await _until_disconnect(request, whole, lambda: engine.abort(handle))
 
     def _check(
         body: CompletionRequest | ChatCompletionRequest,
@@ -173,6 +193,13 @@ def build_app(
                 "distribution to report",
                 "top_logprobs" if chat else "logprobs",
             )
+        structured = body.structured_field()
+        if served.simulated and structured is not None:
+            raise OpenAIError(
+                f"{structured}: the simulated server draws its tokens at random and "
+                "compiles no grammar; it cannot constrain them",
+                structured,
+            )
         if body.priority and served.engine.config.policy != "priority":
             raise OpenAIError(
                 f"priority: the engine schedules {served.engine.config.policy!r}; start it "
@@ -181,10 +208,13 @@ def build_app(
             )
         try:
             served.processor.check_params(sp)
-            for i, (_, ids) in enumerate(prompts):
-                served.processor.check_prompt(i, ids)
         except ValueError as e:
-            raise OpenAIError(str(e), "stop" if sp.stop else "prompt") from None
+            raise field_error(e) from None
+        for i, (_, ids) in enumerate(prompts):
+            try:
+                served.processor.check_prompt(i, ids)
+            except ValueError as e:
+                raise OpenAIError(str(e), "messages" if chat else "prompt") from None
 
     return app
 
@@ -212,7 +242,8 @@ def _usage(handle: RequestHandle, completion_tokens: int) -> dict[str, int]:
     }
 
 
-async def _whole(handle: RequestHandle, shape: ResponseShape) -> JSONResponse:
+async def _whole(engine: AsyncEngine, handle: RequestHandle, shape: ResponseShape) -> JSONResponse:
+    """The whole response; a completion that ends in error ends its siblings too."""
     choices: dict[int, Choice] = {}
     try:
         async for deltas in handle.deltas():
@@ -222,6 +253,8 @@ async def _whole(handle: RequestHandle, shape: ResponseShape) -> JSONResponse:
             gather(choices, shape, deltas)
     except RuntimeError as e:
         raise OpenAIError(str(e), status=500, kind="server_error") from None
+    finally:
+        engine.abort(handle)  # (nothing to do once every completion has finished)
     usage = _usage(handle, sum(c.num_tokens for c in choices.values()))
     return JSONResponse(shape.response(choices, usage))
 

@@ -159,7 +159,13 @@ class _SamplingBody(_Body):
         try:
             return SamplingParams(**values)
         except ValueError as e:
-            raise _named(e, names) from None
+            raise field_error(e, names) from None
+
+    def structured_field(self) -> str | None:
+        """The field that asks for a structured output (response_format json_*,
+        structured_outputs, guided_*, so_args), or None."""
+        so_args, name = self._so_args()
+        return name if so_args is not None else None
 
     def _so_args(self) -> tuple[dict[str, Any] | None, str]:
         given: list[tuple[str, dict[str, Any]]] = []
@@ -208,12 +214,13 @@ class _SamplingBody(_Body):
         return (given[0][1], given[0][0]) if given else (None, "so_args")
 
 
-def _named(e: ValueError, names: dict[str, str]) -> OpenAIError:
-    """A SamplingParams error as the request's field names it."""
+def field_error(e: ValueError, names: dict[str, str] | None = None) -> OpenAIError:
+    """A `SamplingParams.FIELD...` error as the request's field names it (`names`: the
+    SamplingParams field -> the request's, where they differ)."""
     text = str(e)
     m = re.match(r"SamplingParams\.(\w+)", text)
     field = m.group(1) if m else None
-    param = names.get(field, field) if field else None
+    param = (names or {}).get(field, field) if field else None
     if m and param:
         text = param + text[m.end() :]
     return OpenAIError(text, param)
