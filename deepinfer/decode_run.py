@@ -29,6 +29,9 @@ class DecodeRun:
 
     requests: tuple[Request, ...]
     contexts: tuple[int, ...]  # num_computed_tokens of each before the run's first step
+    # The steps after which each may end by length (max_tokens, max_model_len): it can
+    # end only in a run of exactly that many steps.
+    limits: tuple[int, ...]
     horizon: int
     first_step_id: int
     in_flight_step: int | None

@@ -375,26 +375,20 @@ class EngineCore:
             shapes = [_shape(o)] + shapes[: k - 1]
         first_id = run.first_step_id - 1 if pipelined else run.first_step_id
         last = self._last_step_end
+        steps = self.steps
         for j in range(k):
             start, end = starts[j], applied[j]
             began = start if last is None else max(start, last)
             if self.record_steps:
                 batched, num_reqs, prompt, preempted = shapes[j]
-                self.steps.append(
+                # (positional: the StepRecord fields in order, once per step of the run)
+                steps.append(
                     StepRecord(
-                        step_id=first_id + j,
-                        time=end,
-                        duration=end - min(began, end),
-                        num_running=n if j < k - 1 else n - len(finished),
-                        num_waiting=waiting,
-                        num_batched_tokens=batched,
-                        num_prompt_tokens=prompt,
-                        num_scheduled_reqs=num_reqs,
-                        kv_usage=usages[j],
-                        num_preempted=preempted,
-                        num_proposals=None,
+                        first_id + j, end, end - min(began, end),
+                        n if j < k - 1 else n - len(finished), waiting, batched, prompt,
+                        num_reqs, usages[j], preempted, None,
                     )
-                )
+                )  # fmt: skip
             last = end
         self._last_step_end = last
         if following is not None:

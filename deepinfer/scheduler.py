@@ -548,6 +548,7 @@ class Scheduler:
         max_len = self.max_model_len
         horizon = max_len
         contexts = []
+        limits = []
         for i, req in enumerate(running):
             if in_flight is not None:
                 sr = flight[i]
@@ -580,6 +581,7 @@ class Scheduler:
                 h = min(h, sp.max_tokens - req.num_output_tokens)
             horizon = min(horizon, h)
             contexts.append(c)
+            limits.append(h)
         if horizon < 1:
             return None
         # Step s writes position c + s: a new block where that is the first slot past
@@ -599,6 +601,7 @@ class Scheduler:
         return DecodeRun(
             requests=tuple(running),
             contexts=tuple(contexts),
+            limits=tuple(limits),
             horizon=horizon,
             first_step_id=self.step_id + 1,
             in_flight_step=None if in_flight is None else in_flight.step_id,
@@ -648,7 +651,7 @@ class Scheduler:
             raise ValueError(f"advance_decode: {k} steps of a run certain for {run.horizon}")
         kv, bs = self.kv, self.block_size
         pipelined = run.in_flight_step is not None
-        starts = [req.num_output_tokens for req in run.requests]
+        starts = [len(req.output_token_ids) for req in run.requests]
         # (step, request): where a step takes a new block or fills one (then caches it),
         # in the order the steps meet them; elsewhere a step's allocation changes nothing.
         events: list[tuple[int, int]] = []
@@ -679,11 +682,11 @@ class Scheduler:
         for step_id in [s for s in self._cached_ahead if s <= last_applied]:
             del self._cached_ahead[step_id]
         for i, req in enumerate(run.requests):
-            have = req.num_output_tokens - starts[i]
-            req.output_token_ids.extend(tokens[i][have:k])
-            req.num_computed_tokens = run.contexts[i] + k
-            if req.num_computed_tokens > req.max_computed_tokens:
-                req.max_computed_tokens = req.num_computed_tokens
+            outputs = req.output_token_ids
+            outputs.extend(tokens[i][len(outputs) - starts[i] : k])
+            computed = req.num_computed_tokens = run.contexts[i] + k
+            if computed > req.max_computed_tokens:
+                req.max_computed_tokens = computed
         self.step_id += k
         if k > 1:  # the run's earlier steps told the executor
             self._finished_since_last = set()
@@ -718,9 +721,8 @@ class Scheduler:
             free -= taken[s]
             usages.append(1.0 - free / total)
         finished = []
-        for req in run.requests:  # the last step's results: ends by length
-            reason = check_stop(req, self.max_model_len)
-            if reason is not None:
+        for req, limit in zip(run.requests, run.limits):  # the last step's results
+            if limit == k and (reason := check_stop(req, self.max_model_len)) is not None:
                 self._end(req, RequestStatus.FINISHED, reason)
                 finished.append(req)
         usages.append(kv.usage)
