@@ -11,6 +11,7 @@ step numbers; steps with no work are skipped (they are not engine steps).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -298,6 +299,19 @@ class Driver:
         self._process(out, res)
         if not nxt.is_empty:
             self.in_flight = (nxt, self.executor.execute(nxt))
+
+
+class Flavours(Checker):
+    """Before its first step, the 2nd, 5th, 8th... request submitted asks for prompt
+    logprobs and the 3rd, 6th, 9th... is structured (the simulator prices its mask; no
+    grammar is compiled)."""
+
+    def on_add(self, d: Driver, spec: ReqSpec, req: Request, reason: str | None) -> None:
+        kind = len(d.reqs) % 3
+        if kind == 2:
+            req.sampling_params = dataclasses.replace(req.sampling_params, prompt_logprobs=1)
+        elif kind == 0:
+            req.structured = True
 
 
 def submit_due(
