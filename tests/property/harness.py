@@ -25,6 +25,7 @@ from deepinfer.request import Request, RequestStatus
 from deepinfer.scheduler_checks import check_invariants, check_output, diagnose_stall
 from deepinfer.step_times import StepTimes
 from sim.sim_executor import SimExecutor
+from tests.property.coverage import TRANSITIONS
 from tests.property.oracle import (  # noqa: F401  (re-exported: the checkers import them here)
     admissible,
     expected_end,
@@ -263,6 +264,7 @@ class Driver:
             sr.num_computed_tokens + sr.num_tokens < self.reqs[sr.req_id].num_tokens
             for sr in out.scheduled
         )
+        TRANSITIONS.on_schedule(self, out)
         for c in self.checkers:
             c.on_schedule(self, out, in_flight)
         if CORE_CHECKS:
@@ -272,8 +274,10 @@ class Driver:
 
     def _process(self, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         self.live_before_process = set(self.sched.requests)
+        TRANSITIONS.before_process(self, out)
         self.time.tick()
         self.engine.apply_results(out, res)
+        TRANSITIONS.on_process(self, out, res)
         for c in self.checkers:
             c.on_process(self, out, res)
         if CORE_CHECKS:
