@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from tests.property.coverage import TRANSITIONS
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 _DB = {"database": None} if os.environ.get("CI", "").lower() == "true" else {}
@@ -46,3 +49,10 @@ settings.register_profile(
     database=None,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The transitions the run reached (tests/property/coverage.py), when any test here
+    drove an engine."""
+    if TRANSITIONS.counts:
+        terminalreporter.write_line(TRANSITIONS.report())

@@ -1,26 +1,45 @@
 """Explicit cases that random workloads under the ci profile rarely reach, given to
 the properties with `@example` (each found by a mutant of the core that survived
-tests/property; its name is in the comment)."""
+tests/property; its name is in the comment).
+
+Each example pins every EngineConfig field (none is left to a default or to an
+environment variable, so a changed default cannot move it off its boundary), and
+tests/property/test_examples_reach.py asserts that it still reaches the state its
+comment names.
+"""
 
 from __future__ import annotations
 
-from deepinfer.config import EngineConfig
+import dataclasses
+
+from deepinfer.config import EngineConfig, EngineRole
 from tests.property.strategies import EngineCase, ReqSpec, Workload, sim_token
 
+_PINNED: dict[str, object] = dict(
+    block_size=4, num_gpu_blocks=16, gpu_memory_utilization=0.9, max_num_seqs=4,
+    max_num_batched_tokens=64, max_model_len=None, enable_chunked_prefill=True,
+    prefill_watermark=1.0, enable_prefix_caching=True, role=EngineRole.NORMAL,
+    num_speculative_tokens=0, enable_mtp_varlen=False, policy="fcfs", seed=0,
+    data_parallel_size=1, enable_expert_parallel=False, batch_invariant=False,
+)  # fmt: skip
 
-def _config(**overrides: object) -> EngineConfig:
-    """A 16-block cache of 4-token blocks, four sequences, 64 tokens a step."""
-    base: dict[str, object] = dict(
-        block_size=4, num_gpu_blocks=16, max_num_seqs=4, max_num_batched_tokens=64,
-        prefill_watermark=1.0,
-    )  # fmt: skip
-    return EngineConfig(**{**base, **overrides})  # type: ignore[arg-type]
+
+def _config(*, async_scheduling: bool, **overrides: object) -> EngineConfig:
+    """A 16-block cache of 4-token blocks, four sequences, 64 tokens a step, every other
+    field pinned too; each example says whether it steps asynchronously."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    unpinned = fields - set(_PINNED) - {"async_scheduling"}
+    if unpinned:  # a new field: its default would silently shape every example
+        raise AssertionError(f"examples.py: pin the new EngineConfig fields {sorted(unpinned)}")
+    pinned = {**_PINNED, **overrides, "async_scheduling": async_scheduling}
+    return EngineConfig(**pinned)  # type: ignore[arg-type]
 
 
-# b (5 tokens) preempts itself for its second block and restarts with 8 tokens, whole
-# blocks: a restart that keeps one computed token (`_preempt__mutmut_5`) takes a third.
+# A 3-block cache: a's decode needs its second block while b (5 tokens) holds two, so b
+# (the newest) is preempted and restarts with 8 tokens, whole blocks: a restart that
+# keeps one computed token (`_preempt__mutmut_5`) takes a third.
 RESTART_FILLS_WHOLE_BLOCKS: tuple[EngineCase, Workload] = (
-    EngineCase(_config(num_gpu_blocks=3), 0.7),
+    EngineCase(_config(num_gpu_blocks=3, async_scheduling=True), 0.7),
     (ReqSpec("a", 0, (1, 2), max_tokens=4), ReqSpec("b", 0, tuple(range(100, 105)), 4)),
 )
 
@@ -45,8 +64,10 @@ NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER: tuple[EngineCase, Workload] = (
 # four tokens: the block is cached by a's allocation, before b looks it up
 # (`_schedule_running__mutmut_44`: one draft counted where none was scheduled leaves
 # the block's last token uncached until a's next step).
+# Synchronous: under async scheduling a's decode is in flight when b arrives, and b's hit
+# comes a step later.
 BLOCK_FILLED_BY_A_DECODE_HIT_IN_THE_SAME_STEP: tuple[EngineCase, Workload] = (
-    EngineCase(_config(), 0.7),
+    EngineCase(_config(async_scheduling=False), 0.7),
     (
         ReqSpec("a", 0, (1, 2, 3), max_tokens=4),
         ReqSpec("b", 1, (1, 2, 3, sim_token("a", 3), 9), max_tokens=2),
@@ -57,7 +78,7 @@ BLOCK_FILLED_BY_A_DECODE_HIT_IN_THE_SAME_STEP: tuple[EngineCase, Workload] = (
 # b's prompt is a's, cached when b arrives; b must still compute all of it
 # (`_start__mutmut_10`, `_13`: the hit taken anyway).
 PROMPT_LOGPROBS_OVER_A_CACHED_PROMPT: tuple[EngineCase, Workload] = (
-    EngineCase(_config(), 0.7),
+    EngineCase(_config(async_scheduling=True), 0.7),
     (
         ReqSpec("a", 0, tuple(range(1, 10)), max_tokens=2),
         ReqSpec("b", 2, tuple(range(1, 10)), max_tokens=2),
@@ -67,8 +88,10 @@ PROMPT_LOGPROBS_OVER_A_CACHED_PROMPT: tuple[EngineCase, Workload] = (
 
 def _beside_a_long_prompt(prompt_len: int) -> tuple[EngineCase, Workload]:
     """a's prompt of `prompt_len` tokens holds usage at ceil(prompt_len / 4) / 16 of a
-    0.5 watermark when b (3 tokens) arrives in a's first decode step (NORMAL role)."""
-    return EngineCase(_config(prefill_watermark=0.5), 0.7), (
+    0.5 watermark when b (3 tokens) arrives in a's first decode step (NORMAL role).
+    Synchronous: under async scheduling a's next decode, scheduled before b, can take
+    another block first, moving usage off the boundary."""
+    return EngineCase(_config(prefill_watermark=0.5, async_scheduling=False), 0.7), (
         ReqSpec("a", 0, tuple(range(1, prompt_len + 1)), max_tokens=4),
         ReqSpec("b", 1, (100, 101, 102), max_tokens=2),
     )
@@ -79,3 +102,47 @@ def _beside_a_long_prompt(prompt_len: int) -> tuple[EngineCase, Workload]:
 USAGE_ABOVE_THE_WATERMARK = _beside_a_long_prompt(39)
 # Usage 8/16 == 0.5: b starts (`_start__mutmut_8`: `>=` holds it back).
 USAGE_AT_THE_WATERMARK = _beside_a_long_prompt(31)
+
+
+# b arrives after a has cached the two blocks of prompt they share, so b's record has an
+# 8-token prefix hit (for mutmut's few-example profile: tests/property/test_records.py).
+_SHARED = tuple(range(1, 9))
+PREFIX_HIT_OF_TWO_BLOCKS: tuple[EngineCase, Workload] = (
+    EngineCase(
+        _config(
+            num_gpu_blocks=40,
+            max_num_seqs=8,
+            max_num_batched_tokens=16,
+            prefill_watermark=0.9,
+            async_scheduling=True,
+        ),
+        0.7,
+    ),  # fmt: skip
+    (ReqSpec("a", 0, (*_SHARED, 9, 10), 4), ReqSpec("b", 3, (*_SHARED, 11, 12), 4)),
+)
+
+# A long prompt in chunks (a prefill in progress at step ends) while a short one waits,
+# then starts on a's cached first block (for mutmut's few-example profile:
+# tests/property/test_self_checks.py).
+CHUNKED_PROMPT_BESIDE_A_WAITING_ONE: tuple[EngineCase, Workload] = (
+    EngineCase(
+        _config(max_num_batched_tokens=8, prefill_watermark=0.9, async_scheduling=True), 0.7
+    ),
+    (ReqSpec("a", 0, tuple(range(1, 25)), 2), ReqSpec("b", 0, (1, 2, 3, 4, 5), 2)),
+)
+
+# Seven requests at once in a roomy cache: seven block holders, more than the stall
+# diagnosis lists (tests/property/test_diagnosis.py).
+SEVEN_BLOCK_HOLDERS: tuple[EngineCase, Workload] = (
+    EngineCase(
+        _config(
+            block_size=2,
+            num_gpu_blocks=64,
+            max_num_seqs=8,
+            prefill_watermark=0.9,
+            async_scheduling=True,
+        ),
+        0.7,
+    ),  # fmt: skip
+    tuple(ReqSpec(f"r{i}", 0, tuple(range(100 * i + 1, 100 * i + 2 + i)), 3) for i in range(7)),
+)

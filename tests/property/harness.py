@@ -11,6 +11,7 @@ step numbers; steps with no work are skipped (they are not engine steps).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -24,6 +25,7 @@ from deepinfer.request import Request, RequestStatus
 from deepinfer.scheduler_checks import check_invariants, check_output, diagnose_stall
 from deepinfer.step_times import StepTimes
 from sim.sim_executor import SimExecutor
+from tests.property.coverage import TRANSITIONS
 from tests.property.oracle import (  # noqa: F401  (re-exported: the checkers import them here)
     admissible,
     expected_end,
@@ -262,6 +264,7 @@ class Driver:
             sr.num_computed_tokens + sr.num_tokens < self.reqs[sr.req_id].num_tokens
             for sr in out.scheduled
         )
+        TRANSITIONS.on_schedule(self, out)
         for c in self.checkers:
             c.on_schedule(self, out, in_flight)
         if CORE_CHECKS:
@@ -271,8 +274,10 @@ class Driver:
 
     def _process(self, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
         self.live_before_process = set(self.sched.requests)
+        TRANSITIONS.before_process(self, out)
         self.time.tick()
         self.engine.apply_results(out, res)
+        TRANSITIONS.on_process(self, out, res)
         for c in self.checkers:
             c.on_process(self, out, res)
         if CORE_CHECKS:
@@ -298,6 +303,19 @@ class Driver:
         self._process(out, res)
         if not nxt.is_empty:
             self.in_flight = (nxt, self.executor.execute(nxt))
+
+
+class Flavours(Checker):
+    """Before its first step, the 2nd, 5th, 8th... request submitted asks for prompt
+    logprobs and the 3rd, 6th, 9th... is structured (the simulator prices its mask; no
+    grammar is compiled)."""
+
+    def on_add(self, d: Driver, spec: ReqSpec, req: Request, reason: str | None) -> None:
+        kind = len(d.reqs) % 3
+        if kind == 2:
+            req.sampling_params = dataclasses.replace(req.sampling_params, prompt_logprobs=1)
+        elif kind == 0:
+            req.structured = True
 
 
 def submit_due(

@@ -18,13 +18,13 @@ import re
 
 from hypothesis import example, given
 
-from deepinfer.config import EngineConfig
 from deepinfer.errors import SchedulerStalled
 from deepinfer.kv_cache.manager import cdiv
 from deepinfer.request import RequestStatus
 from deepinfer.scheduler_checks import diagnose_stall, raise_stalled
+from tests.property.examples import SEVEN_BLOCK_HOLDERS
 from tests.property.harness import Checker, Driver, run_case
-from tests.property.strategies import EngineCase, ReqSpec, Workload, any_case_and_workload, scaled
+from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 _HOLDERS = "largest block holders: "
@@ -114,19 +114,9 @@ class Diagnosis(Checker):
         )
 
 
-# Seven requests at once in a roomy cache: seven block holders, more than listed.
-_MANY_HOLDERS = (
-    EngineCase(
-        EngineConfig(block_size=2, num_gpu_blocks=64, max_num_seqs=8, max_num_batched_tokens=64),
-        0.7,
-    ),
-    tuple(ReqSpec(f"r{i}", 0, tuple(range(100 * i + 1, 100 * i + 2 + i)), 3) for i in range(7)),
-)
-
-
 @scaled(0.5)
 @given(any_case_and_workload())
-@example(_MANY_HOLDERS)
+@example(SEVEN_BLOCK_HOLDERS)
 def test_the_stall_diagnosis_reports_the_queues_the_cache_the_head_and_the_largest_holders(
     cw: tuple[EngineCase, Workload],
 ) -> None:

@@ -6,39 +6,23 @@ logprobs or constrained by a grammar.
 
 from __future__ import annotations
 
-import dataclasses
-
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from deepinfer.request import Request
 from tests.property.checkers_handoff import ExecutorHandoff
 from tests.property.examples import (
     NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER,
     PROMPT_LOGPROBS_OVER_A_CACHED_PROMPT,
     RESTART_FILLS_WHOLE_BLOCKS,
 )
-from tests.property.harness import Checker, Driver
-from tests.property.strategies import EngineCase, ReqSpec, Workload, any_case_and_workload, scaled
-
-
-class _Flavour(Checker):
-    """Before its first step, the 2nd, 5th, 8th... request submitted asks for prompt
-    logprobs and the 3rd, 6th, 9th... is structured (the simulator prices its mask; no
-    grammar is compiled)."""
-
-    def on_add(self, d: Driver, spec: ReqSpec, req: Request, reason: str | None) -> None:
-        kind = len(d.reqs) % 3
-        if kind == 2:
-            req.sampling_params = dataclasses.replace(req.sampling_params, prompt_logprobs=1)
-        elif kind == 0:
-            req.structured = True
+from tests.property.harness import Driver, Flavours
+from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
 
 
 def _run(case: EngineCase, workload: Workload, emit: bool, flavours: bool) -> Driver:
     d = Driver(case, workload, [])
     d.sched.emit_token_ids = emit  # as EngineCore sets it from executor.needs_token_ids
-    d.checkers = ([_Flavour()] if flavours else []) + [ExecutorHandoff()]
+    d.checkers = ([Flavours()] if flavours else []) + [ExecutorHandoff()]
     return d.run()
 
 

@@ -6,26 +6,15 @@ from __future__ import annotations
 
 from hypothesis import example, given
 
-from deepinfer.config import EngineConfig
 from tests.property.checkers_records import Records
+from tests.property.examples import PREFIX_HIT_OF_TWO_BLOCKS
 from tests.property.harness import run_case
-from tests.property.strategies import EngineCase, ReqSpec, Workload, any_case_and_workload, scaled
-
-# An explicit case for mutmut's few-example profile: b arrives after a has cached the
-# two blocks of prompt they share, so b's record has an 8-token prefix hit.
-_SHARED = tuple(range(1, 9))
-_PREFIX_HIT = (
-    EngineCase(
-        EngineConfig(block_size=4, num_gpu_blocks=40, max_num_seqs=8, max_num_batched_tokens=16),
-        0.7,
-    ),
-    (ReqSpec("a", 0, (*_SHARED, 9, 10), 4), ReqSpec("b", 3, (*_SHARED, 11, 12), 4)),
-)
+from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
 
 
 @scaled(0.5)
 @given(any_case_and_workload())
-@example(_PREFIX_HIT)
+@example(PREFIX_HIT_OF_TWO_BLOCKS)
 def test_each_record_holds_the_request_and_step_figures_the_driver_saw(
     cw: tuple[EngineCase, Workload],
 ) -> None:

@@ -20,16 +20,15 @@ from collections.abc import Callable
 
 from hypothesis import example, given
 
-from deepinfer.config import EngineConfig
 from deepinfer.kv_cache.block_pool import KVBlock
 from deepinfer.outputs import SchedulerOutput
 from deepinfer.request import Request, RequestStatus
 from deepinfer.scheduler import Scheduler
 from deepinfer.scheduler_checks import check_invariants, check_output
+from tests.property.examples import CHUNKED_PROMPT_BESIDE_A_WAITING_ONE
 from tests.property.harness import Checker, Driver, run_case
 from tests.property.strategies import (
     EngineCase,
-    ReqSpec,
     Workload,
     any_case_and_workload,
     scaled,
@@ -282,20 +281,9 @@ class BrokenStates(Checker):
         check_invariants(s)  # computed up to the limit is legal
 
 
-# For mutmut's few-example profile: a long prompt in chunks (a prefill in progress at
-# step ends) while a short one waits, and cached blocks.
-_CHUNKING = (
-    EngineCase(
-        EngineConfig(block_size=4, num_gpu_blocks=16, max_num_seqs=4, max_num_batched_tokens=8),
-        0.7,
-    ),
-    (ReqSpec("a", 0, tuple(range(1, 25)), 2), ReqSpec("b", 0, (1, 2, 3, 4, 5), 2)),
-)
-
-
 @scaled(0.2)
 @given(any_case_and_workload())
-@example(_CHUNKING)
+@example(CHUNKED_PROMPT_BESIDE_A_WAITING_ONE)
 def test_each_kind_of_broken_state_fails_the_self_checks_naming_its_culprit(
     cw: tuple[EngineCase, Workload],
 ) -> None:
