@@ -39,6 +39,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, fields
+from operator import sub
 from typing import Any
 
 from deepinfer.records import RequestRecord, StepRecord
@@ -221,7 +222,8 @@ def summarize(
         e2els.append(e2el)
         if tpot is not None:
             tpots.append(tpot)
-        itls.extend(b - a for a, b in zip(r.token_times, r.token_times[1:], strict=False))
+        times = r.token_times
+        itls.extend(map(sub, times[1:], times))  # each gap, later minus earlier
         if slo is not None and _is_good(ttft, tpot, e2el, slo):
             num_good += 1
 
