@@ -110,7 +110,9 @@ def simulate(
     if engine.num_speculative_tokens and not spec.num_nextn_predict_layers:
         raise ValueError(
             f"num_speculative_tokens={engine.num_speculative_tokens}: drafts come from the "
-            f"model's MTP layers and {spec.name} has none (num_nextn_predict_layers=0)"
+            f"model's MTP layers and {spec.name} has none (num_nextn_predict_layers=0); "
+            "`deepinfer simulate --add-mtp-layer` (in Python: "
+            "model.replace(num_nextn_predict_layers=1)) gives it one in its own shapes"
         )
     cost, cost_meta = resolve_cost_model(
         cost_model,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,23 @@ def test_options_that_cannot_apply_are_refused_not_ignored(capsys) -> None:
     args = ["simulate", trace, "--no-progress", "--num-speculative-tokens", "2"]
     args += ["--model", "executors/demo/deepinfer-demo/config.json"]  # (it has an MTP layer)
     assert cli.main([*args, "--acceptance-rate", "0.9"]) == 0
+
+
+def test_add_mtp_layer_lets_a_model_without_one_speculate(capsys) -> None:
+    """Moonlight ships no MTP layer: `--num-speculative-tokens` alone is refused with the
+    flag named; with `--add-mtp-layer` its verify steps are priced from the shipped
+    profile's speculative points (no warning that it has none). The flag is refused where
+    it would change nothing."""
+    trace = ["simulate", "traces/example.jsonl", "--no-progress"]
+    assert cli.main([*trace, "--num-speculative-tokens", "3"]) == 2
+    assert "--add-mtp-layer" in capsys.readouterr().err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main([*trace, "--num-speculative-tokens", "3", "--add-mtp-layer"]) == 0
+    assert "calibrated on moonlight-16b-a3b__h200.json" in capsys.readouterr().out
+    assert not [w for w in caught if "no verify points" in str(w.message)]
+    assert cli.main([*trace, "--add-mtp-layer"]) == 2
+    assert "only with --num-speculative-tokens" in capsys.readouterr().err
+    demo = ["--model", "executors/demo/deepinfer-demo/config.json"]
+    assert cli.main([*trace, *demo, "--num-speculative-tokens", "2", "--add-mtp-layer"]) == 2
+    assert "already" in capsys.readouterr().err

@@ -38,6 +38,12 @@ def add_simulate_parser(sub: Any) -> None:
         "an HF config.json (default: %(default)s)",
     )
     p.add_argument(
+        "--add-mtp-layer",
+        action="store_true",
+        help="give the model one MTP layer in its own shapes where it ships none, so that "
+        "--num-speculative-tokens can draft (as `deepinfer profile --add-mtp-layer` measures it)",
+    )
+    p.add_argument(
         "--hardware", default="h200", help="GPU: h200, h100, h800 or b200 (default: %(default)s)"
     )
     p.add_argument(
@@ -129,6 +135,24 @@ def add_simulate_parser(sub: Any) -> None:
     p.set_defaults(func=run_simulate)
 
 
+def _model(name: str, add_mtp_layer: bool, num_speculative_tokens: int) -> Any:
+    """The model to simulate: its name, or with --add-mtp-layer its config with one MTP
+    layer (refused where it would change nothing)."""
+    if not add_mtp_layer:
+        return name
+    from deepinfer.model_config import load_model_config
+
+    if not num_speculative_tokens:
+        raise ValueError("--add-mtp-layer: only with --num-speculative-tokens > 0")
+    spec = load_model_config(name)
+    if spec.num_nextn_predict_layers:
+        raise ValueError(
+            f"--add-mtp-layer: {spec.name} ships {spec.num_nextn_predict_layers} MTP "
+            "layer(s) already; drop the flag"
+        )
+    return spec.replace(num_nextn_predict_layers=1)
+
+
 def _acceptance(text: str) -> float | str:
     try:
         return float(text)
@@ -170,6 +194,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             f"--grammar-mask-us: no request of {path} is structured (add --structured, or "
             "so_args / structured in the trace)"
         )
+    model = _model(args.model, args.add_mtp_layer, engine.num_speculative_tokens)
     acceptance = 0.7 if args.acceptance_rate is None else args.acceptance_rate
     with tqdm(
         total=len(trace),
@@ -181,7 +206,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     ) as bar:
         result = simulate(
             trace,
-            args.model,
+            model,
             args.hardware,
             engine,
             args.cost_model,
