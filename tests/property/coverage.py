@@ -1,5 +1,6 @@
-"""How often the property run reached each rare scheduler transition: a report, printed
-at the end of `pytest tests/property` (conftest.py), not yet a gate.
+"""How often the property run reached each rare scheduler transition: a report printed
+at the end of `pytest tests/property` (conftest.py), and a gate: a whole run of the
+directory under the `ci` profile fails when a transition falls below its FLOOR.
 
 Every `Driver` feeds `TRANSITIONS` from what it sees between the halves of each step:
 the state before `schedule()` (the driver's Snapshot), the output, the executor's
@@ -38,6 +39,28 @@ LABELS = (
     "stop inside accepted drafts",
     "length limit inside accepted drafts",
 )
+
+
+# The fewest times a whole `ci` run must reach each transition: about a fifth of what the
+# generators reach today, so a strategy or default that stops exercising one fails the
+# run by name instead of passing without testing it.
+FLOOR = {
+    "preemption": 250,
+    "recompute completed": 80,
+    "recompute chunk ends inside its outputs": 30,
+    "first chunk of a split prompt": 1000,
+    "continuing chunk": 5000,
+    "last chunk of a split prompt": 1000,
+    "admission at usage exactly the watermark": 25,
+    "prefix hit of all blocks but the last": 200,
+    "finish in a step that preempted": 30,
+    "draft rejected at depth 1": 5000,
+    "draft rejected at depth 2": 1000,
+    "draft rejected at depth 3": 400,
+    "draft rejected at depth 4+": 90,
+    "stop inside accepted drafts": 140,
+    "length limit inside accepted drafts": 700,
+}
 
 
 class Transitions:
@@ -106,6 +129,14 @@ class Transitions:
                     c["stop inside accepted drafts"] += 1
                 elif req.finish_reason is FinishReason.LENGTH:
                     c["length limit inside accepted drafts"] += 1
+
+    def below_floor(self) -> list[str]:
+        """The transitions reached fewer times than FLOOR says, with their counts."""
+        return [
+            f"{label}: {self.counts[label]} < {FLOOR[label]}"
+            for label in LABELS
+            if self.counts[label] < FLOOR[label]
+        ]
 
     def report(self) -> str:
         width = max(map(len, LABELS))
