@@ -28,9 +28,10 @@ pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key"
 MODEL = "deepinfer-demo"
-TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" + (
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}{% if m['name'] %} {{ m['name'] }}{% endif %}: "
+    "{{ m['content'] }}\n{% endfor %}"
+) + ("{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 class Server:
@@ -242,6 +243,12 @@ def test_json_schema_outputs_validate_and_logprobs_come_per_token(real: Server) 
             "response_format",
             "invalid JSON Schema",
         ),
+        (
+            {"prompt": "x", "response_format": {"type": "json_schema",
+             "json_schema": {"name": "s", "schema": {"type": "object"}, "strict": False}}},
+            "response_format",
+            "strict: false is not supported",
+        ),
     ],
 )  # fmt: skip
 def test_bad_requests_are_one_400_naming_the_field_and_the_server_goes_on(
@@ -253,6 +260,17 @@ def test_bad_requests_are_one_400_naming_the_field_and_the_server_goes_on(
     assert "\n" not in reply["error"]["message"]
     status, reply = real.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert status == 200 and reply["choices"][0]["finish_reason"]
+
+
+def test_a_chat_messages_name_reaches_the_template(real: Server) -> None:
+    """`name` (a participant's) is passed to the chat template with the message, as
+    transformers passes every key; a template that prints it makes a longer prompt."""
+    client = real.client()
+    plain = [{"role": "user", "content": "hello"}]
+    named = [{"role": "user", "content": "hello", "name": "ada lovelace"}]
+    a = client.chat.completions.create(model=MODEL, messages=plain, max_tokens=1)
+    b = client.chat.completions.create(model=MODEL, messages=named, max_tokens=1)
+    assert b.usage.prompt_tokens > a.usage.prompt_tokens
 
 
 def test_every_route_needs_the_api_key(real: Server) -> None:

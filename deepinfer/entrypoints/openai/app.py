@@ -106,7 +106,12 @@ def build_app(
                 "start the server with --chat-template, or use /v1/completions",
                 "messages",
             )
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        # The participant's name, where given, reaches the template (as transformers
+        # passes every key of a message).
+        messages = [
+            {"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
+            for m in body.messages
+        ]
         try:
             text = template.render(
                 messages,

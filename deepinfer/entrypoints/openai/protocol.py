@@ -178,6 +178,12 @@ class _SamplingBody(_Body):
                     "response_format.json_schema.schema: required with type json_schema",
                     "response_format",
                 )
+            if rf.json_schema.strict is False:  # (its grammar cannot be followed loosely)
+                raise OpenAIError(
+                    "response_format.json_schema.strict: false is not supported; the "
+                    "output always follows the schema (strict)",
+                    "response_format",
+                )
             given.append(
                 ("response_format", {"schema_type": "json", "schema": rf.json_schema.schema_})
             )
