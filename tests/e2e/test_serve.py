@@ -627,3 +627,11 @@ def test_a_model_without_a_tokenizer_streams_a_chunk_per_delta_of_tokens() -> No
     assert bare.chunk(Delta(0, 0, "", [], None)) is None  # nothing new
     with_text = ResponseShape(False, "r", MODEL, 1, object(), False)
     assert with_text.chunk(Delta(0, 0, "", [5], None)) is None  # a character not complete
+
+
+def test_a_served_name_is_escaped_in_metrics_labels() -> None:
+    """A quote, backslash or newline in a served name (the user's) would break every line
+    of /metrics that carries it: Prometheus' text format escapes them."""
+    from deepinfer.entrypoints.openai.server_metrics import ServerMetrics
+
+    assert ServerMetrics('my "m"\\1\n')._labels == 'model_name="my \\"m\\"\\\\1\\n",'

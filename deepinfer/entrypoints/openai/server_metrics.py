@@ -54,7 +54,10 @@ class ServerMetrics:
     """Counters, histograms and gauges of one served model."""
 
     def __init__(self, model_name: str) -> None:
-        self._labels = f'model_name="{model_name}",'
+        # A label value escapes backslash, quote and newline (Prometheus' text format): a
+        # served name is the user's (--served-model-name, a checkpoint path).
+        escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        self._labels = f'model_name="{escaped}",'
         self._lock = threading.Lock()
         self.requests = dict.fromkeys(TERMINAL_STATES, 0)
         self.overloaded = 0  # answered 503 (--max-waiting): never queued
