@@ -18,6 +18,7 @@ import numpy as np
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 
 ONE_WAVE_BATCH = 256  # decode batches up to this many requests run as one wave of splits
+_SYNTHETIC_CACHE_SIZE = 1 << 16  # (batch, context) pairs a surface keeps the physics of
 
 
 def step_seconds(point: dict[str, Any], pipelined: bool) -> float:
@@ -60,6 +61,7 @@ class StepSurface:
     ) -> None:
         self._physics = physics
         self.drafts = drafts
+        self._physics_of_synthetic: dict[tuple[int, int], float] = {}
         coords = [self._coords(o) for o in outs]
         self.batches = np.array(sorted({b for b, _ in coords}), dtype=float)
         self.contexts = np.array(sorted({c for _, c in coords}), dtype=float)
@@ -131,8 +133,23 @@ class StepSurface:
             # Beyond the grid: the physics of the excess, at the same effective context
             # the grid is indexed by. The step's own shape would price the mean context
             # and undo the longest request's wait (one wave: the step waits for it).
-            value *= self._physics(self._synthetic(b, c)) / self._physics(self._synthetic(bc, cc))
+            value *= self._synthetic_physics(b, c) / self._synthetic_physics(bc, cc)
         return value
+
+    def _synthetic_physics(self, batch: float, context: float) -> float:
+        """`physics` of the synthetic step of (batch, context), both rounded as the step
+        is built: a pure function of the rounded pair, kept (a long run beyond the grid
+        asks for the same pairs step after step; building a step of `batch` requests each
+        time dominated such a run)."""
+        key = (round(batch), round(context))
+        cached = self._physics_of_synthetic.get(key)
+        if cached is None:
+            if len(self._physics_of_synthetic) >= _SYNTHETIC_CACHE_SIZE:
+                self._physics_of_synthetic.clear()
+            cached = self._physics_of_synthetic[key] = self._physics(
+                self._synthetic(batch, context)
+            )
+        return cached
 
     def at_batch(self, b: float) -> Callable[[float], float]:
         """`predict_at(b, c)` as a function of c, for a run of steps of one batch: inside
