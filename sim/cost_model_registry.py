@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from deepinfer.config import EngineConfig
 from deepinfer.model_config import ModelConfig
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
@@ -149,3 +150,30 @@ def _resolve(
         )
     meta = {"cost_model": type(spec).__name__, "calibrated": isinstance(spec, ProfiledCostModel)}
     return spec, meta
+
+
+def engine_cost_model(
+    spec: str | CostModel | None,
+    model: ModelConfig,
+    hardware: HardwareSpec,
+    profile: str | Path | None,
+    engine: EngineConfig,
+) -> tuple[CostModel, dict[str, Any]]:
+    """`resolve_cost_model` for an engine (its drafts, batch-invariant mode, async
+    scheduling), refusing a speculating engine on a model with no MTP layer to draft with."""
+    if engine.num_speculative_tokens and not model.num_nextn_predict_layers:
+        raise ValueError(
+            f"num_speculative_tokens={engine.num_speculative_tokens}: drafts come from the "
+            f"model's MTP layers and {model.name} has none (num_nextn_predict_layers=0); "
+            "`deepinfer simulate --add-mtp-layer` (in Python: "
+            "model.replace(num_nextn_predict_layers=1)) gives it one in its own shapes"
+        )
+    return resolve_cost_model(
+        spec,
+        model,
+        hardware,
+        profile,
+        engine.num_speculative_tokens,
+        batch_invariant=engine.batch_invariant,
+        async_scheduling=bool(engine.async_scheduling),
+    )

@@ -31,7 +31,7 @@ from sim.acceptance import AcceptanceModel
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
 from sim.cost_model import CostModel, RunCosts, mask_time, prices_decode_runs
-from sim.cost_model_registry import resolve_cost_model
+from sim.cost_model_registry import engine_cost_model
 from sim.data_parallel import DataParallelStats, serve_data_parallel
 from sim.expert_parallel_cost import ExpertParallelCost
 from sim.hardware import HardwareSpec, get_hardware
@@ -107,22 +107,7 @@ def simulate(
                 "schedules by them",
                 stacklevel=2,
             )
-    if engine.num_speculative_tokens and not spec.num_nextn_predict_layers:
-        raise ValueError(
-            f"num_speculative_tokens={engine.num_speculative_tokens}: drafts come from the "
-            f"model's MTP layers and {spec.name} has none (num_nextn_predict_layers=0); "
-            "`deepinfer simulate --add-mtp-layer` (in Python: "
-            "model.replace(num_nextn_predict_layers=1)) gives it one in its own shapes"
-        )
-    cost, cost_meta = resolve_cost_model(
-        cost_model,
-        spec,
-        hw,
-        profile,
-        engine.num_speculative_tokens,
-        batch_invariant=engine.batch_invariant,
-        async_scheduling=engine.async_scheduling,
-    )
+    cost, cost_meta = engine_cost_model(cost_model, spec, hw, profile, engine)
     _check_profile(cost.meta, cost_meta.get("profile") or cost.profile_name, engine, hw)
     if grammar_mask_per_token_s is None:
         grammar_mask_per_token_s = cost.grammar_mask_per_token_s

@@ -29,7 +29,7 @@ from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request
 from sim.acceptance import AcceptanceModel
 from sim.cost_model import CostModel, mask_time
-from sim.cost_model_registry import resolve_cost_model
+from sim.cost_model_registry import engine_cost_model
 from sim.hardware import HardwareSpec, get_hardware
 from sim.kv_capacity import engine_kv_blocks
 from sim.sim_executor import SimExecutor
@@ -155,20 +155,7 @@ def twin_engine(
             f"data_parallel_size={engine.data_parallel_size}: the simulated server runs one "
             "rank (`deepinfer simulate` models several)"
         )
-    if engine.num_speculative_tokens and not spec.num_nextn_predict_layers:
-        raise ValueError(
-            f"num_speculative_tokens={engine.num_speculative_tokens}: drafts come from the "
-            f"model's MTP layers and {spec.name} has none (num_nextn_predict_layers=0)"
-        )
-    cost, meta = resolve_cost_model(
-        cost_model,
-        spec,
-        hw,
-        profile,
-        engine.num_speculative_tokens,
-        batch_invariant=engine.batch_invariant,
-        async_scheduling=engine.async_scheduling,
-    )
+    cost, meta = engine_cost_model(cost_model, spec, hw, profile, engine)
     num_blocks = engine_kv_blocks(spec, hw, engine, check_fit=cost_model != "unit")
     spec.check_max_model_len(engine.max_model_len)
     acceptance: float | AcceptanceModel = (
