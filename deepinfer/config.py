@@ -50,6 +50,8 @@ class EngineConfig:
     # Attention data parallelism: this many ranks, each with its own scheduler and KV
     # cache (num_gpu_blocks, max_num_seqs and the token budget are per rank).
     data_parallel_size: int = 1
+    # Which rank a new request goes to (a policy of deepinfer.routing, by name).
+    data_parallel_router: str = "least-load"
     # MoE experts sharded over the data-parallel ranks (all-to-all dispatch and combine).
     enable_expert_parallel: bool = False
     # Bit-identical results per request whatever the batch, chunking or prefix hits (CUDA
@@ -89,6 +91,7 @@ class EngineConfig:
                 "so a verification step fits in one batch"
             )
         _positive("data_parallel_size", self.data_parallel_size)
+        self._check_router()
         if self.async_scheduling is None:  # (`replace` keeps it automatic)
             object.__setattr__(self, "_async_auto", True)
             object.__setattr__(self, "async_scheduling", self.data_parallel_size == 1)
@@ -111,6 +114,20 @@ class EngineConfig:
                 f"max_model_len={self.max_model_len} exceeds max_num_batched_tokens="
                 f"{self.max_num_batched_tokens} with enable_chunked_prefill=False: a prompt "
                 "that long could never be scheduled; enable chunked prefill or raise the budget"
+            )
+
+    def _check_router(self) -> None:
+        from deepinfer.routing import ROUTERS  # (the routing package imports the engine)
+
+        if self.data_parallel_router not in ROUTERS:
+            raise ValueError(
+                f"data_parallel_router={self.data_parallel_router!r}: expected one of "
+                f"{', '.join(ROUTERS)}"
+            )
+        if self.data_parallel_size == 1 and self.data_parallel_router != "least-load":
+            raise ValueError(
+                f"data_parallel_router={self.data_parallel_router!r} needs "
+                "data_parallel_size > 1: one rank has no choice to make"
             )
 
     def _check_expert_parallel(self) -> None:

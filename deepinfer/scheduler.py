@@ -112,6 +112,14 @@ class Scheduler:
             )
         return None
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt `rejection_reason` lets in (one output token must fit too)."""
+        longest = min(self.kv.num_blocks * self.block_size, self.max_model_len) - 1
+        if not self.config.enable_chunked_prefill:
+            longest = min(longest, self.config.max_num_batched_tokens)
+        return longest
+
     def add_request(self, req: Request) -> str | None:
         """Queue `req`, or reject it (returns the reason; it never enters the queues)."""
         if req.request_id in self.requests:

@@ -1,9 +1,9 @@
 """Simulated attention data parallelism (and expert parallelism): N ranks in lock-step.
 
 Each rank is the real EngineCore over its own SimExecutor (its own scheduler and KV
-cache); arrivals are placed by the real front-end's balancer
-(deepinfer.data_parallel.LeastLoadBalancer, fed each rank's load after every round, as
-the real front-end does). A round is one engine step on every rank with work; it lasts
+cache); arrivals are placed by the real front-end's router (deepinfer.routing, the
+engine's `data_parallel_router`, fed each rank's report after every round, as the real
+front-end is). A round is one engine step on every rank with work; it lasts
 as long as the slowest rank plus the all-to-all of the MoE layers
 (sim/expert_parallel_cost.py), which is also how the real ranks step (deepinfer/
 data_parallel/front_end.py).
@@ -18,11 +18,11 @@ from typing import Any
 
 import simpy
 
-from deepinfer.data_parallel import LeastLoadBalancer
-from deepinfer.data_parallel.rank_loop import rank_load
 from deepinfer.engine import EngineCore, StepEvent, StepEventKind
 from deepinfer.records import StepRecord
 from deepinfer.request import Request
+from deepinfer.routing import make_router
+from deepinfer.routing.instance_report import report_of, take_report, view_of
 from sim.cost_model import CostModel
 from sim.expert_parallel_cost import ExpertParallelCost
 
@@ -60,18 +60,24 @@ def serve_data_parallel(
     steps: list[StepRecord],
     on_progress: Callable[[int], None] | None = None,
 ) -> Generator[simpy.events.Event, Any, None]:
-    """The simpy process: admit arrivals through the balancer, run lock-step rounds. A
+    """The simpy process: admit arrivals through the router, run lock-step rounds. A
     rank's step costs its host time plus its device time (no structured requests here:
     the engine does not serve them over several ranks, and simulate() refuses them)."""
-    balancer = LeastLoadBalancer(len(cores))
+    config = cores[0].config
+    router = make_router(config.data_parallel_router, len(cores), seed=config.seed)
+    views = [view_of(r, core) for r, core in enumerate(cores)]
+    num_records = [0] * len(cores)  # each rank's records the router has heard of
     stats.requests_per_rank = [0] * len(cores)
     stats.steps_per_rank = [0] * len(cores)
     reported = 0
     while pending or any(c.has_unfinished() for c in cores):
         while pending and pending[0].arrival_time <= env.now:
-            rank = balancer.pick()
+            req = pending.popleft()
+            rank = router.route(req, views)
             stats.requests_per_rank[rank] += 1
-            cores[rank].add_request(pending.popleft())
+            if cores[rank].add_request(req) is not None:  # rejected at once
+                num_records[rank] += 1
+                router.on_finished(req.request_id, rank)
         if not any(c.has_unfinished() for c in cores):
             if pending:
                 yield env.timeout(pending[0].arrival_time - env.now)
@@ -107,7 +113,9 @@ def serve_data_parallel(
             for _ in events:  # the rest of the step: its results are applied now
                 pass
         for r, core in enumerate(cores):
-            balancer.report(r, rank_load(core))
+            ended = [rec.req_id for rec in core.records[num_records[r] :]]
+            num_records[r] = len(core.records)
+            take_report(router, views, report_of(r, core, ended))
         if any(len(c.steps) > n for c, n in zip(cores, started)):
             steps.append(_round_record(cores, started, stats.num_rounds, env.now, rc.seconds))
         done = sum(len(c.records) for c in cores)

@@ -8,10 +8,9 @@ and the stall rule and async overlap are the engine loop's.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import deque
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,7 @@ import simpy
 
 from deepinfer import envs
 from deepinfer.config import EngineConfig
-from deepinfer.decode_run import DecodeRun
-from deepinfer.engine import EngineCore, StepEventKind
+from deepinfer.engine import EngineCore
 from deepinfer.metrics import SLO, summarize
 from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
@@ -30,9 +28,10 @@ from deepinfer.sampling_params import SamplingParams
 from sim.acceptance import AcceptanceModel
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
-from sim.cost_model import CostModel, RunCosts, mask_time, prices_decode_runs
+from sim.cost_model import CostModel, prices_decode_runs
 from sim.cost_model_registry import engine_cost_model
 from sim.data_parallel import DataParallelStats, serve_data_parallel
+from sim.engine_loop import Clock, FastForwardStats, PendingArrivals, serve_engine
 from sim.expert_parallel_cost import ExpertParallelCost
 from sim.hardware import HardwareSpec, get_hardware
 from sim.kv_capacity import engine_kv_blocks
@@ -128,7 +127,7 @@ def simulate(
         return ranks
     executor = SimExecutor(engine, num_blocks, acceptance_rate=acceptance)
     env = simpy.Environment()
-    clock = _Clock()
+    clock = Clock()
     core = EngineCore(
         engine,
         executor,
@@ -141,8 +140,9 @@ def simulate(
     runs = FastForwardStats() if fast_forward else None
     if runs is not None and not prices_decode_runs(cost):
         runs.reason = f"the cost model ({type(cost).__name__}) prices single steps only"
+    arrivals = PendingArrivals(core, deque(requests))
     env.process(
-        _serve(env, clock, core, deque(requests), cost, mask_s, on_progress, hw.runs_on_host, runs)
+        serve_engine(env, clock, core, arrivals, cost, mask_s, on_progress, hw.runs_on_host, runs)
     )
     env.run()
     records = _in_trace_order(requests, [core])
@@ -183,192 +183,6 @@ def _check_profile(
             f"{envs.kernel_backend()}): its step times price other kernels",
             stacklevel=3,
         )
-
-
-class _Clock:
-    """The engine's clock in a simulated run: `_serve` passes time on it at each time
-    point of a step (a wait adds its delay, as a simpy timeout does) and advances the
-    simpy environment to it once per step."""
-
-    __slots__ = ("now",)
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _serve(
-    env: simpy.Environment,
-    clock: _Clock,
-    core: EngineCore,
-    pending: deque[Request],
-    cost: CostModel,
-    mask_per_token_s: float,
-    on_progress: Callable[[int], None] | None,
-    on_host: bool = False,
-    runs: FastForwardStats | None = None,
-) -> Generator[simpy.events.Event, Any, None]:
-    """Admit arrivals and drive the engine's own loop (`EngineCore.step_events`) in
-    simulated time: host time after each schedule, the cost model's device time from
-    each launch; async scheduling overlaps the two exactly as the real loop does.
-    Structured requests' token masks are host work from the launch on, beside the
-    device's forward (the real runner fills them before it first synchronises): the
-    step's results are back when both are done, and the host is busy meanwhile.
-
-    The host's work is booked on the `_Timeline`'s `host_free` (when the host is next
-    idle); time passes to it after each schedule, so the engine's clock reads a launch's start as the real
-    engine's does (its step records begin there), and an await waits for the result.
-    Within a step nothing else happens (arrivals are admitted between steps), so time
-    passes on `clock`, which the engine reads, and the environment follows it once a
-    step: one simpy event per engine step.
-    Under async scheduling a step is launched while the one before it runs: its device
-    work starts when that one's ends (`device_free`), and no sooner than its host part
-    (the second figure of the cost model's `launch_cost`, which a pipelined step hides
-    behind the one before it) is done after its launch: a step launched on an idle
-    device (the first after the engine idled, one that waited for the step before to be
-    applied, or one whose host work outlasted the step before) pays what that step left
-    unhidden. on_host (`HardwareSpec.runs_on_host`): the device is the host's CPU, whose
-    launch runs the step before it returns, so the host's work and the step's follow
-    each other, async or not.
-
-    runs: fast-forward (counted there): where the engine offers a decode run
-    (`EngineCore.decode_run`) and the cost model prices one, its steps are timed by
-    `_time_run` and applied at once, until the next arrival or the run's horizon."""
-    timeline = _Timeline(clock, on_host)
-    reported = 0
-    while pending or core.has_unfinished():
-        now = clock.now
-        while pending and pending[0].arrival_time <= now:
-            core.add_request(pending.popleft())
-        if not core.has_unfinished():
-            if pending:  # else the last arrivals were all rejected: the run is over
-                clock.now += pending[0].arrival_time - now
-                yield env.timeout(clock.now - env.now)
-            continue
-        run = core.decode_run() if runs is not None and runs.reason is None else None
-        costs = cost.decode_run_costs(run) if run is not None else None
-        if run is not None and costs is not None:
-            assert runs is not None
-            launched, applied = _time_run(timeline, run, costs, pending)
-            core.advance_decode(run, launched, applied)
-            runs.add(len(applied))
-        else:
-            for kind, out in core.step_events():
-                if kind is SCHEDULED:
-                    timeline.scheduled(cost.cpu_time(out))
-                elif kind is LAUNCHED:
-                    masks = mask_time(out, mask_per_token_s) if mask_per_token_s else 0.0
-                    if on_host:
-                        timeline.launched(out.step_id, masks, cost.step_time(out), 0.0)
-                    else:
-                        timeline.launched(out.step_id, masks, *cost.launch_cost(out))
-                else:
-                    timeline.awaited(out.step_id)
-        if clock.now > env.now:
-            yield env.timeout(clock.now - env.now)
-        if on_progress is not None and len(core.records) != reported:
-            on_progress(len(core.records) - reported)
-            reported = len(core.records)
-
-
-class _Timeline:
-    """When the host and the device are next free, and when each launched step's results
-    are back: `_serve` passes time on the engine's clock at each time point of a step
-    through these three calls, for single steps and decode runs alike."""
-
-    __slots__ = ("clock", "on_host", "host_free", "device_free", "ready_at")
-
-    def __init__(self, clock: _Clock, on_host: bool) -> None:
-        self.clock = clock
-        self.on_host = on_host
-        self.host_free = 0.0
-        self.device_free = 0.0
-        self.ready_at: dict[int, float] = {}  # step id -> simulated time its results are back
-
-    def scheduled(self, cpu: float) -> None:
-        """The host's work around a step just scheduled; the engine launches once it is
-        done: the step's recorded duration starts there, as the real engine's does."""
-        clock = self.clock
-        now = clock.now
-        host_free = self.host_free = (self.host_free if self.host_free > now else now) + cpu
-        if host_free > now:
-            clock.now += host_free - now
-
-    def launched(self, step_id: int, masks: float, priced: float, idle: float) -> None:
-        """A step launched, its device seconds `priced` (`idle` more on an idle device),
-        its grammar masks host work beside it. Its host part (what a pipelined step
-        hides) runs from its launch: the device starts it once that is done and the step
-        before has ended. On the host's CPU the launch runs the step: the host is busy
-        until it ends."""
-        now = self.clock.now
-        start = self.host_free if self.host_free > now else now
-        if self.on_host:
-            self.host_free = self.device_free = start + masks + priced
-        else:
-            self.host_free = start + masks
-            ready = start + idle
-            self.device_free = (self.device_free if self.device_free > ready else ready) + priced
-        self.ready_at[step_id] = max(self.device_free, self.host_free)
-
-    def awaited(self, step_id: int) -> None:
-        """The loop waits for a step's results (and for the host to be free)."""
-        clock = self.clock
-        now = clock.now
-        done = self.ready_at.pop(step_id)
-        host_free = self.host_free
-        wait = (done if done > host_free else host_free) - now
-        if wait > 0:
-            clock.now += wait
-
-
-class FastForwardStats:
-    """How much of a run the fast-forward took: decode runs and the steps in them, or why
-    it took none (`reason`: the configuration runs single steps only)."""
-
-    __slots__ = ("runs", "steps", "reason")
-
-    def __init__(self, reason: str | None = None) -> None:
-        self.runs = 0
-        self.steps = 0
-        self.reason = reason
-
-    def add(self, steps: int) -> None:
-        self.runs += 1
-        self.steps += steps
-
-    def to_meta(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {"enabled": True, "runs": self.runs, "steps": self.steps}
-        if self.reason is not None:
-            meta["single_steps_only"] = self.reason
-        return meta
-
-
-def _time_run(
-    timeline: _Timeline, run: DecodeRun, costs: RunCosts, pending: deque[Request]
-) -> tuple[list[float], list[float]]:
-    """Time a decode run's steps as `_serve` times single steps (the same `_Timeline`
-    calls: a decode step has no grammar masks), until the run's horizon or the first step
-    whose turn comes after an arrival (the loop admits arrivals between steps, which ends
-    the run). Returns the clock at each step's launch and at the results applied in its
-    turn (the step before it under async scheduling)."""
-    clock = timeline.clock
-    launched: list[float] = []
-    applied: list[float] = []
-    awaits_previous = run.in_flight_step is not None
-    step_id = run.first_step_id
-    arrival = pending[0].arrival_time if pending else math.inf
-    for cpu, priced, idle in costs:
-        if launched and arrival <= clock.now:
-            break
-        timeline.scheduled(cpu)
-        launched.append(clock.now)
-        timeline.launched(step_id, 0.0, priced, idle)
-        timeline.awaited(step_id - 1 if awaits_previous else step_id)
-        applied.append(clock.now)
-        step_id += 1
-    return launched, applied
 
 
 def _simulate_ranks(
@@ -445,6 +259,3 @@ def _meta(
         "num_evictions": sum(c.scheduler.kv.pool.num_evictions for c in cores),
         "grammar_mask_per_token_s": mask_s,
     }
-
-
-SCHEDULED, LAUNCHED = StepEventKind.SCHEDULED, StepEventKind.LAUNCHED

@@ -6,6 +6,7 @@ import random
 from collections.abc import Sequence
 
 from deepinfer.config import EngineConfig
+from deepinfer.data_parallel.protocol import RankInfo
 from deepinfer.engine import EngineCore
 from deepinfer.executor import Executor
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
@@ -116,3 +117,12 @@ def run_to_completion(engine: EngineCore, max_steps: int = 10_000) -> int:
                 f"not finished after {max_steps} steps:\n{diagnose_stall(engine.scheduler)}"
             )
     return steps
+
+
+def rank_info(rank: int, engine: EngineCore) -> RankInfo:
+    """What an in-process data-parallel rank over `engine` tells the front-end."""
+    s = engine.scheduler
+    return RankInfo(
+        rank, s.max_model_len, s.kv.num_blocks, s.block_size, s.max_prompt_tokens,
+        None, None, None,  # type: ignore[arg-type]
+    )  # fmt: skip

@@ -1,8 +1,8 @@
 """DataParallelEngine: the front-end over N ranks, each an EngineCore of its own.
 
 It has EngineCore's request interface (`add_request`, `step`, `finish`, `abort`,
-`has_unfinished`), so `LLM` drives it unchanged. A request goes to the rank the
-balancer picks and stays there; the front-end keeps its own copy of every live request,
+`has_unfinished`), so `LLM` drives it unchanged. A request goes to the rank the router
+(deepinfer.routing, by name) picks from the ranks' replies, and stays there; the front-end keeps its own copy of every live request,
 updated from the ranks' deltas after each step. Every step is one round on every rank
 at once (expert-parallel ranks must run their MoE layers together).
 """
@@ -13,10 +13,11 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 
-from deepinfer.data_parallel.balancer import LeastLoadBalancer
 from deepinfer.data_parallel.protocol import RankClient, RankInfo, StepCommand, StepReply, Stop
 from deepinfer.data_parallel.request_sync import apply_delta
 from deepinfer.request import FinishReason, Request, RequestStatus
+from deepinfer.routing import InstanceView, make_router
+from deepinfer.routing.instance_report import InstanceReport, take_report
 
 
 class RankFailed(RuntimeError):
@@ -30,11 +31,14 @@ class DataParallelEngine:
         infos: Sequence[RankInfo],
         *,
         clock: Callable[[], float] = time.monotonic,
+        router: str = "least-load",
+        seed: int = 0,
     ) -> None:
         self.ranks = list(ranks)
         self.infos = list(infos)
         self.clock = clock
-        self.balancer = LeastLoadBalancer(len(self.ranks))
+        self.router = make_router(router, len(self.ranks), seed=seed)
+        self.views = [InstanceView(i.rank, i.block_size, i.max_prompt_tokens) for i in infos]
         self.max_model_len = min(i.max_model_len for i in self.infos)
         self.requests: dict[str, Request] = {}  # live requests, the front-end's copies
         self.rank_of: dict[str, int] = {}
@@ -53,7 +57,7 @@ class DataParallelEngine:
         rejection (prompt too long for a rank's cache) comes back from that step."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already live")
-        rank = self.balancer.pick()
+        rank = self.router.route(req, self.views)
         self.requests[req.request_id] = req
         self.rank_of[req.request_id] = rank
         self._commands[rank].adds.append(req)
@@ -65,6 +69,7 @@ class DataParallelEngine:
         if req is None:
             return None
         rank = self.rank_of.pop(req_id)
+        self.router.on_finished(req_id, rank)
         cmd = self._commands[rank]
         if req in cmd.adds:  # never sent: the rank need not hear of it
             cmd.adds.remove(req)
@@ -109,7 +114,7 @@ class DataParallelEngine:
     def _apply(self, replies: list[StepReply]) -> list[Request]:
         changed: list[Request] = []
         for reply in replies:
-            self.balancer.report(reply.rank, reply.load)
+            ended: list[str] = []
             for d in reply.deltas:
                 req = self.requests.get(d.req_id)
                 if req is None:  # ended here meanwhile (a stop string, an abort)
@@ -118,7 +123,10 @@ class DataParallelEngine:
                 if req.is_finished:
                     del self.requests[d.req_id]
                     del self.rank_of[d.req_id]
+                    ended.append(d.req_id)
                 changed.append(req)
+            report = InstanceReport(reply.rank, reply.load, reply.cache_changes, tuple(ended))
+            take_report(self.router, self.views, report)
         failed = [r for r in replies if r.error is not None]
         if failed:
             r = failed[0]

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from deepinfer.data_parallel.balancer import RankLoad
 from deepinfer.data_parallel.request_sync import RequestDelta
 from deepinfer.request import FinishReason, Request
+from deepinfer.routing import InstanceLoad
 
 
 @dataclass
@@ -23,7 +23,9 @@ class StepCommand:
 class StepReply:
     rank: int
     deltas: list[RequestDelta]
-    load: RankLoad
+    load: InstanceLoad
+    # prefix blocks the rank began (True) or ceased (False) to hold since its last reply
+    cache_changes: dict[int, bool] = field(default_factory=dict)
     error: BaseException | None = None  # the step raised (the rank still kept lock-step)
     error_text: str = ""  # its traceback, formatted on the rank
 
@@ -35,6 +37,8 @@ class RankInfo:
     rank: int
     max_model_len: int
     num_kv_blocks: int
+    block_size: int
+    max_prompt_tokens: int  # the longest prompt the rank admits
     model_dir: Path
     vocab_size: int | None
     eos_token_id: int | list[int] | None

@@ -11,16 +11,11 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable
 
-from deepinfer.data_parallel.balancer import RankLoad
 from deepinfer.data_parallel.protocol import RankClient, StepCommand, StepReply, Stop
 from deepinfer.data_parallel.request_sync import DeltaTracker
 from deepinfer.engine import EngineCore
 from deepinfer.request import Request
-
-
-def rank_load(engine: EngineCore) -> RankLoad:
-    s = engine.scheduler
-    return RankLoad(s.num_waiting, s.num_running, s.kv.usage)
+from deepinfer.routing.instance_report import instance_load
 
 
 def run_command(
@@ -51,7 +46,8 @@ def run_command(
         if round_end is not None:
             round_end()
     deltas = [tracker.delta(req) for req in changed]
-    return StepReply(rank, deltas, rank_load(engine), error, text)
+    changes = engine.scheduler.kv.pool.drain_cache_changes()
+    return StepReply(rank, deltas, instance_load(engine), changes, error, text)
 
 
 def serve(
@@ -63,6 +59,7 @@ def serve(
 ) -> None:
     """Answer commands until Stop."""
     tracker = DeltaTracker()
+    engine.scheduler.kv.pool.track_cache_changes()  # the front-end's prefix-affinity view
     while True:
         cmd = conn.recv()
         if isinstance(cmd, Stop):

@@ -46,6 +46,9 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[int, KVBlock] = {}  # chain hash -> block holding that content
         self.num_evictions = 0
+        # Hashes whose cached state changed since the last `drain_cache_changes` (None:
+        # not tracked): a router's view of which prefixes the instance holds.
+        self._changed: set[int] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -121,6 +124,8 @@ class BlockPool:
             return False  # another block already holds this content; keep the first
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        if self._changed is not None:
+            self._changed.add(block_hash)
         return True
 
     def uncache(self, block: KVBlock) -> None:
@@ -129,14 +134,33 @@ class BlockPool:
             return
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
+            if self._changed is not None:
+                self._changed.add(block.block_hash)
         block.block_hash = None
 
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
+            if self._changed is not None:
+                self._changed.add(block.block_hash)
         block.block_hash = None
         self.num_evictions += 1
+
+    def track_cache_changes(self) -> None:
+        """Record from now on which content hashes become cached or stop being cached."""
+        if self._changed is None:
+            self._changed = set()
+
+    def drain_cache_changes(self) -> dict[int, bool]:
+        """Each hash whose cached state changed since the last drain -> whether it is
+        cached now (empty when not tracked)."""
+        changed = self._changed
+        if not changed:
+            return {}
+        self._changed = set()
+        cached = self._cached
+        return {h: h in cached for h in changed}
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no request holds."""

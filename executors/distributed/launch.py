@@ -61,7 +61,7 @@ def launch_data_parallel(
     except BaseException:
         _stop(procs)
         raise
-    engine = DataParallelEngine(conns, infos)
+    engine = DataParallelEngine(conns, infos, router=config.data_parallel_router, seed=config.seed)
     weakref.finalize(engine, _stop, procs)
     engine.on_shutdown = lambda: _join(procs)
     return engine

@@ -57,6 +57,8 @@ def rank_main(
                 rank,
                 engine.max_model_len,
                 executor.num_kv_blocks(),
+                config.block_size,
+                engine.scheduler.max_prompt_tokens,
                 executor.model_dir,
                 executor.vocab_size,
                 executor.eos_token_id,

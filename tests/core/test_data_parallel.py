@@ -1,4 +1,4 @@
-"""Attention data parallelism without processes: the balancer, and the front-end over
+"""Attention data parallelism without processes: the front-end over
 in-process ranks (the same rank loop the spawned ranks run, behind a pickling pipe)."""
 
 from __future__ import annotations
@@ -10,33 +10,13 @@ from typing import Any
 import pytest
 
 from deepinfer.config import EngineConfig
-from deepinfer.data_parallel import LeastLoadBalancer, RankLoad
 from deepinfer.data_parallel.front_end import DataParallelEngine, RankFailed
-from deepinfer.data_parallel.protocol import RankInfo, StepCommand, StepReply, Stop
+from deepinfer.data_parallel.protocol import StepCommand, StepReply, Stop
 from deepinfer.data_parallel.rank_loop import run_command
 from deepinfer.data_parallel.request_sync import DeltaTracker
 from deepinfer.engine import EngineCore
 from deepinfer.request import FinishReason, RequestStatus
-from tests.factories import make_engine, make_request, run_to_completion
-
-
-def test_a_burst_is_spread_over_the_ranks_before_any_report() -> None:
-    lb = LeastLoadBalancer(3)
-    assert [lb.pick() for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
-
-
-def test_the_shortest_queue_wins_then_the_lowest_kv_usage_then_the_lowest_rank() -> None:
-    lb = LeastLoadBalancer(3)
-    lb.report(0, RankLoad(num_waiting=2, num_running=1, kv_usage=0.1))
-    lb.report(1, RankLoad(num_waiting=0, num_running=4, kv_usage=0.7))
-    lb.report(2, RankLoad(num_waiting=0, num_running=1, kv_usage=0.3))
-    assert lb.pick() == 2  # queues 2 / 0 / 0: the lower KV usage of ranks 1 and 2
-    assert lb.pick() == 1  # rank 2 now has one placed since its report
-    lb.report(1, RankLoad(num_waiting=0, num_running=4, kv_usage=0.3))
-    lb.report(2, RankLoad(num_waiting=0, num_running=4, kv_usage=0.3))
-    assert lb.pick() == 1  # all equal but rank 0's queue: the lowest index
-    with pytest.raises(ValueError, match="num_ranks=0"):
-        LeastLoadBalancer(0)
+from tests.factories import make_engine, make_request, rank_info, run_to_completion
 
 
 class LoopbackRank:
@@ -66,7 +46,7 @@ class LoopbackRank:
 
 def _front_end(n: int, **config: Any) -> tuple[DataParallelEngine, list[LoopbackRank]]:
     ranks = [LoopbackRank(r, make_engine(**config)) for r in range(n)]
-    infos = [RankInfo(r, 64, 10, None, None, None) for r in range(n)]  # type: ignore[arg-type]
+    infos = [rank_info(r, rank.engine) for r, rank in enumerate(ranks)]
     return DataParallelEngine(ranks, infos), ranks
 
 

@@ -1,11 +1,11 @@
-"""The data-parallel balancer against a reference model of its rule (docs/design.md,
+"""The data-parallel front-end's router (least-load) against a reference model of its rule (docs/design.md,
 "Data parallelism"), as hypothesis state machines.
 
 The model is the rule restated, never the balancer's bookkeeping: it keeps a log of
 every placement and of each rank's last applied report, and at each placement computes
 from them the ranks the rule allows (minimal reported queue plus placements since that
 report, then KV usage, then running requests) and the one it must choose among them
-(the lowest index). `BalancerMachine` drives `LeastLoadBalancer` with arbitrary
+(the lowest index). `BalancerMachine` drives `LeastLoadRouter` with arbitrary
 reports; `FrontEndMachine` drives `DataParallelEngine` over real ranks (EngineCore on
 a scripted executor) with arrivals, steps and front-end finishes, so the reports are
 what ranks really say after placements, preemptions and finishes.
@@ -20,14 +20,15 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from deepinfer.data_parallel import LeastLoadBalancer, RankLoad
 from deepinfer.data_parallel.front_end import DataParallelEngine
-from deepinfer.data_parallel.protocol import RankInfo, StepCommand, StepReply, Stop
+from deepinfer.data_parallel.protocol import StepCommand, StepReply, Stop
 from deepinfer.data_parallel.rank_loop import run_command
 from deepinfer.data_parallel.request_sync import DeltaTracker
 from deepinfer.engine import EngineCore
 from deepinfer.request import FinishReason
-from tests.factories import make_engine, make_request
+from deepinfer.routing import InstanceLoad, InstanceView
+from deepinfer.routing.policies import LeastLoadRouter
+from tests.factories import make_engine, make_request, rank_info
 from tests.property.harness import note
 from tests.property.strategies import scaled
 
@@ -38,7 +39,7 @@ class RuleModel:
 
     def __init__(self, num_ranks: int) -> None:
         self.placements: list[int] = []
-        self.reports = [RankLoad() for _ in range(num_ranks)]
+        self.reports = [InstanceLoad() for _ in range(num_ranks)]
         self.log_len_at_report = [0] * num_ranks
 
     def queue(self, rank: int) -> int:
@@ -67,7 +68,7 @@ class RuleModel:
         note(f"placement among {min(len(allowed), 3)}{'+' if len(allowed) > 2 else ''} tied")
         self.placements.append(chosen)
 
-    def report(self, rank: int, load: RankLoad) -> None:
+    def report(self, rank: int, load: InstanceLoad) -> None:
         self.reports[rank] = load
         self.log_len_at_report[rank] = len(self.placements)
 
@@ -80,13 +81,19 @@ class BalancerMachine(RuleBasedStateMachine):
 
     @initialize(n=st.integers(1, 5))
     def setup(self, n: int) -> None:
-        self.lb = LeastLoadBalancer(n)
+        self.lb = LeastLoadRouter(n)
+        self.views = [InstanceView(r, 16, 1 << 20) for r in range(n)]  # every prompt fits
+        self.count = 0
         self.model = RuleModel(n)
+
+    def pick(self) -> int:
+        self.count += 1
+        return self.lb.route(make_request(f"r{self.count}", 4), self.views)
 
     @rule(burst=st.integers(1, 6))
     def place(self, burst: int) -> None:
         for _ in range(burst):
-            self.model.check_choice(self.lb.pick())
+            self.model.check_choice(self.pick())
 
     @rule(
         pick=st.integers(0, 4),
@@ -95,19 +102,19 @@ class BalancerMachine(RuleBasedStateMachine):
         usage=_USAGE,
     )
     def report(self, pick: int, waiting: int, running: int, usage: float) -> None:
-        rank = pick % self.lb.num_ranks
-        load = RankLoad(waiting, running, usage)
-        self.lb.report(rank, load)
+        rank = pick % self.lb.num_instances
+        load = InstanceLoad(waiting, running, usage)
+        self.lb.on_report(rank, load)
         self.model.report(rank, load)
 
     @rule()
     def everything_finished(self) -> None:
         """Every rank reports idle: the counts start over, a burst goes round-robin."""
-        for r in range(self.lb.num_ranks):
-            self.lb.report(r, RankLoad())
-            self.model.report(r, RankLoad())
-        n = self.lb.num_ranks
-        assert [self.lb.pick() for _ in range(2 * n)] == list(range(n)) * 2, "a count drifted"
+        for r in range(self.lb.num_instances):
+            self.lb.on_report(r, InstanceLoad())
+            self.model.report(r, InstanceLoad())
+        n = self.lb.num_instances
+        assert [self.pick() for _ in range(2 * n)] == list(range(n)) * 2, "a count drifted"
         self.model.placements += list(range(n)) * 2
 
 
@@ -144,7 +151,7 @@ class FrontEndMachine(RuleBasedStateMachine):
         self.ranks = [
             ObservedRank(r, make_engine(num_gpu_blocks=blocks, max_num_seqs=seqs)) for r in range(n)
         ]
-        infos = [RankInfo(r, 4 * blocks, blocks, None, None, None) for r in range(n)]  # type: ignore[arg-type]
+        infos = [rank_info(r.rank, r.engine) for r in self.ranks]
         self.dp = DataParallelEngine(self.ranks, infos)
         self.model = RuleModel(n)
         self.live: dict[str, int] = {}  # request -> the rank it was placed on (model's own)

@@ -27,6 +27,8 @@ ENGINE_HELP = {
     "policy": "fcfs or priority",
     "seed": "seed for everything random",
     "data_parallel_size": "attention data-parallel ranks, each with its own scheduler and KV cache",
+    "data_parallel_router": "which rank a request goes to: round-robin, least-requests, "
+    "least-kv, power-of-two, prefix-affinity or least-load",
     "enable_expert_parallel": "shard the MoE experts over the data-parallel ranks "
     "(--expert-parallel alone means true)",
     "batch_invariant": "bit-identical results per request whatever the batch "
