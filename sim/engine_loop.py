@@ -33,6 +33,10 @@ class Arrivals(Protocol):
     def next_time(self) -> float:
         """When the next request is due, as far as is known now (inf: none known)."""
 
+    def soonest(self) -> float:
+        """The earliest a request may reach the engine, counting those not known yet (a
+        decode run ends at the first step whose turn comes after it)."""
+
     def horizon(self) -> float:
         """The time a decode run must not pass: no step of the run may have its results
         applied after it (a decision that reads this engine's state may be due then)."""
@@ -64,6 +68,9 @@ class PendingArrivals:
 
     def next_time(self) -> float:
         return self.pending[0].arrival_time if self.pending else math.inf
+
+    def soonest(self) -> float:
+        return self.next_time()  # every arrival is known from the start
 
     def horizon(self) -> float:
         return math.inf  # nothing reads the engine's state between its steps
@@ -272,7 +279,7 @@ def _time_run(
 ) -> tuple[list[float], list[float]]:
     """Time a decode run's steps as `serve_engine` times single steps (the same
     `Timeline` calls: a decode step has no grammar masks), until the run's horizon, the
-    first step whose turn comes after the next arrival (the loop admits arrivals between
+    first step whose turn comes after the soonest arrival (the loop admits arrivals between
     steps, which ends the run), or the first step whose results would be applied after
     the arrivals' `horizon` (that step is not taken: the loop runs it on its own). Returns
     the clock at each step's launch and at the results applied in its turn (the step
@@ -282,7 +289,7 @@ def _time_run(
     applied: list[float] = []
     awaits_previous = run.in_flight_step is not None
     step_id = run.first_step_id
-    arrival = arrivals.next_time()
+    arrival = arrivals.soonest()
     horizon = arrivals.horizon()
     for cpu, priced, idle in costs:
         if launched and arrival <= clock.now:

@@ -45,6 +45,7 @@ class LeastKVRouter(Router):
     """The lowest reported KV usage, then the fewest outstanding requests."""
 
     name = "least-kv"
+    reads_kv_usage = True
 
     def choose(self, request: Request, instances: Sequence[InstanceView]) -> int:
         out = self.outstanding
@@ -99,6 +100,7 @@ class LeastLoadRouter(Router):
     instances instead of all landing on the one that looked idlest when it began."""
 
     name = "least-load"
+    reads_kv_usage = True
 
     def __init__(self, num_instances: int) -> None:
         super().__init__(num_instances)

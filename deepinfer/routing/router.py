@@ -23,6 +23,9 @@ class Router(ABC):
     instance fits it, and books the placement."""
 
     name: str = ""
+    # Whether `choose` reads the reported KV usage, which changes within a decode run
+    # (a simulated instance then ends its runs at this router's next decision).
+    reads_kv_usage: bool = False
 
     def __init__(self, num_instances: int) -> None:
         if num_instances < 1:

@@ -130,6 +130,27 @@ def add_simulate_parser(sub: Any) -> None:
         help="run every engine step one by one instead of advancing proven decode runs "
         "at once (the results are the same to the bit; for timing single steps)",
     )
+    p.add_argument(
+        "--cluster",
+        type=Path,
+        default=None,
+        help="simulate a cluster described in YAML or JSON (pools of instances, routers, "
+        "links, GPU prices; see examples/clusters/); the engine options are each pool's "
+        "defaults",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="simulate N colocated instances of the engine behind --router",
+    )
+    p.add_argument(
+        "--router",
+        default=None,
+        help="with --replicas: round-robin, least-requests (default), least-kv, "
+        "power-of-two, prefix-affinity or least-load",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_engine_options(p)
     p.set_defaults(func=run_simulate)
@@ -196,6 +217,14 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
     model = _model(args.model, args.add_mtp_layer, engine.num_speculative_tokens)
     acceptance = 0.7 if args.acceptance_rate is None else args.acceptance_rate
+    cluster = _cluster(args, engine)
+    if cluster is not None:
+        if args.add_mtp_layer or args.structured or mask_us is not None:
+            raise ValueError(
+                "--add-mtp-layer, --structured and --grammar-mask-us apply to one engine; "
+                "a cluster simulates neither"
+            )
+        return _run_cluster(args, trace, path, cluster, slo, acceptance)
     with tqdm(
         total=len(trace),
         desc="simulating",
@@ -235,6 +264,113 @@ def run_simulate(args: argparse.Namespace) -> int:
         plot_report(args.plot, result.requests, result.steps, title)
         print(f"plots: {args.plot}")
     return 0
+
+
+def _cluster(args: argparse.Namespace, engine: Any) -> Any:
+    """The cluster to simulate (--cluster, or --replicas with --router), or None."""
+    from sim.cluster import load_cluster, replicas
+
+    if args.cluster is not None:
+        if args.replicas is not None or args.router is not None:
+            raise ValueError("--replicas / --router: the cluster file gives its pools and router")
+        return load_cluster(args.cluster, base_engine=engine, hardware=args.hardware)
+    if args.replicas is None:
+        if args.router is not None:
+            raise ValueError(
+                "--router: routes over --replicas N (for data-parallel ranks: "
+                "--data-parallel-router)"
+            )
+        return None
+    if args.replicas < 1:
+        raise ValueError(f"--replicas {args.replicas}: must be >= 1")
+    from sim.cluster.description import _router
+
+    router = _router(args.router or "least-requests", "--router")
+    return replicas(args.replicas, engine, args.model, args.hardware, router)
+
+
+def _run_cluster(
+    args: argparse.Namespace, trace: Any, path: Path, cluster: Any, slo: Any, acceptance: Any
+) -> int:
+    from tqdm import tqdm
+
+    from sim.cluster import simulate_cluster
+    from sim.report import plot_report, print_summary, write_report
+
+    with tqdm(
+        total=len(trace),
+        desc="simulating",
+        unit="req",
+        file=sys.stderr,
+        disable=args.no_progress or None,
+        leave=False,
+    ) as bar:
+        result = simulate_cluster(
+            trace,
+            cluster,
+            args.cost_model,
+            profile=args.profile,
+            slo=slo,
+            acceptance_rate=acceptance,
+            check_invariants=args.check_invariants,
+            on_progress=bar.update,
+            fast_forward=args.fast_forward,
+        )
+    meta = dict(result.meta, trace_path=str(path))
+    title = f"{trace.name}: {cluster.model} on a cluster of {cluster.num_instances} instances"
+    print_summary(result.summary, title)
+    for line in cluster_lines(meta):
+        print(line)
+    steps = sorted((s for ss in result.steps.values() for s in ss), key=lambda s: s.time)
+    if args.out:
+        write_report(args.out, result.summary, result.requests, steps, meta)
+        print(f"report: {args.out}")
+    if args.plot:
+        plot_report(args.plot, result.requests, steps, title)
+        print(f"plots: {args.plot}")
+    return 0
+
+
+def cluster_lines(meta: dict[str, Any]) -> list[str]:
+    """What the summary says of a cluster beyond one engine's table."""
+    pools = ", ".join(
+        f"{p['name']}: {p['count']} x {p['role']} on {p['hardware']} ({p['num_gpu_blocks']} "
+        f"KV blocks each, {p.get('cost_model', '?')} cost model)"
+        for p in meta["pools"]
+    )
+    lines = [f"pools: {pools}", f"router: {meta['router']['policy']}"]
+    if "decode_router" in meta:
+        lines[-1] += f"; decode router: {meta['decode_router']['policy']}"
+    per = [i["requests"] for i in meta["instances"] if i["role"] != "decode"]
+    lines.append(f"requests per instance: {min(per)}-{max(per)} ({meta['num_steps']} steps)")
+    pd = meta.get("disaggregation")
+    if pd:
+
+        def ms(d: dict[str, Any]) -> str:
+            return (
+                "n/a"
+                if d["p50"] is None
+                else f"p50 {d['p50'] * 1e3:.1f} / p99 {d['p99'] * 1e3:.1f} ms"
+            )
+
+        lines.append(
+            f"disaggregation: {pd['handovers']} handovers, {pd['kv_bytes_moved'] / 1e9:.2f} GB "
+            f"of KV moved; prefill queue {ms(pd['prefill_queue_s'])}; KV transfer "
+            f"{ms(pd['kv_transfer_s'])}; decode queue {ms(pd['decode_queue_s'])}"
+        )
+    c = meta["cost"]
+    per_out = c["per_million_output_tokens"]
+    per_in = c["per_million_input_tokens"]
+    lines.append(
+        f"cost: {c['gpus']} GPUs, {c['gpu_hours']:.3f} GPU-hours, ${c['dollars']:.2f}; "
+        + (
+            f"${per_out:.3f} per million output tokens, ${per_in:.4f} per million input "
+            f"tokens ({c['counted']})"
+            if per_out is not None and per_in is not None
+            else "no tokens counted"
+        )
+    )
+    return lines
 
 
 def _data_parallel_line(meta: dict[str, Any], ranks: int, expert_parallel: bool) -> str:

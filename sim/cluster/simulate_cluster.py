@@ -1,0 +1,177 @@
+"""simulate_cluster(): a trace through a cluster of simulated instances.
+
+Every instance is the real EngineCore over a SimExecutor, driven by the same engine
+loop as `simulate()` (sim/engine_loop.py), each with its pool's model, GPU, engine
+configuration and cost model, all in one simpy environment (sim/cluster/cluster.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import simpy
+
+from deepinfer.engine import EngineCore
+from deepinfer.metrics import SLO, summarize
+from deepinfer.model_config import ModelConfig, load_model_config
+from deepinfer.records import RequestRecord, StepRecord
+from deepinfer.routing import make_router
+from deepinfer.routing.instance_report import view_of
+from sim.acceptance import AcceptanceModel
+from sim.cluster.cluster import Cluster, Handover
+from sim.cluster.cluster_report import cluster_meta, merge_records
+from sim.cluster.description import ClusterSpec, PoolSpec
+from sim.cluster.instance import Instance
+from sim.cluster.pool_routing import PoolRouting
+from sim.cost_model import CostModel, prices_decode_runs
+from sim.cost_model_registry import engine_cost_model
+from sim.engine_loop import Clock, FastForwardStats, serve_engine
+from sim.hardware import get_hardware
+from sim.kv_capacity import engine_kv_blocks
+from sim.sim_executor import SimExecutor
+from sim.simulator import build_requests
+from sim.traces import Trace, TraceRequest
+
+
+@dataclass
+class ClusterResult:
+    requests: list[RequestRecord]  # one per trace request, in trace order, end to end
+    steps: dict[str, list[StepRecord]]  # instance name -> its engine's step records
+    summary: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+    handovers: dict[str, Handover] = field(default_factory=dict)  # PD: req id -> its handover
+    decode_records: list[RequestRecord] = field(default_factory=list)  # PD: the decode side
+
+
+@dataclass
+class _Pool:
+    spec: PoolSpec
+    model: ModelConfig
+    cost: CostModel
+    cost_meta: dict[str, Any]
+    num_blocks: int
+
+
+def simulate_cluster(
+    trace: Trace | list[TraceRequest],
+    cluster: ClusterSpec,
+    cost_model: str | None = None,
+    *,
+    profile: str | Path | None = None,
+    slo: SLO | None = None,
+    acceptance_rate: float | AcceptanceModel = 0.7,
+    check_invariants: bool = False,
+    on_progress: Callable[[int], None] | None = None,
+    fast_forward: bool = True,
+) -> ClusterResult:
+    """Run `trace` through `cluster` to completion (SchedulerStalled if an instance
+    stalls). cost_model / profile: as `simulate()`'s, for every pool."""
+    if not isinstance(trace, Trace):
+        trace = Trace("requests", "python", list(trace))
+    pools = [_resolve(p, cluster, cost_model, profile) for p in cluster.pools]
+    if any(r.structured for r in trace.requests):
+        raise ValueError(
+            "structured requests in a cluster: grammar masks are priced by simulate() on "
+            "one engine only; drop so_args / structured from the trace"
+        )
+    env = simpy.Environment()
+    entry_model = next(p.model for p in pools if p.spec.role != "decode")
+    requests = build_requests(trace, entry_model.vocab_size)
+    hub = Cluster(
+        env,
+        cluster,
+        requests,
+        entry_model.kv_bytes_per_token,
+        entry_model.num_hidden_layers,
+        on_progress,
+    )
+    groups: dict[bool, list[tuple[_Pool, EngineCore, Clock, str]]] = {False: [], True: []}
+    for pool in pools:
+        for i in range(pool.spec.count):
+            clock = Clock()
+            executor = SimExecutor(
+                pool.spec.engine, pool.num_blocks, acceptance_rate=acceptance_rate
+            )
+            core = EngineCore(
+                pool.spec.engine,
+                executor,
+                clock=clock,
+                model_max_len=pool.model.max_position_embeddings,
+                check_invariants=check_invariants,
+            )
+            name = f"{pool.spec.name}[{i}]"
+            groups[pool.spec.role == "decode"].append((pool, core, clock, name))
+    runs: dict[str, FastForwardStats] = {}
+    for is_decode, members in groups.items():
+        if not members:
+            continue
+        rspec = (cluster.decode_router or cluster.router) if is_decode else cluster.router
+        router = make_router(rspec.policy, len(members), seed=cluster.seed, **rspec.options)
+        routing = PoolRouting(router, [view_of(i, m[1]) for i, m in enumerate(members)])
+        target = hub.decode if is_decode else hub.entry
+        if is_decode:
+            hub.decode_routing = routing
+        else:
+            hub.entry_routing = routing
+        for i, (pool, core, clock, name) in enumerate(members):
+            inst = Instance(hub, name, pool.spec.role, i, core, clock, routing)
+            target.append(inst)
+            stats = FastForwardStats() if fast_forward else None
+            if stats is not None and not prices_decode_runs(pool.cost):
+                stats.reason = (
+                    f"the cost model ({type(pool.cost).__name__}) prices single steps only"
+                )
+            if stats is not None:
+                runs[name] = stats
+            hw = get_hardware(pool.spec.hardware)
+            env.process(_instance_loop(env, hub, inst, pool.cost, hw.runs_on_host, stats))
+    hub.entry_running = len(hub.entry)
+    env.run()
+    records = merge_records(requests, hub)
+    steps = {inst.name: inst.core.steps for inst in hub.entry + hub.decode}
+    all_steps = sorted((s for ss in steps.values() for s in ss), key=lambda s: s.time)
+    summary = summarize(records, all_steps, slo)
+    meta = cluster_meta(
+        trace, cluster, hub, summary, slo, [(p.spec, p.cost_meta, p.num_blocks) for p in pools]
+    )
+    meta["fast_forward"] = (
+        {
+            "enabled": True,
+            "runs": sum(s.runs for s in runs.values()),
+            "steps": sum(s.steps for s in runs.values()),
+        }
+        if fast_forward
+        else {"enabled": False}
+    )
+    decode_records = [r for inst in hub.decode for r in inst.core.records]
+    return ClusterResult(records, steps, summary, meta, hub.handovers, decode_records)
+
+
+def _instance_loop(
+    env: simpy.Environment,
+    hub: Cluster,
+    inst: Instance,
+    cost: CostModel,
+    on_host: bool,
+    runs: FastForwardStats | None,
+) -> Any:
+    yield from serve_engine(env, inst.clock, inst.core, inst, cost, 0.0, None, on_host, runs)
+    if inst.role != "decode":
+        hub.entry_loop_ended(inst)
+
+
+def _resolve(
+    pool: PoolSpec, cluster: ClusterSpec, cost_model: str | None, profile: str | Path | None
+) -> _Pool:
+    model = load_model_config(pool.model or cluster.model)
+    hw = get_hardware(pool.hardware)
+    try:
+        cost, cost_meta = engine_cost_model(cost_model, model, hw, profile, pool.engine)
+        num_blocks = engine_kv_blocks(model, hw, pool.engine, check_fit=cost_model != "unit")
+        model.check_max_model_len(pool.engine.max_model_len)
+    except ValueError as e:
+        raise ValueError(f"{cluster.source}: pool {pool.name}: {e}") from None
+    return _Pool(pool, model, cost, cost_meta, num_blocks)

@@ -1,0 +1,171 @@
+"""The cluster simulation (sim/cluster): its reductions to one engine, the
+disaggregated handover, routing shares, the description's errors, and the fast-forward's
+exactness over several instances."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepinfer.config import EngineConfig
+from sim import simulate
+from sim.cluster import ClusterError, replicas, simulate_cluster
+from sim.cluster.description import RouterSpec, cluster_from_dict, load_cluster
+from sim.traces import Trace, TraceRequest, load_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+ROUTERS = [
+    "round-robin",
+    "least-requests",
+    "least-kv",
+    "power-of-two",
+    "prefix-affinity",
+    "least-load",
+]
+
+
+def _trace(n: int = 120) -> Trace:
+    return load_trace(ROOT / "traces" / "azure_code_small.json", max_requests=n)
+
+
+def _steps(steps: list) -> list[dict]:  # type: ignore[type-arg]
+    return [s.__dict__ for s in steps]
+
+
+@pytest.mark.parametrize("policy", ROUTERS)
+def test_one_colocated_instance_is_simulate_step_for_step(policy: str) -> None:
+    trace = _trace()
+    engine = EngineConfig(num_gpu_blocks=400)
+    one = simulate(trace, engine=engine)
+    cluster = replicas(1, engine, "moonlight-16b-a3b", "h200", RouterSpec(policy))
+    many = simulate_cluster(trace, cluster)
+    assert _steps(many.steps["replicas[0]"]) == _steps(one.steps)
+    assert [r.__dict__ for r in many.requests] == [r.__dict__ for r in one.requests]
+
+
+def test_round_robin_gives_identical_replicas_exactly_their_share() -> None:
+    reqs = [TraceRequest(f"r{i}", i * 0.5, 64 + 32 * (i % 2), 8) for i in range(24)]
+    cluster = replicas(3, EngineConfig(), "moonlight-16b-a3b", "h200", RouterSpec("round-robin"))
+    result = simulate_cluster(reqs, cluster)
+    assert [i["requests"] for i in result.meta["instances"]] == [8, 8, 8]
+
+
+def _pd(link: dict | None = None, **extra: object) -> dict:  # type: ignore[type-arg]
+    raw: dict = {  # type: ignore[type-arg]
+        "pools": [
+            {"name": "p", "role": "prefill", "count": 1},
+            {"name": "d", "role": "decode", "count": 1},
+        ],
+        **extra,
+    }
+    if link is not None:
+        raw["links"] = {"inter_node": link}
+    return raw
+
+
+def test_with_an_infinitely_fast_link_a_decode_starts_when_its_prefill_ends() -> None:
+    reqs = [TraceRequest(f"r{i}", i * 2.0, 300 + 10 * i, 5) for i in range(10)]
+    cluster = cluster_from_dict(_pd({"bandwidth_gb_s": math.inf, "latency_us": 0}))
+    result = simulate_cluster(reqs, cluster)
+    decode = {r.req_id: r for r in result.decode_records}
+    for rec in result.requests:
+        ho = result.handovers[rec.req_id]
+        assert ho.kv_arrived == ho.ready
+        assert decode[rec.req_id].first_scheduled == ho.ready  # spaced out: no queue
+        assert rec.status == "finished" and rec.num_output_tokens == 5
+
+
+def test_a_slow_link_delays_every_decode_by_its_transfer() -> None:
+    reqs = [TraceRequest(f"r{i}", i * 2.0, 1000, 5) for i in range(4)]
+    raw = _pd({"bandwidth_gb_s": 1, "latency_us": 500}, kv_transfer={"layerwise": False})
+    result = simulate_cluster(reqs, cluster_from_dict(raw))
+    per_token = result.meta["disaggregation"]["kv_bytes_per_token"]
+    for ho in result.handovers.values():
+        assert ho.kv_arrived == pytest.approx(ho.ready + 500e-6 + 1000 * per_token / 1e9)
+    for rec in result.requests:
+        assert rec.first_token is not None
+        assert rec.first_token > result.handovers[rec.req_id].kv_arrived
+
+
+@pytest.mark.parametrize("policy", ["least-kv", "least-load", "prefix-affinity"])
+def test_fast_forward_is_exact_over_several_instances(policy: str) -> None:
+    trace = _trace(200)
+    engine = EngineConfig(num_gpu_blocks=300, async_scheduling=False)
+    for cluster in (
+        replicas(3, engine, "moonlight-16b-a3b", "h200", RouterSpec(policy)),
+        cluster_from_dict(
+            {
+                "router": policy,
+                "decode_router": policy,
+                "pools": [
+                    {"name": "p", "role": "prefill", "count": 1},
+                    {"name": "d", "role": "decode", "count": 2, "engine": {"num_gpu_blocks": 200}},
+                ],
+            }
+        ),
+    ):
+        fast = simulate_cluster(trace, cluster)
+        slow = simulate_cluster(trace, cluster, fast_forward=False)
+        assert fast.meta["fast_forward"]["steps"] > 0
+        assert [r.__dict__ for r in fast.requests] == [r.__dict__ for r in slow.requests]
+        for name in fast.steps:
+            assert _steps(fast.steps[name]) == _steps(slow.steps[name]), name
+
+
+def test_the_plan_is_priced_per_million_tokens() -> None:
+    cluster = replicas(2, EngineConfig(), "moonlight-16b-a3b", "h200", RouterSpec())
+    result = simulate_cluster(_trace(50), cluster)
+    cost = result.meta["cost"]
+    hours = result.summary["duration_s"] / 3600
+    assert cost["gpu_hours"] == pytest.approx(2 * hours)
+    assert cost["dollars"] == pytest.approx(2 * hours * cost["prices_per_gpu_hour"]["h200"])
+    per_out = cost["dollars"] / result.summary["total_output_tokens"] * 1e6
+    assert cost["per_million_output_tokens"] == pytest.approx(per_out)
+
+
+@pytest.mark.parametrize(
+    ("raw", "named"),
+    [
+        ({"pools": [{"name": "a", "count": 0}]}, "pools[0]: count 0"),
+        ({"pools": [{"name": "a", "role": "mixed"}]}, "pools[0]: role 'mixed'"),
+        ({"pools": [{"name": "a", "colour": 1}]}, "pools[0]: unknown key(s) ['colour']"),
+        ({"pools": [{"name": "a", "engine": {"max_num_seq": 1}}]}, "pools[0].engine"),
+        ({"pools": [{"name": "a"}], "router": "fastest"}, "router: policy 'fastest'"),
+        (
+            {"pools": [{"name": "a"}], "router": {"policy": "round-robin", "x": 1}},
+            "unknown option 'x'",
+        ),
+        ({"pools": [{"name": "a", "role": "prefill"}]}, "needs a prefill and a decode pool"),
+        ({"pools": [{"name": "a"}], "kv_transfer": {"link": "ib"}}, "kv_transfer.link 'ib'"),
+        ({"pools": [{"name": "a", "hardware": "h100"}], "prices": {"h100": -1}}, "prices.h100"),
+        ({"pools": [{"name": "a"}], "tiers": {}}, "unknown key(s) ['tiers']"),
+        ({"pools": [{"name": "a", "engine": {"data_parallel_size": 2}}]}, "data_parallel_size=2"),
+    ],
+)
+def test_a_wrong_key_or_value_is_named(raw: dict, named: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ClusterError) as info:
+        cluster_from_dict(raw, source="c.yaml")
+    assert named in str(info.value) and str(info.value).startswith("c.yaml")
+
+
+def test_the_cli_runs_a_cluster_file_and_refuses_a_bad_one(tmp_path: Path) -> None:
+    good = tmp_path / "c.yaml"
+    good.write_text(
+        "router: prefix-affinity\npools:\n  - {name: prefill, role: prefill, count: 1}\n"
+        "  - {name: decode, role: decode, count: 2}\n"
+    )
+    run = [sys.executable, "-m", "deepinfer", "simulate", "--no-progress", "--max-requests", "40"]
+    out = subprocess.run([*run, "--cluster", str(good)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert (
+        "disaggregation: 40 handovers" in out.stdout and "per million output tokens" in out.stdout
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools:\n  - {name: a, count: two}\n")
+    out = subprocess.run([*run, "--cluster", str(bad)], capture_output=True, text=True)
+    assert out.returncode == 2 and "pools[0]: count 'two'" in out.stderr
+    assert load_cluster(good).disaggregated
