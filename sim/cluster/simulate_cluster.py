@@ -44,6 +44,7 @@ class ClusterResult:
     meta: dict[str, Any] = field(default_factory=dict)
     handovers: dict[str, Handover] = field(default_factory=dict)  # PD: req id -> its handover
     decode_records: list[RequestRecord] = field(default_factory=list)  # PD: the decode side
+    instances: dict[str, Instance] = field(default_factory=dict)  # name -> its engine and state
 
 
 @dataclass
@@ -147,7 +148,8 @@ def simulate_cluster(
         else {"enabled": False}
     )
     decode_records = [r for inst in hub.decode for r in inst.core.records]
-    return ClusterResult(records, steps, summary, meta, hub.handovers, decode_records)
+    instances = {inst.name: inst for inst in hub.entry + hub.decode}
+    return ClusterResult(records, steps, summary, meta, hub.handovers, decode_records, instances)
 
 
 def _instance_loop(
