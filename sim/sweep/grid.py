@@ -5,10 +5,17 @@ order the keys and values are given). Keys are the EngineConfig fields plus `mod
 `hardware`, `cost_model`, `acceptance_rate`, and `rate` (a list of fixed rates, or a
 mapping of bisection bounds; see `RateSpec`). A bad key or value is a ValueError whose
 one-line message names the key, so the CLI can print it and exit 2.
+
+A cluster sweep names a base cluster (`cluster: FILE`, sim/cluster/description.py) and
+varies its knobs by dotted path: `cluster.router`, `cluster.decode_router`,
+`cluster.pools.NAME.count` (so the prefill:decode ratio), `cluster.pools.NAME.hardware`,
+`cluster.pools.NAME.engine.FIELD` (draft length, DP size, ...), `cluster.links.LINK.FIELD`,
+`cluster.kv_transfer.FIELD`; the engine knobs at the top level are every pool's defaults.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import itertools
@@ -22,6 +29,7 @@ from deepinfer.config import EngineConfig
 
 SIM_KEYS = ("model", "hardware", "cost_model", "acceptance_rate")
 RATE_KEY = "rate"
+CLUSTER_KEY = "cluster"  # the base cluster file; "cluster.a.b" knobs vary its fields
 DEFAULTS: dict[str, Any] = {
     "model": "moonlight-16b-a3b",
     "hardware": "h200",
@@ -33,7 +41,7 @@ _OPTIONAL_INT = ("num_gpu_blocks", "max_model_len")
 
 
 def known_keys() -> list[str]:
-    return [*EngineConfig.field_names(), *SIM_KEYS, RATE_KEY]
+    return [*EngineConfig.field_names(), *SIM_KEYS, RATE_KEY, CLUSTER_KEY]
 
 
 @dataclass(frozen=True)
@@ -66,20 +74,26 @@ class SweepConfig:
     acceptance_rate: float
     engine: dict[str, Any]  # every EngineConfig field, explicit (env defaults resolved here)
     varied: tuple[str, ...] = ()  # the knobs the grid varies, for short labels
+    cluster: dict[str, Any] | None = None  # a cluster sweep: the description, knobs applied
 
     @property
     def key(self) -> str:
         """Canonical identity across runs (resume matches on it)."""
         body = {k: getattr(self, k) for k in SIM_KEYS} | {"engine": self.engine}
+        if self.cluster is not None:
+            body["cluster"] = self.cluster
         return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
     def value(self, knob: str) -> Any:
+        if knob.startswith(CLUSTER_KEY + "."):
+            assert self.cluster is not None
+            return _lookup(self.cluster, knob)
         return getattr(self, knob) if knob in SIM_KEYS else self.engine[knob]
 
     @property
     def label(self) -> str:
         knobs = self.varied or ("model", "hardware")
-        return " ".join(f"{k}={_show(self.value(k))}" for k in knobs)
+        return " ".join(f"{_short(k)}={_show(self.value(k))}" for k in knobs)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig.from_dict(self.engine, source="grid")
@@ -113,10 +127,16 @@ def load_grid_file(path: str | Path) -> dict[str, list[Any] | Any]:
     return raw
 
 
-def build_grid(raw: Mapping[str, Any], source: str = "grid") -> Grid:
-    """Validate `raw` (knob -> list or scalar) and expand it into configs."""
+def build_grid(raw: Mapping[str, Any], source: str = "grid", base_dir: Path | None = None) -> Grid:
+    """Validate `raw` (knob -> list or scalar) and expand it into configs. base_dir: where
+    a `cluster` file named by a relative path lies (the grid file's folder)."""
     known = known_keys()
+    cluster = _base_cluster(raw.get(CLUSTER_KEY), source, base_dir)
     for key in raw:
+        if str(key).startswith(CLUSTER_KEY + "."):
+            if cluster is None:
+                raise ValueError(f"{source}: key {key!r}: no base cluster (add `cluster: FILE`)")
+            continue
         if key not in known:
             near = difflib.get_close_matches(str(key), known, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
@@ -124,25 +144,40 @@ def build_grid(raw: Mapping[str, Any], source: str = "grid") -> Grid:
     rate = parse_rate(raw.get(RATE_KEY), source)
     axes: dict[str, list[Any]] = {}
     for key, value in raw.items():
-        if key == RATE_KEY:
+        if key in (RATE_KEY, CLUSTER_KEY):
             continue
         values = value if isinstance(value, list) else [value]
         if not values:
             raise ValueError(f"{source}: key {key!r}: empty list")
-        axes[key] = [check_value(key, v, source) for v in values]
+        if key.startswith(CLUSTER_KEY + "."):
+            assert cluster is not None
+            _lookup(cluster, key, source, creating=True)  # an unknown path is named now
+            axes[key] = list(values)
+        else:
+            axes[key] = [check_value(key, v, source) for v in values]
     varied = tuple(k for k, v in axes.items() if len(v) > 1)
     base = EngineConfig().to_dict()  # async_scheduling None: decided per config
     configs, invalid = [], []
     for combo in itertools.product(*axes.values()):
         chosen = dict(zip(axes, combo, strict=True))
-        engine = base | {k: v for k, v in chosen.items() if k not in SIM_KEYS}
+        engine = base | {
+            k: v for k, v in chosen.items() if k not in SIM_KEYS and not k.startswith("cluster.")
+        }
         try:
             EngineConfig.from_dict(engine, source=source)
         except ValueError as e:  # a combination of valid values that does not go together
             invalid.append((chosen, str(e)))
             continue
         sim = DEFAULTS | {k: v for k, v in chosen.items() if k in SIM_KEYS}
-        configs.append(SweepConfig(**sim, engine=engine, varied=varied))
+        described = None
+        if cluster is not None:
+            described = _with_knobs(cluster, chosen)
+            try:
+                _check_cluster(described, engine, sim, source)
+            except ValueError as e:
+                invalid.append((chosen, str(e)))
+                continue
+        configs.append(SweepConfig(**sim, engine=engine, varied=varied, cluster=described))
     if not configs and not invalid:
         raise ValueError(f"{source}: the grid has no config")
     return Grid(configs, rate, invalid, varied)
@@ -249,3 +284,89 @@ def _check_preset(key: str, value: Any, source: str) -> None:
 
 def _show(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _base_cluster(value: Any, source: str, base_dir: Path | None) -> dict[str, Any] | None:
+    """The base cluster description: a file (YAML/JSON) or an inline mapping."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return copy.deepcopy(dict(value))
+    if not isinstance(value, str):
+        raise ValueError(f"{source}: key 'cluster': expected a cluster file or a mapping")
+    import yaml
+
+    path = Path(value)
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ValueError(f"{source}: key 'cluster': cannot read {path} ({e.strerror})") from None
+    except yaml.YAMLError:
+        raise ValueError(f"{source}: key 'cluster': {path} is not YAML/JSON") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: key 'cluster': {path} is not a mapping")
+    return raw
+
+
+def _lookup(
+    cluster: dict[str, Any], knob: str, source: str = "grid", *, creating: bool = False
+) -> Any:
+    """The value at a `cluster.a.b` path (pools addressed by name). creating: only check
+    the path as far as it exists (a new key is set later, and the description's own
+    checks name it if it is wrong)."""
+    node: Any = cluster
+    parts = knob.split(".")[1:]
+    for i, part in enumerate(parts):
+        if isinstance(node, list):  # the pools, by name
+            found = [p for p in node if isinstance(p, dict) and p.get("name") == part]
+            if not found:
+                names = [p.get("name") for p in node if isinstance(p, dict)]
+                raise ValueError(f"{source}: key {knob!r}: no pool named {part!r} ({names})")
+            node = found[0]
+            continue
+        if not isinstance(node, dict):
+            raise ValueError(f"{source}: key {knob!r}: {'.'.join(parts[:i])} is not a mapping")
+        if part not in node:
+            if creating:
+                return None
+            raise ValueError(f"{source}: key {knob!r}: the cluster has no {part!r}")
+        node = node[part]
+    return node
+
+
+def _with_knobs(cluster: dict[str, Any], chosen: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the base cluster with this combination's `cluster.*` values set."""
+    out = copy.deepcopy(cluster)
+    for knob, value in chosen.items():
+        if not knob.startswith(CLUSTER_KEY + "."):
+            continue
+        node: Any = out
+        parts = knob.split(".")[1:]
+        for part in parts[:-1]:
+            if isinstance(node, list):
+                node = next(p for p in node if p.get("name") == part)
+            else:
+                node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def _check_cluster(
+    described: dict[str, Any], engine: dict[str, Any], sim: dict[str, Any], source: str
+) -> None:
+    from sim.cluster.description import cluster_from_dict
+
+    cluster_from_dict(
+        described,
+        source=f"{source}: cluster",
+        base_engine=EngineConfig.from_dict(engine, source=source),
+        hardware=sim["hardware"],
+        model=sim["model"],
+    )
+
+
+def _short(knob: str) -> str:
+    """A cluster knob as a label shows it: `cluster.pools.decode.count` -> `decode.count`."""
+    return knob.removeprefix(CLUSTER_KEY + ".").removeprefix("pools.")

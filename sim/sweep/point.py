@@ -34,6 +34,8 @@ METRICS = (
     "duration_s",
     "num_steps",
 )
+# A cluster's plan at each point (sim/cluster/cluster_report.py, plan_cost).
+COST_METRICS = ("gpus", "dollars_per_hour", "per_million_output_tokens", "per_million_input_tokens")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ def run_point(task: PointTask, ctx: SweepContext) -> dict[str, Any]:
     from sim.simulator import simulate
 
     cfg = task.config
+    if cfg.cluster is not None:
+        return _run_cluster_point(task, ctx)
     row: dict[str, Any] = {"config_key": cfg.key, "rate": task.rate}
     try:
         engine = cfg.engine_config()
@@ -93,6 +97,60 @@ def run_point(task: PointTask, ctx: SweepContext) -> dict[str, Any]:
             return row | _failed("error", detail, caught)
     summary = result.summary
     row |= {k: summary.get(k) for k in METRICS}
+    row["good_fraction"] = good_fraction(summary) if ctx.slo.goodput is not None else None
+    row["warnings"] = _warnings(caught)
+    if summary["num_rejected"]:
+        reasons = "; ".join(summary["rejected_reasons"])
+        row |= {"status": "rejected", "meets_slo": False}
+        row["reason"] = f"{summary['num_rejected']} requests rejected: {reasons}"
+        return row
+    ok, why = ctx.slo.check(summary)
+    return row | {"status": "ok", "meets_slo": ok, "reason": why}
+
+
+def _run_cluster_point(task: PointTask, ctx: SweepContext) -> dict[str, Any]:
+    """A cluster config's point: simulate_cluster, and the plan's cost at this rate."""
+    from deepinfer.errors import SchedulerStalled
+    from sim.cluster import simulate_cluster
+    from sim.cluster.description import cluster_from_dict
+
+    cfg = task.config
+    row: dict[str, Any] = {"config_key": cfg.key, "rate": task.rate}
+    try:
+        spec = cluster_from_dict(
+            cfg.cluster,
+            source="cluster",
+            base_engine=cfg.engine_config(),
+            hardware=cfg.hardware,
+            model=cfg.model,
+        )
+    except Exception as e:
+        return row | {"status": "invalid", "meets_slo": False, "reason": _one_line(e)}
+    trace = poisson(ctx.trace, task.rate, seed=ctx.seed)
+    slo = ctx.slo.per_request if ctx.slo.goodput is not None else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = simulate_cluster(
+                trace, spec, cfg.cost_model, slo=slo, acceptance_rate=cfg.acceptance_rate
+            )
+        except SchedulerStalled as e:
+            return row | _failed("stalled", e, caught)
+        except Exception as e:  # a bug must become a row, not end the sweep
+            detail = traceback.format_exception_only(type(e), e)[-1]
+            return row | _failed("error", detail, caught)
+    summary = result.summary
+    pools = result.meta["pools"]
+    row |= {"cost_model": pools[0].get("cost_model"), "calibrated": False}
+    row["calibrated"] = all(p.get("profile") for p in pools)
+    row |= {k: summary.get(k) for k in METRICS if k != "num_steps"}
+    row["num_steps"] = result.meta["num_steps"]
+    cost = result.meta["cost"]
+    row["gpus"] = cost["gpus"]
+    hours = cost["gpu_hours"] / cost["gpus"] if cost["gpus"] else 0.0
+    row["dollars_per_hour"] = cost["dollars"] / hours if hours else None
+    row["per_million_output_tokens"] = cost["per_million_output_tokens"]
+    row["per_million_input_tokens"] = cost["per_million_input_tokens"]
     row["good_fraction"] = good_fraction(summary) if ctx.slo.goodput is not None else None
     row["warnings"] = _warnings(caught)
     if summary["num_rejected"]:

@@ -26,7 +26,8 @@ def print_table(configs: list[dict[str, Any]], title: str, console: Any = None) 
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    for name, justify in (
+    plans = any(r.get("gpus") is not None for r in configs)
+    columns = [
         ("#", "right"),
         ("config", "left"),
         ("max req/s", "right"),
@@ -34,14 +35,15 @@ def print_table(configs: list[dict[str, Any]], title: str, console: Any = None) 
         ("TTFT p50/p99 ms", "right"),
         ("TPOT p50/p99 ms", "right"),
         ("KV max", "right"),
-        ("cost model", "left"),
-        ("points", "right"),
-        ("note", "left"),
-    ):
+    ]
+    if plans:
+        columns += [("GPUs", "right"), ("$/Mtok out", "right")]
+    columns += [("cost model", "left"), ("points", "right"), ("note", "left")]
+    for name, justify in columns:
         # The config names the knobs: folding it mid-name makes it unreadable.
         table.add_column(name, justify=justify, no_wrap=name == "config")  # type: ignore[arg-type]
     for r in configs:
-        table.add_row(
+        cells = [
             str(r["rank"]),
             r["config"] or "-",
             _num(r["max_rate"], "{:.3g}") if r["max_rate"] is not None else "none",
@@ -49,10 +51,14 @@ def print_table(configs: list[dict[str, Any]], title: str, console: Any = None) 
             f"{_num(r.get('ttft_ms_p50'))} / {_num(r.get('ttft_ms_p99'))}",
             f"{_num(r.get('tpot_ms_p50'))} / {_num(r.get('tpot_ms_p99'))}",
             _num(r.get("kv_usage_max"), "{:.0%}"),
-            cost_model_text(r),
-            str(r.get("points", 0)),
-            _note(r),
-        )
+        ]
+        if plans:
+            cells += [
+                _num(r.get("gpus"), "{:d}"),
+                _num(r.get("per_million_output_tokens"), "{:.3f}"),
+            ]
+        cells += [cost_model_text(r), str(r.get("points", 0)), _note(r)]
+        table.add_row(*cells)
     (console or Console(width=160)).print(table)
 
 
@@ -107,6 +113,66 @@ def plot_sweep(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_pareto(path: Path, configs: list[dict[str, Any]]) -> None:
+    """Cluster plans at their max rate meeting the SLO: cost per million output tokens
+    against that rate, and output throughput per GPU against TPOT p99; the plans no other
+    plan beats on both axes (the Pareto front) joined by a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plans = [
+        c
+        for c in configs
+        if c.get("max_rate") is not None and c.get("per_million_output_tokens") is not None
+    ]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    panels = (
+        ("max_rate", "per_million_output_tokens", "max request rate meeting the SLO (req/s)",
+         "US$ per million output tokens", (False, True)),
+        ("tpot_ms_p99", "per_gpu", "TPOT p99 at that rate (ms)",
+         "output tokens/s per GPU", (True, False)),
+    )  # fmt: skip
+    for ax, (xk, yk, xlabel, ylabel, (x_low, y_low)) in zip(axes, panels, strict=True):
+        pts = []
+        for c in plans:
+            y = (
+                c["output_throughput"] / c["gpus"]
+                if yk == "per_gpu" and c.get("output_throughput") and c.get("gpus")
+                else c.get(yk)
+            )
+            if c.get(xk) is not None and y is not None:
+                pts.append((c[xk], y, c))
+        for x, y, c in pts:
+            ax.plot([x], [y], "o", color="tab:blue")
+            ax.annotate(
+                f"#{c['rank']}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points"
+            )
+        front = _pareto([(x, y) for x, y, _ in pts], x_low, y_low)
+        if front:
+            ax.plot(*zip(*front, strict=True), "-", color="tab:orange", label="Pareto front")
+            ax.legend(fontsize=8)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("cluster plans at their max rate meeting the SLO (#: rank in configs.csv)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pareto(pts: list[tuple[float, float]], x_low: bool, y_low: bool) -> list[tuple[float, float]]:
+    """The points no other point beats on both axes (lower or higher as each says)."""
+
+    def beats(a: tuple[float, float], b: tuple[float, float]) -> bool:
+        bx = a[0] <= b[0] if x_low else a[0] >= b[0]
+        by = a[1] <= b[1] if y_low else a[1] >= b[1]
+        return bx and by and a != b
+
+    return sorted(p for p in pts if not any(beats(q, p) for q in pts))
 
 
 def _note(row: dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from sim.sweep.backends import Backend
 from sim.sweep.grid import DEFAULTS, Grid, SweepConfig
-from sim.sweep.point import METRICS, PointTask, SweepContext
+from sim.sweep.point import COST_METRICS, METRICS, PointTask, SweepContext
 from sim.sweep.results import ResultStore
 from sim.sweep.search import RateSearch
 
@@ -97,15 +97,19 @@ def run_sweep(
 
 def rank(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Best first: the highest max rate; ties by throughput there, then by grid order
-    (a stable sort). Configs with no rate meeting the SLO come last, in grid order."""
-    ranked = sorted(
-        configs,
-        key=lambda r: (
+    (a stable sort). Cluster plans: the lowest cost per million output tokens at their
+    max rate first. Configs with no rate meeting the SLO come last, in grid order."""
+
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        cost = r.get("per_million_output_tokens")
+        return (
             r["max_rate"] is None,
+            cost if cost is not None else 0.0,
             -(r["max_rate"] or 0.0),
             -(r.get("request_throughput") or 0.0),
-        ),
-    )
+        )
+
+    ranked = sorted(configs, key=key)
     for i, row in enumerate(ranked, 1):
         row["rank"] = i
     return [{"rank": r.pop("rank"), **r} for r in ranked]
@@ -120,6 +124,8 @@ def _point_row(cfg: SweepConfig, row: dict[str, Any]) -> dict[str, Any]:
     head = _knobs(cfg) | {"rate": row["rate"], "status": row["status"]}
     head |= {"meets_slo": row["meets_slo"], "reason": row.get("reason", "")}
     tail = {k: row.get(k) for k in (*METRICS, "good_fraction")}
+    if cfg.cluster is not None:
+        tail |= {k: row.get(k) for k in COST_METRICS}
     tail |= {k: row.get(k) for k in ("cost_model", "calibrated", "warnings")}
     return head | tail | {"config_key": cfg.key}
 
@@ -138,6 +144,8 @@ def _config_row(cfg: SweepConfig, search: RateSearch) -> dict[str, Any]:
         note = f"at {low.get('rate', 0):g} req/s: {low.get('reason', '')}"
     row = _knobs(cfg) | {"max_rate": search.max_rate, "status": status, "note": note}
     row |= {k: (best or {}).get(k) for k in _AT_MAX}
+    if cfg.cluster is not None:
+        row |= {k: (best or {}).get(k) for k in COST_METRICS}
     row |= {
         "cost_model": any_row.get("cost_model"),
         "calibrated": any_row.get("calibrated"),
@@ -145,6 +153,8 @@ def _config_row(cfg: SweepConfig, search: RateSearch) -> dict[str, Any]:
         "config_key": cfg.key,
         "engine": cfg.engine,
     }
+    if cfg.cluster is not None:
+        row["cluster"] = cfg.cluster
     return row
 
 

@@ -291,3 +291,48 @@ def test_a_bad_grid_file_is_one_line_and_exit_2(tmp_path: Path, capsys):
     assert main(["sweep", "--grid", str(bad), "--slo", "ttft_p99:1", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "'watermark'" in err and str(bad) in err and err.count("\n") == 1
+
+
+CLUSTER = {
+    "pools": [
+        {"name": "prefill", "role": "prefill", "count": 1},
+        {"name": "decode", "role": "decode", "count": 1},
+    ]
+}
+
+
+def test_a_cluster_sweep_ranks_plans_by_cost_per_million_tokens(tmp_path: Path, capsys):
+    grid = {
+        "cluster": CLUSTER,
+        "cluster.pools.decode.count": [1, 3],
+        "cluster.decode_router": ["least-kv", "round-robin"],
+        "cost_model": "analytic",
+        "rate": [1, 4],
+    }
+    assert sweep(tmp_path, "c", "--workers", "1", grid=grid) == 0
+    rows = json.loads((tmp_path / "c" / "sweep.json").read_text())["configs"]
+    assert len(rows) == 4 and all(r["status"] == "ok" and r["max_rate"] == 4.0 for r in rows)
+    costs = [r["per_million_output_tokens"] for r in rows]
+    assert costs == sorted(costs)  # best (cheapest) first at the same max rate
+    assert [r["gpus"] for r in rows] == [2, 2, 4, 4]
+    assert (tmp_path / "c" / "pareto.png").exists()
+    assert "decode.count=1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        ({"cluster.router": ["round-robin"]}, "no base cluster"),
+        ({"cluster": CLUSTER, "cluster.pools.middle.count": [1]}, "no pool named 'middle'"),
+        ({"cluster": "missing.yaml"}, "cannot read"),
+    ],
+)
+def test_a_bad_cluster_grid_names_the_key(raw: dict, needle: str):
+    with pytest.raises(ValueError, match=needle):
+        build_grid(raw, "g.yaml")
+
+
+def test_a_cluster_knob_with_a_wrong_value_is_an_invalid_row():
+    grid = build_grid({"cluster": CLUSTER, "cluster.pools.decode.count": [1, 0]}, "g.yaml")
+    assert len(grid.configs) == 1
+    assert "count 0" in grid.invalid[0][1]

@@ -97,7 +97,8 @@ def grid_from_args(args: argparse.Namespace) -> Any:
                 "--rates (fixed rates) and rate bounds (--rate-min ...) exclude each other"
             )
         raw["rate"] = dict(raw.get("rate") or {}) | given
-    return build_grid(raw, str(args.grid) if args.grid else "grid")
+    base_dir = args.grid.parent if args.grid else None
+    return build_grid(raw, str(args.grid) if args.grid else "grid", base_dir)
 
 
 def run_sweep_command(args: argparse.Namespace) -> int:
@@ -112,7 +113,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         sweep_header,
         write_outputs,
     )
-    from sim.sweep.report import plot_sweep, print_table
+    from sim.sweep.report import plot_pareto, plot_sweep, print_table
     from sim.traces import load_trace
 
     slo = parse_sweep_slo(args.slo)
@@ -143,11 +144,19 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             backend.close()
     wall = time.perf_counter() - t0
     paths = write_outputs(args.out, header, outcome.configs, outcome.points)
-    title = f"{trace.name} ({len(trace)} requests), SLO {slo.text}: configs by max request rate"
+    order = (
+        "cost per million output tokens"
+        if grid.configs and grid.configs[0].cluster
+        else "max request rate"
+    )
+    title = f"{trace.name} ({len(trace)} requests), SLO {slo.text}: configs by {order}"
     print_table(outcome.configs, title)
     if not args.no_plot:
         paths["plot"] = args.out / "sweep.png"
         plot_sweep(paths["plot"], outcome.configs, outcome.points, slo)
+        if any(c.get("gpus") is not None for c in outcome.configs):
+            paths["pareto"] = args.out / "pareto.png"
+            plot_pareto(paths["pareto"], outcome.configs)
     print(
         f"{len(outcome.configs)} configs, {outcome.num_simulated} points simulated "
         f"({outcome.num_resumed} from {store.path.name}) in {wall:.1f} s on "
