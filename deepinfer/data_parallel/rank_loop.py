@@ -28,6 +28,7 @@ def run_command(
 ) -> StepReply:
     """One command: adds, finishes, one engine step (when there is work), the reply."""
     changed: list[Request] = []
+    engine.scheduler.kv.pool.track_cache_changes()  # (from the first command on)
     for req in cmd.adds:
         if engine.add_request(req) is not None:
             changed.append(req)  # rejected at once: the front-end learns it now
@@ -59,7 +60,6 @@ def serve(
 ) -> None:
     """Answer commands until Stop."""
     tracker = DeltaTracker()
-    engine.scheduler.kv.pool.track_cache_changes()  # the front-end's prefix-affinity view
     while True:
         cmd = conn.recv()
         if isinstance(cmd, Stop):

@@ -44,10 +44,12 @@ class LoopbackRank:
         return pickle.loads(pickle.dumps(self.reply))
 
 
-def _front_end(n: int, **config: Any) -> tuple[DataParallelEngine, list[LoopbackRank]]:
+def _front_end(
+    n: int, router: str = "least-load", **config: Any
+) -> tuple[DataParallelEngine, list[LoopbackRank]]:
     ranks = [LoopbackRank(r, make_engine(**config)) for r in range(n)]
     infos = [rank_info(r, rank.engine) for r, rank in enumerate(ranks)]
-    return DataParallelEngine(ranks, infos), ranks
+    return DataParallelEngine(ranks, infos, router=router), ranks
 
 
 def test_outputs_equal_one_engine_and_every_rank_keeps_its_invariants() -> None:
@@ -176,3 +178,22 @@ def test_expert_parallel_layouts_it_cannot_serve_are_refused_by_name(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig(enable_expert_parallel=True, **fields)  # type: ignore[arg-type]
+
+
+def test_prefix_affinity_follows_the_prefix_the_ranks_really_cache() -> None:
+    """The ranks report the blocks they cache; a prompt sharing a prefix goes to the rank
+    that holds it, even when least-load would send it elsewhere."""
+    dp, ranks = _front_end(2, router="prefix-affinity", block_size=4, num_gpu_blocks=32)
+    shared = list(range(50, 62))  # three full blocks
+    dp.add_request(make_request("a", [*shared, 1], max_tokens=1))
+    dp.add_request(make_request("b", [9, 8, 7, 6, 5], max_tokens=30))
+    while "a" in dp.requests:
+        dp.step()
+    assert dp.rank_of == {"b": 1}
+    assert ranks[0].engine.scheduler.kv.usage == 0.0  # rank 0 idle, its prefix cached
+    dp.add_request(make_request("c", [*shared, 2], max_tokens=1))
+    assert dp.rank_of["c"] == 0 and dp.views[0].cached_prefix_blocks(dp.requests["c"]) == 3
+    dp.add_request(make_request("d", [40, 41, 42, 43, 44], max_tokens=1))
+    assert dp.rank_of["d"] == 0  # no prefix anywhere: least outstanding, tied: lowest index
+    with pytest.raises(ValueError, match="router 'nearest'"):
+        _front_end(2, router="nearest")
