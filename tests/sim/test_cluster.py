@@ -169,3 +169,15 @@ def test_the_cli_runs_a_cluster_file_and_refuses_a_bad_one(tmp_path: Path) -> No
     out = subprocess.run([*run, "--cluster", str(bad)], capture_output=True, text=True)
     assert out.returncode == 2 and "pools[0]: count 'two'" in out.stderr
     assert load_cluster(good).disaggregated
+
+
+def test_the_cluster_plans_benchmark_prints_a_row_per_plan(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks.cluster_plans import main
+
+    trace = str(ROOT / "traces" / "azure_code_small.json")
+    assert main(["--trace", trace, "--max-requests", "30", "--instances", "4"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 5 + 2  # header, five routers, PD 2:2 and 1:3
+    assert rows[-1].startswith("| PD 1:3 | least-requests / least-requests |")

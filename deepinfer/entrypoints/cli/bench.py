@@ -34,6 +34,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "per step and per request (--real DIR: simulate again, no GPU)",
     ),
     "sim-speed": ("sim_speed", "the simulator's wall time on whole public traces"),
+    "cluster-plans": (
+        "cluster_plans",
+        "colocated replicas under each router and prefill/decode ratios on one trace",
+    ),
     "sweep-speed": ("sweep_speed", "`deepinfer sweep` wall time against the worker count"),
     "kernels": (
         "kernels_bench",
