@@ -234,13 +234,6 @@ class Timeline:
             self.device_free = (self.device_free if self.device_free > ready else ready) + priced
         self.ready_at[step_id] = max(self.device_free, self.host_free)
 
-    def save(self) -> tuple[float, float, float, dict[int, float]]:
-        return (self.clock.now, self.host_free, self.device_free, dict(self.ready_at))
-
-    def restore(self, saved: tuple[float, float, float, dict[int, float]]) -> None:
-        """Back to a `save`d state: a step timed but not taken."""
-        self.clock.now, self.host_free, self.device_free, self.ready_at = saved
-
     def awaited(self, step_id: int) -> None:
         """The loop waits for a step's results (and for the host to be free)."""
         clock = self.clock
@@ -277,13 +270,17 @@ class FastForwardStats:
 def _time_run(
     timeline: Timeline, run: DecodeRun, costs: RunCosts, arrivals: Arrivals
 ) -> tuple[list[float], list[float]]:
-    """Time a decode run's steps as `serve_engine` times single steps (the same
-    `Timeline` calls: a decode step has no grammar masks), until the run's horizon, the
-    first step whose turn comes after the soonest arrival (the loop admits arrivals between
-    steps, which ends the run), or the first step whose results would be applied after
-    the arrivals' `horizon` (that step is not taken: the loop runs it on its own). Returns
-    the clock at each step's launch and at the results applied in its turn (the step
-    before it under async scheduling); empty where no step was taken."""
+    """Time a decode run's steps as `serve_engine` times single steps, until the run's
+    horizon, the first step whose turn comes after the soonest arrival (the loop admits
+    arrivals between steps, which ends the run), or the first step whose results would be
+    applied after the arrivals' `horizon` (that step is not taken: the loop runs it on
+    its own). Returns the clock at each step's launch and at the results applied in its
+    turn (the step before it under async scheduling); empty where no step was taken.
+
+    The body is `Timeline.scheduled`, `launched` (no grammar masks: a decode step has
+    none) and `awaited`, inlined with the same float operations in the same order (a
+    run's times must equal single steps' to the bit), on local copies of the timeline's
+    state, written back at the end."""
     clock = timeline.clock
     launched: list[float] = []
     applied: list[float] = []
@@ -291,20 +288,44 @@ def _time_run(
     step_id = run.first_step_id
     arrival = arrivals.soonest()
     horizon = arrivals.horizon()
+    on_host = timeline.on_host
+    now, hf, df = clock.now, timeline.host_free, timeline.device_free
+    # Under async scheduling each step's turn awaits the step before it: its ready time.
+    previous = timeline.ready_at.pop(step_id - 1) if awaits_previous else 0.0
     for cpu, priced, idle in costs:
-        if launched and arrival <= clock.now:
+        if launched and arrival <= now:
             break
-        before = timeline.save() if horizon < math.inf else None
-        timeline.scheduled(cpu)
-        launch = clock.now
-        timeline.launched(step_id, 0.0, priced, idle)
-        timeline.awaited(step_id - 1 if awaits_previous else step_id)
-        if before is not None and clock.now > horizon:
-            timeline.restore(before)
+        before = (now, hf, df, previous)
+        # scheduled(cpu)
+        h = (hf if hf > now else now) + cpu
+        hf = h
+        if h > now:
+            now += h - now
+        launch = now
+        # launched(step_id, 0.0, priced, idle)
+        start = hf if hf > now else now
+        if on_host:
+            hf = df = start + 0.0 + priced
+        else:
+            hf = start + 0.0
+            ready = start + idle
+            df = (df if df > ready else ready) + priced
+        ready = max(df, hf)
+        # awaited(the step before under async scheduling, else this one)
+        done = previous if awaits_previous else ready
+        wait = (done if done > hf else hf) - now
+        if wait > 0:
+            now += wait
+        if now > horizon:
+            now, hf, df, previous = before
             break
+        previous = ready
         launched.append(launch)
-        applied.append(clock.now)
+        applied.append(now)
         step_id += 1
+    clock.now, timeline.host_free, timeline.device_free = now, hf, df
+    if awaits_previous:
+        timeline.ready_at[step_id - 1] = previous  # the last step taken: still in flight
     return launched, applied
 
 
