@@ -181,14 +181,14 @@ def build_model(
     ep: ExpertParallel | None = None,
 ) -> DeepseekForCausalLM:
     """Uninitialised parameters allocated once, on `device`, in `dtype` (routers in fp32).
-    With `ep` each MoE layer holds only this rank's experts (and MTP layers are left out:
-    their drafts would run the MoE a different number of times on each rank)."""
+    With `ep` each MoE layer, the MTP layers' too, holds only this rank's experts (the
+    drafter's passes then run in lock-step: executors/distributed/expert_parallel.py)."""
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg)
+        if with_mtp:
+            model.mtp = DeepseekMTP(cfg)
         if ep is not None:
             shard_experts(model, ep)
-        elif with_mtp:
-            model.mtp = DeepseekMTP(cfg)
     model.to(dtype)
     for name, module in model.named_modules():
         if name.endswith("mlp.gate"):
@@ -224,7 +224,7 @@ def load_model(
     )
     with_mtp = bool(mtp_prefixes) and any(n.startswith(mtp_prefixes) for n in files)
     model = build_model(cfg, dtype, device, with_mtp, ep)
-    _WeightFiller(model, cfg, with_mtp and ep is None, ep).fill(files, device)
+    _WeightFiller(model, cfg, with_mtp, ep).fill(files, device)
     return model
 
 
