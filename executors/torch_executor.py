@@ -309,10 +309,9 @@ def _check_fits(cfg: Any, dtype: torch.dtype, device: torch.device, engine: Engi
     total = torch.cuda.get_device_properties(device).total_memory
     budget = total * engine.gpu_memory_utilization
     params = cfg.total_params + cfg.mtp_params
-    if engine.enable_expert_parallel:  # this rank holds 1/N of the routed experts
-        routed = cfg.num_moe_layers * cfg.n_routed_experts * cfg.expert_params
-        if cfg.num_nextn_predict_layers and cfg.n_routed_experts:  # (MTP layers are MoE)
-            routed += cfg.num_nextn_predict_layers * cfg.n_routed_experts * cfg.expert_params
+    if engine.enable_expert_parallel:  # 1/N of the routed experts, the MTP layers' too
+        layers = cfg.num_moe_layers + cfg.num_nextn_predict_layers
+        routed = layers * cfg.n_routed_experts * cfg.expert_params
         params -= routed - routed // engine.data_parallel_size
     weights = params * dtype.itemsize
     kv = 0
