@@ -27,7 +27,7 @@ from deepinfer import envs
 from deepinfer.model_config import PRESETS_DIR, ModelConfig, known_models
 from executors.distributed.expert_parallel import ExpertParallel
 from executors.models.deepseek import DeepseekForCausalLM, fuse_projections
-from executors.models.moe import shard_experts
+from executors.models.moe import MoE, shard_experts
 from executors.models.mtp import DeepseekMTP
 
 DTYPES = {
@@ -188,7 +188,11 @@ def build_model(
         if with_mtp:
             model.mtp = DeepseekMTP(cfg)
         if ep is not None:
-            shard_experts(model, ep)
+            ep.layers = shard_experts(model.model, ep)
+            if model.mtp is not None:
+                shard_experts(model.mtp, ep)
+                mlp = model.mtp.drafting_mlp()
+                ep.draft_layer = mlp if isinstance(mlp, MoE) else None
     model.to(dtype)
     for name, module in model.named_modules():
         if name.endswith("mlp.gate"):

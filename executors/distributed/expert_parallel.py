@@ -86,7 +86,7 @@ class ExpertParallel:
     # its MTP passes and pads them (needs draft_layer).
     speculative: bool = False
     # The model's MoE layers in order, and the MoE of the MTP layer the drafter chains
-    # (executors.models.moe.shard_experts fills both).
+    # (executors.loader.build_model fills both, from executors.models.moe.shard_experts).
     layers: list[LockstepLayer] = field(default_factory=list)
     draft_layer: LockstepLayer | None = None
     calls: int = 0  # MoE layer forwards run so far (the model's and the MTP layer's)

@@ -7,8 +7,6 @@ Parameter names equal the checkpoint's (transformers' fused-expert layout), so
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
@@ -19,9 +17,6 @@ from executors.models.mla import MLAttention
 from executors.models.moe import MoE
 from executors.models.rope import RotaryEmbedding
 from kernels import ops as kernel_ops
-
-if TYPE_CHECKING:
-    from executors.models.mtp import DeepseekMTP
 
 
 class DecoderLayer(nn.Module):
@@ -92,7 +87,7 @@ class DeepseekForCausalLM(nn.Module):
         self.model = DeepseekModel(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)
-        self.mtp: DeepseekMTP | None = None  # set by the loader when MTP weights exist
+        self.mtp: nn.Module | None = None  # set by the loader when MTP weights exist
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
