@@ -131,17 +131,12 @@ class EngineConfig:
             )
 
     def _check_expert_parallel(self) -> None:
-        """Expert parallelism runs one forward per rank per step, in lock-step."""
+        """Expert parallelism runs one forward per rank per step, then as many MTP passes
+        as the rank that drafts furthest, in lock-step (docs/design.md, data parallelism)."""
         if self.data_parallel_size == 1:
             raise ValueError(
                 "enable_expert_parallel=True needs data_parallel_size > 1: experts are "
                 "sharded over the data-parallel ranks (tensor parallelism is not built)"
-            )
-        if self.num_speculative_tokens:
-            raise ValueError(
-                f"num_speculative_tokens={self.num_speculative_tokens} with "
-                "enable_expert_parallel: MTP drafts would run the MoE layers a different "
-                "number of times on each rank, breaking their lock-step; set it to 0"
             )
         if self.async_scheduling:
             raise ValueError(

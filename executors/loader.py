@@ -27,7 +27,7 @@ from deepinfer import envs
 from deepinfer.model_config import PRESETS_DIR, ModelConfig, known_models
 from executors.distributed.expert_parallel import ExpertParallel
 from executors.models.deepseek import DeepseekForCausalLM, fuse_projections
-from executors.models.moe import shard_experts
+from executors.models.moe import MoE, shard_experts
 from executors.models.mtp import DeepseekMTP
 
 DTYPES = {
@@ -181,14 +181,18 @@ def build_model(
     ep: ExpertParallel | None = None,
 ) -> DeepseekForCausalLM:
     """Uninitialised parameters allocated once, on `device`, in `dtype` (routers in fp32).
-    With `ep` each MoE layer holds only this rank's experts (and MTP layers are left out:
-    their drafts would run the MoE a different number of times on each rank)."""
+    With `ep` each MoE layer, the MTP layers' too, holds only this rank's experts (the
+    drafter's passes then run in lock-step: executors/distributed/expert_parallel.py)."""
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg)
-        if ep is not None:
-            shard_experts(model, ep)
-        elif with_mtp:
+        if with_mtp:
             model.mtp = DeepseekMTP(cfg)
+        if ep is not None:
+            ep.layers = shard_experts(model.model, ep)
+            if model.mtp is not None:
+                shard_experts(model.mtp, ep)
+                mlp = model.mtp.drafting_mlp()
+                ep.draft_layer = mlp if isinstance(mlp, MoE) else None
     model.to(dtype)
     for name, module in model.named_modules():
         if name.endswith("mlp.gate"):
@@ -224,7 +228,7 @@ def load_model(
     )
     with_mtp = bool(mtp_prefixes) and any(n.startswith(mtp_prefixes) for n in files)
     model = build_model(cfg, dtype, device, with_mtp, ep)
-    _WeightFiller(model, cfg, with_mtp and ep is None, ep).fill(files, device)
+    _WeightFiller(model, cfg, with_mtp, ep).fill(files, device)
     return model
 
 

@@ -24,6 +24,11 @@ next chunk's pass 1 starts one position earlier.
 
 Drafts are the MTP layer's argmax (verification treats them as deterministic, so
 sampling stays lossless); a draft's confidence is its softmax probability.
+
+With expert parallelism the MTP layer's experts are sharded like the model's, so each
+pass is one more MoE exchange: before pass 1 the drafter offers its pass count
+(`mtp_passes`) and the rank pads to the largest over the ranks
+(executors/distributed/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -38,7 +43,24 @@ from executors.cuda_graphs import default_capture_sizes
 from executors.draft_graphs import DraftGraphs
 from executors.host_copy import to_device
 from executors.models.deepseek import DeepseekForCausalLM
+from executors.models.moe import MoE
 from executors.spec_chain import Shift, StepBuffers, rows_by_sequence
+
+
+def mtp_passes(
+    k: int, has_rows: bool, last_positions: Sequence[int], table_slots: Sequence[int]
+) -> int:
+    """The MTP layer forwards of one drafting step: none without rows; pass 1 alone when
+    no request drafts (or k is 0); else pass 1 plus the chained passes of the request
+    that chains furthest. A request whose newest row is at position p, with
+    `table_slots` slots in its block table, chains while the next position has a slot:
+    min(k - 1, slots - 1 - p) passes."""
+    if not has_rows:
+        return 0
+    if k <= 0 or not last_positions:
+        return 1
+    chained = max(min(k - 1, slots - 1 - p) for p, slots in zip(last_positions, table_slots))
+    return 1 + max(0, chained)
 
 
 @dataclass
@@ -105,6 +127,9 @@ class MTPDrafter:
         self.decode_max_query_len = decode_max_query_len
         self.batch_invariant = batch_invariant
         self.device = next(model.parameters()).device
+        # Expert parallelism: the lock-step the MTP layer's MoE exchanges in (None: none).
+        mlp = self.mtp.drafting_mlp()
+        self.lockstep = mlp.ep if isinstance(mlp, MoE) else None
         # req_id -> (position, the target's hidden state there [hidden]) of a prompt
         # chunk's last position, whose next token comes with the next chunk.
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}
@@ -175,6 +200,9 @@ class MTPDrafter:
         k = self.k if num_drafts is None else min(num_drafts, self.k)
         out = Drafts({}, {})
         inputs = [x for x in inputs if x.next_ids]
+        self._agree_passes(k, bool(inputs), [
+            (x.first_pos + len(x.next_ids) - 1, x.block_table) for x in inputs if x.wants_drafts
+        ])  # fmt: skip
         if not inputs:
             return out
         # Pass 1, decode-first (short queries take the absorbed MLA path).
@@ -246,6 +274,9 @@ class MTPDrafter:
         positions `behind + rejected` before where the host would put them. The result's
         rows follow `inputs` (zeros, count 0, for inputs that do not draft)."""
         k = self.k if num_drafts is None else min(num_drafts, self.k)
+        self._agree_passes(k, bool(inputs), [
+            (x.first_pos + x.newest, x.block_table) for x in inputs if x.newest is not None
+        ])  # fmt: skip
         b = len(inputs)
         ids_out = torch.zeros(b, max(k, 1), dtype=torch.int64, device=self.device)
         conf_out = torch.zeros(b, max(k, 1), dtype=torch.float32, device=self.device)
@@ -305,6 +336,16 @@ class MTPDrafter:
                 len(reqs), amount,
             )  # fmt: skip
         return DeviceDrafts(ids_out[:, :k], conf_out[:, :k], counts)
+
+    def _agree_passes(self, k: int, has_rows: bool, drafting: list[tuple[int, list[int]]]) -> None:
+        """Expert parallelism: before pass 1, offer the passes this step runs (`mtp_passes`
+        of each drafting request's newest position and block table) to the other ranks,
+        which all run the largest offer (the rank pads the rest at the round's end)."""
+        if self.lockstep is not None:
+            self.lockstep.agree_draft_passes(mtp_passes(
+                k, has_rows, [p for p, _ in drafting],
+                [len(table) * self.block_size for _, table in drafting],
+            ))  # fmt: skip
 
     def _absorbed(self, x: DraftInput | DeviceDraftInput) -> bool:
         """Pass 1's rows of `x` take the absorbed path: short ones, or in batch-invariant

@@ -177,7 +177,10 @@ class TorchExecutor(Executor):
                 f"enable_expert_parallel: {self.config.name} has no routed experts to shard"
             )
         assert dp_rank is not None  # (data_parallel_size > 1, checked above)
-        return ExpertParallel(dp_rank, cfg.data_parallel_size, self.config.n_routed_experts)
+        return ExpertParallel(
+            dp_rank, cfg.data_parallel_size, self.config.n_routed_experts, device=self.device,
+            speculative=cfg.num_speculative_tokens > 0,
+        )  # fmt: skip
 
     def prepare_grammar(self, so_args: dict[str, Any]) -> Future[Any]:
         """Start compiling `so_args`'s grammar in a worker (cached by schema); ValueError
@@ -306,9 +309,10 @@ def _check_fits(cfg: Any, dtype: torch.dtype, device: torch.device, engine: Engi
     total = torch.cuda.get_device_properties(device).total_memory
     budget = total * engine.gpu_memory_utilization
     params = cfg.total_params + cfg.mtp_params
-    if engine.enable_expert_parallel:  # this rank holds 1/N of the routed experts, no MTP
-        routed = cfg.num_moe_layers * cfg.n_routed_experts * cfg.expert_params
-        params = cfg.total_params - routed + routed // engine.data_parallel_size
+    if engine.enable_expert_parallel:  # 1/N of the routed experts, the MTP layers' too
+        layers = cfg.num_moe_layers + cfg.num_nextn_predict_layers
+        routed = layers * cfg.n_routed_experts * cfg.expert_params
+        params -= routed - routed // engine.data_parallel_size
     weights = params * dtype.itemsize
     kv = 0
     if engine.num_gpu_blocks is not None:

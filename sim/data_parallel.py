@@ -6,7 +6,9 @@ engine's `data_parallel_router`, fed each rank's report after every round, as th
 front-end is). A round is one engine step on every rank with work; it lasts
 as long as the slowest rank plus the all-to-all of the MoE layers
 (sim/expert_parallel_cost.py), which is also how the real ranks step (deepinfer/
-data_parallel/front_end.py).
+data_parallel/front_end.py). With speculation every rank runs as many MTP passes as
+the rank that drafts furthest; a rank's own passes are in its step's price, the
+padding and each pass's all-to-all in the round's.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from deepinfer.request import Request
 from deepinfer.routing import make_router
 from deepinfer.routing.instance_report import report_of, take_report, view_of
 from sim.cost_model import CostModel
-from sim.expert_parallel_cost import ExpertParallelCost
+from sim.expert_parallel_cost import ExpertParallelCost, draft_pass_rows
 
 
 @dataclass
@@ -37,6 +39,8 @@ class DataParallelStats:
     requests_per_rank: list[int] = field(default_factory=list)
     steps_per_rank: list[int] = field(default_factory=list)
     max_over_mean_pairs: list[float] = field(default_factory=list)  # expert load, per round
+    draft_passes: int = 0  # MTP passes of the rounds (each run on every rank, in lock-step)
+    padded_draft_passes: int = 0  # of those, summed over the ranks: passes a rank padded
 
     def to_meta(self) -> dict[str, Any]:
         imb = self.max_over_mean_pairs
@@ -47,6 +51,8 @@ class DataParallelStats:
             "all_to_all_seconds": self.all_to_all_seconds,
             "straggler_seconds": self.straggler_seconds,
             "expert_load_max_over_mean": sum(imb) / len(imb) if imb else None,
+            "dp_draft_passes": self.draft_passes,
+            "dp_padded_draft_passes": self.padded_draft_passes,
         }
 
 
@@ -85,6 +91,7 @@ def serve_data_parallel(
         started = [len(c.steps) for c in cores]
         waiting: list[Generator[StepEvent, None, list[Request]]] = []
         tokens, seconds = [0] * len(cores), [0.0] * len(cores)
+        draft_rows: list[list[int]] = [[] for _ in cores]  # rows of each rank's MTP passes
         for r, core in enumerate(cores):
             if not core.has_unfinished():
                 continue
@@ -95,17 +102,21 @@ def serve_data_parallel(
                 elif kind is StepEventKind.LAUNCHED:
                     seconds[r] += cost.step_time(out)
                     tokens[r] += out.num_batched_tokens
+                    draft_rows[r] = draft_pass_rows(out, core.config.num_speculative_tokens)
                 else:
                     waiting.append(events)
                     stats.steps_per_rank[r] += 1
                     break
-        rc = rounds.round(tokens, seconds)
+        rc = rounds.round(tokens, seconds, draft_rows)
         if rc.pairs_received and sum(rc.pairs_received):
             mean = sum(rc.pairs_received) / len(rc.pairs_received)
             stats.max_over_mean_pairs.append(max(rc.pairs_received) / mean)
         busy = [s for s, t in zip(rc.rank_seconds, tokens) if t] or [0.0]
         stats.straggler_seconds += max(busy) - sum(busy) / len(busy)
         stats.all_to_all_seconds += rc.all_to_all_seconds
+        stats.draft_passes += rc.draft_passes
+        if rc.draft_passes:  # (expert parallelism: the passes run in lock-step)
+            stats.padded_draft_passes += sum(rc.draft_passes - len(r) for r in draft_rows)
         stats.num_rounds += 1
         if rc.seconds > 0:
             yield env.timeout(rc.seconds)

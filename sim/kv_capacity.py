@@ -109,16 +109,19 @@ def kv_capacity_blocks(
         activation_reserve_bytes = default_activation_reserve_bytes(model)
     budget = int(hardware.memory_bytes * gpu_memory_utilization)
     weights = rank_weight_bytes(model, expert_parallel_size)
-    weights += mtp_own_weight_bytes(model) if speculative else 0
+    weights += mtp_own_weight_bytes(model, expert_parallel_size) if speculative else 0
     dtype = {1: "fp8", 2: "bf16", 4: "fp32"}.get(model.dtype_bytes, f"{model.dtype_bytes}-byte")
     gb = 1e9
     if weights >= budget:
+        held = f" holding 1/{expert_parallel_size} of its routed experts"
+        shard = "more expert-parallel ranks (--data-parallel-size N --enable-expert-parallel), "
         raise ValueError(
             f"{model.name} weights need {weights / gb:.1f} GB in {dtype} but one {hardware.name} "
             f"offers {budget / gb:.1f} GB ({hardware.memory_bytes / gb:.1f} GB x "
             f"gpu_memory_utilization {gpu_memory_utilization}): the model does not fit on one "
-            f"{hardware.name}. Multi-GPU sharding is not modelled yet: pick a GPU with more "
-            f"memory or a smaller model."
+            f"{hardware.name}{held if expert_parallel_size > 1 else ''}. Use "
+            f"{shard if model.n_routed_experts else ''}a GPU with more memory or a smaller "
+            "model (tensor parallelism is not modelled)."
         )
     block_bytes = block_size * kv_bytes_per_token(model, speculative)
     free = budget - weights - activation_reserve_bytes
@@ -146,7 +149,7 @@ def check_blocks_fit(
     budget = int(hardware.memory_bytes * gpu_memory_utilization)
     kv = num_blocks * block_size * kv_bytes_per_token(model, speculative)
     weights = rank_weight_bytes(model, expert_parallel_size)
-    weights += mtp_own_weight_bytes(model) if speculative else 0
+    weights += mtp_own_weight_bytes(model, expert_parallel_size) if speculative else 0
     if weights + kv > budget:
         gb = 1e9
         raise ValueError(
@@ -171,7 +174,10 @@ def rank_weight_bytes(model: ModelConfig, expert_parallel_size: int = 1) -> int:
     return model.weight_bytes - sharded * model.dtype_bytes
 
 
-def mtp_own_weight_bytes(model: ModelConfig) -> int:
-    """The MTP layers' own weights (they share the embedding and the head)."""
+def mtp_own_weight_bytes(model: ModelConfig, expert_parallel_size: int = 1) -> int:
+    """The MTP layers' own weights (they share the embedding and the head); with expert
+    parallelism the GPU holds 1/N of their routed experts, as of the model's layers."""
     n = model.num_nextn_predict_layers
-    return max(0, model.mtp_params - 2 * model.embed_params * n) * model.dtype_bytes
+    routed = n * model.n_routed_experts * model.expert_params
+    sharded = routed - routed // expert_parallel_size
+    return max(0, model.mtp_params - 2 * model.embed_params * n - sharded) * model.dtype_bytes

@@ -10,8 +10,14 @@ expert-parallel steps run eagerly (no CUDA graphs).
 
 Lock-step: every rank must enter every MoE layer's collectives, also a rank with no
 tokens this step (attention data parallelism). `begin_round` / `end_round` bracket one
-forward per rank: whatever a rank did not run (no work, or a step that failed before
-or inside the model) `end_round` completes with empty inputs, so the others never wait.
+step per rank: one forward of the model, then, when the ranks speculate, the MTP
+drafter's passes, each one more MoE layer (the MTP layer's, its experts sharded like the
+others). A rank's passes depend on its own requests (none, a prompt chunk that samples
+nothing: pass 1 only, drafts: up to k), so after the forward every rank offers its
+count and all take the largest (`agree_draft_passes`: one all-reduce, MAX); a rank with
+fewer pads the rest. Whatever a rank did not run (no work, fewer passes, or a step that
+failed before or inside the model) `end_round` completes with empty inputs, in the
+same order (the forward's layers, the agreement, the passes), so the others never wait.
 """
 
 from __future__ import annotations
@@ -31,6 +37,13 @@ class LockstepLayer(Protocol):
     def idle(self) -> None:
         """Run the layer's exchange with no tokens of this rank's own."""
         ...
+
+
+def all_reduce_max(value: int, device: torch.device, group: dist.ProcessGroup | None) -> int:
+    """The largest `value` over the group's ranks (a collective: every rank must call it)."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
 
 
 def check_expert_split(num_experts: int, world_size: int) -> None:
@@ -67,10 +80,18 @@ class ExpertParallel:
     world_size: int
     num_experts: int
     group: dist.ProcessGroup | None = None  # None: the default group
-    # The model's MoE layers in order (executors.models.moe.shard_experts fills it).
+    # Where the agreement's tensor lives (NCCL needs a CUDA one).
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # The ranks draft after every step (num_speculative_tokens > 0): each round agrees on
+    # its MTP passes and pads them (needs draft_layer).
+    speculative: bool = False
+    # The model's MoE layers in order, and the MoE of the MTP layer the drafter chains
+    # (executors.loader.build_model fills both, from executors.models.moe.shard_experts).
     layers: list[LockstepLayer] = field(default_factory=list)
-    calls: int = 0  # MoE layer forwards run so far
+    draft_layer: LockstepLayer | None = None
+    calls: int = 0  # MoE layer forwards run so far (the model's and the MTP layer's)
     _round_start: int | None = None
+    _draft_end: int | None = None  # the round's last MoE call once its passes are agreed
 
     def __post_init__(self) -> None:
         check_expert_split(self.num_experts, self.world_size)
@@ -97,6 +118,13 @@ class ExpertParallel:
     ) -> torch.Tensor:  # fmt: skip
         """x: [T, H], weights / ids: [T, k] (global expert ids), w13: [E/N, 2I, H],
         w2: [E/N, H, I] (the local experts) -> [T, H] in x.dtype."""
+        if self._draft_end is not None and self.calls >= self._draft_end:
+            # Raised before the exchange: entering it would leave this rank waiting on
+            # ranks that ended the round (the count offered was too small).
+            raise RuntimeError(
+                "expert-parallel lock-step broken: an MTP pass beyond those the ranks "
+                "agreed on for this round"
+            )
         self.calls += 1
         t, k = ids.shape
         flat = ids.reshape(-1)  # [T*k]
@@ -125,21 +153,60 @@ class ExpertParallel:
 
     # ---- lock-step -----------------------------------------------------------------
 
+    @property
+    def drafts_in_lockstep(self) -> bool:
+        """Whether rounds run MTP passes that exchange tokens (a MoE MTP layer drafts)."""
+        return self.speculative and self.draft_layer is not None
+
     def begin_round(self) -> None:
-        """Start of a step in which every rank runs (or pads) exactly one forward."""
+        """Start of a step in which every rank runs (or pads) exactly one forward, then
+        the round's MTP passes."""
         self._round_start = self.calls
+        self._draft_end = None
+
+    def agree_draft_passes(self, passes: int) -> int:
+        """After this rank's forward, before its first MTP pass: every rank offers the
+        MTP passes it will run this step and the round runs the largest (a collective:
+        every rank calls it once a step, `end_round` for a rank that did not). Outside a
+        round (a warm-up or memory profile, the same step on every rank) it agrees only."""
+        if not self.drafts_in_lockstep:
+            return passes
+        if self._round_start is not None:
+            if self._draft_end is not None:
+                raise RuntimeError("expert-parallel lock-step broken: MTP passes agreed twice")
+            ran = self.calls - self._round_start
+            if ran != len(self.layers):
+                raise RuntimeError(
+                    f"expert-parallel lock-step broken: MTP passes agreed after {ran} MoE "
+                    f"layer calls, expected {len(self.layers)} (one forward)"
+                )
+        most = all_reduce_max(passes, self.device, self.group)
+        if self._round_start is not None:
+            self._draft_end = self.calls + most
+        return most
 
     def end_round(self) -> None:
-        """Run the MoE layers this rank did not reach this round with no tokens of its own
-        (it still computes and returns the other ranks' rows for its experts)."""
+        """Run what this rank did not reach this round with no tokens of its own (it still
+        computes and returns the other ranks' rows for its experts): the forward's MoE
+        layers, the agreement on MTP passes (offering none), the passes up to the
+        agreed count."""
         if self._round_start is None:
             raise RuntimeError("ExpertParallel.end_round without begin_round")
-        target = self._round_start + len(self.layers)
+        start = self._round_start
+        target = start + len(self.layers)
+        if self._draft_end is None:
+            if self.calls > target:
+                self._round_start = None
+                raise RuntimeError(
+                    f"expert-parallel lock-step broken: {self.calls - target + len(self.layers)}"
+                    f" MoE layer calls in one round, expected {len(self.layers)} (one forward)"
+                )
+            while self.calls < target:  # (the layer the other ranks are in: the same one)
+                self.layers[self.calls - start].idle()
+            self.agree_draft_passes(0)
         self._round_start = None
-        if self.calls > target:
-            raise RuntimeError(
-                f"expert-parallel lock-step broken: {self.calls - target + len(self.layers)} "
-                f"MoE layer calls in one round, expected {len(self.layers)} (one forward)"
-            )
-        while self.calls < target:
-            self.layers[self.calls % len(self.layers)].idle()
+        end, self._draft_end = self._draft_end, None
+        if end is not None:  # (None: the ranks do not draft in lock-step)
+            assert self.draft_layer is not None
+            while self.calls < end:
+                self.draft_layer.idle()

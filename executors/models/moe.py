@@ -14,7 +14,7 @@ from executors.models.layers import GatedMLP
 from kernels import ops as kernel_ops
 
 if TYPE_CHECKING:
-    from executors.distributed.expert_parallel import ExpertParallel
+    from executors.distributed.expert_parallel import ExpertParallel, LockstepLayer
 
 
 class Router(nn.Module):
@@ -148,12 +148,15 @@ class MoE(nn.Module):
         self._expert_parallel(self.experts.gate_up_proj.new_empty(0, self.experts.hidden_size))
 
 
-def shard_experts(model: nn.Module, ep: ExpertParallel) -> None:
-    """Give every MoE layer of `model` (still on the meta device) only `ep`'s rank's
-    experts and route its forward through `ep`, which lists the layers in order."""
-    for module in model.modules():
-        if isinstance(module, MoE):
-            old = module.experts
-            module.experts = Experts(ep.num_local, old.hidden_size, old.intermediate_size)
-            module.ep = ep
-            ep.layers.append(module)
+def shard_experts(module: nn.Module, ep: ExpertParallel) -> list[LockstepLayer]:
+    """Give every MoE layer of `module` (still on the meta device) only `ep`'s rank's
+    experts and route its forward through `ep`; returns them in order (the loader hands
+    `ep` the model's, and the MTP layer's the drafter chains)."""
+    layers: list[LockstepLayer] = []
+    for m in module.modules():
+        if isinstance(m, MoE):
+            old = m.experts
+            m.experts = Experts(ep.num_local, old.hidden_size, old.intermediate_size)
+            m.ep = ep
+            layers.append(m)
+    return layers

@@ -14,6 +14,8 @@ MTP layer attends over its own latent KV cache.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -45,6 +47,11 @@ class DeepseekMTP(nn.Module):
         super().__init__()
         n = cfg.num_nextn_predict_layers
         self.layers = nn.ModuleList(MTPLayer(cfg, cfg.num_hidden_layers + k) for k in range(n))
+
+    def drafting_mlp(self) -> nn.Module:
+        """The MLP of layer 0, the one the drafter chains: a MoE where the model has
+        routed experts (expert parallelism exchanges its tokens in every pass)."""
+        return cast(MTPLayer, self.layers[0]).block.mlp
 
     def forward(
         self,

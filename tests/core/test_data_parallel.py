@@ -168,7 +168,6 @@ def test_an_interrupted_step_leaves_no_reply_unread() -> None:
     ("fields", "message"),
     [
         ({}, "needs data_parallel_size > 1"),
-        ({"data_parallel_size": 2, "num_speculative_tokens": 1}, "MTP drafts"),
         ({"data_parallel_size": 2, "async_scheduling": True}, "async_scheduling=True"),
         ({"data_parallel_size": 2, "batch_invariant": True}, "batch_invariant=True"),
     ],
@@ -197,3 +196,17 @@ def test_prefix_affinity_follows_the_prefix_the_ranks_really_cache() -> None:
     assert dp.rank_of["d"] == 0  # no prefix anywhere: least outstanding, tied: lowest index
     with pytest.raises(ValueError, match="router 'nearest'"):
         _front_end(2, router="nearest")
+
+
+@pytest.mark.parametrize(
+    "drafts", [dict(num_speculative_tokens=3), dict(enable_mtp_varlen=True)], ids=["k3", "varlen"]
+)
+def test_expert_parallel_ranks_speculate_with_async_scheduling_off(
+    drafts: dict[str, object],
+) -> None:
+    """The ranks run the same number of MTP passes a round (the most any rank drafts):
+    speculation is served with expert parallelism; async scheduling stays refused."""
+    cfg = EngineConfig(data_parallel_size=8, enable_expert_parallel=True, **drafts)  # type: ignore[arg-type]
+    assert cfg.num_speculative_tokens in (3, 5) and cfg.async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling=True"):
+        cfg.replace(async_scheduling=True)

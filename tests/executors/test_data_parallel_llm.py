@@ -52,6 +52,42 @@ def test_two_expert_parallel_ranks_equal_one_process(tiny_models: dict[str, Tiny
 
 
 @pytest.mark.parametrize(
+    "engine",
+    [
+        dict(num_speculative_tokens=3, max_model_len=40),
+        dict(num_speculative_tokens=4, enable_mtp_varlen=True),
+    ],
+    ids=["k3-up-to-max-model-len", "varlen4"],
+)
+def test_expert_parallel_ranks_draft_in_lockstep_and_equal_one_process_without_drafts(
+    tiny_models: dict[str, TinyModel], engine: dict[str, object]
+) -> None:
+    """MTP drafts over two expert-parallel ranks (the MTP layer's experts sharded too):
+    greedy outputs are one process's without speculation. The ranks' draft depths
+    differ from step to step: a 30-token prompt's chunks (pass 1 only) beside the other
+    rank's drafts, chains cut where max_model_len leaves no lookahead slot, varlen
+    lengths chosen per rank, a rank whose requests ended, and a second batch of one
+    request (the other rank has none and pads every pass)."""
+    tiny = tiny_models["v3_mtp"]
+    batch = prompts(5, [7, 30, 5, 11, 4, 9])
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in [1, 20, 8, 12, 3, 6]
+    ]
+    limit = {"max_model_len": engine["max_model_len"]} if "max_model_len" in engine else {}
+    llm = LLM(str(tiny.path), **ARGS, **limit)  # type: ignore[arg-type]
+    want = [o.outputs[0].token_ids for o in _generate(llm, batch, params)]
+    llm.shutdown()
+    llm = LLM(str(tiny.path), data_parallel_size=2, enable_expert_parallel=True,
+              check_invariants=True, **ARGS, **engine)  # type: ignore[arg-type]  # fmt: skip
+    try:
+        assert [o.outputs[0].token_ids for o in _generate(llm, batch, params)] == want
+        again = _generate(llm, batch[1:2], params[1:2])
+        assert [o.outputs[0].token_ids for o in again] == want[1:2]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
     ("name", "ranks", "ep"), [("v2_group", 4, True), ("v3_plain", 2, False)],
     ids=["4-ranks-expert-parallel", "2-ranks-replicated-experts"],
 )  # fmt: skip

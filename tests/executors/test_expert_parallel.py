@@ -8,6 +8,7 @@ import torch.multiprocessing as mp
 
 from executors.distributed.expert_parallel import ExpertParallel, check_expert_split, combine
 from executors.distributed.process_group import free_port
+from executors.mtp_drafter import mtp_passes
 from tests.executors import ep_workers
 from tests.executors.tiny_models import TinyModel
 
@@ -22,10 +23,34 @@ def test_ep_moe_over_2_ranks_equals_one_process_and_pads_idle_ranks(
     tiny_models: dict[str, TinyModel],
 ) -> None:
     """Grouped sigmoid top-2 (V3) with a rank that has no tokens; then rounds in which
-    rank 1 runs no layer, or stops after the first, and is padded (ep_workers). Four
-    ranks: test_data_parallel_llm.py (group-limited top-3 V2 through the whole engine)."""
+    rank 1 runs no layer, or stops after the first, and is padded; then rounds of MTP
+    passes (the MTP layer's experts sharded too) in which every rank runs the most passes
+    any rank offers, a rank with no work or one that failed mid-draft padded, and a pass
+    past the agreed count refused before its exchange (ep_workers). Four ranks:
+    test_data_parallel_llm.py (group-limited top-3 V2 through the whole engine)."""
     checks = ["moe_outputs_equal_one_process", "idle_ranks_pad_the_round"]
+    checks.append("ranks_pad_to_the_most_mtp_passes")
     _spawn(2, str(tiny_models["v3_mtp"].path), checks)
+
+
+@pytest.mark.parametrize(
+    ("k", "drafting", "passes"),
+    [
+        (3, [], 1),  # rows, none drafting (a prompt chunk that samples nothing): pass 1
+        (0, [(10, 16)], 1),  # drafting asked for no drafts: pass 1 writes the MTP KV
+        (3, [(10, 16)], 3),  # slots 11 and 12 held: both chained passes
+        (3, [(14, 16), (7, 8)], 2),  # the furthest-reaching request: slot 15 only
+        (3, [(7, 8)], 1),  # no lookahead slot (max_model_len): no chained pass
+    ],
+)  # fmt: skip
+def test_a_drafting_step_runs_pass_1_then_the_longest_chain(
+    k: int, drafting: list[tuple[int, int]], passes: int
+) -> None:
+    """(newest position, block-table slots) per drafting request -> the MTP layer's
+    forwards, as MTPDrafter.propose's loop runs them."""
+    positions, slots = [p for p, _ in drafting], [s for _, s in drafting]
+    assert mtp_passes(k, True, positions, slots) == passes
+    assert mtp_passes(k, False, [], []) == 0
 
 
 @pytest.mark.gpu

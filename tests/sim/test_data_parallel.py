@@ -10,12 +10,13 @@ import pytest
 
 from deepinfer.config import EngineConfig
 from deepinfer.model_config import load_model_config
+from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 from sim import simulate
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
-from sim.expert_parallel_cost import ExpertParallelCost
+from sim.expert_parallel_cost import ExpertParallelCost, draft_pass_rows
 from sim.hardware import get_hardware
-from sim.kv_capacity import kv_capacity_blocks
+from sim.kv_capacity import kv_capacity_blocks, mtp_own_weight_bytes
 from sim.traces import TraceRequest
 
 MOONLIGHT = load_model_config("moonlight-16b-a3b")  # 64 routed experts, top-6, 26 MoE layers
@@ -72,6 +73,12 @@ def test_a_rank_holding_1_over_n_of_the_experts_has_room_for_more_kv() -> None:
     one = kv_capacity_blocks(MOONLIGHT, H200, 64, 0.9)
     eight = kv_capacity_blocks(MOONLIGHT, H200, 64, 0.9, expert_parallel_size=8)
     assert eight > one
+
+
+def test_a_speculating_rank_holds_1_over_n_of_the_mtp_layers_experts_too() -> None:
+    v3 = load_model_config("deepseek-v3")  # one MTP layer of 256 routed experts
+    routed = v3.n_routed_experts * v3.expert_params * v3.dtype_bytes
+    assert mtp_own_weight_bytes(v3) - mtp_own_weight_bytes(v3, 8) == routed - routed // 8
 
 
 def _trace(n: int, out: int = 8) -> list[TraceRequest]:
@@ -142,3 +149,80 @@ def test_structured_requests_over_several_ranks_are_refused_as_the_llm_refuses_t
         simulate(trace, engine=cfg, cost_model="unit")
     one = simulate(trace, engine=cfg.replace(data_parallel_size=1), cost_model="unit")
     assert [r.status for r in one.requests] == ["finished"] * 4
+
+
+def _step(
+    sampling: list[bool], num_tokens: int = 4, num_proposals: int | None = None
+) -> SchedulerOutput:
+    reqs = [ScheduledRequest(f"r{i}", num_tokens, 10, False, s, []) for i, s in enumerate(sampling)]
+    return SchedulerOutput(step_id=0, scheduled=reqs, num_proposals=num_proposals)
+
+
+def test_a_drafting_step_runs_pass_1_over_its_tokens_then_one_row_a_sampling_request() -> None:
+    """The real drafter's passes (executors/mtp_drafter.py): pass 1 over the step's
+    tokens, then k - 1 chained passes of one row per request that sampled; pass 1 alone
+    when none sampled or the step asks for no drafts (variable-length); none without
+    speculation or tokens."""
+    assert draft_pass_rows(_step([True, True, False]), 3) == [12, 2, 2]
+    assert draft_pass_rows(_step([False]), 3) == [4]  # a prompt chunk that samples nothing
+    assert draft_pass_rows(_step([True], num_proposals=2), 4) == [4, 1]
+    assert draft_pass_rows(_step([True], num_proposals=0), 4) == [4]
+    assert draft_pass_rows(_step([True]), 0) == [] and draft_pass_rows(_step([]), 3) == []
+
+
+def test_a_round_runs_the_most_mtp_passes_any_rank_drafts_and_pads_the_others() -> None:
+    """Four ranks drafting 3, 1, 0 passes and nothing at all (an idle rank): the round
+    runs 3 MTP passes on every rank, each with an all-to-all of its own, and the ranks
+    that pad a pass still serve the pairs their experts receive in it; the model's
+    layers are priced as without drafts (routing drawn first, from the same seed)."""
+    tokens, seconds = [256, 64, 32, 0], [0.03, 0.01, 0.008, 0.0]
+    draft_rows = [[256, 8, 8], [64], [32], []]
+    plain = _cost(4, analytic=True).round(tokens, seconds)
+    rc = _cost(4, analytic=True).round(tokens, seconds, draft_rows)
+    assert (rc.draft_passes, plain.draft_passes) == (3, 0)
+    assert rc.pairs_received == plain.pairs_received
+    one_pass_floor = 4 * H200.all_to_all_latency_s
+    assert rc.all_to_all_seconds >= plain.all_to_all_seconds + 3 * one_pass_floor
+    assert rc.seconds == pytest.approx(max(rc.rank_seconds) + rc.all_to_all_seconds)
+    # The idle rank serves rank 0's pass-1 pairs on its experts (and pass 2's and 3's):
+    assert rc.rank_seconds[3] > plain.rank_seconds[3] > 0.0
+    # (A drafting rank's own passes are in its step's seconds, priced over all E experts;
+    # the round moves them to the pairs its E/N experts received, as for the layers.)
+    # Without expert parallelism the ranks draft alone: the round is its slowest rank.
+    assert _cost(4, ep=False).round(tokens, seconds, draft_rows).seconds == 0.03
+
+
+def test_simulated_expert_parallel_ranks_speculate_in_lockstep_rounds() -> None:
+    """Speculating ranks: every round runs the most passes any rank drafts (a rank
+    decoding drafts 3, a rank whose requests ended pads them), each pass adding its
+    all-to-all; outputs are the requests' lengths, as without drafts."""
+    trace = _trace(12, out=16)
+    cfg = EngineConfig(num_gpu_blocks=256, block_size=16, data_parallel_size=4,
+                       enable_expert_parallel=True, num_speculative_tokens=3)  # fmt: skip
+    mtp = MOONLIGHT.replace(num_nextn_predict_layers=1)
+    result = simulate(trace, mtp, engine=cfg, cost_model="unit", check_invariants=True)
+    assert [r.num_output_tokens for r in result.requests] == [16 + i % 5 for i in range(12)]
+    meta = result.meta
+    assert 0 < meta["dp_padded_draft_passes"] < 4 * meta["dp_draft_passes"]
+    assert meta["dp_draft_passes"] <= 3 * meta["dp_rounds"]
+    a2a_floor = H200.all_to_all_latency_s * 4 * (26 * meta["dp_rounds"] + meta["dp_draft_passes"])
+    assert meta["all_to_all_seconds"] >= a2a_floor
+
+
+def test_simulate_cli_serves_deepseek_v3_over_8_expert_parallel_h200s_with_mtp(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The issue's command: DeepSeek-V3 (an MTP layer shipped) with EP8 fits an H200
+    (1/8 of the routed experts, the MTP layer's too, a rank); on an H100 the error
+    names the fix."""
+    from deepinfer.entrypoints import cli
+
+    args = ["simulate", "--model", "deepseek-v3", "--data-parallel-size", "8",
+            "--enable-expert-parallel", "--num-speculative-tokens", "3",
+            "--max-requests", "16", "--no-progress"]  # fmt: skip
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "8 ranks with expert parallelism" in out and "MTP passes in lock-step" in out
+    assert cli.main([*args, "--hardware", "h100"]) == 2
+    err = capsys.readouterr().err
+    assert "holding 1/8 of its routed experts" in err and "more expert-parallel ranks" in err

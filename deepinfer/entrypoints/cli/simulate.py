@@ -384,6 +384,12 @@ def _data_parallel_line(meta: dict[str, Any], ranks: int, expert_parallel: bool)
         line += f"; all-to-all {meta['all_to_all_seconds']:.3f} s (datasheet link, uncalibrated)"
         if imb is not None:
             line += f"; busiest rank's expert load {imb:.2f}x the mean"
+        if meta.get("dp_draft_passes"):  # speculation: MTP passes in lock-step
+            passes = meta["dp_draft_passes"]
+            line += (
+                f"; MTP passes in lock-step: {passes} a rank, "
+                f"{meta['dp_padded_draft_passes']} of the {passes * ranks} padded"
+            )
     return line
 
 
