@@ -2,8 +2,9 @@
 
 The simulator reads little of a ScheduledRequest besides its token counts; a real
 executor keeps per-request state from it and reads every field. `ExecutorHandoff`
-restates each field from the driver's snapshot (the state just before `schedule()`)
-and the request's tokens as the test knows them:
+restates each field from the test's own account of the state just before
+`schedule()` (a QueueMirror: who runs, who is mid-prefill, each request's counts and
+drafts, kept from the outputs) and the request's tokens as the test knows them:
 
 - a request that starts (new, or resumed after preemption) is sent its whole block
   table, its sampling params, and, to an executor that needs token ids, the ids
@@ -24,26 +25,35 @@ and the request's tokens as the test knows them:
 from __future__ import annotations
 
 from deepinfer.config import EngineRole
-from deepinfer.outputs import DRAFT_PLACEHOLDER, ScheduledRequest, SchedulerOutput
-from tests.property.harness import Checker, Driver, ReqState
+from deepinfer.outputs import (
+    DRAFT_PLACEHOLDER,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from tests.property.harness import Driver
+from tests.property.queue_mirror import Counts, QueueChecker, QueueView
 
 
-class ExecutorHandoff(Checker):
+class ExecutorHandoff(QueueChecker):
     def __init__(self) -> None:
+        super().__init__()
         self.first_hit: dict[str, int] = {}  # req_id -> num_cached_tokens at its first start
 
     def _fail(self, out: SchedulerOutput, sr: ScheduledRequest, what: str) -> None:
         raise AssertionError(f"handoff: step {out.step_id}, request {sr.req_id}: {what}")
 
-    def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
+    def check_schedule(
+        self, d: Driver, out: SchedulerOutput, view: QueueView, in_flight: bool
+    ) -> None:
         snap = d.snap
         assert snap is not None
         for sr in out.scheduled:
-            running = sr.req_id in snap.running
-            starts = not running and sr.req_id not in snap.in_progress
-            self._common(d, out, sr, snap.state[sr.req_id], running, starts)
+            running = sr.req_id in view.running
+            starts = not running and sr.req_id not in view.in_progress
+            self._common(d, out, sr, view.counts[sr.req_id], running, starts)
             self._resume(d, out, sr, starts)
-            self._token_ids(d, out, sr, snap.state[sr.req_id], starts)
+            self._token_ids(d, out, sr, view.counts[sr.req_id], starts)
+            # the table before the step: the scheduler's (the KVMirror checks it)
             if len(snap.tables.get(sr.req_id, [])) != sr.num_prior_blocks:
                 self._fail(
                     out,
@@ -57,7 +67,7 @@ class ExecutorHandoff(Checker):
         d: Driver,
         out: SchedulerOutput,
         sr: ScheduledRequest,
-        s: ReqState,
+        s: Counts,
         running: bool,
         starts: bool,
     ) -> None:
@@ -72,7 +82,8 @@ class ExecutorHandoff(Checker):
                 f"num_prompt_tokens {sr.num_prompt_tokens} / structured {sr.structured!r}, "
                 f"want {req.num_prompt_tokens} / {req.structured}",
             )
-        known = s.num_tokens + s.placeholders + s.pending_drafts
+        num_tokens = len(d.tokens(sr.req_id))
+        known = num_tokens + s.placeholders + s.pending_drafts
         end = sr.num_computed_tokens + sr.num_tokens
         drafts = sr.draft_token_ids
         if len(drafts) != max(0, end - known):
@@ -85,21 +96,21 @@ class ExecutorHandoff(Checker):
         want = [DRAFT_PLACEHOLDER] * len(drafts) if s.placeholders else s.drafts[: len(drafts)]
         if drafts != want:
             self._fail(out, sr, f"drafts {drafts}, want {want} (proposed {s.drafts})")
-        will_sample = end >= s.num_tokens + s.placeholders
+        will_sample = end >= num_tokens + s.placeholders
         if sr.will_sample is not will_sample:
             self._fail(
                 out,
                 sr,
                 f"will_sample {sr.will_sample!r}: the step ends at {end}, "
-                f"{s.num_tokens} + {s.placeholders} tokens known",
+                f"{num_tokens} + {s.placeholders} tokens known",
             )
         if sr.num_tokens <= 0:
             self._fail(out, sr, f"scheduled with {sr.num_tokens} tokens to compute")
-        if starts and not is_prompt and sr.num_computed_tokens != s.num_tokens - 1:
+        if starts and not is_prompt and sr.num_computed_tokens != num_tokens - 1:
             self._fail(
                 out,
                 sr,
-                f"DECODE role: starts at {sr.num_computed_tokens} of {s.num_tokens} "
+                f"DECODE role: starts at {sr.num_computed_tokens} of {num_tokens} "
                 f"tokens; its prompt's KV arrived with it, all but the last token",
             )
         wants_logprobs = req.sampling_params.prompt_logprobs is not None
@@ -138,7 +149,7 @@ class ExecutorHandoff(Checker):
             )
 
     def _token_ids(
-        self, d: Driver, out: SchedulerOutput, sr: ScheduledRequest, s: ReqState, starts: bool
+        self, d: Driver, out: SchedulerOutput, sr: ScheduledRequest, s: Counts, starts: bool
     ) -> None:
         req = d.reqs[sr.req_id]
         want: tuple = None, None, None  # an executor that needs no token ids gets none
@@ -147,7 +158,7 @@ class ExecutorHandoff(Checker):
             start = sr.num_computed_tokens
             real = [t for t in sr.draft_token_ids if t != DRAFT_PLACEHOLDER]
             want = (
-                tokens[start : min(start + sr.num_tokens, s.num_tokens)] + real,
+                tokens[start : min(start + sr.num_tokens, len(tokens))] + real,
                 tokens[:start] if starts else None,
                 list(req.prompt)
                 if starts and req.sampling_params.prompt_logprobs is not None

@@ -11,6 +11,7 @@ from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import RequestStatus
 from tests.property.harness import Checker, Driver, max_model_len, note
 from tests.property.mirror import KVMirror
+from tests.property.queue_mirror import QueueChecker, QueueView
 
 
 class BlockSafety(Checker):
@@ -162,20 +163,23 @@ class WatermarkNewPrompts(Checker):
             )
 
 
-class WatermarkExemption(Checker):
+class WatermarkExemption(QueueChecker):
     """The in-progress chunked prefill at the head of waiting is scheduled whenever
-    the running requests leave budget over, after a preemption too (bug B1)."""
+    the running requests leave budget over, after a preemption too (bug B1). Who is
+    mid-prefill and who runs: its own QueueMirror, kept from the outputs."""
 
-    def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
+    def check_schedule(
+        self, d: Driver, out: SchedulerOutput, view: QueueView, in_flight: bool
+    ) -> None:
         cfg, snap, n = d.case.config, d.snap, d.case.config.num_gpu_blocks
         assert snap is not None and n is not None
-        if not snap.in_progress:
+        if not view.in_progress:
             return
-        head, running = snap.in_progress[0], set(snap.running)
+        head, running = view.in_progress[0], set(view.running)
         used = sum(sr.num_tokens for sr in out.scheduled if sr.req_id in running)
         if used >= cfg.max_num_batched_tokens:
             return
-        before = 1.0 - (n - len({b for t in snap.tables.values() for b in t})) / n
+        before = 1.0 - (n - len({b for t in snap.tables.values() for b in t})) / n  # for the note
         assert head in {sr.req_id for sr in out.scheduled}, (
             f"step {out.step_id}: in-progress prefill {head} held back with "
             f"{cfg.max_num_batched_tokens - used} tokens of budget left, usage "

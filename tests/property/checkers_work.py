@@ -2,8 +2,10 @@
 
 The limit checkers (checkers_kv) show that a step never does more than the rules
 allow; `WorkConservation` shows it does all they allow. From the state just before
-`schedule()` (the driver's snapshot: block tables, queues, each request's token
-counts and drafts) and the KVMirror's prefix dict it replays the rules by hand:
+`schedule()` as the test itself kept it from the outputs (the QueueMirror's queues,
+token counts, drafts and varlen history; the KVMirror's block tables and prefix dict,
+never the scheduler's own structures, whose bugs would pass into the expectation) it
+replays the rules by hand:
 
 - running phase: running requests in order, each given min(its known tokens plus
   drafts not yet computed, the budget left, max_model_len minus computed), where
@@ -18,9 +20,10 @@ counts and drafts) and the KVMirror's prefix dict it replays the rules by hand:
   takes its whole prompt unless chunking, and the free blocks cover its prompt
   minus its prefix hits; its first chunk starts after exactly the hits the
   reference dict finds;
-- queue order: chunked prefills in progress lead the waiting queue; behind them fcfs
-  puts preempted requests ahead of new ones (kept in submission order), and priority
-  orders them all by (priority, submission).
+- queue order: the scheduler's waiting queue is the mirror's (chunked prefills in
+  progress first; behind them fcfs puts preempted requests at the front, ahead of new
+  ones in submission order, and priority orders them all by (priority, arrival,
+  submission)).
 
 The first disagreement with the step's output fails, naming the rule, the step and
 the request. Rule names (`RULES`) select which ones a test asserts.
@@ -33,11 +36,9 @@ from collections import Counter
 from deepinfer.config import EngineRole
 from deepinfer.kv_cache.manager import cdiv
 from deepinfer.outputs import SchedulerOutput
-from deepinfer.request import RequestStatus
-from deepinfer.spec_policy import confidences_from_chances, draft_lengths
-from deepinfer.step_times import StepTimes
-from tests.property.harness import Checker, Driver, Snapshot, max_model_len, note
+from tests.property.harness import Driver, max_model_len, note
 from tests.property.mirror import KVMirror
+from tests.property.queue_mirror import QueueChecker, QueueView
 
 RUNNING = "a running request is scheduled every step unless preempted or the budget is spent"
 CHUNK = "a chunk is min(remaining work, remaining budget)"
@@ -56,48 +57,42 @@ def lookahead(d: Driver, end: int) -> int:
     return max(0, min(k - 1, max_model_len(d.case) - end))
 
 
-class WorkConservation(Checker):
+class WorkConservation(QueueChecker):
     """Must come after the KVMirror in the driver's checker list (it reads the mirror's
-    prefix dict and tables as they stand after the step's allocations)."""
+    prefix dict and tables as they stand after the step's allocations); keeps its own
+    QueueMirror."""
 
     def __init__(self, mirror: KVMirror, rules: tuple[str, ...] = RULES) -> None:
+        super().__init__()
         self.mirror, self.rules = mirror, set(rules)
 
     def _fail(self, rule: str, out: SchedulerOutput, rid: str, what: str) -> None:
         if rule in self.rules:
             raise AssertionError(f"rule '{rule}': step {out.step_id}, request {rid}: {what}")
 
-    def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
-        snap = d.snap
-        assert snap is not None
+    def check_schedule(
+        self, d: Driver, out: SchedulerOutput, view: QueueView, in_flight: bool
+    ) -> None:
         got = {sr.req_id: sr for sr in out.scheduled}
-        self._queue_order(d, snap, out)
+        self._queue_order(d, view, out)
         self._blocks(d, out)
-        budget = self._running_phase(d, snap, out, got)
+        budget = self._running_phase(d, view, out, got)
         if budget is not None:
-            self._waiting_phase(d, snap, out, got, budget)
+            self._waiting_phase(d, view, out, got, budget)
 
-    def _queue_order(self, d: Driver, snap: Snapshot, out: SchedulerOutput) -> None:
-        """Before the step, chunked prefills in progress lead the waiting queue; behind
-        them, fcfs puts preempted requests ahead of those never started, which keep
-        their submission order; priority orders them all by (priority, submission)."""
-        k = len(snap.in_progress)
-        head, rest = snap.waiting[:k], snap.waiting[k:]
-        if set(head) != set(snap.in_progress):
-            self._fail(QUEUE, out, rest[0], f"waiting {snap.waiting}: in progress {head}")
-            return
-        seq = {rid: i for i, rid in enumerate(d.reqs)}  # submission order
-        if d.case.config.policy == "priority":
-            want = sorted(rest, key=lambda rid: (d.specs[rid].priority, seq[rid]))
-        else:
-            new = [rid for rid in rest if snap.status[rid] is RequestStatus.WAITING]
-            old = [rid for rid in rest if snap.status[rid] is not RequestStatus.WAITING]
-            want = old + sorted(new, key=seq.__getitem__)
-        if rest != want:
-            rid = next(a for a, b in zip(rest, want, strict=True) if a != b)
+    def _queue_order(self, d: Driver, view: QueueView, out: SchedulerOutput) -> None:
+        """Before the step, the scheduler's waiting queue is the one the rules built
+        from the outputs (the mirror's): prefills in progress, then the policy's order."""
+        assert d.snap is not None
+        actual = d.snap.waiting  # the scheduler's own queue: the thing checked
+        if actual != view.waiting:
+            rid = next(
+                (a for a, b in zip(actual, view.waiting, strict=False) if a != b),
+                (actual + view.waiting)[min(len(actual), len(view.waiting))],
+            )
             policy = d.case.config.policy
-            self._fail(QUEUE, out, rid, f"waiting {rest}, policy {policy} wants {want}")
-        elif len(rest) > 1:
+            self._fail(QUEUE, out, rid, f"waiting {actual}, policy {policy} wants {view.waiting}")
+        elif len(actual) > len(view.in_progress) + 1:
             note(f"the waiting queue held several requests in {d.case.config.policy} order")
 
     def _blocks(self, d: Driver, out: SchedulerOutput) -> None:
@@ -127,63 +122,41 @@ class WorkConservation(Checker):
     # ---- running requests ------------------------------------------------------------
 
     def _running_phase(
-        self, d: Driver, snap: Snapshot, out: SchedulerOutput, got: dict
+        self, d: Driver, view: QueueView, out: SchedulerOutput, got: dict
     ) -> int | None:
         """Replays the running phase; returns the budget left for waiting requests (None
         when a disagreement was found but not asserted: the rest cannot be replayed)."""
         cfg, bs, length = d.case.config, d.case.config.block_size, max_model_len(d.case)
         n = cfg.num_gpu_blocks
         assert n is not None
-        refs = Counter(b for t in snap.tables.values() for b in t)
+        tables = self.mirror.before
+        refs = Counter(b for t in tables.values() for b in t)
         free = n - len(refs)
         budget = cfg.max_num_batched_tokens
-        running, preempted = list(snap.running), []
-        lengths = None  # varlen: each request's draft length from its last confidences,
-        # or, when its drafts come from the step in flight (unseen), from its running
-        # mean chances (the engine's before it has any), as many as that step proposes
-        if cfg.enable_mtp_varlen and cfg.num_speculative_tokens:
-            conf = {
-                rid: confidences_from_chances(snap.state[rid].chance_means or snap.prior_chances)[
-                    : snap.proposals_in_flight
-                ]
-                if snap.state[rid].placeholders
-                else snap.state[rid].confidences
-                for rid in running
-            }
-            # a length tried by a uniform step in flight, chosen in this batch's bucket
-            # or the one that prices it, is not tried again
-            assert snap.step_times is not None
-            buckets = {StepTimes.bucket(len(conf)), snap.step_times.pricing_bucket(len(conf))}
-            pending = {
-                length
-                for _, length, num_reqs_at_choice, _ in snap.uniform_in_flight
-                if StepTimes.bucket(num_reqs_at_choice) in buckets
-            }
-            lengths = draft_lengths(
-                conf, cfg.num_speculative_tokens, times=snap.step_times, pending=pending
-            )
+        running, preempted = list(view.running), []
+        lengths = view.lengths  # varlen: the mirror's choice from its own history
         i = 0
         while i < len(running) and budget > 0:
             rid = running[i]
-            s = snap.state[rid]
+            s = view.counts[rid]
             # docs/design.md, "Async scheduling": drafts of steps in flight count as
             # accepted, and a step scheduled over one in flight verifies k placeholder
             # drafts (the executor fills in the in-flight step's proposal).
-            known = s.num_tokens + s.placeholders + s.pending_drafts
+            known = len(d.tokens(rid)) + s.placeholders + s.pending_drafts
             k = lengths.get(rid, 0) if lengths is not None else cfg.num_speculative_tokens
-            if s.placeholders and k and snap.proposals_in_flight is not None:
-                k = min(k, snap.proposals_in_flight)  # varlen: what the step in flight proposes
+            if s.placeholders and k and view.proposals_in_flight is not None:
+                k = min(k, view.proposals_in_flight)  # varlen: what the step in flight proposes
             ndrafts = k if s.placeholders and k else len(s.drafts[:k])
             num_new = min(known + ndrafts - s.computed, budget, length - s.computed)
             if num_new <= 0:
                 i += 1
                 continue
             end = s.computed + num_new
-            need = max(cdiv(end + lookahead(d, end), bs) - len(snap.tables[rid]), 0)
+            need = max(cdiv(end + lookahead(d, end), bs) - len(tables[rid]), 0)
             while need > free:  # the allocation fails: free the newest running request
                 victim = running.pop()
                 preempted.append(victim)
-                for b in snap.tables[victim]:
+                for b in tables[victim]:
                     refs[b] -= 1
                     free += refs[b] == 0
                 if victim == rid:
@@ -208,6 +181,15 @@ class WorkConservation(Checker):
                         f"running, not preempted, {num_new} tokens of work and {budget} of "
                         f"budget left, but not scheduled",
                     )
+                return None
+            if sr.num_computed_tokens != s.computed:
+                self._fail(
+                    CHUNK,
+                    out,
+                    rid,
+                    f"running, starts at {sr.num_computed_tokens} computed tokens; the "
+                    f"outputs so far computed {s.computed}",
+                )
                 return None
             if sr.num_tokens != num_new:
                 self._fail(
@@ -239,26 +221,26 @@ class WorkConservation(Checker):
     # ---- waiting requests ------------------------------------------------------------
 
     def _waiting_phase(
-        self, d: Driver, snap: Snapshot, out: SchedulerOutput, got: dict, budget: int
+        self, d: Driver, view: QueueView, out: SchedulerOutput, got: dict, budget: int
     ) -> None:
         cfg, bs = d.case.config, d.case.config.block_size
         n = cfg.num_gpu_blocks
         assert n is not None
-        running = set(snap.running)
-        seqs = len(snap.running) - len(out.preempted_req_ids) + len(snap.in_progress)
+        running = set(view.running)
+        seqs = len(view.running) - len(out.preempted_req_ids) + len(view.in_progress)
         served = [sr.req_id for sr in out.scheduled if sr.req_id not in running]
         twice = [rid for rid, k in Counter(served).items() if k > 1]
         if twice:
             self._fail(CHUNK, out, twice[0], f"two chunks in one step: served {served}")
             return
-        order = [rid for rid in snap.waiting if rid in served]
-        if served != order or order != snap.waiting[: len(order)]:
-            skipped = next(r for r in snap.waiting if r not in served)
-            self._fail(FCFS, out, skipped, f"passed over: waiting {snap.waiting}, served {served}")
+        order = [rid for rid in view.waiting if rid in served]
+        if served != order or order != view.waiting[: len(order)]:
+            skipped = next((r for r in view.waiting if r not in served), served[0])
+            self._fail(FCFS, out, skipped, f"passed over: waiting {view.waiting}, served {served}")
             return
         for rid in order:
-            sr, s = got[rid], snap.state[rid]
-            if rid not in snap.in_progress:
+            sr, num_tokens = got[rid], len(d.tokens(rid))
+            if rid not in view.in_progress:
                 seqs += 1
                 adm = next(a for a in self.mirror.admissions if a.req_id == rid)
                 if cfg.role is not EngineRole.DECODE and adm.start != len(adm.predicted) * bs:
@@ -270,31 +252,31 @@ class WorkConservation(Checker):
                         f"{len(adm.predicted)} cached blocks ({adm.predicted}) of {bs} tokens",
                     )
                     return
-            want = min(s.num_tokens - sr.num_computed_tokens, budget)
+            want = min(num_tokens - sr.num_computed_tokens, budget)
             if sr.num_tokens != want:
                 self._fail(
                     CHUNK,
                     out,
                     rid,
                     f"prompt chunk of {sr.num_tokens} tokens from {sr.num_computed_tokens} of "
-                    f"{s.num_tokens}, with {budget} budget left: want {want}",
+                    f"{num_tokens}, with {budget} budget left: want {want}",
                 )
                 return
             budget -= want
-        rest = snap.waiting[len(order) :]
+        rest = view.waiting[len(order) :]
         if budget <= 0 or not rest:
             return
-        self._head(d, snap, out, rest[0], budget, seqs)
+        self._head(d, view, out, rest[0], budget, seqs)
 
     def _head(
-        self, d: Driver, snap: Snapshot, out: SchedulerOutput, rid: str, budget: int, seqs: int
+        self, d: Driver, view: QueueView, out: SchedulerOutput, rid: str, budget: int, seqs: int
     ) -> None:
         """`rid` is the first waiting request not served, with `budget` left: each rule
         that may hold it back must do so."""
         cfg, bs = d.case.config, d.case.config.block_size
         n = cfg.num_gpu_blocks
         assert n is not None
-        if rid in snap.in_progress:
+        if rid in view.in_progress:
             self._fail(HEAD, out, rid, f"chunked prefill in progress held back, {budget} left")
             return
         held = self.mirror.held()  # blocks held once the step's allocations are done

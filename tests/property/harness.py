@@ -10,10 +10,9 @@ step numbers; steps with no work are skipped (they are not engine steps).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from hypothesis import event
@@ -23,7 +22,6 @@ from deepinfer.engine import EngineCore
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
 from deepinfer.scheduler_checks import check_invariants, check_output, diagnose_stall
-from deepinfer.step_times import StepTimes
 from sim.sim_executor import SimExecutor
 from tests.property.coverage import TRANSITIONS
 from tests.property.oracle import (  # noqa: F401  (re-exported: the checkers import them here)
@@ -91,7 +89,9 @@ class ReqState(NamedTuple):
 
 @dataclass
 class Snapshot:
-    """Scheduler state just before a `schedule()` call."""
+    """Scheduler state just before a `schedule()` call: what a checker compares with its
+    own account (the mirrors), and what traces and coverage record; never the source of
+    an expectation."""
 
     tables: dict[str, list[int]]  # req_id -> block ids it holds
     running: list[str]
@@ -99,14 +99,6 @@ class Snapshot:
     in_progress: list[str]  # waiting requests that hold blocks (chunked prefill between chunks)
     status: dict[str, RequestStatus]
     state: dict[str, ReqState]
-    # Varlen: the step times the scheduler measured (they price draft lengths) and the
-    # drafts the step in flight proposes (they cap its placeholders), and the engine's
-    # mean chances (a request's first unseen drafts are judged by them).
-    step_times: StepTimes | None = None
-    proposals_in_flight: int | None = None
-    # (requests, drafts each, requests when chosen, proposals) of uniform steps in flight
-    uniform_in_flight: list[tuple[int, int, int, int | None]] = field(default_factory=list)
-    prior_chances: list[float] = field(default_factory=list)
 
 
 class Driver:
@@ -253,10 +245,6 @@ class Driver:
                 )
                 for rid, r in s.requests.items()
             },
-            step_times=copy.deepcopy(s.draft_plan.step_times) if s.draft_plan else None,
-            proposals_in_flight=s.draft_plan.proposals_in_flight if s.draft_plan else None,
-            uniform_in_flight=s.draft_plan.uniform_in_flight() if s.draft_plan else [],
-            prior_chances=list(s.prior_chances),
         )
         self.time.tick()
         out = self.engine.schedule()

@@ -96,6 +96,7 @@ class KVMirror(Checker):
         self.sched_info: dict[tuple[int, str], tuple[list[int], int, int]] = {}
         self.prefix = PrefixModel(d_case_block_size, caching)
         self.admissions: list[Admission] = []  # of the latest schedule() call
+        self.before: dict[str, list[int]] = {}  # the tables just before that call
         self.hit_mismatches: list[str] = []  # content or prediction disagreements seen
 
     @classmethod
@@ -113,6 +114,7 @@ class KVMirror(Checker):
 
     def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
         bs, decode = self.bs, d.case.config.role is EngineRole.DECODE
+        self.before = {rid: list(t) for rid, t in self.tables.items()}
         for rid in out.preempted_req_ids | out.finished_req_ids:
             self.tables.pop(rid, None)
         held = self.held()

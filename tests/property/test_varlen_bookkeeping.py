@@ -27,33 +27,39 @@ from hypothesis import assume, given
 from deepinfer.outputs import DRAFT_PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 from deepinfer.spec_policy import PROBE_EVERY
 from deepinfer.step_times import StepTimes
-from tests.property.harness import Checker, Driver, run_case
+from tests.property.harness import Driver, run_case
+from tests.property.queue_mirror import QueueChecker, QueueView
 from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
 
 
-class VarlenBookkeeping(Checker):
+class VarlenBookkeeping(QueueChecker):
+    """Who ran when a length was chosen, and the step times that price the lengths, come
+    from its own QueueMirror (kept from the outputs and the driver's clock), never from
+    the scheduler's DraftPlan."""
+
     def __init__(self) -> None:
+        super().__init__()
         self.in_flight_proposals: int | None = None
         self.recent: list[int] = []  # the longest length of the last steps that chose one
         self.pending: dict[int, int] = {}  # step_id -> bucket of a uniform step
         self.uniform: Counter[int] = Counter()  # bucket -> uniform steps processed
         self.processed = 0
 
-    def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
+    def check_schedule(
+        self, d: Driver, out: SchedulerOutput, view: QueueView, in_flight: bool
+    ) -> None:
         if not out.scheduled:
             return
         k = d.case.config.num_speculative_tokens
         lengths = {len(sr.draft_token_ids) for sr in out.scheduled}
         longest = max(lengths)
-        assert d.snap is not None  # the bucket its lengths were chosen in
-        num_reqs_at_choice = len(d.snap.running) or len(out.scheduled)
-        assert d.sched.draft_plan is not None
-        times = d.sched.draft_plan.step_times  # as plan_proposals read it: observed in process
+        num_reqs_at_choice = len(view.running) or len(out.scheduled)  # its length's bucket
+        times = self.queues.step_times  # as plan_proposals reads its own: observed in process
         # settled prices: a due length is not, unless given up
         known = times.prices(num_reqs_at_choice).keys() - (
             times.due(num_reqs_at_choice) - times.given_up(num_reqs_at_choice)
         )
-        if d.snap.running:  # a length was chosen (for the requests running)
+        if view.running:  # a length was chosen (for the requests running)
             self.recent = (self.recent + [longest])[-PROBE_EVERY:]
         base = max(self.recent, default=longest)
         grows = base + 1 not in known or out.step_id % PROBE_EVERY == 0
@@ -71,11 +77,10 @@ class VarlenBookkeeping(Checker):
                 )
         self.in_flight_proposals = out.num_proposals
         if len(lengths) == 1 and not any(sr.is_prompt for sr in out.scheduled):
-            assert d.snap is not None  # none running when chosen: the step's own count
-            num_reqs_at_choice = len(d.snap.running) or len(out.scheduled)
             self.pending[out.step_id] = StepTimes.bucket(num_reqs_at_choice)
 
     def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
+        super().on_process(d, out, res)
         bucket = self.pending.pop(out.step_id, None)
         self.processed += 1
         if bucket is not None and self.processed > 1:  # the first step has no duration
