@@ -20,7 +20,8 @@ _PINNED: dict[str, object] = dict(
     max_num_batched_tokens=64, max_model_len=None, enable_chunked_prefill=True,
     prefill_watermark=1.0, enable_prefix_caching=True, role=EngineRole.NORMAL,
     num_speculative_tokens=0, enable_mtp_varlen=False, policy="fcfs", seed=0,
-    data_parallel_size=1, enable_expert_parallel=False, batch_invariant=False,
+    data_parallel_size=1, data_parallel_router="least-load", enable_expert_parallel=False,
+    batch_invariant=False,
 )  # fmt: skip
 
 
