@@ -13,20 +13,28 @@ padding and each pass's all-to-all in the round's.
 
 from __future__ import annotations
 
-from collections import deque
+import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
 import simpy
 
+from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore, StepEvent, StepEventKind
-from deepinfer.records import StepRecord
+from deepinfer.model_config import ModelConfig
+from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
-from deepinfer.routing import make_router
-from deepinfer.routing.instance_report import report_of, take_report, view_of
+from deepinfer.routing import InstanceLoad, InstanceView, make_router
+from deepinfer.routing.instance_report import InstanceReport, report_of, take_report, view_of
+from sim.acceptance import AcceptanceModel
+from sim.analytic_cost_model import AnalyticCostModel
+from sim.cost_coefficients import load_cost_coefficients
 from sim.cost_model import CostModel
+from sim.engine_loop import Arrivals, Clock
 from sim.expert_parallel_cost import ExpertParallelCost, draft_pass_rows
+from sim.hardware import HardwareSpec
+from sim.sim_executor import SimExecutor
 
 
 @dataclass
@@ -56,37 +64,145 @@ class DataParallelStats:
         }
 
 
+def rank_group(
+    env: simpy.Environment,
+    spec: ModelConfig,
+    hw: HardwareSpec,
+    engine: EngineConfig,
+    cost: CostModel,
+    cost_meta: dict[str, Any],
+    num_blocks: int,
+    acceptance: float | AcceptanceModel,
+    check_invariants: bool,
+) -> tuple[RankGroup, ExpertParallelCost]:
+    """`engine.data_parallel_size` ranks (num_blocks each) on `env`'s clock, and the price
+    of their rounds. Refuses what the ranks cannot run in lock-step rounds."""
+    n = engine.data_parallel_size
+    if engine.async_scheduling:
+        raise ValueError(
+            f"async_scheduling=True with data_parallel_size={n}: the simulator runs the ranks "
+            "in lock-step rounds and does not model async overlap; set it to False"
+        )
+    analytic = cost if isinstance(cost, AnalyticCostModel) else None
+    if analytic is None and cost_meta.get("cost_model") == "profiled":
+        analytic = AnalyticCostModel(spec, hw, load_cost_coefficients())
+    rounds = ExpertParallelCost(
+        spec, hw, n, expert_parallel=engine.enable_expert_parallel, analytic=analytic,
+        seed=engine.seed, activation_bytes=2,
+    )  # fmt: skip
+    cores = [
+        EngineCore(
+            engine,
+            SimExecutor(engine, num_blocks, acceptance_rate=acceptance),
+            clock=lambda: env.now,
+            model_max_len=spec.max_position_embeddings,
+            check_invariants=check_invariants,
+        )  # fmt: skip
+        for _ in range(n)
+    ]
+    return RankGroup(cores), rounds
+
+
+class RankGroup:
+    """N ranks in lock-step behind their router (the engine's `data_parallel_router`):
+    what `simulate()` serves with data_parallel_size > 1, and one instance of a cluster
+    pool of such instances. It takes requests as one engine does (`add_request`), keeps
+    every rank's records in the order they ended and one step record per round, and
+    reports to a cluster's router as one instance: queues and running summed over the
+    ranks, KV usage their mean, a prefix cached where any rank caches it."""
+
+    def __init__(self, cores: list[EngineCore]) -> None:
+        config = cores[0].config
+        self.cores = cores
+        self.config = config
+        self.router = make_router(config.data_parallel_router, len(cores), seed=config.seed)
+        self.views = [view_of(r, core) for r, core in enumerate(cores)]
+        self.num_records = [0] * len(cores)  # each rank's records the router has heard of
+        self.records: list[RequestRecord] = []
+        self.steps: list[StepRecord] = []
+        self.requests_per_rank = [0] * len(cores)
+        self._changes: dict[int, bool] = {}  # the group's cached prefixes since its report
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return min(c.scheduler.max_prompt_tokens for c in self.cores)
+
+    @property
+    def max_model_len(self) -> int:
+        return min(c.max_model_len for c in self.cores)
+
+    def add_request(self, req: Request) -> str | None:
+        rank = self.router.route(req, self.views)
+        self.requests_per_rank[rank] += 1
+        core = self.cores[rank]
+        reason = core.add_request(req)
+        if reason is not None:  # rejected at once: it ended there
+            self.records += core.records[self.num_records[rank] :]
+            self.num_records[rank] = len(core.records)
+            self.router.on_finished(req.request_id, rank)
+        return reason
+
+    def has_unfinished(self) -> bool:
+        return any(c.has_unfinished() for c in self.cores)
+
+    def after_round(self) -> None:
+        """Every rank reports to the group's router after a round."""
+        for r in range(len(self.cores)):
+            self._hear(r)
+
+    def _hear(self, rank: int) -> None:
+        core = self.cores[rank]
+        ended = core.records[self.num_records[rank] :]
+        self.num_records[rank] = len(core.records)
+        self.records += ended
+        report = report_of(rank, core, [rec.req_id for rec in ended])
+        take_report(self.router, self.views, report)
+        for h, now in report.cache_changes.items():
+            self._changes[h] = now or any(h in v.cached for v in self.views)
+
+    def load(self) -> InstanceLoad:
+        s = [c.scheduler for c in self.cores]
+        usage = sum(x.kv.usage for x in s) / len(s)
+        return InstanceLoad(sum(x.num_waiting for x in s), sum(x.num_running for x in s), usage)
+
+    def report(self, index: int, ended: list[str]) -> InstanceReport:
+        """The group's report as one instance `index` of a cluster pool."""
+        changes, self._changes = self._changes, {}
+        return InstanceReport(index, self.load(), changes, tuple(ended))
+
+    def view(self, index: int) -> InstanceView:
+        return InstanceView(index, self.block_size, self.max_prompt_tokens, self.load())
+
+
 def serve_data_parallel(
     env: simpy.Environment,
-    cores: list[EngineCore],
-    pending: deque[Request],
+    group: RankGroup,
+    arrivals: Arrivals,
+    clock: Clock,
     cost: CostModel,
     rounds: ExpertParallelCost,
     stats: DataParallelStats,
-    steps: list[StepRecord],
     on_progress: Callable[[int], None] | None = None,
 ) -> Generator[simpy.events.Event, Any, None]:
-    """The simpy process: admit arrivals through the router, run lock-step rounds. A
-    rank's step costs its host time plus its device time (no structured requests here:
-    the engine does not serve them over several ranks, and simulate() refuses them)."""
-    config = cores[0].config
-    router = make_router(config.data_parallel_router, len(cores), seed=config.seed)
-    views = [view_of(r, core) for r, core in enumerate(cores)]
-    num_records = [0] * len(cores)  # each rank's records the router has heard of
-    stats.requests_per_rank = [0] * len(cores)
+    """The simpy process: admit arrivals (the group's router places them), run lock-step
+    rounds. A rank's step costs its host time plus its device time (no structured
+    requests here: the engine does not serve them over several ranks, and simulate()
+    refuses them). A round's results are applied once the simpy clock reaches its end;
+    `clock` reads that end from the round's start (what a cluster asks of an instance)."""
+    cores = group.cores
+    stats.requests_per_rank = group.requests_per_rank
     stats.steps_per_rank = [0] * len(cores)
     reported = 0
-    while pending or any(c.has_unfinished() for c in cores):
-        while pending and pending[0].arrival_time <= env.now:
-            req = pending.popleft()
-            rank = router.route(req, views)
-            stats.requests_per_rank[rank] += 1
-            if cores[rank].add_request(req) is not None:  # rejected at once
-                num_records[rank] += 1
-                router.on_finished(req.request_id, rank)
-        if not any(c.has_unfinished() for c in cores):
-            if pending:
-                yield env.timeout(pending[0].arrival_time - env.now)
+    while arrivals.more_may_come() or group.has_unfinished():
+        clock.now = env.now
+        arrivals.admit(env.now)
+        if not group.has_unfinished():
+            if arrivals.more_may_come():  # else the last arrivals were all rejected
+                yield from _idle(env, clock, arrivals)
             continue
         started = [len(c.steps) for c in cores]
         waiting: list[Generator[StepEvent, None, list[Request]]] = []
@@ -119,20 +235,36 @@ def serve_data_parallel(
             stats.padded_draft_passes += sum(rc.draft_passes - len(r) for r in draft_rows)
         stats.num_rounds += 1
         if rc.seconds > 0:
+            clock.now = env.now + rc.seconds
             yield env.timeout(rc.seconds)
+        clock.now = env.now
         for events in waiting:
             for _ in events:  # the rest of the step: its results are applied now
                 pass
-        for r, core in enumerate(cores):
-            ended = [rec.req_id for rec in core.records[num_records[r] :]]
-            num_records[r] = len(core.records)
-            take_report(router, views, report_of(r, core, ended))
+        group.after_round()
         if any(len(c.steps) > n for c, n in zip(cores, started)):
-            steps.append(_round_record(cores, started, stats.num_rounds, env.now, rc.seconds))
-        done = sum(len(c.records) for c in cores)
-        if on_progress is not None and done != reported:
-            on_progress(done - reported)
-            reported = done
+            group.steps.append(_round_record(cores, started, stats.num_rounds, env.now, rc.seconds))
+        arrivals.stepped(env.now)
+        if on_progress is not None and len(group.records) != reported:
+            on_progress(len(group.records) - reported)
+            reported = len(group.records)
+
+
+def _idle(
+    env: simpy.Environment, clock: Clock, arrivals: Arrivals
+) -> Generator[simpy.events.Event, Any, None]:
+    """Wait, with nothing to run, until the next request is due or the arrivals' wake
+    event fires (a round's clock is the simpy clock itself)."""
+    due = arrivals.next_time()
+    wake = arrivals.wake()
+    if due < math.inf:
+        timer = env.timeout(due - env.now)
+        yield timer if wake is None else timer | wake
+    elif wake is not None:
+        yield wake
+    else:
+        raise RuntimeError("idle ranks wait for requests that nothing will bring")
+    clock.now = env.now
 
 
 def _round_record(

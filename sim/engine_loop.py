@@ -49,12 +49,17 @@ class Arrivals(Protocol):
         """A step (or a decode run) was applied at `now`."""
 
 
+class Admits(Protocol):
+    def add_request(self, req: Request) -> str | None: ...
+
+
 class PendingArrivals:
-    """A trace's requests, in arrival order, for one engine (`simulate()`)."""
+    """A trace's requests, in arrival order, for one engine (`simulate()`), or for the
+    ranks of a data-parallel group."""
 
     __slots__ = ("core", "pending")
 
-    def __init__(self, core: EngineCore, pending: deque[Request]) -> None:
+    def __init__(self, core: Admits, pending: deque[Request]) -> None:
         self.core = core
         self.pending = pending
 

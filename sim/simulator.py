@@ -26,13 +26,10 @@ from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from sim.acceptance import AcceptanceModel
-from sim.analytic_cost_model import AnalyticCostModel
-from sim.cost_coefficients import load_cost_coefficients
 from sim.cost_model import CostModel, prices_decode_runs
 from sim.cost_model_registry import engine_cost_model
-from sim.data_parallel import DataParallelStats, serve_data_parallel
+from sim.data_parallel import DataParallelStats, rank_group, serve_data_parallel
 from sim.engine_loop import Clock, FastForwardStats, PendingArrivals, serve_engine
-from sim.expert_parallel_cost import ExpertParallelCost
 from sim.hardware import HardwareSpec, get_hardware
 from sim.kv_capacity import engine_kv_blocks
 from sim.sim_executor import SimExecutor
@@ -198,36 +195,18 @@ def _simulate_ranks(
             f"structured requests with data_parallel_size={n}: the engine does not serve "
             "structured outputs over several ranks yet (LLM refuses so_args there)"
         )
-    if engine.async_scheduling:
-        raise ValueError(
-            f"async_scheduling=True with data_parallel_size={n}: the simulator runs the ranks "
-            "in lock-step rounds and does not model async overlap; set it to False"
-        )
-    analytic = cost if isinstance(cost, AnalyticCostModel) else None
-    if analytic is None and cost_meta.get("cost_model") == "profiled":
-        analytic = AnalyticCostModel(spec, hw, load_cost_coefficients())
-    rounds = ExpertParallelCost(
-        spec, hw, n, expert_parallel=engine.enable_expert_parallel, analytic=analytic,
-        seed=engine.seed, activation_bytes=2,
-    )  # fmt: skip
     env = simpy.Environment()
-    cores = [
-        EngineCore(
-            engine,
-            SimExecutor(engine, num_blocks, acceptance_rate=acceptance),
-            clock=lambda: env.now,
-            model_max_len=spec.max_position_embeddings,
-            check_invariants=check_invariants,
-        )  # fmt: skip
-        for _ in range(n)
-    ]
+    group, rounds = rank_group(
+        env, spec, hw, engine, cost, cost_meta, num_blocks, acceptance, check_invariants
+    )
     requests = build_requests(trace, spec.vocab_size)
     stats = DataParallelStats()
-    steps: list[StepRecord] = []
+    arrivals = PendingArrivals(group, deque(requests))
     env.process(
-        serve_data_parallel(env, cores, deque(requests), cost, rounds, stats, steps, on_progress)
+        serve_data_parallel(env, group, arrivals, Clock(), cost, rounds, stats, on_progress)
     )
     env.run()
+    cores, steps = group.cores, group.steps
     records = _in_trace_order(requests, cores)
     meta = _meta(trace, spec, hw, engine, cost_meta, num_blocks, cores, mask_s)
     meta["num_steps"] = stats.num_rounds

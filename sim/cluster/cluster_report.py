@@ -13,10 +13,12 @@ from deepinfer.metrics import SLO
 from deepinfer.records import RequestRecord
 from deepinfer.request import Request
 from sim.cluster.description import ClusterSpec, PoolSpec
+from sim.data_parallel import RankGroup
 from sim.traces import Trace
 
 if TYPE_CHECKING:
     from sim.cluster.cluster import Cluster
+    from sim.cluster.instance import Instance
 
 
 def merge_records(requests: list[Request], hub: Cluster) -> list[RequestRecord]:
@@ -76,7 +78,7 @@ def cluster_meta(
                 "steps": len(steps),
                 "kv_usage_mean": sum(usage) / len(usage) if usage else None,
                 "kv_usage_max": max(usage) if usage else None,
-                "prefix_evictions": inst.core.scheduler.kv.pool.num_evictions,
+                "prefix_evictions": _evictions(inst),
             }
         )
     meta: dict[str, Any] = {
@@ -160,3 +162,8 @@ def plan_cost(spec: ClusterSpec, summary: dict[str, Any], slo: SLO | None) -> di
         "per_million_output_tokens": dollars / counted_out * 1e6 if counted_out else None,
         "per_million_input_tokens": dollars / counted_in * 1e6 if counted_in else None,
     }
+
+
+def _evictions(inst: Instance) -> int:
+    cores = inst.core.cores if isinstance(inst.core, RankGroup) else [inst.core]
+    return sum(c.scheduler.kv.pool.num_evictions for c in cores)

@@ -306,12 +306,6 @@ def _check(spec: ClusterSpec) -> ClusterSpec:
                 f"({sorted(sizes)}): a router compares their cached prefixes block by block"
             )
     for p in spec.pools:
-        if p.engine.data_parallel_size > 1:
-            raise ClusterError(
-                f"{at}: pool {p.name}: data_parallel_size={p.engine.data_parallel_size}: "
-                "instances of several data-parallel ranks are not simulated in a cluster yet "
-                "(`deepinfer simulate --data-parallel-size` simulates one such instance)"
-            )
         if p.hardware not in spec.prices:
             raise ClusterError(
                 f"{at}: pool {p.name}: no price for GPU {p.hardware!r} (add prices.{p.hardware})"

@@ -11,8 +11,24 @@ import simpy
 
 from deepinfer.engine import EngineCore
 from deepinfer.request import Request
-from deepinfer.routing.instance_report import report_of
+from deepinfer.routing import InstanceView
+from deepinfer.routing.instance_report import InstanceReport, report_of, view_of
+from sim.data_parallel import RankGroup
 from sim.engine_loop import Clock
+
+# What an instance serves with: one engine, or data-parallel ranks in lock-step.
+Served = EngineCore | RankGroup
+
+
+def instance_view(index: int, core: Served) -> InstanceView:
+    return core.view(index) if isinstance(core, RankGroup) else view_of(index, core)
+
+
+def _report(index: int, core: Served, ended: list[str]) -> InstanceReport:
+    return (
+        core.report(index, ended) if isinstance(core, RankGroup) else report_of(index, core, ended)
+    )
+
 
 if TYPE_CHECKING:
     from sim.cluster.cluster import Cluster
@@ -31,7 +47,7 @@ class Instance:
         name: str,
         role: str,
         index: int,
-        core: EngineCore,
+        core: Served,
         clock: Clock,
         routing: PoolRouting,
     ) -> None:
@@ -98,7 +114,7 @@ class Instance:
         records = self.core.records[self.num_reported :]
         self.num_reported = len(self.core.records)
         ended = [r.req_id for r in records]
-        report = report_of(self.index, self.core, ended)
+        report = _report(self.index, self.core, ended)
         self.routing.post(report, now, self.cluster.decided_until)
         if records:
             self.cluster.ended(self, records)

@@ -7,7 +7,7 @@ configuration and cost model, all in one simpy environment (sim/cluster/cluster.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,16 +19,17 @@ from deepinfer.metrics import SLO, summarize
 from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.routing import make_router
-from deepinfer.routing.instance_report import view_of
 from sim.acceptance import AcceptanceModel
 from sim.cluster.cluster import Cluster, Handover
 from sim.cluster.cluster_report import cluster_meta, merge_records
 from sim.cluster.description import ClusterSpec, PoolSpec
-from sim.cluster.instance import Instance
+from sim.cluster.instance import Instance, Served, instance_view
 from sim.cluster.pool_routing import PoolRouting
 from sim.cost_model import CostModel, prices_decode_runs
 from sim.cost_model_registry import engine_cost_model
+from sim.data_parallel import DataParallelStats, RankGroup, rank_group, serve_data_parallel
 from sim.engine_loop import Clock, FastForwardStats, serve_engine
+from sim.expert_parallel_cost import ExpertParallelCost
 from sim.hardware import get_hardware
 from sim.kv_capacity import engine_kv_blocks
 from sim.sim_executor import SimExecutor
@@ -89,29 +90,37 @@ def simulate_cluster(
         entry_model.num_hidden_layers,
         on_progress,
     )
-    groups: dict[bool, list[tuple[_Pool, EngineCore, Clock, str]]] = {False: [], True: []}
+    groups: dict[bool, list[tuple[_Pool, Served, Clock, str]]] = {False: [], True: []}
+    rounds: dict[str, ExpertParallelCost] = {}  # instance of data-parallel ranks -> its rounds
     for pool in pools:
         for i in range(pool.spec.count):
-            clock = Clock()
-            executor = SimExecutor(
-                pool.spec.engine, pool.num_blocks, acceptance_rate=acceptance_rate
-            )
-            core = EngineCore(
-                pool.spec.engine,
-                executor,
-                clock=clock,
-                model_max_len=pool.model.max_position_embeddings,
-                check_invariants=check_invariants,
-            )
             name = f"{pool.spec.name}[{i}]"
+            clock = Clock()
+            core: Served
+            if pool.spec.engine.data_parallel_size > 1:
+                core, rounds[name] = _rank_group(
+                    env, pool, cluster, acceptance_rate, check_invariants
+                )
+            else:
+                executor = SimExecutor(
+                    pool.spec.engine, pool.num_blocks, acceptance_rate=acceptance_rate
+                )
+                core = EngineCore(
+                    pool.spec.engine,
+                    executor,
+                    clock=clock,
+                    model_max_len=pool.model.max_position_embeddings,
+                    check_invariants=check_invariants,
+                )
             groups[pool.spec.role == "decode"].append((pool, core, clock, name))
     runs: dict[str, FastForwardStats] = {}
+    dp_stats: dict[str, DataParallelStats] = {}
     for is_decode, members in groups.items():
         if not members:
             continue
         rspec = (cluster.decode_router or cluster.router) if is_decode else cluster.router
         router = make_router(rspec.policy, len(members), seed=cluster.seed, **rspec.options)
-        routing = PoolRouting(router, [view_of(i, m[1]) for i, m in enumerate(members)])
+        routing = PoolRouting(router, [instance_view(i, m[1]) for i, m in enumerate(members)])
         target = hub.decode if is_decode else hub.entry
         if is_decode:
             hub.decode_routing = routing
@@ -128,7 +137,14 @@ def simulate_cluster(
             if stats is not None:
                 runs[name] = stats
             hw = get_hardware(pool.spec.hardware)
-            env.process(_instance_loop(env, hub, inst, pool.cost, hw.runs_on_host, stats))
+            if isinstance(core, RankGroup):
+                dp = dp_stats[name] = DataParallelStats()
+                loop = serve_data_parallel(env, core, inst, clock, pool.cost, rounds[name], dp)
+            else:
+                loop = serve_engine(
+                    env, clock, core, inst, pool.cost, 0.0, None, hw.runs_on_host, stats
+                )
+            env.process(_then_ended(hub, inst, loop))
     hub.entry_running = len(hub.entry)
     env.run()
     records = merge_records(requests, hub)
@@ -138,6 +154,8 @@ def simulate_cluster(
     meta = cluster_meta(
         trace, cluster, hub, summary, slo, [(p.spec, p.cost_meta, p.num_blocks) for p in pools]
     )
+    if dp_stats:
+        meta["data_parallel"] = {name: st.to_meta() for name, st in dp_stats.items()}
     meta["fast_forward"] = (
         {
             "enabled": True,
@@ -152,17 +170,28 @@ def simulate_cluster(
     return ClusterResult(records, steps, summary, meta, hub.handovers, decode_records, instances)
 
 
-def _instance_loop(
-    env: simpy.Environment,
-    hub: Cluster,
-    inst: Instance,
-    cost: CostModel,
-    on_host: bool,
-    runs: FastForwardStats | None,
-) -> Any:
-    yield from serve_engine(env, inst.clock, inst.core, inst, cost, 0.0, None, on_host, runs)
+def _then_ended(hub: Cluster, inst: Instance, loop: Generator[Any, Any, None]) -> Any:
+    """An instance's engine loop; an entry instance's end may end the decode side's wait."""
+    yield from loop
     if inst.role != "decode":
         hub.entry_loop_ended(inst)
+
+
+def _rank_group(
+    env: simpy.Environment,
+    pool: _Pool,
+    cluster: ClusterSpec,
+    acceptance: float | AcceptanceModel,
+    check_invariants: bool,
+) -> tuple[RankGroup, ExpertParallelCost]:
+    hw = get_hardware(pool.spec.hardware)
+    try:
+        return rank_group(
+            env, pool.model, hw, pool.spec.engine, pool.cost, pool.cost_meta, pool.num_blocks,
+            acceptance, check_invariants,
+        )  # fmt: skip
+    except ValueError as e:
+        raise ValueError(f"{cluster.source}: pool {pool.spec.name}: {e}") from None
 
 
 def _resolve(

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from deepinfer.routing import ROUTERS
 from sim.cluster import simulate_cluster
 from sim.cluster.description import cluster_from_dict
+from sim.data_parallel import RankGroup
 from sim.traces import TraceRequest
 from tests.property.strategies import scaled
 
@@ -30,13 +31,15 @@ def clusters(draw: st.DrawFn) -> dict:  # type: ignore[type-arg]
     roles = ["prefill", "decode"] if pd else ["colocated"] * draw(st.integers(1, 3))
     pools = []
     for i, role in enumerate(roles):
+        ranks = draw(st.sampled_from([1, 1, 2]))  # instances of data-parallel ranks too
         engine = {
             "block_size": BLOCK,
             "num_gpu_blocks": draw(st.integers(6, 40)),
             "max_num_seqs": draw(st.integers(1, 8)),
             "max_num_batched_tokens": draw(st.sampled_from([64, 256, 2048])),
-            "async_scheduling": draw(st.booleans()),
+            "async_scheduling": ranks == 1 and draw(st.booleans()),  # (refused over ranks)
             "enable_prefix_caching": draw(st.booleans()),
+            "data_parallel_size": ranks,
         }
         pools.append(
             {"name": f"{role}{i}", "role": role, "count": draw(st.integers(1, 3)), "engine": engine}
@@ -91,8 +94,13 @@ def test_a_cluster_ends_every_request_once_and_conserves_its_blocks(
     by_id = {r.id: r for r in trace}
     assert [r.req_id for r in result.requests] == [r.id for r in trace]
     hub_instances = list(result.instances.values())
+    engines = {
+        i.name: i.core.cores if isinstance(i.core, RankGroup) else [i.core] for i in hub_instances
+    }
     # Exactly one terminal state, and the tokens asked for (or up to max_model_len).
-    limits = {i.core.max_model_len for i in hub_instances if i.role != "prefill"}
+    limits = {
+        c.max_model_len for i in hub_instances if i.role != "prefill" for c in engines[i.name]
+    }
     for rec in result.requests:
         assert rec.status in ("finished", "rejected"), rec
         if rec.status == "finished":
@@ -100,13 +108,15 @@ def test_a_cluster_ends_every_request_once_and_conserves_its_blocks(
             assert n == by_id[rec.req_id].output_len or rec.num_prompt_tokens + n in limits
     # Every instance holds nothing at the end (its invariants held after every step).
     for inst in hub_instances:
-        assert inst.core.scheduler.kv.usage == 0.0, inst.name
+        assert all(c.scheduler.kv.usage == 0.0 for c in engines[inst.name]), inst.name
         assert not inst.core.has_unfinished()
     # Routing: rejected only where no instance of the pool could serve the prompt.
     entry = [i for i in hub_instances if i.role != "decode"]
     decode = [i for i in hub_instances if i.role == "decode"]
-    fits_entry = max(i.core.scheduler.max_prompt_tokens for i in entry)
-    fits_decode = max((i.core.scheduler.max_prompt_tokens for i in decode), default=0)
+    fits_entry = max(c.scheduler.max_prompt_tokens for i in entry for c in engines[i.name])
+    fits_decode = max(
+        (c.scheduler.max_prompt_tokens for i in decode for c in engines[i.name]), default=0
+    )
     for rec in result.requests:
         prompt = by_id[rec.req_id].prompt_len
         can_serve = prompt <= fits_entry and (not decode or prompt <= fits_decode)

@@ -143,7 +143,6 @@ def test_the_plan_is_priced_per_million_tokens() -> None:
         ({"pools": [{"name": "a"}], "kv_transfer": {"link": "ib"}}, "kv_transfer.link 'ib'"),
         ({"pools": [{"name": "a", "hardware": "h100"}], "prices": {"h100": -1}}, "prices.h100"),
         ({"pools": [{"name": "a"}], "tiers": {}}, "unknown key(s) ['tiers']"),
-        ({"pools": [{"name": "a", "engine": {"data_parallel_size": 2}}]}, "data_parallel_size=2"),
     ],
 )
 def test_a_wrong_key_or_value_is_named(raw: dict, named: str) -> None:  # type: ignore[type-arg]
@@ -181,3 +180,36 @@ def test_the_cluster_plans_benchmark_prints_a_row_per_plan(
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 5 + 2  # header, five routers, PD 2:2 and 1:3
     assert rows[-1].startswith("| PD 1:3 | least-requests / least-requests |")
+
+
+def test_an_instance_of_data_parallel_ranks_is_simulate_round_for_round() -> None:
+    trace = _trace(100)
+    one = simulate(trace, "deepseek-v2-lite", engine=EngineConfig(data_parallel_size=2))
+    raw = {
+        "model": "deepseek-v2-lite",
+        "pools": [{"name": "g", "engine": {"data_parallel_size": 2}}],
+    }
+    many = simulate_cluster(trace, cluster_from_dict(raw))
+    assert _steps(many.steps["g[0]"]) == _steps(one.steps)
+    assert [r.__dict__ for r in many.requests] == [r.__dict__ for r in one.requests]
+    assert many.meta["pools"][0]["gpus"] == 2 and "g[0]" in many.meta["data_parallel"]
+
+
+def test_disaggregated_pools_of_expert_parallel_ranks_serve_every_request() -> None:
+    raw = {
+        "model": "deepseek-v2-lite",
+        "router": "least-kv",
+        "pools": [
+            {"name": "p", "role": "prefill", "engine": {"data_parallel_size": 2}},
+            {
+                "name": "d",
+                "role": "decode",
+                "count": 2,
+                "engine": {"data_parallel_size": 4, "enable_expert_parallel": True},
+            },
+        ],
+    }
+    result = simulate_cluster(_trace(60), cluster_from_dict(raw), check_invariants=True)
+    assert result.summary["num_completed"] == 60
+    assert result.meta["cost"]["gpus"] == 2 + 2 * 4
+    assert result.meta["data_parallel"]["d[0]"]["all_to_all_seconds"] > 0
