@@ -206,7 +206,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     slo = parse_slo(args.slo) if args.slo else None
     mask_us = args.grammar_mask_us
     # Options that cannot apply are refused, not accepted and ignored.
-    if args.acceptance_rate is not None and not engine.num_speculative_tokens:
+    cluster = _cluster(args, engine)
+    engines = [p.engine for p in cluster.pools] if cluster is not None else [engine]
+    if args.acceptance_rate is not None and not any(e.num_speculative_tokens for e in engines):
         raise ValueError(
             "--acceptance-rate: the engine does not speculate (add --num-speculative-tokens)"
         )
@@ -217,7 +219,6 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
     model = _model(args.model, args.add_mtp_layer, engine.num_speculative_tokens)
     acceptance = 0.7 if args.acceptance_rate is None else args.acceptance_rate
-    cluster = _cluster(args, engine)
     if cluster is not None:
         if args.add_mtp_layer or args.structured or mask_us is not None:
             raise ValueError(
