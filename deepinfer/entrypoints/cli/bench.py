@@ -38,6 +38,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "cluster_plans",
         "colocated replicas under each router and prefill/decode ratios on one trace",
     ),
+    "deepseek-production": (
+        "deepseek_production",
+        "DeepSeek's published per-node throughput beside the simulator's for its plan",
+    ),
     "sweep-speed": ("sweep_speed", "`deepinfer sweep` wall time against the worker count"),
     "kernels": (
         "kernels_bench",
