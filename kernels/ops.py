@@ -30,6 +30,10 @@ from kernels.reference import (
     rmsnorm_ref,
 )
 
+# FP8 weights' block layout, which the models fill and read (no kernel choice in them).
+from kernels.reference import dequantize_blocks as dequantize_blocks  # noqa: E402
+from kernels.reference import quantize_blocks as quantize_blocks  # noqa: E402
+
 BACKENDS = ("auto", "torch", "triton")
 
 

@@ -23,7 +23,7 @@ from deepinfer.model_config import ModelConfig
 from executors.models.layers import Linear
 from executors.models.mla import MLAttention
 from executors.models.moe import Experts
-from kernels.reference import quantize_blocks
+from kernels import ops as kernel_ops
 
 
 def convert_to_fp8(model: nn.Module, cfg: ModelConfig) -> None:
@@ -53,7 +53,7 @@ def quantize_into(
     halves: bool = False,
 ) -> None:
     """Fill e4m3 `weight` [..., N, K] and its block scales `scale` [..., rows, cols] with
-    `value` [..., N, K] quantized (kernels.reference.quantize_blocks): each leading index
+    `value` [..., N, K] quantized (kernels.ops.quantize_blocks): each leading index
     is a matrix of its own, and with `halves` (fused experts' gate/up) so is each half of
     its rows, as DeepSeek's gate_proj and up_proj are quantized apart."""
     ws = weight.view(-1, *weight.shape[-2:])
@@ -63,6 +63,6 @@ def quantize_into(
     parts = [(slice(0, n // 2), slice(0, rows // 2)), (slice(n // 2, n), slice(rows // 2, rows))]
     for w, s, v in zip(ws, ss, vs):
         for wr, sr in parts if halves else [(slice(0, n), slice(0, rows))]:
-            q, sc = quantize_blocks(v[wr], block)
+            q, sc = kernel_ops.quantize_blocks(v[wr], block)
             w[wr].copy_(q)
             s[sr].copy_(sc)

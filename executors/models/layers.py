@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops as kernel_ops
-from kernels.reference import dequantize_blocks
 
 
 class Linear(nn.Linear):
@@ -49,7 +48,9 @@ class Linear(nn.Linear):
         such as MLA's absorbed W_UK / W_UV)."""
         if self.fp8_block is None or self.weight_scale_inv is None:
             return
-        w = dequantize_blocks(self.weight.data, self.weight_scale_inv.data, self.fp8_block, dtype)
+        w = kernel_ops.dequantize_blocks(
+            self.weight.data, self.weight_scale_inv.data, self.fp8_block, dtype
+        )
         self.weight = nn.Parameter(w, requires_grad=False)
         self.weight_scale_inv = None
         self.fp8_block = None

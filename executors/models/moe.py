@@ -12,7 +12,6 @@ from torch import nn
 from deepinfer.model_config import ModelConfig
 from executors.models.layers import GatedMLP
 from kernels import ops as kernel_ops
-from kernels.reference import Fp8Scales
 
 if TYPE_CHECKING:
     from executors.distributed.expert_parallel import ExpertParallel
@@ -91,11 +90,13 @@ class Experts(nn.Module):
         self.down_proj_scale_inv = param(e, -(-h // bn), -(-i // bk))
         self.fp8_block = block
 
-    def fp8_scales(self) -> Fp8Scales | None:
+    def fp8_scales(self) -> kernel_ops.Fp8Scales | None:
         if self.fp8_block is None:
             return None
         assert self.gate_up_proj_scale_inv is not None and self.down_proj_scale_inv is not None
-        return Fp8Scales(self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.fp8_block)
+        return kernel_ops.Fp8Scales(
+            self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.fp8_block
+        )
 
     def forward(
         self,
