@@ -143,7 +143,7 @@ def build(
     path = Path(model) if model.endswith(".json") else PRESETS / f"{model}.json"
     raw = json.loads(path.read_text())
     raw["num_nextn_predict_layers"] = 0
-    spec = load_model_config(path)
+    spec = load_model_config(path).with_quantization(cfg.quantization)
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(raw))
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
@@ -249,6 +249,12 @@ def main() -> None:
     p.add_argument("--served-requests", type=int, default=200)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="fp8: the dummy weights in e4m3 with 128x128 block scales (the decode roofline "
+        "then reads 1-byte weights; prefill's stays the measured bf16 matmul ceiling)",
+    )
     args = p.parse_args()
     dev = torch.device(args.device)
     bw, peak = float("nan"), float("nan")
@@ -268,7 +274,7 @@ def main() -> None:
     steps_tokens = [d * (contexts[0] + 64) + p for d, p in mixed] + [n * ln for n, ln in short]
     cfg = sweep_config(
         max(batches), max(contexts), args.new_tokens, max([*prefills, *steps_tokens], default=0)
-    )
+    ).replace(quantization=args.quantization)
     ex, hf, spec = build(args.model, dev, cfg, with_hf=not args.no_hf)
     hf_limit = args.hf_max_kv_gib * 2**30
     rows = []
@@ -321,7 +327,16 @@ def main() -> None:
     print_step_table(rows)
     if args.json:
         args.json.write_text(
-            json.dumps(dict(copy_bw=bw, matmul_flops=peak, model=args.model, rows=rows), indent=1)
+            json.dumps(
+                dict(
+                    copy_bw=bw,
+                    matmul_flops=peak,
+                    model=args.model,
+                    quantization=args.quantization,
+                    rows=rows,
+                ),
+                indent=1,
+            )
         )
 
 

@@ -14,6 +14,8 @@
 #     requests offline and the simulator; about 7 min)
 #   bash benchmarks/run_device.sh gc   (not in all: the collector's pauses in a served run,
 #     the start-up heap frozen and not, Moonlight shapes; about 2 min)
+#   bash benchmarks/run_device.sh fp8   (not in all: the FP8 kernels' and FP8 model's GPU
+#     tests, then model-speed rows of Moonlight shapes in bf16 and FP8 side by side)
 # The model sweep's JSON plots here with python -m benchmarks.plot_model_speed (matplotlib).
 # Missing pure-Python packages (simpy) travel as wheels in .whl/.
 set -uo pipefail
@@ -125,6 +127,19 @@ if [[ $what == spec ]]; then
   status=${PIPESTATUS[0]}
   "${bench[@]}" speculative --json "$OUT/speculative.json" "$@" 2>&1 \
     | grep -v Warning | tee "$OUT/speculative.log" | tail -70
+fi
+if [[ $what == fp8 ]]; then
+  # FP8 block-scaled weights: kernel vs twin (GEMM, fused MoE), then the FP8 model on the
+  # GPU; then decode/prefill rows in bf16 and FP8 (roofline with 1-byte weights).
+  python3 -m pytest -q -m gpu tests/kernels/test_fp8_linear.py \
+    tests/executors/test_fp8_checkpoint.py -p no:cacheprovider 2>&1 \
+    | tee "$OUT/fp8_tests.log" | tail -10
+  status=${PIPESTATUS[0]}
+  for quant in "" fp8; do
+    "${bench[@]}" model-speed --no-hf ${quant:+--quantization $quant} --batches 1,8,64,256 \
+      --json "$OUT/model_speed${quant:+_$quant}.json" 2>&1 | grep -v Warning \
+      | tee "$OUT/model_speed${quant:+_$quant}.log" | tail -20
+  done
 fi
 if [[ $what == gc ]]; then
   python3 benchmarks/investigations/gc_pauses.py --model moonlight-16b-a3b --device cuda \

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer import envs
+from deepinfer.model_config import QUANTIZATIONS
 
 
 class EngineRole(enum.StrEnum):
@@ -57,9 +58,17 @@ class EngineConfig:
     # Bit-identical results per request whatever the batch, chunking or prefix hits (CUDA
     # only: the CPU executor refuses it; the simulator needs a profile measured in it).
     batch_invariant: bool = field(default_factory=envs.batch_invariant)
+    # "fp8": linear weights in e4m3 with a scale per 128 x 128 block (DeepSeek's FP8
+    # checkpoints; a bf16 checkpoint is quantized at load time), priced so by the
+    # simulator. None: the checkpoint as it is (an FP8 checkpoint is served in FP8).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         envs.refuse_unimplemented()
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization={self.quantization!r}: expected one of {QUANTIZATIONS} or None"
+            )
         if isinstance(self.role, str) and not isinstance(self.role, EngineRole):
             try:
                 object.__setattr__(self, "role", EngineRole(self.role.lower()))
@@ -142,6 +151,11 @@ class EngineConfig:
             raise ValueError(
                 "async_scheduling=True with enable_expert_parallel: a rank may then run two "
                 "forwards in one engine step, breaking the MoE lock-step; set it to False"
+            )
+        if self.quantization is not None:
+            raise ValueError(
+                f"quantization={self.quantization!r} with enable_expert_parallel: the expert "
+                "exchange carries bf16 expert weights only; use one of the two"
             )
         if self.batch_invariant:
             raise ValueError(

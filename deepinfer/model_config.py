@@ -34,6 +34,8 @@ from deepinfer.hf_config_keys import (
 logger = logging.getLogger(__name__)
 
 _SCORING = ("softmax", "sigmoid")
+QUANTIZATIONS = ("fp8",)  # what `quantization=` accepts (EngineConfig, both executors)
+FP8_DEFAULT_BLOCK = (128, 128)  # DeepSeek's weight_block_size
 _TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -78,6 +80,10 @@ class ModelConfig:
     dtype_bytes: int = 2  # linear-layer weights: 2 for bf16, 1 for fp8 checkpoints
     embed_dtype_bytes: int = 2  # embedding / lm_head stay bf16 even in fp8 checkpoints
     kv_dtype_bytes: int = 2  # KV cache entries: the checkpoint's dtype, as the executor's
+    # FP8 (quant_method "fp8"): the weights' scale blocks (output rows, input columns),
+    # quantization_config.weight_block_size, and the modules it leaves unquantized.
+    weight_block_size: tuple[int, int] | None = None
+    fp8_skip_modules: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -139,6 +145,8 @@ class ModelConfig:
                 # The real executor caches KV in the checkpoint's dtype (bf16 beside fp8
                 # weights, whose config states bf16).
                 kv_dtype_bytes=2 if quant_method == "fp8" else dtype_bytes(raw),
+                weight_block_size=_block_size(quant) if quant and quant_method == "fp8" else None,
+                fp8_skip_modules=tuple(quant.get("modules_to_not_convert") or ()) if quant else (),
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from None
@@ -189,6 +197,23 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes)
+
+    def with_quantization(self, method: str | None) -> ModelConfig:
+        """The model as an engine with `quantization=method` serves it: "fp8" quantizes
+        a bf16 checkpoint's linear weights at load time in 128 x 128 blocks (an FP8
+        checkpoint stays as it is); None changes nothing. Anything else is refused."""
+        if method is None or self.quant_method == method:
+            return self
+        if method not in QUANTIZATIONS:
+            raise ValueError(f"quantization={method!r}: expected one of {QUANTIZATIONS} or None")
+        if self.quant_method is not None:
+            raise ValueError(
+                f"quantization={method!r}: {self.name} is already quantized "
+                f"({self.quant_method}); drop the option"
+            )
+        return replace(
+            self, quant_method=method, dtype_bytes=1, weight_block_size=FP8_DEFAULT_BLOCK
+        )
 
     def _validate(self, source: str) -> None:
         def bad(key: str, value: Any, why: str) -> ValueError:
@@ -407,6 +432,18 @@ def _config_source(name_or_path: str | Path) -> tuple[Path, str]:
     raise ValueError(
         f"unknown model {text!r}: not a preset ({', '.join(known_models())}) nor a config.json path"
     )
+
+
+def _block_size(quant: dict[str, Any]) -> tuple[int, int]:
+    """quantization_config.weight_block_size: two positive ints (DeepSeek's default)."""
+    raw = quant.get("weight_block_size") or FP8_DEFAULT_BLOCK
+    if (
+        not isinstance(raw, list | tuple)
+        or len(raw) != 2
+        or not all(isinstance(v, int) and v > 0 for v in raw)
+    ):
+        raise ValueError(f"quantization_config.weight_block_size={raw!r}: expected [rows, cols]")
+    return int(raw[0]), int(raw[1])
 
 
 def load_model_config(name_or_path: str | Path, dtype_bytes: int | None = None) -> ModelConfig:

@@ -27,6 +27,7 @@ from deepinfer import envs
 from deepinfer.model_config import PRESETS_DIR, ModelConfig, known_models
 from executors.distributed.expert_parallel import ExpertParallel
 from executors.models.deepseek import DeepseekForCausalLM, fuse_projections
+from executors.models.fp8 import convert_to_fp8, finish_fp8, quantize_into
 from executors.models.moe import MoE, shard_experts
 from executors.models.mtp import DeepseekMTP
 
@@ -42,8 +43,14 @@ DTYPES = {
 }
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _HUB_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt"]
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(
+    r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$"
+)
+_FP8_FORMATS = {"fmt": ("e4m3",), "activation_scheme": ("dynamic",)}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_FUSED_EXPERTS = tuple(
+    f"experts.{w}{s}" for w in ("gate_up_proj", "down_proj") for s in ("", "_scale_inv")
+)
 _MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
 _MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the main model's are used
 
@@ -121,14 +128,21 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
 def read_model_config(model_dir: Path) -> ModelConfig:
     """The checkpoint's config.json, parsed; refuses what this executor cannot run."""
     path = Path(model_dir) / "config.json"
-    cfg = ModelConfig.from_dict(
-        read_hf_config(model_dir), source=str(path), name=Path(model_dir).name
-    )
-    if cfg.quant_method is not None:
+    raw = read_hf_config(model_dir)
+    cfg = ModelConfig.from_dict(raw, source=str(path), name=Path(model_dir).name)
+    if cfg.quant_method is not None and cfg.quant_method != "fp8":
         raise ValueError(
             f"{path}: quantization_config ({cfg.quant_method}) is not supported by the torch "
-            "executor; use a bf16/fp16/fp32 checkpoint (the simulator prices it as given)"
+            "executor; it runs fp8 (DeepSeek's block-scaled e4m3) and bf16/fp16/fp32 "
+            "checkpoints (the simulator prices it as given)"
         )
+    for key, accepted in _FP8_FORMATS.items() if cfg.quant_method == "fp8" else ():
+        value = raw["quantization_config"].get(key, accepted[0])
+        if value not in accepted:
+            raise ValueError(
+                f"{path}: quantization_config.{key}={value!r} is not supported by the torch "
+                f"executor (it runs {key} {accepted[0]!r}, DeepSeek's FP8 checkpoints)"
+            )
     return cfg
 
 
@@ -197,6 +211,8 @@ def build_model(
     for name, module in model.named_modules():
         if name.endswith("mlp.gate"):
             module.float()
+    if cfg.quant_method == "fp8":
+        convert_to_fp8(model, cfg)
     model.to_empty(device=device)
     fuse_projections(model)
     model.tie_weights()
@@ -215,12 +231,20 @@ def load_model(
     ep: ExpertParallel | None = None,
 ) -> DeepseekForCausalLM:
     """The checkpoint's weights (or random ones: load_format="dummy"); with `ep`, only this
-    rank's experts of each MoE layer are read."""
+    rank's experts of each MoE layer are read. cfg.quant_method "fp8" (an FP8 checkpoint,
+    or `cfg.with_quantization("fp8")` of a bf16 one): the layout of executors/models/fp8.py,
+    e4m3 tensors copied as they are and others quantized as they load."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}: expected one of {LOAD_FORMATS}")
+    if cfg.quant_method == "fp8" and ep is not None:
+        raise ValueError(
+            "quantization fp8 with enable_expert_parallel: the expert exchange carries "
+            "bf16 expert weights only; use one of the two"
+        )
     if load_format == "dummy":
         model = build_model(cfg, dtype, device, cfg.num_nextn_predict_layers > 0, ep)
         init_dummy_weights(model, seed, experts_seed=None if ep is None else seed + 1 + ep.rank)
+        finish_fp8(model, dtype)
         return model
     files = checkpoint_files(model_dir)
     mtp_prefixes = tuple(
@@ -229,6 +253,7 @@ def load_model(
     with_mtp = bool(mtp_prefixes) and any(n.startswith(mtp_prefixes) for n in files)
     model = build_model(cfg, dtype, device, with_mtp, ep)
     _WeightFiller(model, cfg, with_mtp, ep).fill(files, device)
+    finish_fp8(model, dtype)
     return model
 
 
@@ -240,6 +265,7 @@ def load_state_dict_into(
     own `state_dict()`), with the same name mapping and completeness checks as files."""
     filler = _WeightFiller(model, cfg, with_mtp=model.mtp is not None)
     filler.finish(filler.fill_tensors((name, state.__getitem__) for name in state))
+    finish_fp8(model, model.lm_head.weight.dtype)  # (the LM head is never FP8)
 
 
 @torch.no_grad()
@@ -250,16 +276,27 @@ def init_dummy_weights(
     experts_seed: routed experts draw from their own generator (expert parallelism: the
     ranks' expert shares differ in size, and the replicated weights must stay equal)."""
     gens: dict[tuple[torch.device, bool], torch.Generator] = {}
-    for name, p in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, p in params.items():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith(("bias", "e_score_correction_bias")):
             p.zero_()
+        elif name.endswith("_scale_inv"):
+            continue  # filled with its FP8 weight
         else:
             own = experts_seed is not None and ".experts." in name
             s = experts_seed if own and experts_seed is not None else seed
             gen = gens.setdefault((p.device, own), torch.Generator(p.device).manual_seed(s))
-            p.normal_(0.0, std, generator=gen)
+            if p.dtype != torch.float8_e4m3fn:
+                p.normal_(0.0, std, generator=gen)
+                continue
+            value = torch.empty(p.shape, device=p.device).normal_(0.0, std, generator=gen)
+            module = model.get_submodule(name.rsplit(".", 1)[0])
+            block = getattr(module, "fp8_block")  # noqa: B009 (Linear or Experts)
+            quantize_into(
+                p, params[f"{name}_scale_inv"], value, block, name.endswith("gate_up_proj")
+            )
 
 
 class _WeightFiller:
@@ -275,6 +312,7 @@ class _WeightFiller:
         self.cfg = cfg
         self.ep = ep  # only this rank's experts are read
         self.params = dict(model.named_parameters())
+        self.modules = dict(model.named_modules())
         self.with_mtp = with_mtp
         self.filled: dict[str, set[tuple[str, int]]] = defaultdict(set)
 
@@ -327,6 +365,7 @@ class _WeightFiller:
         e = _EXPERT.match(name)
         if e:
             param = e.group(1) + (".down_proj" if e.group(3) == "down_proj" else ".gate_up_proj")
+            param += e.group(4) or ""  # an FP8 checkpoint's block scales
             expert = int(e.group(2))
             if self.ep is not None:
                 expert -= self.ep.first_expert
@@ -337,31 +376,51 @@ class _WeightFiller:
 
     def _copy(self, name: str, tensor: torch.Tensor, param: str, kind: str, expert: int) -> None:
         p = self.params[param]
-        dst = p.data
-        fused_experts = param.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        fused_experts = param.endswith(_FUSED_EXPERTS)
         if self.ep is not None and fused_experts and kind == "all":
             # A fused [E, ...] checkpoint tensor: this rank's rows.
             tensor = tensor[self.ep.first_expert : self.ep.first_expert + self.ep.num_local]
-        if kind != "all":
-            dst = dst[expert]
-            half = dst.shape[0] // 2
-            if kind == "gate_proj":
-                dst = dst[:half]
-            elif kind == "up_proj":
-                dst = dst[half:]
+        dst = self._piece(p.data, kind, expert)
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"checkpoint tensor {name}: shape {tuple(tensor.shape)}, the model "
                 f"expects {tuple(dst.shape)} (config.json disagrees with the weights?)"
             )
-        dst.copy_(tensor)
-        self.filled[param] |= self._pieces(param) if kind == "all" else {(kind, expert)}
+        fp8 = torch.float8_e4m3fn
+        if tensor.dtype == fp8 and p.dtype != fp8:
+            raise ValueError(
+                f"checkpoint tensor {name} is float8_e4m3fn, and this model holds "
+                f"{param} in {p.dtype} (config.json's quantization_config disagrees with "
+                "the weights?)"
+            )
+        pieces = self._pieces(param) if kind == "all" else {(kind, expert)}
+        if p.dtype == fp8 and tensor.dtype != fp8:  # a bf16 checkpoint served in FP8
+            scale = f"{param}_scale_inv"
+            module = self.modules[param.rsplit(".", 1)[0]]
+            block = getattr(module, "fp8_block")  # noqa: B009 (Linear or Experts)
+            halves = kind == "all" and param.endswith("gate_up_proj")
+            s_dst = self._piece(self.params[scale].data, kind, expert)
+            quantize_into(dst, s_dst, tensor.to(dst.device), block, halves)
+            self.filled[scale] |= pieces
+        else:
+            dst.copy_(tensor)
+        self.filled[param] |= pieces
+
+    @staticmethod
+    def _piece(dst: torch.Tensor, kind: str, expert: int) -> torch.Tensor:
+        """The part of a parameter one checkpoint tensor fills: all of it, or one expert's
+        rows (gate rows first, then up rows; a scale's block rows the same way)."""
+        if kind == "all":
+            return dst
+        dst = dst[expert]
+        half = dst.shape[0] // 2
+        return {"gate_proj": dst[:half], "up_proj": dst[half:]}.get(kind, dst)
 
     def _pieces(self, param: str) -> set[tuple[str, int]]:
-        if param.endswith("experts.gate_up_proj"):
+        if param.endswith(("experts.gate_up_proj", "experts.gate_up_proj_scale_inv")):
             n = self.params[param].shape[0]
             return {(k, e) for e in range(n) for k in ("gate_proj", "up_proj")}
-        if param.endswith("experts.down_proj"):
+        if param.endswith(("experts.down_proj", "experts.down_proj_scale_inv")):
             return {("down_proj", e) for e in range(self.params[param].shape[0])}
         return {("all", -1)}
 
@@ -369,8 +428,11 @@ class _WeightFiller:
         missing = []
         for param in self.params:
             for kind, e in sorted(self._pieces(param) - self.filled[param]):
+                scale = "_scale_inv" if param.endswith("_scale_inv") else ""
                 missing.append(
-                    param if kind == "all" else f"{param.rsplit('.', 1)[0]}.{e}.{kind}.weight"
+                    param
+                    if kind == "all"
+                    else f"{param.rsplit('.', 1)[0]}.{e}.{kind}.weight{scale}"
                 )
         if missing:
             missing = [_checkpoint_name(n, self.cfg) for n in missing]

@@ -76,13 +76,21 @@ class TorchExecutor(Executor):
         self.model_dir: Path = resolve_model_dir(
             model, revision=revision, weights=load_format != "dummy"
         )
-        self.config = read_model_config(self.model_dir)
+        self.config = read_model_config(self.model_dir).with_quantization(
+            engine_config.quantization
+        )
         self.vocab_size = self.config.vocab_size  # the engine checks prompts against it
         self.device = _device(device) if device else _default_device()
         if self.device.type == "cpu":  # process-wide: see envs.cpu_threads
             torch.set_num_threads(envs.cpu_threads())
         if engine_config.batch_invariant:
             check_supported(self.config, self.device, engine_config.block_size)
+            if self.config.quant_method is not None:
+                raise ValueError(
+                    f"batch_invariant=True with {self.config.quant_method} weights: the "
+                    "batch-invariant GEMMs are bf16 kernels (no FP8 path yet); use one of "
+                    "the two"
+                )
         self.dtype = resolve_dtype(self.config, dtype, self.device)
         self.config.check_max_model_len(engine_config.max_model_len)
         k = engine_config.num_speculative_tokens

@@ -11,6 +11,10 @@ columns [H, S * I] are cut into S experts of the routed size I, numbered E .. E 
 which every token picks with weight 1 (`moe_router(num_shared=S)`). At decode this
 replaces the shared MLP's three GEMVs, its activation and the add with nothing: its
 weights stream through the same launches as the routed experts'.
+
+FP8 experts (`fp8`: DeepSeek's block-scaled e4m3 weights) take the same launches: each
+K step rounds the activation tile to e4m3 per row in registers and scales the e4m3
+product by the row's and the weight block's scales (kernels/fp8_linear.py's scheme).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_linear import quantize_group
 from kernels.moe_align import moe_align
+from kernels.reference import Fp8Scales
 
 # (max T, config): block shapes by batch size; small T -> BLOCK_M 16 (decode: few rows per
 # expert, the GEMMs stream weights); large T -> bigger tiles (tensor-core bound). Each
@@ -77,6 +83,10 @@ def _moe_gate_up_kernel(
     stride_act,
     num_routed,
     stride_swn,
+    s_ptr,  # FP8: [E, 2 * up_scale_row, ceil(K / BLOCK_K)] float32, gate's blocks then up's
+    stride_se,
+    stride_sn,
+    up_scale_row,  # FP8: the first scale row of the up half (ceil(N / BLOCK_SN))
     NUM_SHARED: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -84,6 +94,8 @@ def _moe_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
+    BLOCK_SN: tl.constexpr,
 ):
     pid_m, pid_n = _block_ids(num_blocks_m, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -103,6 +115,8 @@ def _moe_gate_up_kernel(
             rows = (expert - num_routed) * N + offs_n
             g_ptrs = sw_ptr + rows[None, :] * stride_swn + offs_k[:, None]
             u_ptrs = g_ptrs + NUM_SHARED * N * stride_swn
+    sg_ptrs = s_ptr + expert * stride_se + (offs_n // BLOCK_SN) * stride_sn  # FP8 only
+    su_ptrs = sg_ptrs + up_scale_row * stride_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -111,8 +125,15 @@ def _moe_gate_up_kernel(
         w_mask = k_mask[:, None] & n_mask[None, :]
         wg = tl.load(g_ptrs, mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
         wu = tl.load(u_ptrs, mask=w_mask, other=0.0)
-        acc_g = tl.dot(a, wg, acc=acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, wu, acc=acc_u, input_precision=PRECISION)
+        if FP8:  # e4m3 x e4m3, each K step scaled by its row's and columns' scales
+            a_q, a_s = quantize_group(a)
+            sg = tl.load(sg_ptrs + k0 // BLOCK_K, mask=n_mask, other=0.0)
+            su = tl.load(su_ptrs + k0 // BLOCK_K, mask=n_mask, other=0.0)
+            acc_g += tl.dot(a_q, wg) * (a_s[:, None] * sg[None, :])
+            acc_u += tl.dot(a_q, wu) * (a_s[:, None] * su[None, :])
+        else:
+            acc_g = tl.dot(a, wg, acc=acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, wu, acc=acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -140,12 +161,17 @@ def _moe_down_kernel(
     stride_wn,
     num_routed,
     stride_swn,
+    s_ptr,  # FP8: [E, ceil(N / BLOCK_SN), ceil(K / BLOCK_K)] float32
+    stride_se,
+    stride_sn,
     NUM_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
+    BLOCK_SN: tl.constexpr,
 ):
     pid_m, pid_n = _block_ids(num_blocks_m, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -163,12 +189,18 @@ def _moe_down_kernel(
         if expert >= num_routed:  # columns (expert - E) * K .. of the shared down weight
             cols = (expert - num_routed) * K + offs_k
             w_ptrs = sw_ptr + offs_n[None, :].to(tl.int64) * stride_swn + cols[:, None]
+    s_ptrs = s_ptr + expert * stride_se + (offs_n // BLOCK_SN) * stride_sn  # FP8 only
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc=acc, input_precision=PRECISION)
+        if FP8:
+            a_q, a_s = quantize_group(a)
+            w_s = tl.load(s_ptrs + k0 // BLOCK_K, mask=n_mask, other=0.0)
+            acc += tl.dot(a_q, w) * (a_s[:, None] * w_s[None, :])
+        else:
+            acc = tl.dot(a, w, acc=acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc *= tl.load(topk_w_ptr + rows, mask=row_mask, other=0.0)[:, None]
@@ -198,12 +230,15 @@ def fused_moe(
     config: dict[str, int] | None = None,
     out: torch.Tensor | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8: Fp8Scales | None = None,
 ) -> torch.Tensor:
     """Same contract as `kernels.reference.fused_moe_ref`: x [T, H], w13 [E, 2I, H],
     w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] -> [T, H] in x.dtype.
     Weights must be contiguous in their last dim; no host synchronisation. `config`
     overrides the table's launch settings; `out` [T, H] receives the result. `shared`
-    = (gate/up [2SI, H], down [H, SI]): ids E + s pick slice s of the shared MLP."""
+    = (gate/up [2SI, H], down [H, SI]): ids E + s pick slice s of the shared MLP.
+    fp8: w13 and w2 are e4m3 with these block scales; both GEMMs quantize their input
+    rows per group of bk on the fly (as kernels/fp8_linear.py), and BLOCK_K is bk."""
     t, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -222,6 +257,12 @@ def fused_moe(
     if t == 0:
         return out
     cfg = dict(moe_config(t), **(config or {}))
+    s13, s2, block_sn = w13, w2, 1  # unread unless fp8
+    if fp8 is not None:
+        assert shared is None, "shared experts do not ride with FP8 experts"
+        s13, s2 = fp8.w13_scale, fp8.w2_scale
+        block_sn, cfg["BLOCK_K"] = fp8.block
+        assert s13.stride(2) == 1 and s2.stride(2) == 1 and s13.shape[1] % 2 == 0
     bm, bn, bk, gm = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -232,7 +273,9 @@ def fused_moe(
         x, w13, sw13, act, al.sorted_pairs, al.block_expert, al.num_padded,
         num_pairs, al.max_blocks, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        num_experts, sw13.stride(0), NUM_SHARED=num_shared, TOP_K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISION=precision, **launch,
+        num_experts, sw13.stride(0), s13, s13.stride(0), s13.stride(1), s13.shape[1] // 2,
+        NUM_SHARED=num_shared, TOP_K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+        PRECISION=precision, FP8=fp8 is not None, BLOCK_SN=block_sn, **launch,
     )  # fmt: skip
     part = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*k, H]
     weights = topk_weights.reshape(-1).float()
@@ -240,8 +283,9 @@ def fused_moe(
         act, w2, sw2, weights, part, al.sorted_pairs, al.block_expert, al.num_padded,
         num_pairs, al.max_blocks, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1),
-        num_experts, sw2.stride(0), NUM_SHARED=num_shared,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISION=precision, **launch,
+        num_experts, sw2.stride(0), s2, s2.stride(0), s2.stride(1), NUM_SHARED=num_shared,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISION=precision,
+        FP8=fp8 is not None, BLOCK_SN=block_sn, **launch,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(t, triton.cdiv(hidden, block))](

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 
 from deepinfer import envs
 from kernels.reference import (
+    Fp8Scales,
     apply_token_bitmask_ref,
+    fp8_linear_ref,
     fused_add_rmsnorm_ref,
     fused_moe_ref,
     mla_decode_ref,
@@ -27,6 +29,10 @@ from kernels.reference import (
     moe_router_ref,
     rmsnorm_ref,
 )
+
+# FP8 weights' block layout, which the models fill and read (no kernel choice in them).
+from kernels.reference import dequantize_blocks as dequantize_blocks  # noqa: E402
+from kernels.reference import quantize_blocks as quantize_blocks  # noqa: E402
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -47,11 +53,13 @@ def warmup_token_counts(max_tokens: int) -> list[int]:
     to `max_tokens` tokens can need: launch settings are step functions of the token
     count (powers of two, and the thresholds of the kernels' config tables), so each
     interval between thresholds is visited. Only meaningful on CUDA (imports Triton)."""
+    from kernels.fp8_linear import CONFIGS as FP8_CONFIGS
     from kernels.fused_moe import CONFIGS
     from kernels.moe_router import ROUTER_THRESHOLDS
 
     edges = {1 << i for i in range(max_tokens.bit_length() + 1)}
     edges |= {max_t for max_t, _ in CONFIGS} | set(ROUTER_THRESHOLDS)
+    edges |= {max_m for max_m, _ in FP8_CONFIGS}
     counts = {n for e in edges for n in (e, e + 1)}
     return sorted(n for n in counts if 1 <= n <= max_tokens)
 
@@ -88,6 +96,27 @@ def linear(
     from kernels.batch_invariant import linear as bi_linear
 
     return bi_linear(x, weight, bias)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None,
+    block: tuple[int, int],
+    backend: str | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ a block-scaled e4m3 weight [N, K] (scale_inv [ceil(N / bn),
+    ceil(K / bk)], block = (bn, bk)) -> [..., N] in x.dtype. The kernel
+    (kernels/fp8_linear.py) rounds x to e4m3 per row and group of bk on the fly; the
+    twin dequantizes the weight and multiplies in float32. The kernel needs bk a power
+    of two >= 32 (its K tile; e4m3 matrix instructions take K in steps of 32)."""
+    shapes_ok = _is_pow2(block[1]) and block[1] >= 32
+    if shapes_ok and use_triton(x, backend):
+        from kernels.fp8_linear import fp8_linear as triton_fp8_linear
+
+        return triton_fp8_linear(x, weight, scale_inv, bias, block)
+    return fp8_linear_ref(x, weight, scale_inv, bias, block)
 
 
 def bmm(
@@ -193,18 +222,22 @@ def fused_moe(
     backend: str | None = None,
     batch_invariant: bool = False,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8: Fp8Scales | None = None,
 ) -> torch.Tensor:
     """x: [T, H], w13: [E, 2I, H], w2: [E, H, I], topk_*: [T, k] -> [T, H].
     batch_invariant: the Triton kernel (its rows never depend on T: kernels/fused_moe.py).
     shared = (gate/up [2SI, H], down [H, SI]) of a shared MLP: ids E .. E + S - 1 stand
-    for its S slices of I features (`moe_router(num_shared=S)` adds them)."""
+    for its S slices of I features (`moe_router(num_shared=S)` adds them).
+    fp8: w13 and w2 are block-scaled e4m3 (the kernel needs bk a power of two >= 32, as
+    `fp8_linear`'s; with FP8 experts no shared MLP rides along)."""
     if batch_invariant:
-        _require_triton("fused_moe", x, backend, True)
-    if use_triton(x, backend):
+        _require_triton("fused_moe", x, backend, fp8 is None)
+    shapes_ok = fp8 is None or (_is_pow2(fp8.block[1]) and fp8.block[1] >= 32)
+    if shapes_ok and use_triton(x, backend):
         from kernels.fused_moe import fused_moe as triton_fused_moe
 
-        return triton_fused_moe(x, w13, w2, topk_weights, topk_ids, shared=shared)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, shared)
+        return triton_fused_moe(x, w13, w2, topk_weights, topk_ids, shared=shared, fp8=fp8)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, shared, fp8)
 
 
 def moe_router(

@@ -11,6 +11,8 @@ transformers' DeepSeek modules round differently, the twin's docstring says so
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -193,6 +195,7 @@ def fused_moe_ref(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8: Fp8Scales | None = None,
 ) -> torch.Tensor:
     """Routed experts: sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j].
     shared = (gate/up [2SI, H] gate rows first, down [H, SI]): ids E + s stand for slice
@@ -203,7 +206,14 @@ def fused_moe_ref(
     weighted sum over the k experts in float32; the activation silu(gate) * up rounded
     to x.dtype between the GEMMs (the kernel stores it so). Transformers' experts round
     every GEMM output and sum in the activation dtype; float32 models agree to rounding.
+
+    fp8: w13 and w2 are float8_e4m3fn with these block scales; each expert used is
+    dequantized (`Fp8Scales.dequantize`); shared experts then stay apart (no `shared`). The kernel also rounds each
+    GEMM's input to e4m3 per 128-group of a row (`act_quant_ref`); this twin does not,
+    as DeepSeek's bf16 GEMM path and transformers' dequantized FP8 models do not.
     """
+    if fp8 is not None and shared is not None:
+        raise ValueError("fused_moe_ref: shared experts do not ride with FP8 experts")
     t, k = topk_ids.shape
     acc = _acc_dtype(x.dtype)
     flat_ids = topk_ids.reshape(-1).long()  # [T*k]
@@ -218,12 +228,105 @@ def fused_moe_ref(
             continue
         pairs = order[start : start + n]
         tok = pairs // k
-        w13_e, w2_e = _expert(w13, w2, shared, e)
+        if fp8 is None:
+            w13_e, w2_e = _expert(w13, w2, shared, e)
+        else:
+            w13_e, w2_e = fp8.dequantize(w13, w2, e, acc)
         gate, up = F.linear(x[tok].to(acc), w13_e.to(acc)).chunk(2, dim=-1)  # [n, I] each
         act = (F.silu(gate) * up).to(x.dtype).to(acc)  # [n, I], rounded as the kernel's
         y = F.linear(act, w2_e.to(acc))  # [n, H]
         out.index_add_(0, tok, y * flat_w[pairs, None])
         start += n
+    return out.to(x.dtype)
+
+
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class Fp8Scales:
+    """Block scales of FP8 routed experts (DeepSeek's layout under transformers' fused
+    names): w13 [E, 2I, H] e4m3 has w13_scale [E, 2 * ceil(I / bn), ceil(H / bk)], the
+    gate rows' blocks then the up rows' (each half quantized on its own, as the
+    checkpoint's gate_proj and up_proj are); w2 [E, H, I] has w2_scale
+    [E, ceil(H / bn), ceil(I / bk)]. block = (bn, bk): output rows and input columns
+    per scale."""
+
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    block: tuple[int, int]
+
+    def dequantize(
+        self, w13: torch.Tensor, w2: torch.Tensor, e: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's gate/up [2I, H] and down [H, I] in `dtype`."""
+        half, rows = w13.shape[1] // 2, self.w13_scale.shape[1] // 2
+        s13, blk = self.w13_scale[e], self.block
+        gate = dequantize_blocks(w13[e, :half], s13[:rows], blk, dtype)
+        up = dequantize_blocks(w13[e, half:], s13[rows:], blk, dtype)
+        return torch.cat([gate, up]), dequantize_blocks(w2[e], self.w2_scale[e], blk, dtype)
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (e4m3 [N, K], scale_inv [ceil(N / bn), ceil(K / bk)] float32)
+    with w ~= e4m3 * scale_inv per block: each block's largest magnitude maps to 448.
+    Partial blocks at the edges are scaled by their own entries (DeepSeek pads them with
+    zeros, which changes no maximum). An all-zero block gets scale 1."""
+    n, k = w.shape
+    bn, bk = block
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = w.new_zeros(rows * bn, cols * bk, dtype=torch.float32)
+    padded[:n, :k] = w
+    blocks = padded.view(rows, bn, cols, bk)
+    amax = blocks.abs().amax(dim=(1, 3))  # [rows, cols]
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    q8 = q.view(rows * bn, cols * bk)[:n, :k].to(torch.float8_e4m3fn)
+    return q8.contiguous(), scale
+
+
+def dequantize_blocks(
+    w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """e4m3 [N, K] * its block's scale_inv [ceil(N / bn), ceil(K / bk)] -> [N, K] in
+    `dtype` (the product taken in float32, or float64 for a float64 `dtype`)."""
+    n, k = w.shape
+    bn, bk = block
+    acc = _acc_dtype(dtype)
+    s = scale_inv.to(acc).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (w.to(acc) * s).to(dtype)
+
+
+def act_quant_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the FP8 kernels do to their input on the fly (DeepSeek's act_quant): x
+    [M, K] -> (e4m3 [M, K], scale [M, ceil(K / group)] float32), x ~= e4m3 * scale per
+    group of `group` columns of a row; the group's largest magnitude maps to 448 (in
+    float32, as the kernels compute it; an all-zero group gets scale 1)."""
+    m, k = x.shape
+    cols = -(-k // group)
+    padded = x.new_zeros(m, cols * group, dtype=torch.float32)
+    padded[:, :k] = x
+    groups = padded.view(m, cols, group)
+    amax = groups.abs().amax(dim=2)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (groups / scale[:, :, None]).view(m, cols * group)[:, :k]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def fp8_linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None,
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """x [..., K] @ dequantized weight [N, K].T (+ bias) -> [..., N] in x.dtype, in
+    float32 (float64 for float64 x). The kernel (kernels/fp8_linear.py) also rounds x to
+    e4m3 per `block[1]`-group of a row (`act_quant_ref`); this twin does not: it is the
+    model of DeepSeek's bf16 GEMM path (weight_dequant, then a plain GEMM)."""
+    acc = _acc_dtype(x.dtype)
+    w = dequantize_blocks(weight, scale_inv, block, acc)
+    out = F.linear(x.to(acc), w, None if bias is None else bias.to(acc))
     return out.to(x.dtype)
 
 

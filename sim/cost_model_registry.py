@@ -100,7 +100,7 @@ def _resolve(
     async_scheduling: bool = False,
 ) -> tuple[CostModel, dict[str, Any]]:
     if spec is None:
-        found = find_profile(model.name, hardware.name, batch_invariant)
+        found = find_profile(profile_key(model), hardware.name, batch_invariant)
         spec = "profiled" if profile is not None or found else "analytic"
     if isinstance(spec, str):
         key = spec.strip().lower()
@@ -108,12 +108,12 @@ def _resolve(
             path = (
                 Path(profile)
                 if profile is not None
-                else find_profile(model.name, hardware.name, batch_invariant)
+                else find_profile(profile_key(model), hardware.name, batch_invariant)
             )
             if path is None:
                 raise ValueError(
                     f"no profile of {model.name!r} on {hardware.name!r} (looked for "
-                    f"{profile_path(model.name, hardware.name, batch_invariant)}); measure one with `deepinfer "
+                    f"{profile_path(profile_key(model), hardware.name, batch_invariant)}); measure one with `deepinfer "
                     f"profile --model {model.name} --out PROFILE.json` and pass it, or use "
                     "cost model 'analytic'"
                 )
@@ -168,7 +168,8 @@ def engine_cost_model(
             "`deepinfer simulate --add-mtp-layer` (in Python: "
             "model.replace(num_nextn_predict_layers=1)) gives it one in its own shapes"
         )
-    return resolve_cost_model(
+    model = model.with_quantization(engine.quantization)
+    cost, meta = resolve_cost_model(
         spec,
         model,
         hardware,
@@ -177,3 +178,18 @@ def engine_cost_model(
         batch_invariant=engine.batch_invariant,
         async_scheduling=bool(engine.async_scheduling),
     )
+    measured = cost.meta.get("quantization") if isinstance(cost, ProfiledCostModel) else None
+    if isinstance(cost, ProfiledCostModel) and measured != model.quant_method:
+        raise ValueError(
+            f"quantization={model.quant_method}: profile {cost.profile_name} was measured "
+            f"with quantization={measured}, whose weights stream at another speed; pass a "
+            f"profile measured with --quantization {model.quant_method}, or use cost model "
+            "'analytic'"
+        )
+    return cost, meta
+
+
+def profile_key(model: ModelConfig) -> str:
+    """The name a model's profiles go by: an FP8 model's are `<name>__fp8` (its weights
+    stream at half the bytes, so a bf16 profile would misprice it)."""
+    return model.name if model.quant_method is None else f"{model.name}__{model.quant_method}"

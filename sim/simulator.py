@@ -93,6 +93,7 @@ def simulate(
         trace = Trace("requests", "python", list(trace))
     engine = engine or EngineConfig()
     spec = model if isinstance(model, ModelConfig) else load_model_config(model)
+    spec = spec.with_quantization(engine.quantization)
     hw = hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
     if engine.policy != "priority":  # (a trace may be replayed under both policies)
         ranked = sum(r.priority != 0 for r in trace.requests)

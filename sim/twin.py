@@ -155,6 +155,7 @@ def twin_engine(
             f"data_parallel_size={engine.data_parallel_size}: the simulated server runs one "
             "rank (`deepinfer simulate` models several)"
         )
+    spec = spec.with_quantization(engine.quantization)
     cost, meta = engine_cost_model(cost_model, spec, hw, profile, engine)
     num_blocks = engine_kv_blocks(spec, hw, engine, check_fit=cost_model != "unit")
     spec.check_max_model_len(engine.max_model_len)

@@ -14,7 +14,7 @@ from torch import nn
 
 from deepinfer.model_config import ModelConfig
 from executors.attention import AttentionMetadata, gather_latent_cache
-from executors.models.layers import Linear, RMSNorm, fuse_linears
+from executors.models.layers import Linear, RMSNorm, fuse_linears, linear
 from executors.models.rope import softmax_scale
 from kernels import ops as kernel_ops
 
@@ -46,8 +46,10 @@ class MLAttention(nn.Module):
         # (non-persistent buffers: not in the checkpoint, but moved with the model)
         self.in_proj_weight: torch.Tensor | None
         self.in_proj_bias: torch.Tensor | None
+        self.in_proj_scale: torch.Tensor | None  # FP8: the two linears' block scales
         self.register_buffer("in_proj_weight", None, persistent=False)
         self.register_buffer("in_proj_bias", None, persistent=False)
+        self.register_buffer("in_proj_scale", None, persistent=False)
         # Batch-invariant mode (executors/batch_invariant.py): the absorbed products run on
         # the fixed-config GEMM and decode attention cuts keys at multiples of this.
         self.batch_invariant = False
@@ -56,11 +58,15 @@ class MLAttention(nn.Module):
     def fuse(self) -> None:
         """Make the two projections of x (q_proj or q_a_proj, and kv_a_proj_with_mqa) views
         of one weight, computed by one GEMM (layers.fuse_linears). Left apart when only
-        one has a bias (attention_bias without q LoRA: q_proj never has one)."""
+        one has a bias (attention_bias without q LoRA: q_proj never has one), or where
+        fuse_linears cannot hold them (FP8 scale blocks that would straddle the two)."""
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         if (first.bias is None) != (self.kv_a_proj_with_mqa.bias is None):
             return
-        self.in_proj_weight, self.in_proj_bias = fuse_linears([first, self.kv_a_proj_with_mqa])
+        fused = fuse_linears([first, self.kv_a_proj_with_mqa])
+        if fused is not None:
+            self.in_proj_weight, self.in_proj_bias = fused.weight, fused.bias
+            self.in_proj_scale = fused.scale_inv
 
     def forward(
         self,
@@ -89,8 +95,8 @@ class MLAttention(nn.Module):
         if self.in_proj_weight is None:
             q, kv = first(x), self.kv_a_proj_with_mqa(x)
         else:  # [T, Nq + L + R] -> views [T, Nq], [T, L + R] (rows strided)
-            w, b = self.in_proj_weight, self.in_proj_bias
-            both = kernel_ops.linear(x, w, b, first.batch_invariant)
+            w, b, s = self.in_proj_weight, self.in_proj_bias, self.in_proj_scale
+            both = linear(x, w, b, s, first.fp8_block, first.batch_invariant)
             q, kv = both.split([first.out_features, self.kv_a_proj_with_mqa.out_features], -1)
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))

@@ -53,6 +53,10 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Routed experts as fused tensors (transformers' layout):
     gate_up_proj [E, 2 * I, hidden] (gate rows first), down_proj [E, hidden, I].
+    After `to_fp8(block)` both are e4m3 with block scales beside them,
+    gate_up_proj_scale_inv [E, 2 * ceil(I / bn), ceil(hidden / bk)] (the gate rows'
+    blocks, then the up rows': the checkpoint's gate_proj and up_proj scales stacked) and
+    down_proj_scale_inv [E, ceil(hidden / bn), ceil(I / bk)].
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
@@ -65,6 +69,34 @@ class Experts(nn.Module):
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.batch_invariant = False  # set by executors/batch_invariant.py
+        self.fp8_block: tuple[int, int] | None = None
+        self.gate_up_proj_scale_inv: nn.Parameter | None
+        self.down_proj_scale_inv: nn.Parameter | None
+        self.register_parameter("gate_up_proj_scale_inv", None)
+        self.register_parameter("down_proj_scale_inv", None)
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the experts as block-scaled e4m3 (uninitialised, on the weights' device:
+        call on the meta device, before the parameters are allocated)."""
+        (bn, bk), dev = block, self.gate_up_proj.device
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+
+        def param(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=dev), requires_grad=False)
+
+        self.gate_up_proj = param(e, 2 * i, h, dtype=torch.float8_e4m3fn)
+        self.gate_up_proj_scale_inv = param(e, 2 * -(-i // bn), -(-h // bk))
+        self.down_proj = param(e, h, i, dtype=torch.float8_e4m3fn)
+        self.down_proj_scale_inv = param(e, -(-h // bn), -(-i // bk))
+        self.fp8_block = block
+
+    def fp8_scales(self) -> kernel_ops.Fp8Scales | None:
+        if self.fp8_block is None:
+            return None
+        assert self.gate_up_proj_scale_inv is not None and self.down_proj_scale_inv is not None
+        return kernel_ops.Fp8Scales(
+            self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.fp8_block
+        )
 
     def forward(
         self,
@@ -77,7 +109,7 @@ class Experts(nn.Module):
         float32 accumulation over the k experts of a token; `shared` as there)."""
         return kernel_ops.fused_moe(
             x, self.gate_up_proj, self.down_proj, weights, ids,
-            batch_invariant=self.batch_invariant, shared=shared,
+            batch_invariant=self.batch_invariant, shared=shared, fp8=self.fp8_scales(),
         )  # fmt: skip
 
 
@@ -124,9 +156,12 @@ class MoE(nn.Module):
 
     def _shared_in_moe(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(gate/up [2SI, hidden], down [hidden, SI]) of the shared MLP when this step runs
-        it inside the fused MoE kernel (SHARED_IN_MOE_MAX_TOKENS), else None."""
+        it inside the fused MoE kernel (SHARED_IN_MOE_MAX_TOKENS), else None. FP8 experts
+        run no shared MLP inside (the kernel takes their scales for routed experts only)."""
         mlp = self.shared_experts
         if mlp is None or mlp.gate_up is None or self.ep is not None:
+            return None
+        if self.experts.fp8_block is not None or mlp.gate_up_scale is not None:
             return None
         if not self.experts.batch_invariant and x.shape[0] > SHARED_IN_MOE_MAX_TOKENS:
             return None

@@ -108,3 +108,8 @@ def test_to_dict_round_trips_with_the_async_default_still_automatic() -> None:
     on = EngineConfig(async_scheduling=True)
     assert EngineConfig.from_dict(on.to_dict()).replace(max_num_seqs=4).async_scheduling is True
     json.dumps(auto.to_dict())  # JSON-ready
+
+
+def test_fp8_with_expert_parallelism_is_refused_for_both_executors() -> None:
+    with pytest.raises(ValueError, match="quantization='fp8' with enable_expert_parallel"):
+        EngineConfig(data_parallel_size=2, enable_expert_parallel=True, quantization="fp8")

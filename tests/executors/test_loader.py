@@ -136,7 +136,7 @@ def test_config_values_that_matter_are_validated(
         ModelConfig.from_dict({**raw, **change})
 
 
-def test_a_quantized_checkpoint_is_refused_by_the_executor_naming_the_file(
+def test_a_quantized_checkpoint_other_than_fp8_is_refused_naming_the_file(
     tiny_models: dict[str, TinyModel], tmp_path: Path
 ) -> None:
     raw = read_hf_config(tiny_models["v3_mtp"].path)
@@ -146,7 +146,11 @@ def test_a_quantized_checkpoint_is_refused_by_the_executor_naming_the_file(
     assert (
         ModelConfig.from_dict(json.loads((tmp_path / "config.json").read_text())).dtype_bytes == 1
     )
-    with pytest.raises(ValueError, match=r"config\.json: quantization_config \(fp8\)"):
+    assert read_model_config(tmp_path).weight_block_size == (128, 128)  # DeepSeek's default
+    (tmp_path / "config.json").write_text(
+        json.dumps({**raw, "quantization_config": {"quant_method": "awq"}})
+    )
+    with pytest.raises(ValueError, match=r"config\.json: quantization_config \(awq\)"):
         read_model_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):

@@ -24,7 +24,9 @@ def _load(tiny: TinyModel) -> torch.nn.Module:
 def test_fused_linears_are_views_of_one_weight() -> None:
     a, b = Linear(6, 4, bias=True), Linear(6, 3, bias=True)
     want_a, want_b = a.weight.detach().clone(), b.bias.detach().clone()
-    weight, bias = fuse_linears([a, b])
+    fused = fuse_linears([a, b])
+    assert fused is not None and fused.scale_inv is None
+    weight, bias = fused.weight, fused.bias
     assert weight.shape == (7, 6) and bias is not None and bias.shape == (7,)
     assert torch.equal(a.weight, want_a) and torch.equal(b.bias, want_b)
     b.weight.data.fill_(2.0)  # what the loader does: copy into a linear's parameter

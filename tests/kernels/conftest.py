@@ -32,8 +32,31 @@ def _patch_interpreter_scalars() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _patch_interpreter_fp8_rounding() -> None:
+    """Triton 3.9's interpreter rounds a float32 to float8e4nv without carrying a
+    rounded-up mantissa into the exponent (31.8 becomes 16, not 32) and rounds ties
+    up; the GPU's conversion (cvt.rn) rounds to nearest even, as torch's does. The FP8
+    kernels quantize activations in registers, so take torch's conversion there."""
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    if getattr(original, "_deepinfer_patched", False):
+        return
+
+    def patched(input, input_dtype, output_dtype, rounding_mode):  # noqa: ANN001, ANN202
+        if output_dtype == tl.float8e4nv and input_dtype == tl.float32:
+            t = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
+            return t.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(input.shape)
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    patched._deepinfer_patched = True  # type: ignore[attr-defined]
+    interpreter._convert_float = patched
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_scalars()
+    _patch_interpreter_fp8_rounding()
 
 
 @pytest.fixture

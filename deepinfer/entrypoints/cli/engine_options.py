@@ -33,6 +33,8 @@ ENGINE_HELP = {
     "(--expert-parallel alone means true)",
     "batch_invariant": "bit-identical results per request whatever the batch "
     "(DEEPINFER_BATCH_INVARIANT; CUDA only, slower)",
+    "quantization": "fp8: linear weights in e4m3 with 128x128 block scales (a bf16 "
+    "checkpoint is quantized at load time; an FP8 checkpoint is FP8 without it)",
     "model": "model preset or config.json path",
     "hardware": "GPU preset (h200, h100, h800, b200)",
     "cost_model": "profiled, analytic or unit (default: profiled where a profile exists)",

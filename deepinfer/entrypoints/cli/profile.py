@@ -145,6 +145,8 @@ def run_profile(args: argparse.Namespace) -> int:
             # Batch-invariant kernels are slower: the simulator prices each mode only with
             # a profile measured in it (sim/cost_model_registry.py check_mode).
             "batch_invariant": cfg.batch_invariant,
+            # FP8 weights stream at half the bytes: priced only by an FP8 profile.
+            "quantization": executor.config.quant_method,
             # Steps up to this many tokens replay piecewise graphs; larger ones run eagerly.
             "piecewise_max_tokens": pw.max_size if (pw := executor.runner.piecewise) else 0,
             # Drafts the MTP drafter proposes after each step of the speculative points.

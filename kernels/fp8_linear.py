@@ -1,0 +1,139 @@
+"""FP8 block-scaled GEMM in Triton: y = x @ dequant(w).T, DeepSeek's W8A8 scheme.
+
+The weight is float8_e4m3fn [N, K] with a float32 scale per (bn x bk) block,
+`scale_inv` [ceil(N / bn), ceil(K / bk)] (DeepSeek's `weight_scale_inv`). The
+activations are quantized on the fly, per row and group of bk columns (DeepSeek's
+act_quant: the group's largest magnitude maps to e4m3's 448): each program loads an
+x tile [BLOCK_M, bk] in its own dtype, rounds it to e4m3 in registers, and the
+matrix units multiply e4m3 by e4m3 into float32; each K step's partial product is
+scaled by the row's activation scale and the column's weight scale before it joins
+the accumulator. So no quantized copy of x ever reaches memory, and a step reads
+each weight byte once: half the bytes of a bf16 GEMM.
+
+BLOCK_K is the scale group bk, so one K step meets one weight scale per column; the
+column's scale row is n // bn, so any BLOCK_N works with any bn.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# (max M, config): tiles by the number of rows. Few rows (decode): the GEMM streams
+# the weight, so narrow column tiles give more programs to spread the bytes over the
+# SMs; many rows: larger tiles for the matrix units.
+CONFIGS: tuple[tuple[int, dict[str, int]], ...] = (
+    (16, {"BLOCK_M": 16, "BLOCK_N": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}),
+    (64, {"BLOCK_M": 32, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}),
+    (256, {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}),
+    (1 << 62, {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}),
+)  # fmt: skip
+
+
+def fp8_linear_config(num_rows: int) -> dict[str, int]:
+    return next(dict(cfg) for max_m, cfg in CONFIGS if num_rows <= max_m)
+
+
+@triton.jit
+def quantize_group(a):
+    """a [BLOCK_M, group] float -> (e4m3 [BLOCK_M, group], scale [BLOCK_M] float32):
+    a ~= e4m3 * scale, each row's largest magnitude mapped to 448, e4m3's largest (an
+    all-zero row, such as a masked one, gets scale 1)."""
+    a32 = a.to(tl.float32)
+    amax = tl.max(tl.abs(a32), axis=1)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    return (a32 / scale[:, None]).to(tl.float8e4nv), scale
+
+
+# M changes every step: Triton must not specialise on it (value 1, divisible by 16), or
+# a new batch size would compile a new kernel in the middle of serving.
+@triton.jit(do_not_specialize=["M"])
+def _fp8_linear_kernel(
+    x_ptr,  # [M, K] bf16 / fp16 / fp32
+    w_ptr,  # [N, K] e4m3
+    s_ptr,  # [ceil(N / BLOCK_SN), ceil(K / BLOCK_K)] float32
+    b_ptr,  # [N] or unread
+    out_ptr,  # [M, N] in x's dtype
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_SN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
+    s_ptrs = s_ptr + (offs_n // BLOCK_SN) * stride_sn  # [BN]: the K step added in the loop
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        a_q, a_s = quantize_group(a)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        w_s = tl.load(s_ptrs + kb, mask=n_mask, other=0.0)
+        acc += tl.dot(a_q, w) * (a_s[:, None] * w_s[None, :])
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None,
+    block: tuple[int, int],
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """x [..., K] (bf16, fp16 or fp32), weight [N, K] e4m3 (contiguous rows), scale_inv
+    [ceil(N / bn), ceil(K / bk)] float32, bias [N] or None -> [..., N] in x.dtype.
+    block = (bn, bk); bk must be a power of two >= 16 (it is the K tile). No host
+    synchronisation. `config` overrides the table's tiles (benchmarks, tests)."""
+    n, k = weight.shape
+    bn, bk = block
+    assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
+    assert scale_inv.dtype == torch.float32 and scale_inv.stride(1) == 1
+    assert x.shape[-1] == k and scale_inv.shape == (-(-n // bn), -(-k // bk))
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*lead, n)
+    cfg = dict(fp8_linear_config(m), **(config or {}))
+    bm, bnn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bnn),)
+    _fp8_linear_kernel[grid](
+        x2, weight, scale_inv, bias if bias is not None else scale_inv, out,
+        m, n, k, x2.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_SN=bn, BLOCK_M=bm, BLOCK_N=bnn, BLOCK_K=bk,
+        GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out.view(*lead, n)
