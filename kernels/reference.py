@@ -196,6 +196,7 @@ def fused_moe_ref(
     topk_ids: torch.Tensor,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     fp8: Fp8Scales | None = None,
+    round_activations: bool = False,
 ) -> torch.Tensor:
     """Routed experts: sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j].
     shared = (gate/up [2SI, H] gate rows first, down [H, SI]): ids E + s stand for slice
@@ -210,7 +211,8 @@ def fused_moe_ref(
     fp8: w13 and w2 are float8_e4m3fn with these block scales; each expert used is
     dequantized (`Fp8Scales.dequantize`); shared experts then stay apart (no `shared`). The kernel also rounds each
     GEMM's input to e4m3 per 128-group of a row (`act_quant_ref`); this twin does not,
-    as DeepSeek's bf16 GEMM path and transformers' dequantized FP8 models do not.
+    as DeepSeek's bf16 GEMM path and transformers' dequantized FP8 models do not, unless
+    `round_activations` (the kernel's arithmetic: the model-level reference of its tests).
     """
     if fp8 is not None and shared is not None:
         raise ValueError("fused_moe_ref: shared experts do not ride with FP8 experts")
@@ -232,8 +234,13 @@ def fused_moe_ref(
             w13_e, w2_e = _expert(w13, w2, shared, e)
         else:
             w13_e, w2_e = fp8.dequantize(w13, w2, e, acc)
-        gate, up = F.linear(x[tok].to(acc), w13_e.to(acc)).chunk(2, dim=-1)  # [n, I] each
+        rows = x[tok].to(acc)
+        if fp8 is not None and round_activations:
+            rows = rounded_activations(rows, fp8.block[1])
+        gate, up = F.linear(rows, w13_e.to(acc)).chunk(2, dim=-1)  # [n, I] each
         act = (F.silu(gate) * up).to(x.dtype).to(acc)  # [n, I], rounded as the kernel's
+        if fp8 is not None and round_activations:
+            act = rounded_activations(act, fp8.block[1])
         y = F.linear(act, w2_e.to(acc))  # [n, H]
         out.index_add_(0, tok, y * flat_w[pairs, None])
         start += n
@@ -313,18 +320,35 @@ def act_quant_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     return q.to(torch.float8_e4m3fn), scale
 
 
+def rounded_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [..., K] as the FP8 kernels see it: rounded to e4m3 per `group` columns of a row
+    (`act_quant_ref`), back in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    q, scale = act_quant_ref(rows, group)
+    k = rows.shape[1]
+    cols = scale.shape[1]
+    full = q.to(torch.float32).new_zeros(rows.shape[0], cols * group)
+    full[:, :k] = q.to(torch.float32)
+    back = (full.view(-1, cols, group) * scale[:, :, None]).view(-1, cols * group)[:, :k]
+    return back.to(x.dtype).reshape(x.shape)
+
+
 def fp8_linear_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
     scale_inv: torch.Tensor,
     bias: torch.Tensor | None,
     block: tuple[int, int],
+    round_activations: bool = False,
 ) -> torch.Tensor:
     """x [..., K] @ dequantized weight [N, K].T (+ bias) -> [..., N] in x.dtype, in
     float32 (float64 for float64 x). The kernel (kernels/fp8_linear.py) also rounds x to
     e4m3 per `block[1]`-group of a row (`act_quant_ref`); this twin does not: it is the
-    model of DeepSeek's bf16 GEMM path (weight_dequant, then a plain GEMM)."""
+    model of DeepSeek's bf16 GEMM path (weight_dequant, then a plain GEMM), unless
+    `round_activations` (the kernel's arithmetic)."""
     acc = _acc_dtype(x.dtype)
+    if round_activations:
+        x = rounded_activations(x.to(acc), block[1])
     w = dequantize_blocks(weight, scale_inv, block, acc)
     out = F.linear(x.to(acc), w, None if bias is None else bias.to(acc))
     return out.to(x.dtype)
