@@ -174,16 +174,19 @@ def _driven(model: torch.nn.Module, cfg: ModelConfig, dev: torch.device) -> Driv
     return d
 
 
-def _max_rel_between(a: Driver, b: Driver) -> float:
-    worst = 0.0
+def _max_rel_between(a: Driver, b: Driver) -> tuple[float, int]:
+    """max |a - b| / max |b| over the logits rows both runs computed from the same tokens
+    (a near tie may sample apart: the rows after it see other inputs), and their count."""
+    worst, compared = 0.0, 0
     for rid, seq in a.seqs.items():
         other = b.seqs[rid]
-        assert seq.tokens == other.tokens, "the two runs sampled different tokens"
-        for pos, row in seq.logits.items():
+        for pos, row in sorted(seq.logits.items()):
+            if seq.tokens[: pos + 1] != other.tokens[: pos + 1]:
+                break
             ref = other.logits[pos].float().cpu()
-            err = (row.float().cpu() - ref).abs().max() / ref.abs().max()
-            worst = max(worst, float(err))
-    return worst
+            worst = max(worst, float((row.float().cpu() - ref).abs().max() / ref.abs().max()))
+            compared += 1
+    return worst, compared
 
 
 @pytest.mark.gpu
@@ -215,5 +218,6 @@ def test_fp8_checkpoint_on_cuda_runs_the_fp8_kernels_as_their_rounding_twin(
         )
         cpu_model = load_model(tiny_fp8.path, cfg, dtype=torch.float32, device=torch.device("cpu"))
         twin = _driven(cpu_model, cfg, torch.device("cpu"))
-        assert _max_rel_between(gpu, twin) < 1e-2
+        worst, compared = _max_rel_between(gpu, twin)
+        assert worst < 1e-2 and compared >= 6
         assert max_rel_error(gpu, tiny_fp8.hf) < 0.25
