@@ -57,6 +57,10 @@ class EngineConfig:
     # Bit-identical results per request whatever the batch, chunking or prefix hits (CUDA
     # only: the CPU executor refuses it; the simulator needs a profile measured in it).
     batch_invariant: bool = field(default_factory=envs.batch_invariant)
+    # Host DRAM for prefix blocks evicted from HBM (deepinfer/kv_cache/tiers.py), GiB per
+    # engine (per rank); 0: none. The simulator prices it; the torch executor refuses it
+    # until it performs the copies.
+    kv_host_cache_gib: float = 0.0
 
     def __post_init__(self) -> None:
         envs.refuse_unimplemented()
@@ -103,6 +107,14 @@ class EngineConfig:
             self._check_expert_parallel()
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant={self.batch_invariant!r}: expected True or False")
+        gib = self.kv_host_cache_gib
+        if not isinstance(gib, (int, float)) or isinstance(gib, bool) or not gib >= 0:
+            raise ValueError(f"kv_host_cache_gib={gib!r}: must be a number of GiB >= 0")
+        if gib > 0 and not self.enable_prefix_caching:
+            raise ValueError(
+                f"kv_host_cache_gib={gib} with enable_prefix_caching=False: the host tier "
+                "holds evicted prefix-cache blocks; turn prefix caching on or set it to 0"
+            )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy={self.policy!r}: expected 'fcfs' or 'priority'")
         if (

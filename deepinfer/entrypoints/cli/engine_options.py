@@ -33,6 +33,8 @@ ENGINE_HELP = {
     "(--expert-parallel alone means true)",
     "batch_invariant": "bit-identical results per request whatever the batch "
     "(DEEPINFER_BATCH_INVARIANT; CUDA only, slower)",
+    "kv_host_cache_gib": "host DRAM (GiB per engine) that prefix blocks evicted from HBM "
+    "move to, and load back from (simulator only; 0: none)",
     "model": "model preset or config.json path",
     "hardware": "GPU preset (h200, h100, h800, b200)",
     "cost_model": "profiled, analytic or unit (default: profiled where a profile exists)",
