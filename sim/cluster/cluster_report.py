@@ -63,7 +63,9 @@ def cluster_meta(
     summary: dict[str, Any],
     slo: SLO | None,
     pools: Sequence[tuple[PoolSpec, dict[str, Any], int]],
+    kv_tiers: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """kv_tiers: the KV tiers' figures over every instance (sim/kv_tiers.py)."""
     instances = []
     for inst in hub.entry + hub.decode:
         steps = inst.core.steps
@@ -77,6 +79,8 @@ def cluster_meta(
                 "kv_usage_mean": sum(usage) / len(usage) if usage else None,
                 "kv_usage_max": max(usage) if usage else None,
                 "prefix_evictions": inst.core.scheduler.kv.pool.num_evictions,
+                "prompt_blocks_looked_up": inst.core.scheduler.kv.num_prefix_blocks_looked_up,
+                "prefix_hit_blocks": dict(inst.core.scheduler.kv.prefix_hit_blocks),
             }
         )
     meta: dict[str, Any] = {
@@ -102,6 +106,8 @@ def cluster_meta(
         "num_steps": sum(i["steps"] for i in instances),
         "cost": plan_cost(spec, summary, slo),
     }
+    if kv_tiers is not None:
+        meta["kv_tiers"] = kv_tiers
     if spec.disaggregated:
         meta["decode_router"] = {
             "policy": (spec.decode_router or spec.router).policy,

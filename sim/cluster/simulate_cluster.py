@@ -15,6 +15,7 @@ from typing import Any
 import simpy
 
 from deepinfer.engine import EngineCore
+from deepinfer.kv_cache.tiers import TierLRU
 from deepinfer.metrics import SLO, summarize
 from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
@@ -26,11 +27,12 @@ from sim.cluster.cluster_report import cluster_meta, merge_records
 from sim.cluster.description import ClusterSpec, PoolSpec
 from sim.cluster.instance import Instance
 from sim.cluster.pool_routing import PoolRouting
-from sim.cost_model import CostModel, prices_decode_runs
+from sim.cost_model import CostModel, KVLoadPricing, prices_decode_runs
 from sim.cost_model_registry import engine_cost_model
 from sim.engine_loop import Clock, FastForwardStats, serve_engine
 from sim.hardware import get_hardware
-from sim.kv_capacity import engine_kv_blocks
+from sim.kv_capacity import engine_kv_blocks, kv_bytes_per_token
+from sim.kv_tiers import kv_tiers_meta
 from sim.sim_executor import SimExecutor
 from sim.simulator import build_requests
 from sim.traces import Trace, TraceRequest
@@ -54,6 +56,7 @@ class _Pool:
     cost: CostModel
     cost_meta: dict[str, Any]
     num_blocks: int
+    block_bytes: int  # KV bytes of one block (what a tier holds and a load moves)
 
 
 def simulate_cluster(
@@ -89,8 +92,11 @@ def simulate_cluster(
         entry_model.num_hidden_layers,
         on_progress,
     )
+    store = _shared_store(cluster, pools)
+    bytes_of: dict[str, int] = {}  # instance -> its KV block's bytes
     groups: dict[bool, list[tuple[_Pool, EngineCore, Clock, str]]] = {False: [], True: []}
     for pool in pools:
+        tiers = cluster.pool_tiers(pool.spec)
         for i in range(pool.spec.count):
             clock = Clock()
             executor = SimExecutor(
@@ -102,8 +108,10 @@ def simulate_cluster(
                 clock=clock,
                 model_max_len=pool.model.max_position_embeddings,
                 check_invariants=check_invariants,
+                kv_tiers=tiers.build(pool.block_bytes, store),
             )
             name = f"{pool.spec.name}[{i}]"
+            bytes_of[name] = pool.block_bytes
             groups[pool.spec.role == "decode"].append((pool, core, clock, name))
     runs: dict[str, FastForwardStats] = {}
     for is_decode, members in groups.items():
@@ -128,16 +136,25 @@ def simulate_cluster(
             if stats is not None:
                 runs[name] = stats
             hw = get_hardware(pool.spec.hardware)
-            env.process(_instance_loop(env, hub, inst, pool.cost, hw.runs_on_host, stats))
+            loads = cluster.pool_tiers(pool.spec).load_pricing(pool.block_bytes)
+            env.process(_instance_loop(env, hub, inst, pool.cost, hw.runs_on_host, stats, loads))
     hub.entry_running = len(hub.entry)
     env.run()
     records = merge_records(requests, hub)
     steps = {inst.name: inst.core.steps for inst in hub.entry + hub.decode}
     all_steps = sorted((s for ss in steps.values() for s in ss), key=lambda s: s.time)
     summary = summarize(records, all_steps, slo)
+    tiers = cluster.kv_tiers.to_meta(pools[0].block_bytes)
+    for p in pools:  # each pool's host tier (its engine's size)
+        host = cluster.pool_tiers(p.spec).to_meta(p.block_bytes).get("host")
+        if host is not None:
+            tiers.setdefault("host_per_pool", {})[p.spec.name] = host
+    tiers.pop("host", None)
+    engines = [(inst.core.scheduler.kv, bytes_of[inst.name]) for inst in hub.entry + hub.decode]
     meta = cluster_meta(
-        trace, cluster, hub, summary, slo, [(p.spec, p.cost_meta, p.num_blocks) for p in pools]
-    )
+        trace, cluster, hub, summary, slo, [(p.spec, p.cost_meta, p.num_blocks) for p in pools],
+        kv_tiers_meta(tiers, engines),
+    )  # fmt: skip
     meta["fast_forward"] = (
         {
             "enabled": True,
@@ -159,8 +176,11 @@ def _instance_loop(
     cost: CostModel,
     on_host: bool,
     runs: FastForwardStats | None,
+    kv_loads: KVLoadPricing | None,
 ) -> Any:
-    yield from serve_engine(env, inst.clock, inst.core, inst, cost, 0.0, None, on_host, runs)
+    yield from serve_engine(
+        env, inst.clock, inst.core, inst, cost, 0.0, None, on_host, runs, kv_loads
+    )
     if inst.role != "decode":
         hub.entry_loop_ended(inst)
 
@@ -176,4 +196,19 @@ def _resolve(
         model.check_max_model_len(pool.engine.max_model_len)
     except ValueError as e:
         raise ValueError(f"{cluster.source}: pool {pool.name}: {e}") from None
-    return _Pool(pool, model, cost, cost_meta, num_blocks)
+    speculative = pool.engine.num_speculative_tokens > 0
+    block_bytes = pool.engine.block_size * kv_bytes_per_token(model, speculative)
+    return _Pool(pool, model, cost, cost_meta, num_blocks, block_bytes)
+
+
+def _shared_store(cluster: ClusterSpec, pools: list[_Pool]) -> TierLRU | None:
+    """The one store every instance shares (None: none configured). Its blocks are the
+    instances' blocks, so they must all be of one size."""
+    sizes = {p.block_bytes for p in pools}
+    if cluster.kv_tiers.store is not None and len(sizes) > 1:
+        raise ValueError(
+            f"{cluster.source}: kv_tiers.store: the pools' KV blocks differ in size "
+            f"({sorted(sizes)} bytes: model, block_size or MTP layer), so one store cannot "
+            "hold blocks of all of them"
+        )
+    return cluster.kv_tiers.shared_store(pools[0].block_bytes)
