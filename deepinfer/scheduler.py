@@ -302,11 +302,12 @@ class Scheduler:
         # Prompt logprobs need every prompt token computed: no prefix-cache hit (as vLLM).
         wants_prompt_logprobs = req.sampling_params.prompt_logprobs is not None
         cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(req)
-        # Prefix blocks past the HBM hits found in the lower tiers: loaded, not computed
-        # (not on a decode engine: its prompt's KV arrives with it).
+        # Prefix blocks past the HBM hits found in the lower tiers: loaded, not computed.
+        # Hits count where they spare computation (a decode engine's prompt KV arrives).
+        takes_hits = not wants_prompt_logprobs and cfg.role is not EngineRole.DECODE
         loads: list[TierHit] = []
-        if self.kv.tiers is not None and cfg.role is not EngineRole.DECODE:
-            loads = [] if wants_prompt_logprobs else self.kv.find_tier_hits(req, len(cached))
+        if takes_hits and self.kv.tiers is not None:
+            loads = self.kv.find_tier_hits(req, len(cached))
         num_computed = (len(cached) + len(loads)) * self.block_size
         if cfg.role is EngineRole.DECODE:
             num_computed = req.num_tokens - 1  # its prompt's KV arrived with it
@@ -320,7 +321,7 @@ class Scheduler:
         if blocks is None:
             return False
         self.waiting.pop()
-        if not wants_prompt_logprobs:
+        if takes_hits:
             self.kv.count_lookup(req, len(cached), loads)
         req.num_computed_tokens = num_computed
         if req.num_cached_tokens < 0:
