@@ -62,6 +62,10 @@ class EngineConfig:
     # checkpoints; a bf16 checkpoint is quantized at load time), priced so by the
     # simulator. None: the checkpoint as it is (an FP8 checkpoint is served in FP8).
     quantization: str | None = None
+    # Host DRAM for prefix blocks evicted from HBM (deepinfer/kv_cache/tiers.py), GiB per
+    # engine (per rank); 0: none. The simulator prices it; the torch executor refuses it
+    # until it performs the copies.
+    kv_host_cache_gib: float = 0.0
 
     def __post_init__(self) -> None:
         envs.refuse_unimplemented()
@@ -112,6 +116,14 @@ class EngineConfig:
             self._check_expert_parallel()
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant={self.batch_invariant!r}: expected True or False")
+        gib = self.kv_host_cache_gib
+        if not isinstance(gib, (int, float)) or isinstance(gib, bool) or not gib >= 0:
+            raise ValueError(f"kv_host_cache_gib={gib!r}: must be a number of GiB >= 0")
+        if gib > 0 and not self.enable_prefix_caching:
+            raise ValueError(
+                f"kv_host_cache_gib={gib} with enable_prefix_caching=False: the host tier "
+                "holds evicted prefix-cache blocks; turn prefix caching on or set it to 0"
+            )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy={self.policy!r}: expected 'fcfs' or 'priority'")
         if (

@@ -21,6 +21,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.decode_run import DecodeRun
 from deepinfer.errors import RequestFailed
 from deepinfer.executor import Executor, StepHandle
+from deepinfer.kv_cache.tiers import KVTiers
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import FinishReason, Request
@@ -66,7 +67,17 @@ class EngineCore:
         model_max_len: int | None = None,
         check_invariants: bool = False,
         record_steps: bool = True,
+        kv_tiers: KVTiers | None = None,
     ) -> None:
+        """kv_tiers: the KV cache's tiers below HBM (kv_cache/tiers.py), which whoever
+        runs the executor builds (the simulator sizes them from the model's KV bytes);
+        config.kv_host_cache_gib > 0 needs a host tier among them."""
+        if config.kv_host_cache_gib > 0 and (kv_tiers is None or kv_tiers.host is None):
+            raise ValueError(
+                f"kv_host_cache_gib={config.kv_host_cache_gib}: this engine was given no "
+                "host KV tier to hold it (the simulator builds one; the torch executor "
+                "has none yet)"
+            )
         self.config = config
         self.executor = executor
         self.clock = clock
@@ -76,6 +87,7 @@ class EngineCore:
             model_max_len=model_max_len,
             emit_token_ids=executor.needs_token_ids,
             vocab_size=executor.vocab_size,
+            kv_tiers=kv_tiers,
         )
         self.check = check_invariants
         self.record_steps = record_steps

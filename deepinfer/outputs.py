@@ -54,6 +54,16 @@ class ScheduledRequest:
     structured: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class KVLoad:
+    """A prefix block read back from a lower KV tier (deepinfer/kv_cache/tiers.py) into an
+    HBM block, before the step that carries it runs."""
+
+    tier: str  # "host" or "store"
+    block_id: int  # the HBM block it is loaded into
+    block_hash: int  # the content, by chain hash
+
+
 @dataclass
 class SchedulerOutput:
     step_id: int
@@ -65,6 +75,9 @@ class SchedulerOutput:
     # Drafts per request the drafter proposes after this step (varlen: what the next
     # step may verify, spec_policy.proposals); None: the engine's num_speculative_tokens.
     num_proposals: int | None = None
+    # Blocks this step loads from the lower KV tiers first (its requests' prefix hits
+    # there); empty without tiers.
+    kv_loads: tuple[KVLoad, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

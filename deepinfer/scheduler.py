@@ -24,7 +24,8 @@ from deepinfer.config import EngineConfig, EngineRole
 from deepinfer.decode_run import AdvancedRun, DecodeRun
 from deepinfer.draft_plan import DraftPlan
 from deepinfer.kv_cache.block_pool import KVBlock
-from deepinfer.kv_cache.manager import KVCacheManager, cdiv
+from deepinfer.kv_cache.manager import KVCacheManager, TierHit, cdiv
+from deepinfer.kv_cache.tiers import KVTiers
 from deepinfer.outputs import (
     DRAFT_PLACEHOLDER,
     ModelRunnerOutput,
@@ -48,10 +49,13 @@ class Scheduler:
         model_max_len: int | None = None,
         emit_token_ids: bool = False,
         vocab_size: int | None = None,
+        kv_tiers: KVTiers | None = None,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.kv = KVCacheManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_gpu_blocks, config.block_size, config.enable_prefix_caching, kv_tiers
+        )
         self.max_model_len = _effective_max_model_len(config, num_gpu_blocks, model_max_len)
         self.emit_token_ids = emit_token_ids  # the executor needs token ids (a real model)
         self.vocab_size = vocab_size  # prompts' token ids are checked against it
@@ -176,6 +180,8 @@ class Scheduler:
         out = SchedulerOutput(
             self.step_id, step.scheduled, self._finished_since_last, self._preempted_since_last
         )
+        if self.kv.tiers is not None:
+            out.kv_loads = tuple(self.kv.take_loads())
         if self.draft_plan is not None and step.scheduled:
             self.draft_plan.plan_proposals(out)
         if step.scheduled:  # an empty step is never launched: the next one tells the
@@ -296,7 +302,13 @@ class Scheduler:
         # Prompt logprobs need every prompt token computed: no prefix-cache hit (as vLLM).
         wants_prompt_logprobs = req.sampling_params.prompt_logprobs is not None
         cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(req)
-        num_computed = len(cached) * self.block_size
+        # Prefix blocks past the HBM hits found in the lower tiers: loaded, not computed.
+        # Hits count where they spare computation (a decode engine's prompt KV arrives).
+        takes_hits = not wants_prompt_logprobs and cfg.role is not EngineRole.DECODE
+        loads: list[TierHit] = []
+        if takes_hits and self.kv.tiers is not None:
+            loads = self.kv.find_tier_hits(req, len(cached))
+        num_computed = (len(cached) + len(loads)) * self.block_size
         if cfg.role is EngineRole.DECODE:
             num_computed = req.num_tokens - 1  # its prompt's KV arrived with it
         num_new = req.num_tokens - num_computed
@@ -305,13 +317,15 @@ class Scheduler:
         num_new = min(num_new, step.budget)
         # The first chunk reserves the blocks of the whole prompt.
         reserve = req.num_tokens + self._lookahead(req.num_tokens)
-        blocks = self.kv.allocate(req, num_new, cached, reserve_tokens=reserve)
+        blocks = self.kv.allocate(req, num_new, cached, reserve_tokens=reserve, loads=loads)
         if blocks is None:
             return False
         self.waiting.pop()
+        if takes_hits:
+            self.kv.count_lookup(req, len(cached), loads)
         req.num_computed_tokens = num_computed
         if req.num_cached_tokens < 0:
-            req.num_cached_tokens = len(cached) * self.block_size
+            req.num_cached_tokens = (len(cached) + len(loads)) * self.block_size
         is_prompt = cfg.role is not EngineRole.DECODE
         step.add(self._schedule_one(req, num_new, blocks, [], is_prompt, resumed=True))
         self._after_prompt_chunk(req)
@@ -599,7 +613,13 @@ class Scheduler:
         for req, c in zip(running, contexts):
             held = len(self.kv.req_blocks[req.request_id])
             new_blocks.extend(range(held * bs - c, horizon, bs))
-        free = self.kv.pool.num_free_blocks
+        pool = self.kv.pool
+        free = pool.num_free_blocks
+        if self.kv.tiers is not None and self.kv.tiers.store is not None:
+            # The store is shared: the other engines read it between this one's steps, so
+            # a run ends before its first eviction (which writes the store), to write it
+            # at the time of its own step.
+            free = pool.num_blank_blocks
         if len(new_blocks) > free:
             new_blocks.sort()
             horizon = new_blocks[free]

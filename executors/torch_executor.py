@@ -72,6 +72,12 @@ class TorchExecutor(Executor):
                 "cannot import a prompt's KV cache from a prefill engine (no KV transfer "
                 "yet), so it would decode from blocks nothing wrote; use role='normal'"
             )
+        if engine_config.kv_host_cache_gib > 0:
+            raise ValueError(
+                f"kv_host_cache_gib={engine_config.kv_host_cache_gib}: the torch executor "
+                "does not copy KV blocks to host memory yet (the simulator prices the host "
+                "tier); set it to 0"
+            )
         self.engine_config = engine_config
         self.model_dir: Path = resolve_model_dir(
             model, revision=revision, weights=load_format != "dummy"

@@ -27,7 +27,14 @@ if TYPE_CHECKING:
 # (cpu_time, launch_cost's two figures) of each step of a decode run, in order.
 RunCosts = Iterator[tuple[float, float, float]]
 
-__all__ = ["CostModel", "RunCosts", "UnitCostModel", "mask_time", "prices_decode_runs"]
+__all__ = [
+    "CostModel",
+    "KVLoadPricing",
+    "RunCosts",
+    "UnitCostModel",
+    "mask_time",
+    "prices_decode_runs",
+]
 
 
 class CostModel(ABC):
@@ -99,6 +106,36 @@ def mask_time(out: SchedulerOutput, per_token_s: float) -> float:
         if r.structured and r.will_sample:
             n += 1 + len(r.draft_token_ids)
     return n * per_token_s
+
+
+class KVLoadPricing:
+    """Device seconds a step waits for its loads from the lower KV tiers
+    (`SchedulerOutput.kv_loads`), added to its priced time by the engine loop whatever the
+    cost model: per tier, the link's latency plus the blocks' bytes at its bandwidth; the
+    tiers' links (PCIe from host DRAM, the network from the store) run side by side, so
+    the step waits for the slower. The loads could start while the step before runs
+    (under async scheduling they are known a step ahead); this model does not hide them,
+    which is exact for a step launched on an idle device and an upper bound otherwise.
+    A decode step never loads (decode runs are priced without it)."""
+
+    __slots__ = ("block_bytes", "links")
+
+    def __init__(self, block_bytes: int, links: Mapping[str, tuple[float, float]]) -> None:
+        self.block_bytes = block_bytes
+        self.links = dict(links)  # tier -> (bandwidth bytes/s, latency s)
+
+    def seconds(self, out: SchedulerOutput) -> float:
+        loads = out.kv_loads
+        if not loads:
+            return 0.0
+        counts: dict[str, int] = {}
+        for load in loads:
+            counts[load.tier] = counts.get(load.tier, 0) + 1
+        worst = 0.0
+        for tier, n in counts.items():
+            bandwidth, latency = self.links[tier]
+            worst = max(worst, latency + n * self.block_bytes / bandwidth)
+        return worst
 
 
 class UnitCostModel(CostModel):

@@ -18,7 +18,7 @@ import simpy
 from deepinfer.decode_run import DecodeRun
 from deepinfer.engine import EngineCore, StepEventKind
 from deepinfer.request import Request
-from sim.cost_model import CostModel, RunCosts, mask_time
+from sim.cost_model import CostModel, KVLoadPricing, RunCosts, mask_time
 
 
 class Arrivals(Protocol):
@@ -111,6 +111,7 @@ def serve_engine(
     on_progress: Callable[[int], None] | None,
     on_host: bool = False,
     runs: FastForwardStats | None = None,
+    kv_loads: KVLoadPricing | None = None,
 ) -> Generator[simpy.events.Event, Any, None]:
     """Admit arrivals and drive the engine's own loop (`EngineCore.step_events`) in
     simulated time: host time after each schedule, the cost model's device time from
@@ -137,7 +138,10 @@ def serve_engine(
 
     runs: fast-forward (counted there): where the engine offers a decode run
     (`EngineCore.decode_run`) and the cost model prices one, its steps are timed by
-    `_time_run` and applied at once, until the next arrival or the run's horizon."""
+    `_time_run` and applied at once, until the next arrival or the run's horizon.
+
+    kv_loads: a step that loads prefix blocks from the lower KV tiers waits for them on
+    the device first (`KVLoadPricing`); None: the engine has no lower tier."""
     timeline = Timeline(clock, on_host)
     reported = 0
     while arrivals.more_may_come() or core.has_unfinished():
@@ -162,10 +166,13 @@ def serve_engine(
                     timeline.scheduled(cost.cpu_time(out))
                 elif kind is LAUNCHED:
                     masks = mask_time(out, mask_per_token_s) if mask_per_token_s else 0.0
+                    loading = kv_loads.seconds(out) if kv_loads is not None else 0.0
                     if on_host:
-                        timeline.launched(out.step_id, masks, cost.step_time(out), 0.0)
+                        priced = cost.step_time(out) + loading
+                        timeline.launched(out.step_id, masks, priced, 0.0)
                     else:
-                        timeline.launched(out.step_id, masks, *cost.launch_cost(out))
+                        priced, idle = cost.launch_cost(out)
+                        timeline.launched(out.step_id, masks, priced + loading, idle)
                 else:
                     timeline.awaited(out.step_id)
         arrivals.stepped(clock.now)

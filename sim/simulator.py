@@ -31,7 +31,8 @@ from sim.cost_model_registry import engine_cost_model
 from sim.data_parallel import DataParallelStats, rank_group, serve_data_parallel
 from sim.engine_loop import Clock, FastForwardStats, PendingArrivals, serve_engine
 from sim.hardware import HardwareSpec, get_hardware
-from sim.kv_capacity import engine_kv_blocks
+from sim.kv_capacity import engine_kv_blocks, kv_bytes_per_token
+from sim.kv_tiers import KVTierSpec, kv_tiers_meta
 from sim.sim_executor import SimExecutor
 from sim.traces import SyntheticPrompt, Trace, TraceRequest
 
@@ -115,7 +116,15 @@ def simulate(
     acceptance = acceptance_rate
     if isinstance(acceptance, (str, Path)):
         acceptance = AcceptanceModel.load(acceptance)
+    block_bytes = engine.block_size * kv_bytes_per_token(spec, engine.num_speculative_tokens > 0)
+    tiers = KVTierSpec.of_engine(engine)
     if engine.data_parallel_size > 1:
+        if tiers.configured:
+            raise ValueError(
+                f"kv_host_cache_gib={engine.kv_host_cache_gib} with data_parallel_size="
+                f"{engine.data_parallel_size}: the ranks' lock-step rounds do not price loads "
+                "from a host tier yet; simulate one rank, or a cluster of instances"
+            )
         ranks = _simulate_ranks(
             trace, spec, hw, engine, cost, cost_meta, num_blocks, acceptance,
             check_invariants, on_progress, slo, mask_s=float(grammar_mask_per_token_s),
@@ -132,6 +141,7 @@ def simulate(
         clock=clock,
         model_max_len=spec.max_position_embeddings,
         check_invariants=check_invariants,
+        kv_tiers=tiers.build(block_bytes),
     )
     requests = build_requests(trace, spec.vocab_size)
     mask_s = float(grammar_mask_per_token_s)
@@ -140,11 +150,23 @@ def simulate(
         runs.reason = f"the cost model ({type(cost).__name__}) prices single steps only"
     arrivals = PendingArrivals(core, deque(requests))
     env.process(
-        serve_engine(env, clock, core, arrivals, cost, mask_s, on_progress, hw.runs_on_host, runs)
+        serve_engine(
+            env,
+            clock,
+            core,
+            arrivals,
+            cost,
+            mask_s,
+            on_progress,
+            hw.runs_on_host,
+            runs,
+            tiers.load_pricing(block_bytes),
+        )  # fmt: skip
     )
     env.run()
     records = _in_trace_order(requests, [core])
     meta = _meta(trace, spec, hw, engine, cost_meta, num_blocks, [core], mask_s)
+    meta["kv_tiers"] = kv_tiers_meta(tiers.to_meta(block_bytes), [(core.scheduler.kv, block_bytes)])
     meta["num_steps"] = len(core.steps)  # (under async scheduling some schedules are empty)
     meta["fast_forward"] = runs.to_meta() if runs is not None else {"enabled": False}
     if engine.num_speculative_tokens:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from deepinfer.kv_cache.tiers import KVTiers
+
 
 class KVBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash")
@@ -49,11 +51,19 @@ class BlockPool:
         # Hashes whose cached state changed since the last `drain_cache_changes` (None:
         # not tracked): a router's view of which prefixes the instance holds.
         self._changed: set[int] | None = None
+        # Lower tiers a cached block moves down to when allocation evicts it (tiers.py);
+        # None: evicted content is gone.
+        self.tiers: KVTiers | None = None
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be allocated now (evictable cached blocks included)."""
         return len(self._empty) + self.num_blocks - len(self.blocks) + len(self._free)
+
+    @property
+    def num_blank_blocks(self) -> int:
+        """Free blocks whose allocation evicts nothing (no cached content in them)."""
+        return len(self._empty) + self.num_blocks - len(self.blocks)
 
     @property
     def usage(self) -> float:
@@ -85,6 +95,8 @@ class BlockPool:
             else:
                 _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
+                if self.tiers is not None:
+                    self.tiers.demote(block.block_hash)
                 self._evict(block)
             block.ref_cnt = 1
             out.append(block)

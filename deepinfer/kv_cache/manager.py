@@ -11,7 +11,12 @@ from collections.abc import Sequence
 
 from deepinfer.kv_cache.block_pool import BlockPool, KVBlock
 from deepinfer.kv_cache.hashing import update_block_hashes
+from deepinfer.kv_cache.tiers import HBM, LOWER_TIERS, KVTiers, TierLRU
+from deepinfer.outputs import KVLoad
 from deepinfer.request import Request
+
+# A prefix block found in a lower tier: its chain hash and the tier holding it.
+TierHit = tuple[int, TierLRU]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -19,15 +24,32 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        tiers: KVTiers | None = None,
+    ) -> None:
+        if tiers is not None and not enable_caching:
+            raise ValueError(
+                "KV tiers below HBM hold prefix-cache blocks: they need prefix caching on"
+            )
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.tiers = tiers  # lower tiers evicted prefix blocks move to (kv_cache/tiers.py)
+        self.pool.tiers = tiers
+        self._loads_ahead: list[KVLoad] = []  # loads of the step being scheduled (take_loads)
         self.req_blocks: dict[str, list[KVBlock]] = {}  # req_id -> its block table
         self._num_cached: dict[str, int] = {}  # req_id -> leading blocks registered in the cache
         self._cached_ahead: list[KVBlock] = []  # cached while scheduling (take_cached_ahead)
         self.num_lookup_tokens = 0  # prompt tokens looked up
         self.num_hit_tokens = 0  # of those, found in the cache
+        # Over the requests started with a lookup: prompt blocks a lookup could cover, and
+        # of those the blocks found, by tier ("hbm", "host", "store").
+        self.num_prefix_blocks_looked_up = 0
+        self.prefix_hit_blocks = dict.fromkeys((HBM, *LOWER_TIERS), 0)
 
     @property
     def num_blocks(self) -> int:
@@ -67,6 +89,34 @@ class KVCacheManager:
         self.num_hit_tokens += len(hits) * self.block_size
         return hits
 
+    def find_tier_hits(self, request: Request, start: int) -> list[TierHit]:
+        """The request's prefix blocks from block `start` on (past its HBM hits) found in
+        the lower tiers, up to the first block in none of them (or back in HBM: a block
+        behind a missing one is left to the computation). The same limit as
+        `find_cached_prefix`: the last token is computed. Empty without tiers."""
+        tiers = self.tiers
+        if tiers is None:
+            return []
+        hashes = request.block_hashes  # (find_cached_prefix brought them up to date)
+        limit = (request.num_tokens - 1) // self.block_size
+        hits: list[TierHit] = []
+        lookup = self.pool.lookup
+        for h in hashes[start:limit]:
+            tier = tiers.find(h)
+            if tier is None or lookup(h) is not None:
+                break
+            hits.append((h, tier))
+        return hits
+
+    def count_lookup(self, request: Request, num_hbm_hits: int, loads: Sequence[TierHit]) -> None:
+        """A request started with a prefix lookup: its hits by tier, over its prompt blocks a
+        lookup could cover."""
+        self.num_prefix_blocks_looked_up += (request.num_tokens - 1) // self.block_size
+        hit = self.prefix_hit_blocks
+        hit[HBM] += num_hbm_hits
+        for _, tier in loads:
+            hit[tier.name] += 1
+
     def allocate(
         self,
         request: Request,
@@ -76,6 +126,7 @@ class KVCacheManager:
         reserve_tokens: int = 0,
         num_draft_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        loads: Sequence[TierHit] = (),
     ) -> list[KVBlock] | None:
         """Give `request` the blocks to compute `num_new_tokens` more tokens.
 
@@ -94,7 +145,7 @@ class KVCacheManager:
                 return None
         held = self.req_blocks.get(request.request_id)
         num_held = len(held) if held else 0
-        num_computed = request.num_computed_tokens + len(cached) * self.block_size
+        num_computed = request.num_computed_tokens + (len(cached) + len(loads)) * self.block_size
         need_tokens = max(num_computed + num_new_tokens + num_lookahead_tokens, reserve_tokens)
         num_needed = max(cdiv(need_tokens, self.block_size) - num_held - len(cached), 0)
         # Hits that sit in the free list stop being allocatable once touched.
@@ -104,10 +155,18 @@ class KVCacheManager:
         if held is None:
             held = self.req_blocks[request.request_id] = []
             self._num_cached[request.request_id] = 0
-        if cached:
+        if cached or loads:
             self.pool.touch(cached)
             new = list(cached)
-            new.extend(self.pool.allocate(num_needed))
+            if loads:  # read before this allocation's evictions are written below them
+                tiers = self.tiers
+                assert tiers is not None
+                for h, tier in loads:
+                    tiers.read(tier, h)
+            fresh = self.pool.allocate(num_needed)
+            for (h, tier), block in zip(loads, fresh):
+                self._loads_ahead.append(KVLoad(tier.name, block.block_id, h))
+            new.extend(fresh)
             self._num_cached[request.request_id] = len(cached)
         else:  # most calls: a decode token, in a block already held or one new block
             new = self.pool.allocate(num_needed) if num_needed else []
@@ -131,6 +190,12 @@ class KVCacheManager:
             if self.pool.cache(blocks[i], hashes[i]) and ahead:
                 self._cached_ahead.append(blocks[i])
         self._num_cached[req_id] = num_full
+
+    def take_loads(self) -> list[KVLoad]:
+        """The lower-tier loads of allocations since the last call: the step being
+        scheduled needs them in its blocks before it runs."""
+        loads, self._loads_ahead = self._loads_ahead, []
+        return loads
 
     def take_cached_ahead(self) -> list[KVBlock]:
         """The blocks cached by allocations since the last call: their content is the
@@ -179,3 +244,5 @@ class KVCacheManager:
             for b in ids:
                 holders[b] = holders.get(b, 0) + 1
         self.pool.check_invariants(holders)
+        if self.tiers is not None:
+            self.tiers.check_invariants()

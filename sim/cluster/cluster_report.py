@@ -65,7 +65,9 @@ def cluster_meta(
     summary: dict[str, Any],
     slo: SLO | None,
     pools: Sequence[tuple[PoolSpec, dict[str, Any], int]],
+    kv_tiers: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """kv_tiers: the KV tiers' figures over every instance (sim/kv_tiers.py)."""
     instances = []
     for inst in hub.entry + hub.decode:
         steps = inst.core.steps
@@ -78,7 +80,7 @@ def cluster_meta(
                 "steps": len(steps),
                 "kv_usage_mean": sum(usage) / len(usage) if usage else None,
                 "kv_usage_max": max(usage) if usage else None,
-                "prefix_evictions": _evictions(inst),
+                **_prefix_counts(inst),
             }
         )
     meta: dict[str, Any] = {
@@ -104,6 +106,8 @@ def cluster_meta(
         "num_steps": sum(i["steps"] for i in instances),
         "cost": plan_cost(spec, summary, slo),
     }
+    if kv_tiers is not None:
+        meta["kv_tiers"] = kv_tiers
     if spec.disaggregated:
         meta["decode_router"] = {
             "policy": (spec.decode_router or spec.router).policy,
@@ -164,6 +168,15 @@ def plan_cost(spec: ClusterSpec, summary: dict[str, Any], slo: SLO | None) -> di
     }
 
 
-def _evictions(inst: Instance) -> int:
+def _prefix_counts(inst: Instance) -> dict[str, Any]:
+    """Evictions and prefix lookups, summed over an instance's engines (its ranks)."""
     cores = inst.core.cores if isinstance(inst.core, RankGroup) else [inst.core]
-    return sum(c.scheduler.kv.pool.num_evictions for c in cores)
+    hits: dict[str, int] = {}
+    for c in cores:
+        for tier, n in c.scheduler.kv.prefix_hit_blocks.items():
+            hits[tier] = hits.get(tier, 0) + n
+    return {
+        "prefix_evictions": sum(c.scheduler.kv.pool.num_evictions for c in cores),
+        "prompt_blocks_looked_up": sum(c.scheduler.kv.num_prefix_blocks_looked_up for c in cores),
+        "prefix_hit_blocks": hits,
+    }

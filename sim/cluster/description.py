@@ -11,13 +11,20 @@ simple case of N colocated instances).
     links:
       inter_node: {bandwidth_gb_s: 50, latency_us: 10}
     kv_transfer: {link: inter_node, layerwise: true}
+    kv_tiers:                        # below each instance's HBM (deepinfer/kv_cache/tiers.py)
+      host: {size_gib: 64, bandwidth_gb_s: 50, latency_us: 10}    # per instance, over PCIe
+      store: {size_gib: 2048, bandwidth_gb_s: 50, latency_us: 20} # one, shared by all
     prices: {h200: 3.5}              # US$ per GPU-hour (overrides sim/data/gpu_prices.json)
+
+A pool's host tier is its engine's kv_host_cache_gib where that is given (> 0), else
+kv_tiers.host's size; its link is kv_tiers.host's (or the default PCIe figure).
 
 A wrong key or value raises ClusterError naming the file and the key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +33,7 @@ from typing import Any
 
 from deepinfer.config import EngineConfig, EngineRole
 from deepinfer.routing.policies import ROUTER_OPTIONS, ROUTERS
+from sim.kv_tiers import DEFAULT_HOST, DEFAULT_STORE, KVTierSpec, TierSpec
 
 ROLES = ("colocated", "prefill", "decode")
 PRICES_FILE = Path(__file__).parent.parent / "data" / "gpu_prices.json"
@@ -84,6 +92,16 @@ class ClusterSpec:
     prices: Mapping[str, float] = field(default_factory=dict)  # US$ per GPU-hour, by GPU
     seed: int = 0
     source: str = "cluster"
+    # The KV tiers' links and the shared store; a pool's host size is its engine's
+    # kv_host_cache_gib (`pool_tiers`).
+    kv_tiers: KVTierSpec = field(default_factory=KVTierSpec)
+
+    def pool_tiers(self, pool: PoolSpec) -> KVTierSpec:
+        """The tiers of each instance of `pool`: its own host tier, the shared store."""
+        link = self.kv_tiers.host or DEFAULT_HOST
+        gib = pool.engine.kv_host_cache_gib
+        host = TierSpec(gib, link.bandwidth, link.latency_s) if gib > 0 else None
+        return KVTierSpec(host, self.kv_tiers.store)
 
     @property
     def disaggregated(self) -> bool:
@@ -155,10 +173,15 @@ def load_cluster(
     return cluster_from_dict(raw, source=str(p), base_engine=base_engine, hardware=hardware)
 
 
-_TOP_KEYS = {"model", "pools", "router", "decode_router", "links", "kv_transfer", "prices", "seed"}
+_TOP_KEYS = {
+    "model", "pools", "router", "decode_router", "links", "kv_transfer", "kv_tiers", "prices",
+    "seed",
+}  # fmt: skip
 _POOL_KEYS = {"name", "role", "count", "hardware", "engine", "model"}
 _LINK_KEYS = {"bandwidth_gb_s", "latency_us"}
 _TRANSFER_KEYS = {"link", "layerwise"}
+_TIERS_KEYS = {"host", "store"}
+_TIER_KEYS = {"size_gib", "bandwidth_gb_s", "latency_us"}
 
 
 def cluster_from_dict(
@@ -210,6 +233,19 @@ def cluster_from_dict(
     seed = raw.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ClusterError(f"{where}: seed {seed!r}: expected an integer")
+    tiers = _kv_tiers(raw.get("kv_tiers", {}), f"{where}: kv_tiers")
+    if tiers.host is not None:  # the default host tier of pools whose engine gives none
+        try:
+            pools = [
+                p
+                if p.engine.kv_host_cache_gib > 0
+                else dataclasses.replace(
+                    p, engine=p.engine.replace(kv_host_cache_gib=tiers.host.size_gib)
+                )
+                for p in pools
+            ]
+        except ValueError as e:
+            raise ClusterError(f"{where}: kv_tiers.host: {e}") from None
     spec = ClusterSpec(
         model=str(raw.get("model", model)),
         pools=tuple(pools),
@@ -225,8 +261,42 @@ def cluster_from_dict(
         prices=prices,
         seed=seed,
         source=source,
+        kv_tiers=tiers,
     )
     return _check(spec)
+
+
+def _kv_tiers(raw: Any, at: str) -> KVTierSpec:
+    _mapping(raw, at)
+    _known(raw, _TIERS_KEYS, at)
+    found: dict[str, TierSpec] = {}
+    for name, default in (("host", DEFAULT_HOST), ("store", DEFAULT_STORE)):
+        if name not in raw:
+            continue
+        tier = raw[name]
+        where = f"{at}.{name}"
+        _mapping(tier, where)
+        _known(tier, _TIER_KEYS, where)
+        if "size_gib" not in tier:
+            raise ClusterError(f"{where}: no size_gib (the tier's capacity in GiB)")
+        values = {
+            "size_gib": tier["size_gib"],
+            "bandwidth_gb_s": tier.get("bandwidth_gb_s", default.bandwidth / 1e9),
+            "latency_us": tier.get("latency_us", default.latency_s * 1e6),
+        }
+        for key, value in values.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ClusterError(f"{where}.{key} {value!r}: expected a number >= 0")
+        if values["bandwidth_gb_s"] <= 0:
+            raise ClusterError(f"{where}.bandwidth_gb_s {values['bandwidth_gb_s']!r}: must be > 0")
+        if name == "store" and values["size_gib"] <= 0:
+            raise ClusterError(f"{where}.size_gib {values['size_gib']!r}: must be > 0")
+        found[name] = TierSpec(
+            float(values["size_gib"]),
+            float(values["bandwidth_gb_s"]) * 1e9,
+            float(values["latency_us"]) * 1e-6,
+        )
+    return KVTierSpec(found.get("host"), found.get("store"))
 
 
 def _pool(raw: Mapping[str, Any], name: Any, base: EngineConfig, hw: str, at: str) -> PoolSpec:
@@ -306,6 +376,17 @@ def _check(spec: ClusterSpec) -> ClusterSpec:
                 f"({sorted(sizes)}): a router compares their cached prefixes block by block"
             )
     for p in spec.pools:
+        if spec.pool_tiers(p).configured and p.engine.data_parallel_size > 1:
+            raise ClusterError(
+                f"{at}: pool {p.name}: KV tiers with data_parallel_size="
+                f"{p.engine.data_parallel_size}: the ranks' lock-step rounds do not price "
+                "tier loads yet; drop kv_tiers (or kv_host_cache_gib) or the ranks"
+            )
+        if spec.kv_tiers.store is not None and not p.engine.enable_prefix_caching:
+            raise ClusterError(
+                f"{at}: kv_tiers.store: pool {p.name} has enable_prefix_caching=False, and "
+                "the store holds prefix-cache blocks"
+            )
         if p.hardware not in spec.prices:
             raise ClusterError(
                 f"{at}: pool {p.name}: no price for GPU {p.hardware!r} (add prices.{p.hardware})"

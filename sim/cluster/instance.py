@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import simpy
 
 from deepinfer.engine import EngineCore
+from deepinfer.records import RequestRecord
 from deepinfer.request import Request
 from deepinfer.routing import InstanceView
 from deepinfer.routing.instance_report import InstanceReport, report_of, view_of
+from sim.cluster.pool_routing import PoolRouting
 from sim.data_parallel import RankGroup
 from sim.engine_loop import Clock
 
@@ -30,9 +32,23 @@ def _report(index: int, core: Served, ended: list[str]) -> InstanceReport:
     )
 
 
-if TYPE_CHECKING:
-    from sim.cluster.cluster import Cluster
-    from sim.cluster.pool_routing import PoolRouting
+class ClusterSide(Protocol):
+    """What an instance asks of its cluster (sim/cluster/cluster.py's `Cluster`)."""
+
+    env: simpy.Environment
+    decided_until: float  # every routing decision up to this time is made
+
+    def route_until(self, now: float) -> None: ...
+
+    def more_may_come(self, inst: Instance) -> bool: ...
+
+    def next_decision(self, inst: Instance) -> float: ...
+
+    def soonest(self, inst: Instance) -> float: ...
+
+    def horizon(self, inst: Instance) -> float: ...
+
+    def ended(self, inst: Instance, records: list[RequestRecord]) -> None: ...
 
 
 class Instance:
@@ -43,7 +59,7 @@ class Instance:
 
     def __init__(
         self,
-        cluster: Cluster,
+        cluster: ClusterSide,
         name: str,
         role: str,
         index: int,

@@ -15,6 +15,7 @@ from typing import Any
 import simpy
 
 from deepinfer.engine import EngineCore
+from deepinfer.kv_cache.tiers import TierLRU
 from deepinfer.metrics import SLO, summarize
 from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
@@ -31,7 +32,8 @@ from sim.data_parallel import DataParallelStats, RankGroup, rank_group, serve_da
 from sim.engine_loop import Clock, FastForwardStats, serve_engine
 from sim.expert_parallel_cost import ExpertParallelCost
 from sim.hardware import get_hardware
-from sim.kv_capacity import engine_kv_blocks
+from sim.kv_capacity import engine_kv_blocks, kv_bytes_per_token
+from sim.kv_tiers import kv_tiers_meta
 from sim.sim_executor import SimExecutor
 from sim.simulator import build_requests
 from sim.traces import Trace, TraceRequest
@@ -55,6 +57,7 @@ class _Pool:
     cost: CostModel
     cost_meta: dict[str, Any]
     num_blocks: int
+    block_bytes: int  # KV bytes of one block (what a tier holds and a load moves)
 
 
 def simulate_cluster(
@@ -90,11 +93,15 @@ def simulate_cluster(
         entry_model.num_hidden_layers,
         on_progress,
     )
+    store = _shared_store(cluster, pools)
+    bytes_of: dict[str, int] = {}  # instance -> its KV block's bytes
     groups: dict[bool, list[tuple[_Pool, Served, Clock, str]]] = {False: [], True: []}
     rounds: dict[str, ExpertParallelCost] = {}  # instance of data-parallel ranks -> its rounds
     for pool in pools:
+        tiers = cluster.pool_tiers(pool.spec)
         for i in range(pool.spec.count):
             name = f"{pool.spec.name}[{i}]"
+            bytes_of[name] = pool.block_bytes
             clock = Clock()
             core: Served
             if pool.spec.engine.data_parallel_size > 1:
@@ -111,6 +118,7 @@ def simulate_cluster(
                     clock=clock,
                     model_max_len=pool.model.max_position_embeddings,
                     check_invariants=check_invariants,
+                    kv_tiers=tiers.build(pool.block_bytes, store),
                 )
             groups[pool.spec.role == "decode"].append((pool, core, clock, name))
     runs: dict[str, FastForwardStats] = {}
@@ -141,8 +149,9 @@ def simulate_cluster(
                 dp = dp_stats[name] = DataParallelStats()
                 loop = serve_data_parallel(env, core, inst, clock, pool.cost, rounds[name], dp)
             else:
+                loads = cluster.pool_tiers(pool.spec).load_pricing(pool.block_bytes)
                 loop = serve_engine(
-                    env, clock, core, inst, pool.cost, 0.0, None, hw.runs_on_host, stats
+                    env, clock, core, inst, pool.cost, 0.0, None, hw.runs_on_host, stats, loads
                 )
             env.process(_then_ended(hub, inst, loop))
     hub.entry_running = len(hub.entry)
@@ -151,9 +160,21 @@ def simulate_cluster(
     steps = {inst.name: inst.core.steps for inst in hub.entry + hub.decode}
     all_steps = sorted((s for ss in steps.values() for s in ss), key=lambda s: s.time)
     summary = summarize(records, all_steps, slo)
+    tiers_meta = cluster.kv_tiers.to_meta(pools[0].block_bytes)
+    for p in pools:  # each pool's host tier (its engine's size)
+        host = cluster.pool_tiers(p.spec).to_meta(p.block_bytes).get("host")
+        if host is not None:
+            tiers_meta.setdefault("host_per_pool", {})[p.spec.name] = host
+    tiers_meta.pop("host", None)
+    engines = [
+        (core.scheduler.kv, bytes_of[inst.name])
+        for inst in hub.entry + hub.decode
+        for core in (inst.core.cores if isinstance(inst.core, RankGroup) else [inst.core])
+    ]
     meta = cluster_meta(
-        trace, cluster, hub, summary, slo, [(p.spec, p.cost_meta, p.num_blocks) for p in pools]
-    )
+        trace, cluster, hub, summary, slo, [(p.spec, p.cost_meta, p.num_blocks) for p in pools],
+        kv_tiers_meta(tiers_meta, engines),
+    )  # fmt: skip
     if dp_stats:
         meta["data_parallel"] = {name: st.to_meta() for name, st in dp_stats.items()}
     meta["fast_forward"] = (
@@ -205,4 +226,19 @@ def _resolve(
         model.check_max_model_len(pool.engine.max_model_len)
     except ValueError as e:
         raise ValueError(f"{cluster.source}: pool {pool.name}: {e}") from None
-    return _Pool(pool, model, cost, cost_meta, num_blocks)
+    speculative = pool.engine.num_speculative_tokens > 0
+    block_bytes = pool.engine.block_size * kv_bytes_per_token(model, speculative)
+    return _Pool(pool, model, cost, cost_meta, num_blocks, block_bytes)
+
+
+def _shared_store(cluster: ClusterSpec, pools: list[_Pool]) -> TierLRU | None:
+    """The one store every instance shares (None: none configured). Its blocks are the
+    instances' blocks, so they must all be of one size."""
+    sizes = {p.block_bytes for p in pools}
+    if cluster.kv_tiers.store is not None and len(sizes) > 1:
+        raise ValueError(
+            f"{cluster.source}: kv_tiers.store: the pools' KV blocks differ in size "
+            f"({sorted(sizes)} bytes: model, block_size or MTP layer), so one store cannot "
+            "hold blocks of all of them"
+        )
+    return cluster.kv_tiers.shared_store(pools[0].block_bytes)

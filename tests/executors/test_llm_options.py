@@ -48,6 +48,16 @@ def test_the_decode_role_is_refused_by_the_torch_executor(
         LLM(str(tiny_models["v3_plain"].path), device="cpu", dtype="float32", role="decode")
 
 
+def test_a_host_kv_tier_is_refused_by_the_torch_executor(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    """It would keep nothing in host memory: the copies are not built (the simulator
+    prices the tier)."""
+    with pytest.raises(ValueError, match="kv_host_cache_gib=2: the torch executor"):
+        LLM(str(tiny_models["v3_plain"].path), device="cpu", dtype="float32",
+            kv_host_cache_gib=2)  # fmt: skip
+
+
 @pytest.mark.parametrize("model", ["tiny", "deepinfer-demo", "moonlight-16b-a3b"])
 def test_a_revision_of_a_model_with_one_version_is_refused(
     model: str, tiny_models: dict[str, TinyModel]

@@ -21,7 +21,7 @@ _PINNED: dict[str, object] = dict(
     prefill_watermark=1.0, enable_prefix_caching=True, role=EngineRole.NORMAL,
     num_speculative_tokens=0, enable_mtp_varlen=False, policy="fcfs", seed=0,
     data_parallel_size=1, data_parallel_router="least-load", enable_expert_parallel=False,
-    batch_invariant=False, quantization=None,
+    batch_invariant=False, quantization=None, kv_host_cache_gib=0.0,
 )  # fmt: skip
 
 

@@ -49,6 +49,15 @@ def clusters(draw: st.DrawFn) -> dict:  # type: ignore[type-arg]
         "pools": pools,
         "seed": draw(st.integers(0, 3)),
     }
+    ranked = any(p["engine"]["data_parallel_size"] > 1 for p in pools)
+    if all(p["engine"]["enable_prefix_caching"] for p in pools) and not ranked:
+        # (refused with instances of several ranks) Tiers of a few blocks (Moonlight's 16-token blocks are ~500 kB): a host tier per
+        # instance, a store all of them share, or both.
+        tiers = {}
+        for name in draw(st.sampled_from([(), ("host",), ("store",), ("host", "store")])):
+            tiers[name] = {"size_gib": draw(st.sampled_from([0.001, 0.004, 0.02]))}
+        if tiers:
+            raw["kv_tiers"] = tiers
     if pd:
         raw["decode_router"] = draw(st.sampled_from(sorted(ROUTERS)))
         raw["links"] = {

@@ -65,6 +65,10 @@ def traces(draw: st.DrawFn) -> Trace:
 @st.composite
 def engines(draw: st.DrawFn) -> EngineConfig:
     chunked = draw(st.booleans())
+    caching = draw(st.booleans())
+    # A host KV tier of a few to a few hundred blocks (Moonlight's are ~124 kB to ~500 kB):
+    # decode runs evict into it, in the order single steps do.
+    host_gib = draw(st.sampled_from([0.0, 0.0005, 0.002, 0.02])) if caching else 0.0
     return EngineConfig(
         block_size=draw(st.sampled_from([4, 8, 16])),
         num_gpu_blocks=draw(st.integers(30, 160)),
@@ -72,7 +76,8 @@ def engines(draw: st.DrawFn) -> EngineConfig:
         max_num_batched_tokens=draw(st.sampled_from([6, 16, 64, 512])),
         max_model_len=draw(st.one_of(st.none(), st.integers(100, 400))) if chunked else None,
         enable_chunked_prefill=chunked,
-        enable_prefix_caching=draw(st.booleans()),
+        enable_prefix_caching=caching,
+        kv_host_cache_gib=host_gib,
         prefill_watermark=draw(st.sampled_from([0.3, 0.8, 1.0])),
         async_scheduling=draw(st.booleans()),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
@@ -147,6 +152,22 @@ def test_a_run_stops_at_each_arrival_and_at_blocks_the_cache_lacks() -> None:
     single, fast = _both(trace, engine, "unit")
     _assert_same(single, fast)
     assert sum(r.num_preemptions for r in single.requests) > 0  # the state it was written for
+    assert 0 < fast.meta["fast_forward"]["steps"] < len(fast.steps)
+
+
+def test_a_host_tier_fills_in_a_run_as_in_single_steps() -> None:
+    """Requests sharing prefixes in a cache that runs out: decode runs evict into the host
+    tier, later prompts load from it, and the results stay exact."""
+    trace = Trace(
+        "tiers", "python",
+        [TraceRequest(f"r{i}", 0.004 * i, 48, 120, (i % 3, 10 + i % 3, 20 + i), 16)
+         for i in range(12)],
+    )  # fmt: skip
+    engine = EngineConfig(block_size=8, num_gpu_blocks=60, max_num_seqs=8, kv_host_cache_gib=0.01)
+    single, fast = _both(trace, engine, "unit")
+    _assert_same(single, fast)
+    tiers = fast.meta["kv_tiers"]
+    assert tiers["hit_blocks"]["host"] > 0 and tiers["bytes_saved"]["host"] > 0
     assert 0 < fast.meta["fast_forward"]["steps"] < len(fast.steps)
 
 

@@ -143,6 +143,38 @@ def test_the_plan_is_priced_per_million_tokens() -> None:
         ({"pools": [{"name": "a"}], "kv_transfer": {"link": "ib"}}, "kv_transfer.link 'ib'"),
         ({"pools": [{"name": "a", "hardware": "h100"}], "prices": {"h100": -1}}, "prices.h100"),
         ({"pools": [{"name": "a"}], "tiers": {}}, "unknown key(s) ['tiers']"),
+        ({"pools": [{"name": "a"}], "kv_tiers": {"disk": {}}}, "kv_tiers: unknown key(s) ['disk']"),
+        (
+            {
+                "pools": [{"name": "a", "engine": {"data_parallel_size": 2}}],
+                "kv_tiers": {"store": {"size_gib": 1}},
+            },
+            "pool a: KV tiers with data_parallel_size=2",
+        ),
+        (
+            {"pools": [{"name": "a"}], "kv_tiers": {"host": {"size_gib": 1, "speed": 2}}},
+            "kv_tiers.host: unknown key(s) ['speed']",
+        ),
+        ({"pools": [{"name": "a"}], "kv_tiers": {"host": {}}}, "kv_tiers.host: no size_gib"),
+        ({"pools": [{"name": "a"}], "kv_tiers": {"store": {"size_gib": 0}}}, "store.size_gib 0"),
+        (
+            {"pools": [{"name": "a"}], "kv_tiers": {"store": {"size_gib": 1, "latency_us": "x"}}},
+            "kv_tiers.store.latency_us 'x'",
+        ),
+        (
+            {
+                "pools": [{"name": "a", "engine": {"enable_prefix_caching": False}}],
+                "kv_tiers": {"host": {"size_gib": 1}},
+            },
+            "kv_tiers.host: kv_host_cache_gib=1.0 with enable_prefix_caching=False",
+        ),
+        (
+            {
+                "pools": [{"name": "a", "engine": {"enable_prefix_caching": False}}],
+                "kv_tiers": {"store": {"size_gib": 1}},
+            },
+            "kv_tiers.store: pool a has enable_prefix_caching=False",
+        ),
     ],
 )
 def test_a_wrong_key_or_value_is_named(raw: dict, named: str) -> None:  # type: ignore[type-arg]

@@ -256,6 +256,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         f"max_model_len {meta['max_model_len']}; {meta['num_steps']} steps"
     )
     print(_cost_model_line(meta))
+    if meta.get("kv_tiers", {}).get("tiers"):
+        from sim.kv_tiers import tiers_line
+
+        print(f"KV tiers: {tiers_line(meta['kv_tiers'])}")
     if engine.data_parallel_size > 1:
         print(_data_parallel_line(meta, engine.data_parallel_size, engine.enable_expert_parallel))
     if args.out:
@@ -359,6 +363,10 @@ def cluster_lines(meta: dict[str, Any]) -> list[str]:
             f"of KV moved; prefill queue {ms(pd['prefill_queue_s'])}; KV transfer "
             f"{ms(pd['kv_transfer_s'])}; decode queue {ms(pd['decode_queue_s'])}"
         )
+    if "kv_tiers" in meta:
+        from sim.kv_tiers import tiers_line
+
+        lines.append(f"KV tiers: {tiers_line(meta['kv_tiers'])}")
     c = meta["cost"]
     per_out = c["per_million_output_tokens"]
     per_in = c["per_million_input_tokens"]

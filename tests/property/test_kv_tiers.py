@@ -1,0 +1,118 @@
+"""KV blocks are conserved across the tiers below HBM (deepinfer/kv_cache/tiers.py), and
+the work the tiers allow is done, over random requests sharing prefixes, random HBM,
+host and store sizes:
+
+- a cached block leaves every place (HBM's index, the host tier, the store) only when
+  the last tier drops one (a demotion moves it down, a load copies it up);
+- a block a request holds keeps its content findable in HBM (never lost while held);
+- a tier never holds more than its capacity, and each hash is in HBM's index once;
+- a request's prefix past its HBM hits that a lower tier holds is loaded, not computed:
+  exactly the blocks in host or store, up to the first in none (or back in HBM), and the
+  loads land in the request's first fresh blocks, cached there under their hashes.
+"""
+
+from __future__ import annotations
+
+from hypothesis import event, given
+from hypothesis import strategies as st
+
+from deepinfer.kv_cache.manager import KVCacheManager
+from deepinfer.kv_cache.tiers import HOST, STORE, KVTiers, TierLRU
+from deepinfer.request import Request
+from deepinfer.sampling_params import SamplingParams
+from tests.property.strategies import scaled
+
+# An op: ("start", prefix chunks, own tail tokens, held on) or ("end", [], which live
+# request, False). A request not held on ends at once: its blocks stay cached, free.
+ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("start"),
+            st.lists(st.integers(0, 5), min_size=0, max_size=3),
+            st.integers(1, 5),
+            st.booleans(),
+        ),
+        st.tuples(st.just("end"), st.just([]), st.integers(0, 7), st.just(False)),
+    ),
+    min_size=8,
+    max_size=40,
+)
+
+
+def _places(kv: KVCacheManager) -> set[int]:
+    held = set(kv.pool._cached)
+    tiers = kv.tiers
+    assert tiers is not None
+    for tier in tiers.order:
+        held.update(tier.hashes())
+    return held
+
+
+@scaled(1.0)
+@given(
+    bs=st.integers(1, 4),
+    num_blocks=st.integers(4, 14),
+    host=st.integers(0, 6),
+    store=st.integers(0, 6),
+    script=ops,
+)
+def test_tier_blocks_are_conserved_and_loaded(
+    bs: int,
+    num_blocks: int,
+    host: int,
+    store: int,
+    script: list[tuple[str, list[int], int, bool]],
+) -> None:
+    if not host and not store:
+        store = 3
+    tiers = KVTiers(TierLRU(HOST, host) if host else None, TierLRU(STORE, store) if store else None)
+    kv = KVCacheManager(num_blocks, bs, True, tiers)
+    live: list[Request] = []
+    for n, (op, chunks, tail, held) in enumerate(script):
+        before, dropped = _places(kv), tiers.dropped
+        if op == "end":
+            if live:
+                kv.free(live.pop(tail % len(live)))
+        else:
+            # Prefix chunks of 2 blocks each, shared by id; then a private tail.
+            prompt = [t for c in chunks for t in range(1000 * (c + 1), 1000 * (c + 1) + 2 * bs)]
+            prompt += [10**6 + 100 * n + i for i in range(tail)]
+            req = Request(f"r{n}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+            hits = kv.find_cached_prefix(req)
+            loads = kv.find_tier_hits(req, len(hits))
+            # The oracle: past the HBM hits, every block in host or store, up to the first
+            # in neither (or back in HBM).
+            expected = 0
+            for h in req.block_hashes[len(hits) : (req.num_tokens - 1) // bs]:
+                if kv.pool.lookup(h) is not None or not any(h in t for t in tiers.order):
+                    break
+                expected += 1
+            assert len(loads) == expected
+            if loads:
+                event("a prefix loaded from a lower tier")
+            computed = (len(hits) + len(loads)) * bs
+            got = kv.allocate(req, req.num_tokens - computed, hits, loads=loads)
+            if got is None:
+                assert kv.take_loads() == []
+                assert _places(kv) == before  # refused: nothing moved
+                continue
+            req.num_computed_tokens = req.num_tokens
+            taken = kv.take_loads()
+            table = kv.req_blocks[req.request_id]
+            assert [x.block_id for x in taken] == [
+                b.block_id for b in table[len(hits) : len(hits) + len(loads)]
+            ]
+            for x, (h, tier) in zip(taken, loads):
+                assert x.block_hash == h and x.tier == tier.name
+                assert kv.pool.lookup(h) is not None
+            if held:
+                live.append(req)
+            else:
+                kv.free(req)
+        kv.check_invariants()  # (each tier within its capacity, HBM's index consistent)
+        vanished = before - _places(kv)
+        assert len(vanished) <= tiers.dropped - dropped, vanished
+        for req in live:  # held blocks stay findable
+            for i, h in enumerate(req.block_hashes[: req.num_tokens // bs]):
+                block = kv.pool.lookup(h)
+                assert block is not None and block is kv.req_blocks[req.request_id][i]
