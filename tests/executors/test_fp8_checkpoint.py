@@ -174,19 +174,20 @@ def _driven(model: torch.nn.Module, cfg: ModelConfig, dev: torch.device) -> Driv
     return d
 
 
-def _max_rel_between(a: Driver, b: Driver) -> tuple[float, int]:
-    """max |a - b| / max |b| over the logits rows both runs computed from the same tokens
-    (a near tie may sample apart: the rows after it see other inputs), and their count."""
-    worst, compared = 0.0, 0
+def _row_errors(a: Driver, b: Driver) -> dict[str, list[float]]:
+    """Per sequence, in position order: max |a - b| / max |b| of each logits row both runs
+    computed from the same tokens (a near tie may sample apart: the rows after it see
+    other inputs)."""
+    errors: dict[str, list[float]] = {}
     for rid, seq in a.seqs.items():
         other = b.seqs[rid]
+        mine = errors[rid] = []
         for pos, row in sorted(seq.logits.items()):
             if seq.tokens[: pos + 1] != other.tokens[: pos + 1]:
                 break
             ref = other.logits[pos].float().cpu()
-            worst = max(worst, float((row.float().cpu() - ref).abs().max() / ref.abs().max()))
-            compared += 1
-    return worst, compared
+            mine.append(float((row.float().cpu() - ref).abs().max() / ref.abs().max()))
+    return errors
 
 
 @pytest.mark.gpu
@@ -218,6 +219,12 @@ def test_fp8_checkpoint_on_cuda_runs_the_fp8_kernels_as_their_rounding_twin(
         )
         cpu_model = load_model(tiny_fp8.path, cfg, dtype=torch.float32, device=torch.device("cpu"))
         twin = _driven(cpu_model, cfg, torch.device("cpu"))
-        worst, compared = _max_rel_between(gpu, twin)
-        assert worst < 1e-2 and compared >= 6
+        errors = _row_errors(gpu, twin)
+        rows = [e for seq in errors.values() for e in seq]
+        # Rows agree to float32 accumulation until an activation that lies on an e4m3
+        # rounding boundary rounds the other way on one side (one e4m3 step of it): from
+        # there the cached KV carries the difference, and that prompt's later rows differ
+        # by a few percent. On the H100 one prompt of the two flips in its prefill.
+        assert len(rows) >= 6 and sum(e < 1e-5 for e in rows) >= len(rows) // 2, errors
+        assert max(rows) < 0.1, errors
         assert max_rel_error(gpu, tiny_fp8.hf) < 0.25
