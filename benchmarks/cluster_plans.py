@@ -5,7 +5,8 @@ disaggregation at several P:D ratios, all with the same number of GPUs.
     deepinfer bench cluster-plans --trace traces/mooncake_conversation_small.jsonl \\
         --model deepseek-v2-lite --instances 4
 
-Prints one markdown row per plan: TTFT and TPOT p50/p99, the share of requests meeting
+--host-gib adds two colocated plans whose instances keep prefix blocks evicted from HBM
+in that much host DRAM (sim/kv_tiers.py). Prints one markdown row per plan: TTFT and TPOT p50/p99, the share of requests meeting
 the SLO, the plan's US$ per million output tokens counted over those requests, and the
 wall seconds the simulation took (one process). --time-scale < 1 compresses the trace's
 arrivals, so a cluster sized for it is loaded as one instance is by the trace itself.
@@ -26,12 +27,20 @@ from sim.traces import load_trace
 ROUTERS = ("round-robin", "least-requests", "power-of-two", "prefix-affinity", "least-kv")
 
 
-def plans(n: int, model: str, hardware: str, only: str | None) -> list[tuple[str, dict[str, Any]]]:
+def plans(
+    n: int, model: str, hardware: str, only: str | None, host_gib: float = 0.0
+) -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = []
     if only in (None, "colocated"):
         for router in ROUTERS:
             pool = {"name": "replicas", "count": n, "hardware": hardware}
             out.append((f"colocated x{n}", {"model": model, "router": router, "pools": [pool]}))
+        if host_gib > 0:  # the same plans with a host-DRAM tier per instance
+            for router in ("least-requests", "prefix-affinity"):
+                pool = {"name": "replicas", "count": n, "hardware": hardware}
+                raw = {"model": model, "router": router, "pools": [pool]}
+                raw["kv_tiers"] = {"host": {"size_gib": host_gib}}
+                out.append((f"colocated x{n}, host {host_gib:g} GiB", raw))
     if only in (None, "pd"):
         for p in sorted({n // 2, max(1, round(n / 3)), max(1, n // 4)}, reverse=True):
             pools = [
@@ -53,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", type=int, default=16, help="instances per plan (GPUs)")
     ap.add_argument("--slo", default="ttft:2000,tpot:100", help="per-request limits, ms")
     ap.add_argument("--only", choices=["colocated", "pd"], default=None)
+    ap.add_argument(
+        "--host-gib",
+        type=float,
+        default=0.0,
+        help="also run two colocated plans with this much host DRAM per instance (KV tier)",
+    )
     args = ap.parse_args(argv)
     trace = load_trace(args.trace, time_scale=args.time_scale, max_requests=args.max_requests)
     slo = parse_slo(args.slo)
@@ -64,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         "| plan | router | TTFT p50 / p99 ms | TPOT p50 / p99 ms | meet SLO | $ / M out tok | wall s |"
     )
     print("|---|---|---|---|---|---|---|")
-    for name, raw in plans(args.instances, args.model, args.hardware, args.only):
+    for name, raw in plans(args.instances, args.model, args.hardware, args.only, args.host_gib):
         spec: ClusterSpec = cluster_from_dict(raw, source=name, base_engine=EngineConfig())
         t0 = time.perf_counter()
         result = simulate_cluster(trace, spec, slo=slo)
