@@ -6,6 +6,8 @@ preempted (a preempted decode request recomputes)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from deepinfer import LLM, SamplingParams
@@ -93,3 +95,31 @@ def test_options_a_disaggregated_llm_cannot_serve_are_refused_by_name(
         )
     assert not llm.engine.has_unfinished()
     assert parse_disaggregation("2P3D") == (2, 3)
+
+
+def test_a_request_whose_kv_import_fails_ends_aborted_and_frees_everything(
+    tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handover whose KV cannot be the decode engine's (here: one layer short) aborts
+    that request with the reason; the others are served, and no engine holds a block."""
+    path = str(tiny_models["v3_plain"].path)
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, disaggregate="1P1D")
+    engine = llm.engine
+    assert isinstance(engine, DisaggregatedEngine)
+    prefill = engine.prefill.engines[0].executor
+    export = prefill.export_kv
+
+    def short_export(request, num_tokens):  # type: ignore[no-untyped-def]
+        kv = export(request, num_tokens)
+        if request.request_id != "1":
+            return kv
+        return dataclasses.replace(kv, kv=kv.kv[:, 1:])
+
+    monkeypatch.setattr(prefill, "export_kv", short_export)
+    outs = llm.generate(prompts(6, [9, 7, 5]), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "abort", "length"]
+    assert "KV import: request '1': imported KV of shape" in (outs[1].error or "")
+    assert not outs[1].outputs[0].token_ids and engine.num_handovers == 2
+    for e in engine.engines:
+        assert not e.scheduler.kv.req_blocks and not e.has_unfinished()
+    assert engine.decode.router.outstanding == [0] and engine.prefill.router.outstanding == [0]
