@@ -21,10 +21,13 @@ from executors.kv_cache import PagedKVCache
 
 
 class KVTransfer:
-    """Exports from and pending imports into one PagedKVCache (req_id -> handover)."""
+    """Exports from and pending imports into one PagedKVCache (req_id -> handover).
+    imports: the engine's role is decode (only such an engine counts a prompt it never
+    computed as computed, so only it imports)."""
 
-    def __init__(self, kv_cache: PagedKVCache) -> None:
+    def __init__(self, kv_cache: PagedKVCache, imports: bool) -> None:
         self.kv_cache = kv_cache
+        self.imports = imports
         self._pending: dict[str, KVHandover] = {}
         self.num_imported_tokens = 0  # positions written from imports (hits are skipped)
 
@@ -47,6 +50,11 @@ class KVTransfer:
     def add(self, handover: KVHandover) -> None:
         """Keep `handover` for its request's first schedule; ValueError when its KV
         cannot be this cache's."""
+        if not self.imports:
+            raise ValueError(
+                f"request {handover.req_id!r}: this engine computes its prompts (its role is "
+                "not decode): it imports no KV"
+            )
         kv, first = handover.kv, self.kv_cache.layers[0]
         expected = (handover.num_tokens, len(self.layers), first.shape[-1])
         if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != expected:
@@ -70,10 +78,12 @@ class KVTransfer:
             self._pending.pop(req_id, None)
 
     def apply(self, out: SchedulerOutput) -> None:
-        """Fill, from its import, each request `out` sends with its block table that
-        counts more tokens computed than its cached blocks hold (a decode engine's
-        request). RequestFailed names every such request whose KV never arrived, or
+        """On a decode engine: fill, from its import, each request `out` sends with its
+        block table that counts more tokens computed than its cached blocks hold.
+        RequestFailed names every such request whose KV never arrived, or
         arrived for another length; then nothing is written."""
+        if not self.imports:
+            return
         self.forget(out.finished_req_ids | out.preempted_req_ids)
         bs = self.kv_cache.block_size
         errors: dict[str, str] = {}

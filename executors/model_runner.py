@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer.config import EngineConfig
+from deepinfer.config import EngineConfig, EngineRole
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from executors import prompt_logprobs
 from executors.batch_invariant import set_batch_invariant
@@ -96,7 +96,7 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(engine_config.seed)
         self.requests = RequestStates(eos_token_id)
         # KV exported to a decode engine, and imported from a prefill engine.
-        self.kv_transfer = KVTransfer(kv_cache)
+        self.kv_transfer = KVTransfer(kv_cache, engine_config.role is EngineRole.DECODE)
         self.inputs = InputBuilder(
             self.requests, self.block_size, self.vocab_size, self.device,
             self.batch_invariant, decode_max_query_len, self.max_drafts,

@@ -112,6 +112,8 @@ def test_a_decode_request_whose_kv_never_arrived_fails_by_name(
         dst.import_kv(bad)
     with pytest.raises(ValueError, match="in torch.float64"):
         dst.import_kv(dataclasses.replace(kv, req_id="c", kv=kv.kv.double()))
+    with pytest.raises(ValueError, match="its role is not decode"):
+        src.import_kv(kv)
     with pytest.raises(ValueError, match="holds no such request"):
         src.export_kv(Request("zz", PROMPT), 3)
     with pytest.raises(ValueError, match="only 10 of its tokens"):
