@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from deepinfer.kv_cache.handover import KVHandover
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
+from deepinfer.request import Request
 
 
 class StepHandle(ABC):
@@ -121,6 +123,27 @@ class Executor(ABC):
         raise ValueError(
             f"SamplingParams.so_args: the {type(self).__name__} executor does not support "
             "structured outputs"
+        )
+
+    def export_kv(self, request: Request, num_tokens: int) -> KVHandover:
+        """The KV of `request`'s positions [0, num_tokens), copied out of this executor's
+        cache while it still holds the request (a prefill engine's request that just
+        ended, before the engine's next step). ValueError when this executor cannot (the
+        default: it cannot) or holds no such KV."""
+        raise ValueError(
+            f"the {type(self).__name__} executor cannot export a request's KV cache "
+            "(a prefill engine of a disaggregated setup needs one that can)"
+        )
+
+    def import_kv(self, handover: KVHandover) -> None:
+        """Keep `handover` until the engine schedules its request with the block table
+        (a decode engine's request: `ScheduledRequest.num_cached_blocks` short of its
+        computed tokens), then fill the request's blocks from it before that step's
+        forward. ValueError when this executor cannot (the default) or the KV does not
+        fit its cache (another model, dtype or layer count)."""
+        raise ValueError(
+            f"the {type(self).__name__} executor cannot import a request's KV cache "
+            "(a decode engine of a disaggregated setup needs one that can)"
         )
 
     def discard_pending(self) -> None:  # noqa: B027 (a default that does nothing)

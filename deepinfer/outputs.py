@@ -50,6 +50,10 @@ class ScheduledRequest:
     # (a chunk's last row predicts the next chunk's first token).
     prompt_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
+    # Sent with block_table: its leading blocks whose content was there before the step
+    # (prefix-cache hits, tier loads). A decode engine's request counts more tokens as
+    # computed than these hold: the rest of its prompt comes by KV import.
+    num_cached_blocks: int = 0
     # Its sampling is constrained by a grammar (so_args): the simulator prices the mask.
     structured: bool = False
 

@@ -302,14 +302,17 @@ class Scheduler:
         # Prompt logprobs need every prompt token computed: no prefix-cache hit (as vLLM).
         wants_prompt_logprobs = req.sampling_params.prompt_logprobs is not None
         cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(req)
+        # A decode engine's request arrives with its prompt's KV, once: one it preempted
+        # lost that KV (and its outputs') and is recomputed like any other.
+        imports_kv = cfg.role is EngineRole.DECODE and req.status is RequestStatus.WAITING
         # Prefix blocks past the HBM hits found in the lower tiers: loaded, not computed.
-        # Hits count where they spare computation (a decode engine's prompt KV arrives).
-        takes_hits = not wants_prompt_logprobs and cfg.role is not EngineRole.DECODE
+        # Hits count where they spare computation (not where the prompt's KV arrives).
+        takes_hits = not wants_prompt_logprobs and not imports_kv
         loads: list[TierHit] = []
         if takes_hits and self.kv.tiers is not None:
             loads = self.kv.find_tier_hits(req, len(cached))
         num_computed = (len(cached) + len(loads)) * self.block_size
-        if cfg.role is EngineRole.DECODE:
+        if imports_kv:
             num_computed = req.num_tokens - 1  # its prompt's KV arrived with it
         num_new = req.num_tokens - num_computed
         if num_new > step.budget and not cfg.enable_chunked_prefill:
@@ -326,8 +329,9 @@ class Scheduler:
         req.num_computed_tokens = num_computed
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = (len(cached) + len(loads)) * self.block_size
-        is_prompt = cfg.role is not EngineRole.DECODE
-        step.add(self._schedule_one(req, num_new, blocks, [], is_prompt, resumed=True))
+        sr = self._schedule_one(req, num_new, blocks, [], not imports_kv, resumed=True)
+        sr.num_cached_blocks = len(cached) + len(loads)
+        step.add(sr)
         self._after_prompt_chunk(req)
         return True
 

@@ -1,6 +1,6 @@
 """ModelRunner: SchedulerOutput -> one flattened model forward -> sampled tokens.
 
-The runner owns three parts, each an object with its own state:
+The runner owns four parts, each an object with its own state:
 - `requests` (executors/request_states.py): per-request state keyed by req_id (block
   table, sampling state, the last sampled token, a structured request's grammar
   matcher, whose mask is applied to its logits before sampling:
@@ -8,6 +8,9 @@ The runner owns three parts, each an object with its own state:
   table and dropped when it ends or is preempted;
 - `inputs` (executors/input_builder.py): a step's rows flattened into host lists
   (`collect`) and moved to the device with one copy (`to_device`);
+- `kv_transfer` (executors/kv_transfer.py): a request's KV exported to a decode engine,
+  and the KV imported for a decode engine's requests, written into their blocks before
+  the forward of the step that first schedules them;
 - `speculator` (executors/speculative_decoder.py), with an MTP layer to draft from:
   the drafter and the verification of a step on the device.
 The runner itself chooses a step's forward (decode or verify graphs, piecewise graphs,
@@ -37,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer.config import EngineConfig
+from deepinfer.config import EngineConfig, EngineRole
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from executors import prompt_logprobs
 from executors.batch_invariant import set_batch_invariant
@@ -45,6 +48,7 @@ from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
 from executors.host_copy import to_device
 from executors.input_builder import Batch, HostBatch, InputBuilder
 from executors.kv_cache import PagedKVCache
+from executors.kv_transfer import KVTransfer
 from executors.models.deepseek import DeepseekForCausalLM
 from executors.mtp_drafter import MTPDrafter
 from executors.piecewise_graphs import PiecewiseGraphs, default_token_buckets
@@ -91,6 +95,8 @@ class ModelRunner:
         )
         self.generator = torch.Generator(self.device).manual_seed(engine_config.seed)
         self.requests = RequestStates(eos_token_id)
+        # KV exported to a decode engine, and imported from a prefill engine.
+        self.kv_transfer = KVTransfer(kv_cache, engine_config.role is EngineRole.DECODE)
         self.inputs = InputBuilder(
             self.requests, self.block_size, self.vocab_size, self.device,
             self.batch_invariant, decode_max_query_len, self.max_drafts,
@@ -184,6 +190,7 @@ class ModelRunner:
         """Forget the requests `out` says ended or were preempted."""
         ended = out.finished_req_ids | out.preempted_req_ids
         self.requests.drop(ended)
+        self.kv_transfer.forget(ended)
         if self.speculator is not None:
             self.speculator.forget(ended)
 
@@ -216,6 +223,7 @@ class ModelRunner:
             prev = None
         self._pending = None
         self.update_states(out)
+        self.kv_transfer.apply(out)  # a decode engine's imported prompts, before the forward
         if out.is_empty:
             return PendingStep(result=StepResult(ModelRunnerOutput()))
         speculator = self.speculator

@@ -15,9 +15,12 @@ from typing import Any
 import torch
 
 from deepinfer import envs
-from deepinfer.config import EngineConfig, EngineRole
+from deepinfer.config import EngineConfig
 from deepinfer.executor import Executor
+from deepinfer.kv_cache.handover import KVHandover
+from deepinfer.kv_cache.hashing import update_block_hashes
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from executors.batch_invariant import check_supported
 from executors.distributed.expert_parallel import ExpertParallel
@@ -65,12 +68,6 @@ class TorchExecutor(Executor):
             raise ValueError(
                 f"data_parallel_size={engine_config.data_parallel_size}: a TorchExecutor is one "
                 "rank; LLM(...) and `deepinfer generate` launch the ranks"
-            )
-        if engine_config.role is EngineRole.DECODE:
-            raise ValueError(
-                "role='decode': its prompts count as already cached, but the torch executor "
-                "cannot import a prompt's KV cache from a prefill engine (no KV transfer "
-                "yet), so it would decode from blocks nothing wrote; use role='normal'"
             )
         if engine_config.kv_host_cache_gib > 0:
             raise ValueError(
@@ -211,6 +208,31 @@ class TorchExecutor(Executor):
 
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+    def export_kv(self, request: Request, num_tokens: int) -> KVHandover:
+        """`request`'s positions [0, num_tokens) from every layer, one device tensor
+        [num_tokens, layers, entry_dim] (executors/kv_transfer.py), with the chain hashes
+        of its full blocks. The runner must still hold the request: call it after the
+        step that ended it, before the engine's next step."""
+        state = self.runner.requests.get(request.request_id)
+        if state is None:
+            raise ValueError(
+                f"export_kv({request.request_id!r}): this executor holds no such request "
+                "(it must be exported before the engine's next step forgets it)"
+            )
+        if num_tokens > state.num_computed:
+            raise ValueError(
+                f"export_kv({request.request_id!r}, {num_tokens}): only {state.num_computed} "
+                "of its tokens are in the cache"
+            )
+        kv = self.runner.kv_transfer.export(state.block_table, num_tokens)
+        bs = self.engine_config.block_size
+        hashes = tuple(update_block_hashes(request, bs)[: num_tokens // bs])
+        return KVHandover(request.request_id, num_tokens, bs, hashes, kv, kv.nbytes)
+
+    def import_kv(self, handover: KVHandover) -> None:
+        """Held until the request's first schedule, written before that step's forward."""
+        self.runner.kv_transfer.add(handover)
 
     def can_overlap(self, out: SchedulerOutput) -> bool:
         """Whether `out`, launched now, runs beside the step in flight (ModelRunner)."""

@@ -7,14 +7,16 @@ RequestOutputs. The executor (torch by default) is imported on construction.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from deepinfer.config import EngineConfig
+from deepinfer.config import EngineConfig, EngineRole
 from deepinfer.data_parallel.front_end import DataParallelEngine
+from deepinfer.disaggregated_engine import DisaggregatedEngine, parse_disaggregation
 from deepinfer.engine import EngineCore
 from deepinfer.entrypoints.executor_registry import get_executor_class
 from deepinfer.entrypoints.input_processor import InputProcessor, PromptInput, maybe_tokenizer
@@ -33,6 +35,9 @@ class LLM:
     EngineConfig names (`block_size=64`, `max_num_seqs=8`, ...); an unknown
     name is an error naming it. `data_parallel_size=N` serves from N ranks, one process
     each (with `enable_expert_parallel=True` their MoE experts are sharded over them).
+    `disaggregate="1P1D"` serves from prefill engines and decode engines in this process
+    (their counts, 'xPyD'), each request's prompt KV handed from one to the other
+    (deepinfer/disaggregated_engine.py).
     check_invariants: every scheduler (every rank's) checks its invariants each step.
     """
 
@@ -48,6 +53,7 @@ class LLM:
         trust_remote_code: bool = False,
         enforce_eager: bool = False,
         check_invariants: bool = False,
+        disaggregate: str | None = None,
         **engine_args: Any,
     ) -> None:
         self.config = EngineConfig.from_dict(engine_args, source="LLM(...)")
@@ -61,11 +67,19 @@ class LLM:
             trust_remote_code=trust_remote_code,
         )
         t0 = time.perf_counter()
-        self.engine: EngineCore | DataParallelEngine
-        if self.config.data_parallel_size > 1:
+        self.engine: EngineCore | DataParallelEngine | DisaggregatedEngine
+        # What LLM needs of the model (model_dir, vocab_size, eos_token_id): an executor,
+        # or a data-parallel rank's RankInfo.
+        self.executor: Any
+        if disaggregate is not None:
+            self.engine = _disaggregated(
+                self.config, disaggregate, model, executor, kwargs, check_invariants
+            )
+            self.executor = self.engine.decode.engines[0].executor
+        elif self.config.data_parallel_size > 1:
             self.engine = _launch_ranks(self.config, model, executor, kwargs, check_invariants)
             # What the front-end needs of the model (model_dir, vocab_size, eos_token_id).
-            self.executor: Any = self.engine.infos[0]
+            self.executor = self.engine.infos[0]
         else:
             if executor == "sim":
                 raise ValueError(
@@ -95,7 +109,7 @@ class LLM:
 
     def shutdown(self) -> None:
         """Release the executor (and stop the data-parallel ranks' processes)."""
-        if isinstance(self.engine, DataParallelEngine):
+        if isinstance(self.engine, (DataParallelEngine, DisaggregatedEngine)):
             self.engine.shutdown()
         else:
             self.executor.shutdown()
@@ -124,6 +138,8 @@ class LLM:
             self.processor.check_prompt(i, ids)
         for sp in params:
             self.processor.check_params(sp)
+            if isinstance(self.engine, DisaggregatedEngine):
+                self.engine.check_params(sp)
             if sp.so_args is not None:
                 self._prepare_grammar(sp.so_args)
         tracked = [
@@ -203,6 +219,8 @@ class LLM:
                 sched = self.engine.scheduler
                 while self.engine.has_unfinished() and not sched.has_unfinished():
                     self.engine.step()
+            elif isinstance(self.engine, DisaggregatedEngine):
+                self.engine.drain()
 
 
 def _launch_ranks(
@@ -217,6 +235,45 @@ def _launch_ranks(
     from executors.distributed.launch import launch_data_parallel
 
     return launch_data_parallel(config, model, check_invariants=check, **kwargs)
+
+
+def _disaggregated(
+    config: EngineConfig,
+    spec: str,
+    model: str,
+    executor: str,
+    kwargs: dict[str, Any],
+    check: bool,
+) -> DisaggregatedEngine:
+    """The prefill and decode engines `spec` ('1P1D') names, each its own executor of
+    `model` with `config` in its role, behind one router per role."""
+    num_prefill, num_decode = parse_disaggregation(spec)
+    if config.role is not EngineRole.NORMAL:
+        raise ValueError(
+            f"disaggregate={spec!r} with role={config.role.value!r}: disaggregate sets each "
+            "engine's role; leave role unset"
+        )
+    if config.data_parallel_size > 1:
+        raise ValueError(
+            f"disaggregate={spec!r} with data_parallel_size={config.data_parallel_size}: "
+            "the engines of a disaggregated LLM are single ranks"
+        )
+    if executor != "torch":
+        raise ValueError(
+            f"disaggregate={spec!r} with executor={executor!r}: LLM hands KV over between "
+            "torch executors (the simulator models disaggregation: `deepinfer simulate "
+            "--cluster`)"
+        )
+    cls = get_executor_class(executor)
+
+    def engine(role: EngineRole) -> EngineCore:
+        cfg = dataclasses.replace(config, role=role)
+        ex = cls(cfg, model, **kwargs)
+        return EngineCore(cfg, ex, model_max_len=ex.max_model_len, check_invariants=check)
+
+    prefill = [engine(EngineRole.PREFILL) for _ in range(num_prefill)]
+    decode = [engine(EngineRole.DECODE) for _ in range(num_decode)]
+    return DisaggregatedEngine(prefill, decode, seed=config.seed)
 
 
 def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

@@ -123,6 +123,23 @@ def test_decode_role_starts_with_the_prompt_cached() -> None:
     assert out.scheduled[0].num_computed_tokens == 9 and out.scheduled[0].num_tokens == 1
 
 
+def test_decode_role_tells_the_executor_its_hits_and_recomputes_a_preempted_request() -> None:
+    """The blocks past its own prefix hits are the ones the imported KV fills
+    (num_cached_blocks); preempted, it lost that KV and its outputs': it restarts as a
+    prompt from its hits, like a request of the normal role."""
+    engine = make_engine(role="decode", num_gpu_blocks=20, max_num_batched_tokens=64)
+    engine.add_request(make_request("a", 13, max_tokens=2))
+    run_to_completion(engine)
+    b = make_request("b", 13, max_tokens=3)  # the same 12 leading tokens: 3 cached blocks
+    engine.add_request(b)
+    (sr,) = engine.schedule().scheduled
+    assert (sr.num_computed_tokens, sr.num_cached_blocks, sr.is_prompt) == (12, 3, False)
+    engine.scheduler._preempt(b)
+    (sr,) = engine.schedule().scheduled
+    assert sr.is_prompt and sr.num_computed_tokens == 12 and sr.num_cached_blocks == 3
+    assert sr.num_tokens == b.num_tokens - 12
+
+
 def test_abort_frees_blocks_and_is_terminal() -> None:
     engine = make_engine(num_gpu_blocks=20)
     engine.add_request(make_request("a", 10, max_tokens=50))

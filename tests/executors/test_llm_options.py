@@ -1,7 +1,6 @@
 """Options the offline API accepts take effect, or are refused by name (never accepted
 and then ignored): `priority` per prompt under the priority policy, stop strings, which
-need a tokenizer, the decode role, which needs a prompt's KV cache from elsewhere, and
-the simulator as the offline API's executor."""
+need a tokenizer, the decode role without the KV it imports, and the simulator as the offline API's executor."""
 
 from __future__ import annotations
 
@@ -39,13 +38,16 @@ def test_stop_strings_without_a_tokenizer_are_refused(tiny_models: dict[str, Tin
         llm.generate(prompts(3, [5]), SamplingParams(stop=["ab"]), use_tqdm=False)
 
 
-def test_the_decode_role_is_refused_by_the_torch_executor(
+def test_a_decode_engines_request_whose_kv_never_arrived_ends_aborted_naming_it(
     tiny_models: dict[str, TinyModel],
 ) -> None:
-    """Its prompts count as cached, but this executor cannot import a KV cache: it would
-    decode from blocks nothing wrote."""
-    with pytest.raises(ValueError, match="role='decode'"):
-        LLM(str(tiny_models["v3_plain"].path), device="cpu", dtype="float32", role="decode")
+    """Its prompt counts as cached, but nothing imported its KV: it would decode from
+    blocks nothing wrote, so it ends aborted with the reason (the disaggregated engine
+    imports the KV: tests/executors/test_disaggregated_llm.py)."""
+    llm = LLM(str(tiny_models["v3_plain"].path), device="cpu", dtype="float32", role="decode")
+    (out,) = llm.generate(prompts(3, [5]), SamplingParams(max_tokens=3), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "abort" and not out.outputs[0].token_ids
+    assert "prompt's KV never arrived" in (out.error or "")
 
 
 def test_a_host_kv_tier_is_refused_by_the_torch_executor(

@@ -72,7 +72,7 @@ class ExecutorHandoff(QueueChecker):
         starts: bool,
     ) -> None:
         req = d.reqs[sr.req_id]
-        is_prompt = not running and d.case.config.role is not EngineRole.DECODE
+        is_prompt = not running and not d.imports_kv(sr.req_id)
         if sr.is_prompt is not is_prompt:
             self._fail(out, sr, f"is_prompt {sr.is_prompt!r}, want {is_prompt}")
         if sr.num_prompt_tokens != req.num_prompt_tokens or sr.structured is not req.structured:

@@ -89,11 +89,10 @@ class PrefixCache(Checker):
         self.num_hits = 0  # blocks reused across the run (to see that hits happen)
 
     def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
-        decode = d.case.config.role is EngineRole.DECODE
         for a in self.mirror.admissions:
             self.num_hits += a.hits
             where = f"step {out.step_id}, {a.req_id} ({a.num_tokens} tokens)"
-            if not decode:
+            if not d.imports_kv(a.req_id):
                 assert a.start % d.case.config.block_size == 0, f"{where}: hit not block-aligned"
                 assert a.start <= a.num_tokens - 1, f"{where}: a hit covers {a.start} tokens"
                 assert a.table[: a.hits] == a.predicted, (

@@ -243,7 +243,7 @@ class WorkConservation(QueueChecker):
             if rid not in view.in_progress:
                 seqs += 1
                 adm = next(a for a in self.mirror.admissions if a.req_id == rid)
-                if cfg.role is not EngineRole.DECODE and adm.start != len(adm.predicted) * bs:
+                if not d.imports_kv(rid) and adm.start != len(adm.predicted) * bs:
                     self._fail(
                         PREFIX,
                         out,
@@ -283,7 +283,7 @@ class WorkConservation(QueueChecker):
         usage = 1.0 - (n - len(held)) / n  # the core's formula, to the last bit
         tokens = d.tokens(rid)
         hits = self.mirror.prefix.lookup(rid, tokens)
-        num_new = 1 if cfg.role is EngineRole.DECODE else len(tokens) - len(hits) * bs
+        num_new = 1 if d.imports_kv(rid) else len(tokens) - len(hits) * bs
         need = cdiv(len(tokens) + lookahead(d, len(tokens)), bs) - len(hits)  # + MTP slots
         available = n - len(held) - sum(1 for b in hits if b not in held)
         reasons = [

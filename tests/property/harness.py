@@ -18,6 +18,7 @@ from typing import NamedTuple
 from hypothesis import event
 from hypothesis.control import currently_in_test_context
 
+from deepinfer.config import EngineRole
 from deepinfer.engine import EngineCore
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
@@ -131,6 +132,12 @@ class Driver:
     def tokens(self, req_id: str) -> list[int]:
         req = self.reqs[req_id]
         return list(self.specs[req_id].prompt) + req.output_token_ids
+
+    def imports_kv(self, req_id: str) -> bool:
+        """Whether the request's (next or current) start counts all but its last token
+        computed: a DECODE engine's request, the first time (its prompt's KV arrives
+        with it); one the engine preempted lost that KV and is recomputed like any."""
+        return self.case.config.role is EngineRole.DECODE and not self.reqs[req_id].num_preemptions
 
     def run(self) -> Driver:
         arrivals = sorted(self.workload, key=lambda s: s.arrival_step)

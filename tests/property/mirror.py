@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from deepinfer.config import EngineRole
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from tests.property.harness import Checker, Driver
 
@@ -28,7 +27,7 @@ class Admission:
     predicted: list[int]  # block ids the reference dict finds for its prefix
     table: list[int]  # its block table after the allocation
     num_tokens: int
-    start: int  # tokens it starts with computed (the hit, or num_tokens - 1 in DECODE)
+    start: int  # tokens it starts with computed (the hit, or num_tokens - 1 if it imports)
 
 
 class PrefixModel:
@@ -113,7 +112,7 @@ class KVMirror(Checker):
             self.content[block][pos % self.bs] = token
 
     def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
-        bs, decode = self.bs, d.case.config.role is EngineRole.DECODE
+        bs = self.bs
         self.before = {rid: list(t) for rid, t in self.tables.items()}
         for rid in out.preempted_req_ids | out.finished_req_ids:
             self.tables.pop(rid, None)
@@ -127,8 +126,9 @@ class KVMirror(Checker):
                 assert sr.new_block_ids == sr.block_table, f"{rid}: new blocks != its table"
                 table = list(sr.block_table)
                 predicted = self.prefix.lookup(rid, toks)
-                hits = len(predicted) if decode else start // bs
-                if decode and table[:hits] != predicted:
+                imports = d.imports_kv(rid)
+                hits = len(predicted) if imports else start // bs
+                if imports and table[:hits] != predicted:
                     self.hit_mismatches.append(f"{rid}: table {table[:hits]} != dict {predicted}")
                 self.admissions.append(
                     Admission(rid, len(held), hits, predicted, table, len(toks), start)
@@ -156,7 +156,7 @@ class KVMirror(Checker):
             held.update(fresh if sr.block_table is None else table)
             self.tables[rid] = table
             hi = start + sr.num_tokens - ndraft
-            first = hits * bs if (decode and sr.block_table is not None) else start
+            first = hits * bs if (sr.block_table is not None and d.imports_kv(rid)) else start
             for pos in range(first, hi):  # a DECODE admission's prompt KV arrives with it
                 if pos < len(toks):
                     self._write(table, pos, toks[pos])
@@ -164,7 +164,7 @@ class KVMirror(Checker):
                     self.pending.append((rid, pos, table[pos // bs], self.gen[table[pos // bs]]))
             self.comp[rid] = start + sr.num_tokens  # drafts included until verified
             self.sched_info[(out.step_id, rid)] = (table, hi, start)
-            bound = hits * bs + 1 if (decode and sr.block_table is not None) else hi
+            bound = hits * bs + 1 if (sr.block_table is not None and d.imports_kv(rid)) else hi
             self.prefix.register(rid, table, toks, min(bound, len(toks)) // bs)
         self._check_tables(d, "after schedule")
 

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from deepinfer.data_parallel.front_end import DataParallelEngine
+from deepinfer.disaggregated_engine import DisaggregatedEngine
 from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
 from deepinfer.entrypoints.cli.sampling_options import (
     add_sampling_options,
@@ -30,6 +31,13 @@ def add_generate_parser(sub: Any) -> None:
         action="store_true",
         help="no CUDA graphs for decode steps (they are on by default on CUDA)",
     )
+    p.add_argument(
+        "--disaggregate",
+        default=None,
+        metavar="xPyD",
+        help="serve from x prefill and y decode engines in this process, each request's "
+        "prompt KV handed from one to the other (e.g. 1P1D)",
+    )
     add_sampling_options(p)
     add_engine_options(p)
     p.set_defaults(func=run_generate)
@@ -45,6 +53,7 @@ def run_generate(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=args.device,
             enforce_eager=args.enforce_eager,
+            disaggregate=args.disaggregate,
             **{f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)},
         )
     except (RuntimeError, OSError) as e:  # unreachable hub, unreadable checkpoint
@@ -56,7 +65,8 @@ def run_generate(args: argparse.Namespace) -> int:
             print((out.prompt or "") + c.text)
             if c.logprobs is not None:  # --logprobs N: each sampled token, then the top N
                 _print_logprobs(c.token_ids, c.logprobs, c.cumulative_logprob, params.logprobs)
-    if isinstance(llm.engine, DataParallelEngine):  # (drafts are counted by each rank)
+    # Several engines, each counting its own drafts: no one line of acceptance.
+    if isinstance(llm.engine, (DataParallelEngine, DisaggregatedEngine)):
         llm.shutdown()
         return 0
     sched = llm.engine.scheduler
