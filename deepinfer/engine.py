@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Generator
 from concurrent import futures
+from itertools import repeat
 from typing import NamedTuple
 
 from deepinfer import scheduler_checks
@@ -375,34 +376,41 @@ class EngineCore:
         for req in finished:
             req.times.finish = applied[-1]
             self.records.append(_record(req))
-        # Each applied step's record, its duration as _apply_in_flight measures it. Under
-        # async scheduling the first is the step in flight, scheduled before the run.
-        starts = launched
-        n, waiting = len(reqs), self.scheduler.num_waiting
-        shapes = [(n, n, 0, run.num_preempted_before)] + [(n, n, 0, 0)] * (k - 1)
+        # Each applied step's record, its duration as _apply_in_flight measures it: from
+        # its launch, or from the step before's end where that is later, to its results
+        # (max and min as the single step takes them). Under async scheduling the first
+        # is the step in flight, scheduled before the run.
+        # The run's first step reports the preemptions made since the step before.
+        n = len(reqs)
+        starts, head_shape, preempted_at = launched, (n, n, 0, run.num_preempted_before), 0
         if pipelined:
             assert flight is not None
-            starts = [flight.start] + launched
-            o = flight.out
-            shapes = [_shape(o)] + shapes[: k - 1]
-        first_id = run.first_step_id - 1 if pipelined else run.first_step_id
-        last = self._last_step_end
-        steps = self.steps
-        for j in range(k):
-            start, end = starts[j], applied[j]
-            began = start if last is None else max(start, last)
-            if self.record_steps:
-                batched, num_reqs, prompt, preempted = shapes[j]
-                # (positional: the StepRecord fields in order, once per step of the run)
-                steps.append(
-                    StepRecord(
-                        first_id + j, end, end - min(began, end),
-                        n if j < k - 1 else n - len(finished), waiting, batched, prompt,
-                        num_reqs, usages[j], preempted, None,
-                    )
-                )  # fmt: skip
-            last = end
-        self._last_step_end = last
+            starts, head_shape, preempted_at = [flight.start] + launched, _shape(flight.out), 1
+        if self.record_steps:
+            durations = []
+            last = self._last_step_end
+            for start, end in zip(starts, applied):
+                began = start if last is None or not last > start else last
+                durations.append(end - (end if end < began else began))
+                last = end
+            first_id = run.first_step_id - 1 if pipelined else run.first_step_id
+            # (positional: the StepRecord fields in order; the steps after the first
+            # schedule the run's requests, one token each, and preempt none)
+            records = list(
+                map(
+                    StepRecord, range(first_id, first_id + k), applied, durations,
+                    repeat(n, k), repeat(self.scheduler.num_waiting, k), repeat(n, k),
+                    repeat(0, k), repeat(n, k), usages, repeat(0, k),
+                )
+            )  # fmt: skip
+            head = records[0]
+            (head.num_batched_tokens, head.num_scheduled_reqs, head.num_prompt_tokens,
+             head.num_preempted) = head_shape  # fmt: skip
+            if preempted_at < k:
+                records[preempted_at].num_preempted = run.num_preempted_before
+            records[-1].num_running = n - len(finished)
+            self.steps.extend(records)
+        self._last_step_end = applied[-1]
         if following is not None:
             self._in_flight = _InFlight(
                 following, self.executor.execute_async(following), launched[-1], None
