@@ -27,6 +27,7 @@ from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import FinishReason, Request
 from deepinfer.scheduler import Scheduler
+from deepinfer.step_log import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class EngineCore:
         self.check = check_invariants
         self.record_steps = record_steps
         self.records: list[RequestRecord] = []  # one per request that reached a terminal state
-        self.steps: list[StepRecord] = []
+        self.steps = StepLog()
         self._in_flight: _InFlight | None = None
         self._last_step_end: float | None = None
         # Structured requests whose grammar is compiling (req_id -> request, its compile),
@@ -376,40 +377,8 @@ class EngineCore:
         for req in finished:
             req.times.finish = applied[-1]
             self.records.append(_record(req))
-        # Each applied step's record, its duration as _apply_in_flight measures it: from
-        # its launch, or from the step before's end where that is later, to its results
-        # (max and min as the single step takes them). Under async scheduling the first
-        # is the step in flight, scheduled before the run.
-        # The run's first step reports the preemptions made since the step before.
-        n = len(reqs)
-        starts, head_shape, preempted_at = launched, (n, n, 0, run.num_preempted_before), 0
-        if pipelined:
-            assert flight is not None
-            starts, head_shape, preempted_at = [flight.start] + launched, _shape(flight.out), 1
         if self.record_steps:
-            durations = []
-            last = self._last_step_end
-            for start, end in zip(starts, applied):
-                began = start if last is None or not last > start else last
-                durations.append(end - (end if end < began else began))
-                last = end
-            first_id = run.first_step_id - 1 if pipelined else run.first_step_id
-            # (positional: the StepRecord fields in order; the steps after the first
-            # schedule the run's requests, one token each, and preempt none)
-            records = list(
-                map(
-                    StepRecord, range(first_id, first_id + k), applied, durations,
-                    repeat(n, k), repeat(self.scheduler.num_waiting, k), repeat(n, k),
-                    repeat(0, k), repeat(n, k), usages, repeat(0, k),
-                )
-            )  # fmt: skip
-            head = records[0]
-            (head.num_batched_tokens, head.num_scheduled_reqs, head.num_prompt_tokens,
-             head.num_preempted) = head_shape  # fmt: skip
-            if preempted_at < k:
-                records[preempted_at].num_preempted = run.num_preempted_before
-            records[-1].num_running = n - len(finished)
-            self.steps.extend(records)
+            self._record_run(run, launched, applied, usages, len(finished))
         self._last_step_end = applied[-1]
         if following is not None:
             self._in_flight = _InFlight(
@@ -417,6 +386,48 @@ class EngineCore:
             )
         if self.check:
             scheduler_checks.check_invariants(self.scheduler)
+
+    def _record_run(
+        self,
+        run: DecodeRun,
+        launched: list[float],
+        applied: list[float],
+        usages: list[float],
+        num_finished: int,
+    ) -> None:
+        """The step log's records of a run's applied steps, appended as columns. Each
+        step's duration is as _apply_in_flight measures it: from its launch, or from the
+        end of the step before where that is later, to its results (max and min as the
+        single step takes them). Under async scheduling the first is the step in flight,
+        scheduled before the run; the run's first step reports the preemptions made
+        since the step before it; the others schedule the run's requests, one token each.
+        """
+        k, n = len(applied), run.num_reqs
+        starts, head = launched, (n, n, 0, run.num_preempted_before)
+        pipelined = run.in_flight_step is not None
+        if pipelined:
+            flight = self._in_flight
+            assert flight is not None
+            starts, head = [flight.start] + launched, _shape(flight.out)
+        durations = []
+        last = self._last_step_end
+        for start, end in zip(starts, applied):
+            began = start if last is None or not last > start else last
+            durations.append(end - (end if end < began else began))
+            last = end
+        first_id = run.first_step_id - 1 if pipelined else run.first_step_id
+        batched, num_reqs, prompt, preempted = head
+        preempted_col = [preempted] + [0] * (k - 1)
+        if pipelined and k > 1:
+            preempted_col[1] = run.num_preempted_before
+        self.steps.extend(
+            (
+                range(first_id, first_id + k), applied, durations,
+                [n] * (k - 1) + [n - num_finished], repeat(self.scheduler.num_waiting, k),
+                [batched] + [n] * (k - 1), [prompt] + [0] * (k - 1),
+                [num_reqs] + [n] * (k - 1), usages, preempted_col, repeat(None, k),
+            )
+        )  # fmt: skip
 
     def _start_step(self) -> Generator[StepEvent, None, list[Request] | None]:
         """With nothing in flight, schedule a step and launch it: None once it is in
