@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import fields
+from itertools import chain
 from typing import Any, overload
 
 from deepinfer.records import StepRecord
@@ -81,29 +82,61 @@ class StepLog(Sequence[StepRecord]):
     def __repr__(self) -> str:
         return f"StepLog({len(self)} steps)"
 
-    @classmethod
-    def merged(cls, logs: Iterable[Sequence[StepRecord]]) -> StepLog:
-        """The records of several logs in order of time, those of equal times in the
-        order given (what a stable sort of their concatenation by time gives)."""
+
+class MergedSteps(Sequence[StepRecord]):
+    """Several step logs' records in order of time, those of equal times in the order
+    given (what a stable sort of their concatenation by time gives): a cluster's steps.
+    A field's column is put in that order when first read (a summary reads a few of
+    them; the records, built when read, all)."""
+
+    __slots__ = ("_parts", "_order", "_columns")
+
+    def __init__(self, logs: Iterable[Sequence[StepRecord]]) -> None:
         import numpy as np
 
-        whole = cls()
-        for log in logs:
-            if isinstance(log, StepLog):
-                whole.extend(log._columns)
-            else:
-                for rec in log:
-                    whole.append(rec)
-        times = np.array(whole.column("time"), dtype=np.float64)
-        order = np.argsort(times, kind="stable").tolist()
-        out = cls()
-        for column, source in zip(out._columns, whole._columns):
-            column.extend(map(source.__getitem__, order))
-        return out
+        self._parts = [log if isinstance(log, StepLog) else StepLog(log) for log in logs]
+        times = np.array(self._concatenated("time"), dtype=np.float64)
+        self._order = np.argsort(times, kind="stable")
+        self._columns: dict[str, list[Any]] = {}
+
+    def _concatenated(self, name: str) -> list[Any]:
+        return list(chain.from_iterable(log.column(name) for log in self._parts))
+
+    def column(self, name: str) -> Sequence[Any]:
+        """Every record's `name` field, in order of time."""
+        ordered = self._columns.get(name)
+        if ordered is None:
+            import numpy as np
+
+            values = np.empty(len(self._order), dtype=object)  # the values themselves
+            values[:] = self._concatenated(name)
+            ordered = self._columns[name] = values[self._order].tolist()
+        return ordered
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    @overload
+    def __getitem__(self, index: int) -> StepRecord: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[StepRecord]: ...
+
+    def __getitem__(self, index: int | slice) -> StepRecord | list[StepRecord]:
+        columns = [self.column(name) for name in FIELDS]
+        if isinstance(index, slice):
+            return list(map(StepRecord, *(column[index] for column in columns)))
+        return StepRecord(*(column[index] for column in columns))
+
+    def __iter__(self) -> Iterator[StepRecord]:
+        return map(StepRecord, *(self.column(name) for name in FIELDS))
+
+    def __repr__(self) -> str:
+        return f"MergedSteps({len(self)} steps of {len(self._parts)} logs)"
 
 
 def column(steps: Sequence[StepRecord], name: str) -> Sequence[Any]:
     """Every step's `name` field, in order: a StepLog's column, else read off each record."""
-    if isinstance(steps, StepLog):
+    if isinstance(steps, (StepLog, MergedSteps)):
         return steps.column(name)
     return [getattr(s, name) for s in steps]

@@ -20,7 +20,7 @@ from deepinfer.metrics import SLO, summarize
 from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.routing import make_router
-from deepinfer.step_log import StepLog
+from deepinfer.step_log import MergedSteps
 from sim.acceptance import AcceptanceModel
 from sim.cluster.cluster import Cluster, Handover
 from sim.cluster.cluster_report import cluster_meta, merge_records
@@ -159,7 +159,7 @@ def simulate_cluster(
     env.run()
     records = merge_records(requests, hub)
     steps = {inst.name: inst.core.steps for inst in hub.entry + hub.decode}
-    all_steps = StepLog.merged(steps.values())
+    all_steps = MergedSteps(steps.values())
     summary = summarize(records, all_steps, slo)
     tiers_meta = cluster.kv_tiers.to_meta(pools[0].block_bytes)
     for p in pools:  # each pool's host tier (its engine's size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.records import StepRecord
-from deepinfer.step_log import FIELDS, StepLog, column
+from deepinfer.step_log import FIELDS, MergedSteps, StepLog, column
 
 
 def _records(n: int, offset: int = 0) -> list[StepRecord]:
@@ -39,8 +39,11 @@ def test_extend_refuses_columns_that_do_not_fit() -> None:
     assert list(log) == _records(2)  # a refused extend leaves the log as it was
 
 
-def test_merged_is_a_stable_sort_by_time() -> None:
+def test_merged_steps_are_a_stable_sort_by_time() -> None:
     a, b = _records(11), _records(7, offset=100)
     want = sorted(a + b, key=lambda s: s.time)
-    assert list(StepLog.merged([StepLog(a), b])) == want
-    assert list(StepLog.merged([])) == []
+    merged = MergedSteps([StepLog(a), b])
+    assert list(merged) == want
+    assert merged[3] == want[3] and merged[2:9] == want[2:9] and len(merged) == len(want)
+    assert column(merged, "kv_usage") == [s.kv_usage for s in want]
+    assert list(MergedSteps([])) == []

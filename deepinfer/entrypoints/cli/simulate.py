@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
-from deepinfer.step_log import StepLog
+from deepinfer.step_log import MergedSteps
 
 
 def add_simulate_parser(sub: Any) -> None:
@@ -329,7 +329,7 @@ def _run_cluster(
         print(line)
     if not (args.out or args.plot):
         return 0
-    steps = StepLog.merged(result.steps.values())
+    steps = MergedSteps(result.steps.values())
     if args.out:
         write_report(args.out, result.summary, result.requests, steps, meta)
         print(f"report: {args.out}")
