@@ -151,15 +151,17 @@ class StepSurface:
             )
         return cached
 
-    def along(
-        self, b: float, contexts: Iterable[float], beside: StepSurface | None = None
-    ) -> Iterator[tuple[float, float]]:
-        """(`predict_at(b, c)`, `beside.predict_at(b, c)`: 0.0 without one) for each c of
-        `contexts`, for a run of steps of one batch: inside the grid the batch's
-        interpolation weights are computed once, a context's cell is looked up again only
-        when it leaves the one before, both surfaces share the weights where their grids
-        have the same nodes, and every float operation is `_interpolate`'s in its order
-        (the same results to the bit)."""
+    def run_costs(
+        self, b: float, contexts: Iterable[float], host: float, beside: StepSurface | None
+    ) -> Iterator[tuple[float, float, float]]:
+        """A decode run's steps priced on this surface (the cost model's RunCosts): for
+        each c of `contexts`, (`host`, `predict_at(b, c)`, how much more
+        `beside.predict_at(b, c)` is, at least 0.0; 0.0 without `beside`). For a run of
+        steps of one batch: inside the grid the batch's interpolation weights are
+        computed once, a context's cell is looked up again only when it leaves the one
+        before, both surfaces share the weights where their grids have the same nodes,
+        and every float operation is `_interpolate`'s in its order (the same results to
+        the bit)."""
         b_lo, b_hi, c_lo, c_hi = self._bounds
         xb, xc = self._log_batches, self._log_contexts
         shared = beside is None or (
@@ -169,7 +171,7 @@ class StepSurface:
         )
         if not b_lo <= b <= b_hi or not shared:
             for c in contexts:
-                yield self.predict_at(b, c), 0.0 if beside is None else beside.predict_at(b, c)
+                yield host, *self._priced_beside(b, c, beside)
             return
         lb = math.log2(b)
         i = min(max(bisect.bisect_left(xb, lb) - 1, 0), len(xb) - 2)
@@ -178,13 +180,13 @@ class StepSurface:
         row0, row1 = self._grid[i], self._grid[i + 1]
         other0, other1 = (row0, row1) if beside is None else (beside._grid[i], beside._grid[i + 1])
         last = len(xc) - 2
-        log2, bisect_left, predict_at = math.log2, bisect.bisect_left, self.predict_at
+        log2, bisect_left = math.log2, bisect.bisect_left
         # The cell (j) of the context before: `lo < lc <= hi` is exactly the log-contexts
         # whose clamped bisect gives it.
         lo = hi = x0 = dx = g00 = g10 = g01 = g11 = h00 = h10 = h01 = h11 = 0.0
         for c in contexts:
             if c < c_lo or c > c_hi:
-                yield predict_at(b, c), 0.0 if beside is None else beside.predict_at(b, c)
+                yield host, *self._priced_beside(b, c, beside)
                 continue
             lc = log2(c)
             if not lo < lc <= hi:
@@ -197,10 +199,17 @@ class StepSurface:
             v = (lc - x0) / dx
             w = 1 - v
             aw, uw, av, uv = a * w, u * w, a * v, u * v
-            yield (
-                aw * g00 + uw * g10 + av * g01 + uv * g11,
-                0.0 if beside is None else aw * h00 + uw * h10 + av * h01 + uv * h11,
-            )
+            priced = aw * g00 + uw * g10 + av * g01 + uv * g11
+            if beside is None:
+                yield host, priced, 0.0
+            else:
+                extra = aw * h00 + uw * h10 + av * h01 + uv * h11 - priced
+                yield host, priced, extra if extra > 0.0 else 0.0
+
+    def _priced_beside(self, b: float, c: float, beside: StepSurface | None) -> tuple[float, float]:
+        priced = self.predict_at(b, c)
+        extra = 0.0 if beside is None else beside.predict_at(b, c) - priced
+        return priced, extra if extra > 0.0 else 0.0
 
     def _interpolate(self, b: float, c: float) -> float:
         xb, xc = self._log_batches, self._log_contexts

@@ -303,20 +303,19 @@ class ProfiledCostModel(CostModel):
                 max(1.0, float(ctx_max + s if one_wave else (ctx_sum + n * s) / n))
                 for s in range(horizon)
             )
-        prices = self._decode.along(float(n), contexts, sequential)
+        costs = self._decode.run_costs(float(n), contexts, cpu, sequential)
         if beyond or ctx_max + horizon > longest_limit:  # a step may warn: each checks
-            for s, (priced, idle) in enumerate(prices):
-                if beyond or ctx_max + s + 1 > longest_limit:
-                    self._warn_range(n, n, ctx_max + s + 1)
-                extra = idle - priced
-                yield cpu, priced, extra if sequential is not None and extra > 0.0 else 0.0
-        elif sequential is None:
-            for priced, _ in prices:
-                yield cpu, priced, 0.0
-        else:
-            for priced, idle in prices:
-                extra = idle - priced
-                yield cpu, priced, extra if extra > 0.0 else 0.0
+            return self._warning_range(costs, n, ctx_max, beyond, longest_limit)
+        return costs
+
+    def _warning_range(
+        self, costs: RunCosts, n: int, ctx_max: int, beyond: bool, longest_limit: float
+    ) -> RunCosts:
+        """`costs`, warning (once a range) at each step beyond the profile's range."""
+        for s, step in enumerate(costs):
+            if beyond or ctx_max + s + 1 > longest_limit:
+                self._warn_range(n, n, ctx_max + s + 1)
+            yield step
 
     def _drafts_proposed(self, out: SchedulerOutput) -> int:
         k = self.num_speculative_tokens

@@ -247,7 +247,7 @@ def test_a_launch_reads_its_step_once_for_both_fits(k: int, monkeypatch) -> None
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_a_decode_runs_prices_are_its_steps_to_the_bit(path) -> None:
-    """The fast-forward prices a run's steps with `StepSurface.along`: it must give
+    """The fast-forward prices a run's steps with `StepSurface.run_costs`: it must give
     `predict_at`'s floats exactly, inside the grid and past it on either side, contexts
     rising, falling back and staying in one cell, beside a second surface or not."""
     model = _model(path)
@@ -256,14 +256,12 @@ def test_a_decode_runs_prices_are_its_steps_to_the_bit(path) -> None:
     besides = [None, model._sequential_model()._decode, _shifted(surface)]
     for batch in (1.0, 3.0, 17.0, 256.0, 257.0, 1000.0, 20000.0):
         for beside in besides:
-            want = [
-                (
-                    surface.predict_at(batch, c),
-                    0.0 if beside is None else beside.predict_at(batch, c),
-                )
-                for c in contexts
-            ]
-            assert list(surface.along(batch, contexts, beside)) == want
+            want = []
+            for c in contexts:
+                priced = surface.predict_at(batch, c)
+                more = 0.0 if beside is None else beside.predict_at(batch, c) - priced
+                want.append((0.5, priced, max(0.0, more)))
+            assert list(surface.run_costs(batch, contexts, 0.5, beside)) == want
 
 
 def _shifted(surface: StepSurface) -> StepSurface:
