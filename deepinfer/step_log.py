@@ -44,7 +44,7 @@ class StepLog(Sequence[StepRecord]):
         size = len(self)
         for column, values in zip(self._columns, columns):
             column.extend(values)
-        if any(len(column) != len(self) for column in self._columns):
+        if len(set(map(len, self._columns))) != 1:
             for column in self._columns:
                 del column[size:]
             raise ValueError("StepLog.extend: columns of different lengths")
