@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Generator
 from concurrent import futures
+from itertools import repeat
 from typing import NamedTuple
 
 from deepinfer import scheduler_checks
@@ -26,6 +27,7 @@ from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import FinishReason, Request
 from deepinfer.scheduler import Scheduler
+from deepinfer.step_log import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ class EngineCore:
         self.check = check_invariants
         self.record_steps = record_steps
         self.records: list[RequestRecord] = []  # one per request that reached a terminal state
-        self.steps: list[StepRecord] = []
+        self.steps = StepLog()
         self._in_flight: _InFlight | None = None
         self._last_step_end: float | None = None
         # Structured requests whose grammar is compiling (req_id -> request, its compile),
@@ -375,40 +377,57 @@ class EngineCore:
         for req in finished:
             req.times.finish = applied[-1]
             self.records.append(_record(req))
-        # Each applied step's record, its duration as _apply_in_flight measures it. Under
-        # async scheduling the first is the step in flight, scheduled before the run.
-        starts = launched
-        n, waiting = len(reqs), self.scheduler.num_waiting
-        shapes = [(n, n, 0, run.num_preempted_before)] + [(n, n, 0, 0)] * (k - 1)
-        if pipelined:
-            assert flight is not None
-            starts = [flight.start] + launched
-            o = flight.out
-            shapes = [_shape(o)] + shapes[: k - 1]
-        first_id = run.first_step_id - 1 if pipelined else run.first_step_id
-        last = self._last_step_end
-        steps = self.steps
-        for j in range(k):
-            start, end = starts[j], applied[j]
-            began = start if last is None else max(start, last)
-            if self.record_steps:
-                batched, num_reqs, prompt, preempted = shapes[j]
-                # (positional: the StepRecord fields in order, once per step of the run)
-                steps.append(
-                    StepRecord(
-                        first_id + j, end, end - min(began, end),
-                        n if j < k - 1 else n - len(finished), waiting, batched, prompt,
-                        num_reqs, usages[j], preempted, None,
-                    )
-                )  # fmt: skip
-            last = end
-        self._last_step_end = last
+        if self.record_steps:
+            self._record_run(run, launched, applied, usages, len(finished))
+        self._last_step_end = applied[-1]
         if following is not None:
             self._in_flight = _InFlight(
                 following, self.executor.execute_async(following), launched[-1], None
             )
         if self.check:
             scheduler_checks.check_invariants(self.scheduler)
+
+    def _record_run(
+        self,
+        run: DecodeRun,
+        launched: list[float],
+        applied: list[float],
+        usages: list[float],
+        num_finished: int,
+    ) -> None:
+        """The step log's records of a run's applied steps, appended as columns. Each
+        step's duration is as _apply_in_flight measures it: from its launch, or from the
+        end of the step before where that is later, to its results (max and min as the
+        single step takes them). Under async scheduling the first is the step in flight,
+        scheduled before the run; the run's first step reports the preemptions made
+        since the step before it; the others schedule the run's requests, one token each.
+        """
+        k, n = len(applied), run.num_reqs
+        starts, head = launched, (n, n, 0, run.num_preempted_before)
+        pipelined = run.in_flight_step is not None
+        if pipelined:
+            flight = self._in_flight
+            assert flight is not None
+            starts, head = [flight.start] + launched, _shape(flight.out)
+        durations = []
+        last = self._last_step_end
+        for start, end in zip(starts, applied):
+            began = start if last is None or not last > start else last
+            durations.append(end - (end if end < began else began))
+            last = end
+        first_id = run.first_step_id - 1 if pipelined else run.first_step_id
+        batched, num_reqs, prompt, preempted = head
+        preempted_col = [preempted] + [0] * (k - 1)
+        if pipelined and k > 1:
+            preempted_col[1] = run.num_preempted_before
+        self.steps.extend(
+            (
+                range(first_id, first_id + k), applied, durations,
+                [n] * (k - 1) + [n - num_finished], repeat(self.scheduler.num_waiting, k),
+                [batched] + [n] * (k - 1), [prompt] + [0] * (k - 1),
+                [num_reqs] + [n] * (k - 1), usages, preempted_col, repeat(None, k),
+            )
+        )  # fmt: skip
 
     def _start_step(self) -> Generator[StepEvent, None, list[Request] | None]:
         """With nothing in flight, schedule a step and launch it: None once it is in

@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from operator import sub
 from typing import Any
 
 from deepinfer.records import RequestRecord, StepRecord
+from deepinfer.step_log import column
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "std", "min", "p50", "p90", "p99", "max")
@@ -164,7 +166,7 @@ def _is_good(ttft_s: float, tpot_s: float | None, e2el_s: float, slo: SLO) -> bo
     return not (slo.e2el_ms is not None and e2el_s * 1000.0 > slo.e2el_ms)
 
 
-def _step_summary(steps: list[StepRecord] | None) -> dict[str, Any]:
+def _step_summary(steps: Sequence[StepRecord] | None) -> dict[str, Any]:
     import numpy as np
 
     keys = (
@@ -179,15 +181,15 @@ def _step_summary(steps: list[StepRecord] | None) -> dict[str, Any]:
     )
     if not steps:
         return {"num_steps": 0, **{k: None for k in keys}}
-    kv = np.array([s.kv_usage for s in steps], dtype=np.float64)
-    running = np.array([s.num_running for s in steps], dtype=np.float64)
-    waiting = np.array([s.num_waiting for s in steps], dtype=np.float64)
+    kv = np.array(column(steps, "kv_usage"), dtype=np.float64)
+    running = np.array(column(steps, "num_running"), dtype=np.float64)
+    waiting = np.array(column(steps, "num_waiting"), dtype=np.float64)
     return {
         "num_steps": len(steps),
         "kv_usage_mean": float(kv.mean()),
         "kv_usage_max": float(kv.max()),
-        "batch_tokens_mean": float(np.mean([s.num_batched_tokens for s in steps])),
-        "prompt_tokens_mean": float(np.mean([s.num_prompt_tokens for s in steps])),
+        "batch_tokens_mean": float(np.mean(column(steps, "num_batched_tokens"))),
+        "prompt_tokens_mean": float(np.mean(column(steps, "num_prompt_tokens"))),
         "running_mean": float(running.mean()),
         "running_max": int(running.max()),
         "waiting_mean": float(waiting.mean()),
@@ -197,7 +199,7 @@ def _step_summary(steps: list[StepRecord] | None) -> dict[str, Any]:
 
 def summarize(
     records: list[RequestRecord],
-    steps: list[StepRecord] | None = None,
+    steps: Sequence[StepRecord] | None = None,
     slo: SLO | None = None,
 ) -> dict[str, Any]:
     """Summarise one run; see the module docstring for every key and its unit."""

@@ -694,13 +694,15 @@ class Scheduler:
             if caching:  # step s fills min(c + s + 1, t + s) = t + s tokens
                 filled = (-t) % bs
                 if (first - filled) % bs:  # two progressions, disjoint
-                    events.extend((s, i) for s in range(filled, k, bs))
+                    if filled < k:
+                        events.extend((s, i) for s in range(filled, k, bs))
                     lowest = min(first, filled)
                 else:  # one progression, from the earlier of the two
                     first = lowest = min(first, filled)
                 if lowest and kv.num_cached_blocks(req.request_id) < t // bs:
                     events.append((0, i))  # full blocks not cached yet (a decode engine's)
-            events.extend((s, i) for s in range(first, k, bs))
+            if first < k:  # (most runs are shorter than a block: no event)
+                events.extend((s, i) for s in range(first, k, bs))
         events.sort()
         free = kv.pool.num_free_blocks
         taken = [0] * k

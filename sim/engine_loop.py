@@ -296,48 +296,43 @@ def _time_run(
     clock = timeline.clock
     launched: list[float] = []
     applied: list[float] = []
+    launch_at, apply_at = launched.append, applied.append
     awaits_previous = run.in_flight_step is not None
-    step_id = run.first_step_id
     arrival = arrivals.soonest()
     horizon = arrivals.horizon()
     on_host = timeline.on_host
     now, hf, df = clock.now, timeline.host_free, timeline.device_free
     # Under async scheduling each step's turn awaits the step before it: its ready time.
-    previous = timeline.ready_at.pop(step_id - 1) if awaits_previous else 0.0
+    previous = timeline.ready_at.pop(run.first_step_id - 1) if awaits_previous else 0.0
     for cpu, priced, idle in costs:
-        if launched and arrival <= now:
+        if arrival <= now and launched:
             break
-        before = (now, hf, df, previous)
-        # scheduled(cpu)
+        # scheduled(cpu); the step's state goes to t, h, d until it is taken
         h = (hf if hf > now else now) + cpu
-        hf = h
-        if h > now:
-            now += h - now
-        launch = now
+        t = now + (h - now) if h > now else now
+        launch = t
         # launched(step_id, 0.0, priced, idle)
-        start = hf if hf > now else now
+        start = h if h > t else t
         if on_host:
-            hf = df = start + 0.0 + priced
+            h = d = start + 0.0 + priced
         else:
-            hf = start + 0.0
+            h = start + 0.0
             ready = start + idle
-            df = (df if df > ready else ready) + priced
-        ready = max(df, hf)
+            d = (df if df > ready else ready) + priced
+        ready = h if h > d else d  # max(d, h)
         # awaited(the step before under async scheduling, else this one)
         done = previous if awaits_previous else ready
-        wait = (done if done > hf else hf) - now
+        wait = (done if done > h else h) - t
         if wait > 0:
-            now += wait
-        if now > horizon:
-            now, hf, df, previous = before
+            t += wait
+        if t > horizon:
             break
-        previous = ready
-        launched.append(launch)
-        applied.append(now)
-        step_id += 1
+        now, hf, df, previous = t, h, d, ready
+        launch_at(launch)
+        apply_at(now)
     clock.now, timeline.host_free, timeline.device_free = now, hf, df
-    if awaits_previous:
-        timeline.ready_at[step_id - 1] = previous  # the last step taken: still in flight
+    if awaits_previous:  # the last step taken: still in flight
+        timeline.ready_at[run.first_step_id + len(applied) - 1] = previous
     return launched, applied
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -151,32 +151,65 @@ class StepSurface:
             )
         return cached
 
-    def at_batch(self, b: float) -> Callable[[float], float]:
-        """`predict_at(b, c)` as a function of c, for a run of steps of one batch: inside
-        the grid the batch's interpolation weights are computed once, and every float
-        operation is `_interpolate`'s in its order (the same results to the bit)."""
+    def run_costs(
+        self, b: float, contexts: Iterable[float], host: float, beside: StepSurface | None
+    ) -> Iterator[tuple[float, float, float]]:
+        """A decode run's steps priced on this surface (the cost model's RunCosts): for
+        each c of `contexts`, (`host`, `predict_at(b, c)`, how much more
+        `beside.predict_at(b, c)` is, at least 0.0; 0.0 without `beside`). For a run of
+        steps of one batch: inside the grid the batch's interpolation weights are
+        computed once, a context's cell is looked up again only when it leaves the one
+        before, both surfaces share the weights where their grids have the same nodes,
+        and every float operation is `_interpolate`'s in its order (the same results to
+        the bit)."""
         b_lo, b_hi, c_lo, c_hi = self._bounds
-        if not b_lo <= b <= b_hi:
-            return lambda c: self.predict_at(b, c)
         xb, xc = self._log_batches, self._log_contexts
+        shared = beside is None or (
+            beside._bounds == self._bounds
+            and beside._log_batches == xb
+            and beside._log_contexts == xc
+        )
+        if not b_lo <= b <= b_hi or not shared:
+            for c in contexts:
+                yield host, *self._priced_beside(b, c, beside)
+            return
         lb = math.log2(b)
         i = min(max(bisect.bisect_left(xb, lb) - 1, 0), len(xb) - 2)
         u = (lb - xb[i]) / (xb[i + 1] - xb[i])
         a = 1 - u
         row0, row1 = self._grid[i], self._grid[i + 1]
+        other0, other1 = (row0, row1) if beside is None else (beside._grid[i], beside._grid[i + 1])
         last = len(xc) - 2
-        log2, bisect_left, predict_at = math.log2, bisect.bisect_left, self.predict_at
-
-        def at(c: float) -> float:
+        log2, bisect_left = math.log2, bisect.bisect_left
+        # The cell (j) of the context before: `lo < lc <= hi` is exactly the log-contexts
+        # whose clamped bisect gives it.
+        lo = hi = x0 = dx = g00 = g10 = g01 = g11 = h00 = h10 = h01 = h11 = 0.0
+        for c in contexts:
             if c < c_lo or c > c_hi:
-                return predict_at(b, c)
+                yield host, *self._priced_beside(b, c, beside)
+                continue
             lc = log2(c)
-            j = min(max(bisect_left(xc, lc) - 1, 0), last)
-            v = (lc - xc[j]) / (xc[j + 1] - xc[j])
+            if not lo < lc <= hi:
+                j = min(max(bisect_left(xc, lc) - 1, 0), last)
+                lo = xc[j] if j else -math.inf
+                hi = xc[j + 1] if j < last else math.inf
+                x0, dx = xc[j], xc[j + 1] - xc[j]
+                g00, g10, g01, g11 = row0[j], row1[j], row0[j + 1], row1[j + 1]
+                h00, h10, h01, h11 = other0[j], other1[j], other0[j + 1], other1[j + 1]
+            v = (lc - x0) / dx
             w = 1 - v
-            return a * w * row0[j] + u * w * row1[j] + a * v * row0[j + 1] + u * v * row1[j + 1]
+            aw, uw, av, uv = a * w, u * w, a * v, u * v
+            priced = aw * g00 + uw * g10 + av * g01 + uv * g11
+            if beside is None:
+                yield host, priced, 0.0
+            else:
+                extra = aw * h00 + uw * h10 + av * h01 + uv * h11 - priced
+                yield host, priced, extra if extra > 0.0 else 0.0
 
-        return at
+    def _priced_beside(self, b: float, c: float, beside: StepSurface | None) -> tuple[float, float]:
+        priced = self.predict_at(b, c)
+        extra = 0.0 if beside is None else beside.predict_at(b, c) - priced
+        return priced, extra if extra > 0.0 else 0.0
 
     def _interpolate(self, b: float, c: float) -> float:
         xb, xc = self._log_batches, self._log_contexts

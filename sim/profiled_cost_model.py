@@ -41,7 +41,10 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import repeat
+from operator import truediv
 from pathlib import Path
 from typing import Any
 
@@ -281,27 +284,38 @@ class ProfiledCostModel(CostModel):
         return self._decode_run(run, sequential)
 
     def _decode_run(self, run: DecodeRun, sequential: StepSurface | None) -> RunCosts:
-        """`_measure` then `_price` (and the sequential model's) of each step, by hand."""
-        n, ctx_max, ctx_sum = run.num_reqs, run.ctx_max, run.ctx_sum
+        """`_measure` then `_price` (and the sequential model's) of each step, by hand:
+        step s's effective context is the longest one plus s (one wave) or the contexts'
+        mean, (ctx_sum + n * s) / n, each at least 1.0."""
+        n, ctx_max, ctx_sum, horizon = run.num_reqs, run.ctx_max, run.ctx_sum, run.horizon
         a, b, c = self._host
         cpu = a + b * n + c * n
-        batch = float(n)
         one_wave = n <= self._one_wave
         lim, m = self._limits, _EXTRAPOLATION_MARGIN
         beyond = n > lim["tokens"] * m or n > lim["reqs"] * m
         longest_limit = lim["context"] * m
-        predict = self._decode.at_batch(batch)
-        idle = None if sequential is None else sequential.at_batch(batch)
-        for s in range(run.horizon):
+        if one_wave and ctx_max >= 1:  # (each at least 1.0 already)
+            contexts: Iterable[float] = map(float, range(ctx_max, ctx_max + horizon))
+        elif not one_wave and ctx_sum >= n:
+            contexts = map(truediv, range(ctx_sum, ctx_sum + n * horizon, n), repeat(n))
+        else:
+            contexts = (
+                max(1.0, float(ctx_max + s if one_wave else (ctx_sum + n * s) / n))
+                for s in range(horizon)
+            )
+        costs = self._decode.run_costs(float(n), contexts, cpu, sequential)
+        if beyond or ctx_max + horizon > longest_limit:  # a step may warn: each checks
+            return self._warning_range(costs, n, ctx_max, beyond, longest_limit)
+        return costs
+
+    def _warning_range(
+        self, costs: RunCosts, n: int, ctx_max: int, beyond: bool, longest_limit: float
+    ) -> RunCosts:
+        """`costs`, warning (once a range) at each step beyond the profile's range."""
+        for s, step in enumerate(costs):
             if beyond or ctx_max + s + 1 > longest_limit:
                 self._warn_range(n, n, ctx_max + s + 1)
-            effective = max(1.0, float(ctx_max + s if one_wave else (ctx_sum + n * s) / n))
-            priced = predict(effective)
-            if idle is None:
-                yield cpu, priced, 0.0
-            else:
-                extra = idle(effective) - priced
-                yield cpu, priced, extra if extra > 0.0 else 0.0
+            yield step
 
     def _drafts_proposed(self, out: SchedulerOutput) -> int:
         k = self.num_speculative_tokens

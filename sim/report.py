@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +104,7 @@ def print_summary(
     console.print(format_summary(summary, title), markup=False, highlight=False, soft_wrap=True)
 
 
-def downsample(items: list[Any], max_points: int = MAX_TIMELINE_POINTS) -> list[Any]:
+def downsample(items: Sequence[Any], max_points: int = MAX_TIMELINE_POINTS) -> list[Any]:
     """At most `max_points` items, evenly spaced by index, always keeping first and last.
 
     A sample, not an aggregate: peaks between samples may be skipped (the
@@ -139,7 +140,7 @@ def write_report(
     path: str | Path,
     summary: dict[str, Any],
     records: list[RequestRecord],
-    steps: list[StepRecord] | None,
+    steps: Sequence[StepRecord] | None,
     meta: dict[str, Any],
     *,
     include_token_times: bool = False,
@@ -207,7 +208,7 @@ def _no_data(ax: Axes) -> None:
 def plot_report(
     path: str | Path,
     records: list[RequestRecord],
-    steps: list[StepRecord] | None,
+    steps: Sequence[StepRecord] | None,
     title: str,
     *,
     max_points: int = MAX_TIMELINE_POINTS,
@@ -312,7 +313,7 @@ def progress_curves(records: list[RequestRecord]) -> tuple[list[float], list[flo
     return arrivals, ended
 
 
-def timeline_with_breaks(steps: list[StepRecord], picked: list[int]) -> list[float]:
+def timeline_with_breaks(steps: Sequence[StepRecord], picked: list[int]) -> list[float]:
     """The times of the picked steps, with a NaN wherever the engine sat idle between two
     of them, so that a timeline breaks there instead of drawing a line across the gap.
 

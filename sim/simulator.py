@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from sim.traces import SyntheticPrompt, Trace, TraceRequest
 @dataclass
 class SimResult:
     requests: list[RequestRecord]  # one per trace request, in trace order
-    steps: list[StepRecord]
+    steps: Sequence[StepRecord]
     summary: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)
 

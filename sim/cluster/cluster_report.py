@@ -12,6 +12,7 @@ import numpy as np
 from deepinfer.metrics import SLO
 from deepinfer.records import RequestRecord
 from deepinfer.request import Request
+from deepinfer.step_log import column
 from sim.cluster.description import ClusterSpec, PoolSpec
 from sim.data_parallel import RankGroup
 from sim.traces import Trace
@@ -71,7 +72,7 @@ def cluster_meta(
     instances = []
     for inst in hub.entry + hub.decode:
         steps = inst.core.steps
-        usage = [s.kv_usage for s in steps]
+        usage = column(steps, "kv_usage")
         instances.append(
             {
                 "name": inst.name,

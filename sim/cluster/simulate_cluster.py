@@ -7,7 +7,7 @@ configuration and cost model, all in one simpy environment (sim/cluster/cluster.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from deepinfer.metrics import SLO, summarize
 from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.routing import make_router
+from deepinfer.step_log import MergedSteps
 from sim.acceptance import AcceptanceModel
 from sim.cluster.cluster import Cluster, Handover
 from sim.cluster.cluster_report import cluster_meta, merge_records
@@ -42,7 +43,7 @@ from sim.traces import Trace, TraceRequest
 @dataclass
 class ClusterResult:
     requests: list[RequestRecord]  # one per trace request, in trace order, end to end
-    steps: dict[str, list[StepRecord]]  # instance name -> its engine's step records
+    steps: dict[str, Sequence[StepRecord]]  # instance name -> its engine's step records
     summary: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)
     handovers: dict[str, Handover] = field(default_factory=dict)  # PD: req id -> its handover
@@ -158,7 +159,7 @@ def simulate_cluster(
     env.run()
     records = merge_records(requests, hub)
     steps = {inst.name: inst.core.steps for inst in hub.entry + hub.decode}
-    all_steps = sorted((s for ss in steps.values() for s in ss), key=lambda s: s.time)
+    all_steps = MergedSteps(steps.values())
     summary = summarize(records, all_steps, slo)
     tiers_meta = cluster.kv_tiers.to_meta(pools[0].block_bytes)
     for p in pools:  # each pool's host tier (its engine's size)

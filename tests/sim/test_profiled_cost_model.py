@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import warnings
@@ -12,6 +13,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.model_config import load_model_config
 from sim import simulate
 from sim.hardware import get_hardware
+from sim.profile_fit import StepSurface
 from sim.profiled_cost_model import PROFILES_DIR, ProfiledCostModel, shape_output
 from sim.traces import TraceRequest
 
@@ -245,10 +247,26 @@ def test_a_launch_reads_its_step_once_for_both_fits(k: int, monkeypatch) -> None
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_a_decode_runs_prices_are_its_steps_to_the_bit(path) -> None:
-    """The fast-forward prices a run's steps with `StepSurface.at_batch`: it must give
-    `predict_at`'s floats exactly, inside the grid and past it on either side."""
-    surface = _model(path)._decode
-    contexts = [1.0, 1.5, 7.0, 63.5, 100.25, 511.0, 4096.0, 9999.9, 1e6]
+    """The fast-forward prices a run's steps with `StepSurface.run_costs`: it must give
+    `predict_at`'s floats exactly, inside the grid and past it on either side, contexts
+    rising, falling back and staying in one cell, beside a second surface or not."""
+    model = _model(path)
+    surface = model._decode
+    contexts = [1.0, 1.5, 7.0, 7.5, 63.5, 100.25, 511.0, 64.0, 4096.0, 4097.0, 9999.9, 1e6, 2.0]
+    besides = [None, model._sequential_model()._decode, _shifted(surface)]
     for batch in (1.0, 3.0, 17.0, 256.0, 257.0, 1000.0, 20000.0):
-        at = surface.at_batch(batch)
-        assert [at(c) for c in contexts] == [surface.predict_at(batch, c) for c in contexts]
+        for beside in besides:
+            want = []
+            for c in contexts:
+                priced = surface.predict_at(batch, c)
+                more = 0.0 if beside is None else beside.predict_at(batch, c) - priced
+                want.append((0.5, priced, max(0.0, more)))
+            assert list(surface.run_costs(batch, contexts, 0.5, beside)) == want
+
+
+def _shifted(surface: StepSurface) -> StepSurface:
+    """A copy of `surface` on other context nodes (it cannot share the weights)."""
+    other = copy.copy(surface)
+    other._log_contexts = [x + 0.25 for x in surface._log_contexts]
+    other._grid = [[2 * g for g in row] for row in surface._grid]
+    return other

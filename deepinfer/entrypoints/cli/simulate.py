@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
+from deepinfer.step_log import MergedSteps
 
 
 def add_simulate_parser(sub: Any) -> None:
@@ -326,7 +327,9 @@ def _run_cluster(
     print_summary(result.summary, title)
     for line in cluster_lines(meta):
         print(line)
-    steps = sorted((s for ss in result.steps.values() for s in ss), key=lambda s: s.time)
+    if not (args.out or args.plot):
+        return 0
+    steps = MergedSteps(result.steps.values())
     if args.out:
         write_report(args.out, result.summary, result.requests, steps, meta)
         print(f"report: {args.out}")
