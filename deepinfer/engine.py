@@ -171,6 +171,15 @@ class EngineCore:
             self._compiling.pop(req_id, None)  # nothing waits on its compile any more
         return req
 
+    def restate_record(self, req: Request) -> None:
+        """The output processor cut an ended request's tokens at a stop string completed
+        before the token the engine ended it on (accepted drafts of one update): its
+        record becomes that of the tokens it kept, with their reason (stop)."""
+        for i in range(len(self.records) - 1, -1, -1):
+            if self.records[i].req_id == req.request_id:
+                self.records[i] = _record(req)
+                return
+
     def discard_in_flight(self) -> None:
         """Forget a launched step whose results will never be applied (its requests were
         aborted: an interrupted `generate`)."""

@@ -29,6 +29,8 @@ class TrackedCompletion:
 
         Token by token: a speculative step can add several, and the ones after the token
         that completes a stop string (accepted drafts) are dropped, as for a stop token.
+        If the engine ended the request on one of those dropped tokens (its length or a
+        stop token), the stop string still came first: the reason becomes stop.
         """
         req = self.req
         new = req.output_token_ids[self.num_fed :]
@@ -41,6 +43,8 @@ class TrackedCompletion:
                 self.num_fed += i + 1
                 del req.output_token_ids[self.num_fed :]
                 del req.logprobs[self.num_fed :]
+                if req.is_finished:
+                    req.finish_reason = FinishReason.STOP
                 return True
         self.num_fed += len(new)
         return False

@@ -205,8 +205,11 @@ class LLM:
                     c = completions.get(req.request_id)
                     if c is None:
                         continue
-                    if c.feed() and not req.is_finished:
-                        self.engine.finish(req.request_id, FinishReason.STOP)
+                    if c.feed():  # a stop string ended the text
+                        if not req.is_finished:
+                            self.engine.finish(req.request_id, FinishReason.STOP)
+                        elif isinstance(self.engine, EngineCore):
+                            self.engine.restate_record(req)  # ended on a later token
                     if req.is_finished and req.request_id in live:
                         live.discard(req.request_id)
                         bar.update(1)

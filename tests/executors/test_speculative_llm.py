@@ -8,6 +8,7 @@ random-weight V3 checks the MTP layer against transformers'."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -110,6 +111,35 @@ def test_tokens_after_a_stop_string_are_dropped() -> None:
         x, y = a.outputs[0], b.outputs[0]
         assert (y.token_ids, y.text, y.finish_reason) == (x.token_ids, x.text, x.finish_reason)
         assert len(y.logprobs) == len(y.token_ids)
+
+
+@needs_demo
+def test_a_stop_string_before_max_tokens_in_one_step_ends_it_with_reason_stop() -> None:
+    """A step whose accepted drafts complete a stop string and then reach max_tokens (or
+    a stop token) ends the request on the stop string: reason stop, the tokens up to it,
+    and its record says so (docs/design.md, "Stop conditions")."""
+    stop = SamplingParams(temperature=0.0, max_tokens=60, stop=["\n\n", ":"])
+    plain = _generate(str(DEMO_MODEL_DIR), CODE, stop, block_size=16)
+    outs = [o.outputs[0] for o in plain.outs]  # type: ignore[attr-defined]
+    codes = [p for p, o in zip(CODE, outs) if o.finish_reason == "stop"]
+    firsts = [o for o in outs if o.finish_reason == "stop"]
+    assert firsts, "no stop string in CODE's greedy text"
+    for extra in (1, 2, 3):
+        params = [dataclasses.replace(stop, max_tokens=len(o.token_ids) + extra) for o in firsts]
+        spec = _generate(
+            str(DEMO_MODEL_DIR), codes, params, block_size=16, num_speculative_tokens=3
+        )
+        for x, out in zip(firsts, spec.outs):  # type: ignore[attr-defined]
+            y = out.outputs[0]
+            assert (y.token_ids, y.finish_reason, y.stop_reason) == (
+                x.token_ids,
+                "stop",
+                x.stop_reason,
+            ), f"max_tokens {len(x.token_ids) + extra}"
+        records = {r.req_id: r for r in spec.engine.records}
+        for x, out in zip(firsts, spec.outs):  # type: ignore[attr-defined]
+            rec = records[out.request_id]
+            assert (rec.num_output_tokens, rec.finish_reason) == (len(x.token_ids), "stop")
 
 
 @needs_demo

@@ -18,7 +18,9 @@ class BlockSafety(Checker):
     """Ref counts equal holders; and under async scheduling, no block that the step in
     flight writes leaves its request before that step is processed: the slots of its
     tokens (below the computed count, after any rollback of rejected drafts) and the
-    k - 1 slots past them where its drafter writes the chained drafts' KV."""
+    k - 1 slots past them where its drafter writes the chained drafts' KV. Which
+    requests are still live and their computed counts come from the mirror (its tables
+    and `comp`, kept from the outputs), never from the scheduler's requests."""
 
     def __init__(self, mirror: KVMirror) -> None:
         self.mirror = mirror
@@ -48,12 +50,11 @@ class BlockSafety(Checker):
         if self.sent_step <= out.step_id:
             return  # the step just processed is the latest: nothing else in flight
         cfg = d.case.config
+        k = cfg.num_speculative_tokens
         for rid, table in self.sent.items():
-            req = d.sched.requests.get(rid)
-            if req is None or req.status is not RequestStatus.RUNNING:
+            if rid not in self.mirror.tables:
                 continue  # ended: the step in flight's results for it are dropped
-            k = cfg.num_speculative_tokens
-            written = min(req.num_computed_tokens + max(k - 1, 0), d.sched.max_model_len)
+            written = min(self.mirror.comp[rid] + max(k - 1, 0), max_model_len(d.case))
             need = -(-written // cfg.block_size)
             held = d.sched.kv.block_ids(rid)
             assert held[:need] == table[:need], (
@@ -110,8 +111,14 @@ class PrefixCache(Checker):
         assert not errors, f"{when}:\n" + "\n".join(errors[:5])
 
 
-class Budgets(Checker):
-    def on_schedule(self, d: Driver, out: SchedulerOutput, in_flight: bool) -> None:
+class Budgets(QueueChecker):
+    """Token, sequence, draft and length budgets of each step; the requests that hold a
+    sequence slot (running, or a chunked prefill in progress) and each request's limit on
+    its computed count come from its QueueMirror, kept from the outputs."""
+
+    def check_schedule(
+        self, d: Driver, out: SchedulerOutput, view: QueueView, in_flight: bool
+    ) -> None:
         cfg, where = d.case.config, f"step {out.step_id}"
         assert out.num_batched_tokens <= cfg.max_num_batched_tokens, f"{where}: token budget"
         assert len(out.scheduled) <= cfg.max_num_seqs, f"{where}: {len(out.scheduled)} requests"
@@ -123,24 +130,32 @@ class Budgets(Checker):
             assert sr.num_computed_tokens + sr.num_tokens <= length, (
                 f"{where}: {sr.req_id} computes past max_model_len={length}"
             )
-        s = d.sched
-        assert len(s.running) + s.waiting.num_in_progress <= cfg.max_num_seqs, f"{where}: seqs"
+        q = self.queues  # after this step: who holds a sequence slot
+        seqs = len(q.running) + len(q.in_progress)
+        assert seqs <= cfg.max_num_seqs, (
+            f"{where}: {q.running} run and {q.in_progress} are mid-prefill, "
+            f"max_num_seqs={cfg.max_num_seqs}"
+        )
         self._computed(d, where, strict=False)
 
     def on_process(self, d: Driver, out: SchedulerOutput, res: ModelRunnerOutput) -> None:
+        super().on_process(d, out, res)
         # With nothing in flight every scheduled token is known: computed <= tokens.
         self._computed(
             d, f"step {out.step_id} processed", strict=not d.case.config.async_scheduling
         )
 
     def _computed(self, d: Driver, where: str, strict: bool) -> None:
-        for req in d.sched.requests.values():
-            limit = (
-                req.num_tokens
-                if strict
-                else (req.num_tokens + req.num_output_placeholders + req.num_pending_drafts)
+        """Each live request's computed count (the core's) within its known tokens, plus,
+        while a step is in flight, the placeholders and unverified drafts the mirror
+        counts for it."""
+        for rid, c in self.queues.counts.items():
+            req, known = d.reqs[rid], len(d.tokens(rid))
+            limit = known if strict else known + c.placeholders + c.pending_drafts
+            assert 0 <= req.num_computed_tokens <= limit, (
+                f"{where}: {rid} has {req.num_computed_tokens} computed of {known} tokens, "
+                f"{c.placeholders} placeholders and {c.pending_drafts} drafts in flight"
             )
-            assert 0 <= req.num_computed_tokens <= limit, f"{where}: {req!r} computed > tokens"
 
 
 class WatermarkNewPrompts(Checker):

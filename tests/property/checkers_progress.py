@@ -79,7 +79,7 @@ class Completion(Checker):
             if req.status is S.ABORTED:
                 assert spec.abort_step is not None, f"{spec} aborted though nobody asked"
                 continue
-            want, reason = expected_end(d.case, spec)
+            want, reason = expected_end(d.case, spec, text=d.text)
             assert req.num_output_tokens == want, f"{spec}: {req.num_output_tokens} != {want}"
             got = req.finish_reason.value if req.finish_reason is not None else None
             assert got == reason, f"{spec}: finish reason {got}, its first stop is {reason}"

@@ -62,18 +62,18 @@ class Records(Checker):
         self.last_process = now
 
     def _check_step(self, d: Driver, out: SchedulerOutput, now: float) -> None:
-        s = d.sched
+        running, waiting, usage = d.left_by_update  # before stop strings end requests
         want = StepRecord(
             step_id=out.step_id,
             time=now,
             # The driver passes no duration: the time since the previous step's results.
             duration=now - self.last_process if self.last_process is not None else 0.0,
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_running=running,
+            num_waiting=waiting,
             num_batched_tokens=sum(sr.num_tokens for sr in out.scheduled),
             num_prompt_tokens=sum(sr.num_tokens for sr in out.scheduled if sr.is_prompt),
             num_scheduled_reqs=len(out.scheduled),
-            kv_usage=s.kv.usage,
+            kv_usage=usage,
             num_preempted=len(out.preempted_req_ids),
             num_proposals=out.num_proposals,  # what the scheduler asked the drafter for
         )

@@ -24,7 +24,7 @@ class StopConditions(Checker):
             if rid not in d.live_before_process or not sr.will_sample:
                 continue
             req, spec = d.reqs[rid], d.specs[rid]
-            want, reason = expected_end(d.case, spec)
+            want, reason = expected_end(d.case, spec, text=d.text)
             got, where = req.num_output_tokens, f"step {out.step_id}, request {rid}"
             rule = f"rule 'stop conditions' ({spec})"
             if not req.is_finished:

@@ -38,6 +38,8 @@ LABELS = (
     "draft rejected at depth 4+",
     "stop inside accepted drafts",
     "length limit inside accepted drafts",
+    "stop string ended a request",
+    "stop string inside accepted drafts",
 )
 
 
@@ -60,6 +62,8 @@ FLOOR = {
     "draft rejected at depth 4+": 90,
     "stop inside accepted drafts": 140,
     "length limit inside accepted drafts": 700,
+    "stop string ended a request": 300,
+    "stop string inside accepted drafts": 90,
 }
 
 
@@ -122,8 +126,12 @@ class Transitions:
             if k and 0 <= accepted < k:
                 c[f"draft rejected at depth {min(accepted + 1, 4)}{'+' * (accepted >= 3)}"] += 1
             req, before = d.reqs[sr.req_id], self._live_before.get(sr.req_id)
+            if sr.req_id in d.text_ended:
+                c["stop string ended a request"] += 1
             if before is None or len(sampled) < 2 or not req.is_finished:
                 continue
+            if sr.req_id in d.text_ended and req.num_output_tokens - before < len(sampled):
+                c["stop string inside accepted drafts"] += 1
             if req.num_output_tokens - before < len(sampled):  # it ended inside them
                 if req.finish_reason is FinishReason.STOP:
                     c["stop inside accepted drafts"] += 1

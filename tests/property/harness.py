@@ -35,6 +35,7 @@ from tests.property.oracle import (  # noqa: F401  (re-exported: the checkers im
     progress_window,
     step_bound,
 )
+from tests.property.sim_text import TextStops
 from tests.property.strategies import EngineCase, ReqSpec, Workload
 
 
@@ -108,9 +109,15 @@ class Driver:
     flight) with no arrival or abort left; a stall before such an event is skipped over,
     its steps counted."""
 
-    def __init__(self, case: EngineCase, workload: Workload, checkers: list[Checker]) -> None:
+    def __init__(
+        self, case: EngineCase, workload: Workload, checkers: list[Checker], text: bool = True
+    ) -> None:
         cfg = case.config
         self.case, self.workload, self.checkers = case, workload, checkers
+        # Whether stop strings end requests (the output processor over simulated text,
+        # after each update and before the checkers see it), as in `LLM`.
+        self.text = text
+        self.text_stops = TextStops()
         self.executor = SimExecutor(cfg, cfg.num_gpu_blocks, acceptance_rate=case.acceptance_rate)
         self.time = DriverClock()
         self.engine = EngineCore(cfg, self.executor, clock=self.time, check_invariants=False)
@@ -120,6 +127,10 @@ class Driver:
         self.reasons: dict[str, str] = {}  # rejected ones
         self.snap: Snapshot | None = None
         self.live_before_process: set[str] = set()
+        # (running, waiting, KV usage) as the latest update left them
+        self.left_by_update: tuple[int, int, float] = (0, 0, 0.0)
+        self.text_ended: set[str] = set()  # requests a stop string ended in that update
+        self.text_finished: set[str] = set()  # of them, those the update itself left live
         self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         self.chunked = False  # whether some prompt was split across steps
         self.steps = 0  # engine steps taken
@@ -219,6 +230,8 @@ class Driver:
             self.specs[spec.req_id] = spec
         req = make_request(spec)
         self.reqs[spec.req_id] = req
+        if self.text:
+            self.text_stops.track(req)
         self.time.tick()
         reason = self.engine.add_request(req)
         if reason is not None:
@@ -271,7 +284,11 @@ class Driver:
         self.live_before_process = set(self.sched.requests)
         TRANSITIONS.before_process(self, out)
         self.time.tick()
-        self.engine.apply_results(out, res)
+        changed = self.engine.apply_results(out, res)
+        s = self.sched  # the step record describes this, before stop strings end requests
+        self.left_by_update = (len(s.running), len(s.waiting), s.kv.usage)
+        self.text_finished, restated = self.text_stops.after_update(self.engine, changed)
+        self.text_ended = self.text_finished | restated
         TRANSITIONS.on_process(self, out, res)
         for c in self.checkers:
             c.on_process(self, out, res)

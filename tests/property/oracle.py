@@ -8,6 +8,7 @@ from __future__ import annotations
 from deepinfer.kv_cache.manager import cdiv
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
+from tests.property.sim_text import sim_text
 from tests.property.strategies import EngineCase, ReqSpec, Workload, sim_token
 
 
@@ -18,6 +19,7 @@ def make_request(spec: ReqSpec) -> Request:
         min_tokens=spec.min_tokens,
         stop_token_ids=list(spec.stop_token_ids),
         ignore_eos=spec.ignore_eos,
+        stop=list(spec.stop),
     )
     return Request(
         spec.req_id,
@@ -45,21 +47,35 @@ def admissible(case: EngineCase, spec: ReqSpec) -> bool:
     return n >= 1 and n + 1 <= case.capacity and n + 1 <= max_model_len(case) and fits_step
 
 
-def expected_end(case: EngineCase, spec: ReqSpec) -> tuple[int, str]:
+def expected_end(case: EngineCase, spec: ReqSpec, text: bool = False) -> tuple[int, str]:
     """(output tokens, finish reason) an admitted request ends with when nobody aborts it
     (docs/design.md, "Stop conditions"): the first output token, counting from one, at
     a count >= min_tokens that is a stop token id or EOS (unless ignore_eos) stops it;
     else max_tokens, max_model_len, or in the PREFILL role its first token, is its length.
-    The tokens are SimExecutor's (`sim_token`), a function of the position alone."""
+    The tokens are SimExecutor's (`sim_token`), a function of the position alone.
+
+    With `text` (a loop that detokenizes, as `LLM` does: sim_text.TextStops), a token at
+    a count >= min_tokens whose text completes one of its stop strings, searched from
+    the longest stop string's length before the new text, ends it with reason stop,
+    also when that token reached a length limit (as vLLM's output processor says)."""
     n, length = len(spec.prompt), max_model_len(case)
     stops = set(spec.stop_token_ids)
     if not spec.ignore_eos and spec.eos_token_id is not None:
         stops.add(spec.eos_token_id)
+    decoded = ""
     count = 0
     while True:
         count += 1
-        if count >= spec.min_tokens and sim_token(spec.req_id, n + count - 1) in stops:
+        token = sim_token(spec.req_id, n + count - 1)
+        if count >= spec.min_tokens and token in stops:
             return count, "stop"
+        if text and spec.stop:
+            before = len(decoded)
+            decoded += sim_text(token)
+            if count >= spec.min_tokens and any(
+                decoded.find(s, max(0, before - len(s) + 1)) >= 0 for s in spec.stop
+            ):
+                return count, "stop"
         if count >= spec.max_tokens or n + count >= length or case.config.role.value == "prefill":
             return count, "length"
 

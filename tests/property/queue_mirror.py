@@ -207,10 +207,15 @@ class QueueMirror(Checker):
             c = self.counts.get(rid)
             if c is None or not samples:
                 continue  # ended while in flight, or a prompt chunk short of the end
-            if d.reqs[rid].is_finished:
+            # A stop string ended it after the update, which went on with it (its drafts
+            # and chances counted) as the output processor only then read its text.
+            went_on = rid in d.text_finished
+            if d.reqs[rid].is_finished and not went_on:
                 self._drop(rid)
                 continue
             if rid not in self.running:
+                if went_on:
+                    self._drop(rid)
                 continue  # preempted while in flight: its counts started over
             tokens = res.sampled_token_ids[rid]
             c.placeholders -= 1
@@ -222,6 +227,8 @@ class QueueMirror(Checker):
                 c.chance_means = smooth_chances(c.chance_means, c.confidences)
                 if c.confidences:
                     self.prior_chances = smooth_chances(self.prior_chances, c.confidences)
+            if went_on:
+                self._drop(rid)
         now = d.time.now  # the clock apply_results read
         shape = self.uniform.pop(out.step_id, None)
         if shape is not None:

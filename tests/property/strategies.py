@@ -7,7 +7,9 @@ of the driver loop (one engine step each), so Poisson-like gaps, bursts and
 of shared token chunks so that prefix-cache hits, sharing and evictions happen.
 Each request also draws its stop conditions: stop token ids and an EOS id placed at
 output positions where SimExecutor's token rule (`sim_token`) will emit them, before,
-at or after `min_tokens` and `max_tokens`, with `ignore_eos` on or off.
+at or after `min_tokens` and `max_tokens`, with `ignore_eos` on or off, and stop
+strings cut from its own simulated text (sim_text.py) across token boundaries, which a
+driver that detokenizes (the `Driver`, as `LLM` does) ends it on.
 Sizes are kept so that one example runs in tens of milliseconds.
 """
 
@@ -20,6 +22,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 from deepinfer.config import EngineConfig, EngineRole
+from tests.property.sim_text import sim_text
 
 MAX_TOKENS = 4096  # capacity (num_blocks * block_size) stays below this
 SIM_VOCAB = 1 << 20  # SimExecutor's placeholder vocabulary (its tokens are 1 .. SIM_VOCAB - 1)
@@ -68,6 +71,7 @@ class ReqSpec:
     stop_token_ids: tuple[int, ...] = ()
     eos_token_id: int | None = None
     ignore_eos: bool = True
+    stop: tuple[str, ...] = ()  # stop strings (over sim_text.sim_text of its tokens)
 
     def __repr__(self) -> str:  # prompts are long: show their shape, not every token
         head = ",".join(map(str, self.prompt[:3]))
@@ -77,7 +81,8 @@ class ReqSpec:
             f"ReqSpec({self.req_id!r}, arrive={self.arrival_step}, prompt=[{head}..]"
             f"x{n}, max_tokens={self.max_tokens}, prio={self.priority}, "
             f"abort={self.abort_step}, min_tokens={self.min_tokens}, stop ids at outputs #{at}, "
-            f"eos at #{self._at(self.eos_token_id)}, ignore_eos={self.ignore_eos})"
+            f"eos at #{self._at(self.eos_token_id)}, ignore_eos={self.ignore_eos}, "
+            f"stop={self.stop})"
         )
 
     def _at(self, token: int | None) -> int | str | None:
@@ -275,7 +280,28 @@ def _stops(draw: st.DrawFn, req_id: str, n: int, max_tokens: int) -> dict:
         stop_token_ids=tuple(stops + ([0] if draw(st.booleans()) else [])),
         eos_token_id=eos,
         ignore_eos=draw(st.booleans()),
+        stop=_stop_strings(draw, req_id, n, max_tokens),
     )
+
+
+def _stop_strings(draw: st.DrawFn, req_id: str, n: int, max_tokens: int) -> tuple[str, ...]:
+    """None half the time; else one or two pieces of the request's own text (see
+    sim_text), taken across the boundary after a chosen output token, or text it never
+    makes."""
+    if not draw(st.booleans()):
+        return ()
+    texts = [sim_text(sim_token(req_id, n + i)) for i in range(max_tokens + 1)]
+    ends = [len("".join(texts[: i + 1])) for i in range(len(texts))]
+    whole = "".join(texts)
+    out = []
+    for _ in range(draw(st.integers(1, 2))):
+        if draw(st.integers(0, 3)):
+            b = ends[draw(st.integers(0, len(ends) - 1))]
+            lo, hi = max(0, b - draw(st.integers(1, 3))), b + draw(st.integers(0, 2))
+            out.append(whole[lo:hi] or "z")
+        else:
+            out.append("z")  # never made: no word has it
+    return tuple(out)
 
 
 def any_case_and_workload(**case_kwargs: object) -> st.SearchStrategy[tuple[EngineCase, Workload]]:

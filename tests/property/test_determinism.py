@@ -13,6 +13,7 @@ from deepinfer.request import Request
 from sim.sim_executor import SimExecutor
 from tests.factories import StepClock
 from tests.property.harness import CORE_CHECKS, run_case, step_bound, submit_due
+from tests.property.sim_text import TextStops
 from tests.property.strategies import EngineCase, Workload, any_case_and_workload, scaled
 
 
@@ -26,15 +27,18 @@ def _run_with_step(case: EngineCase, workload: Workload) -> dict[str, Any]:
     reqs: dict[str, Request] = {}
     clock = steps = 0
     stalled = None
+    stops = TextStops()  # stop strings end requests as LLM._run does, as in run_case
     while True:
         submit_due(engine, arrivals, aborts, clock, reqs)
+        for req in reqs.values():
+            stops.track(req)
         if not engine.has_unfinished():
             if not arrivals:
                 break
             clock = arrivals[0].arrival_step
             continue
         try:
-            engine.step()
+            stops.after_update(engine, engine.step())
         except SchedulerStalled:  # a liveness bug (test_liveness); it must repeat too
             stalled = engine.scheduler.step_id
             break

@@ -176,7 +176,7 @@ class EngineMachine(RuleBasedStateMachine):
                 continue
             if spec.req_id in self.aborted:
                 continue
-            want, reason = expected_end(d.case, spec)
+            want, reason = expected_end(d.case, spec, text=d.text)
             got = req.finish_reason.value if req.finish_reason is not None else None
             assert (req.status, req.num_output_tokens, got) == (S.FINISHED, want, reason), (
                 f"{spec} ended {req.status.value} with {req.num_output_tokens} tokens ({got}); "

@@ -247,8 +247,11 @@ class AsyncEngine:
             if entry is None:
                 continue
             handle, p, c = entry
-            if c.feed() and not req.is_finished:  # a stop string ended the text
-                self.served.engine.finish(req.request_id, FinishReason.STOP)
+            if c.feed():  # a stop string ended the text
+                if not req.is_finished:
+                    self.served.engine.finish(req.request_id, FinishReason.STOP)
+                else:  # the engine ended it on a later token of this update
+                    self.served.engine.restate_record(req)
             out.setdefault(handle, []).append(self._delta(p, c))
         return [(h, ("deltas", ds)) for h, ds in out.items()]
 
