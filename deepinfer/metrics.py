@@ -197,6 +197,26 @@ def _step_summary(steps: Sequence[StepRecord] | None) -> dict[str, Any]:
     }
 
 
+def _latencies(r: RequestRecord) -> tuple[float, float | None, float]:
+    """A completed request's TTFT, TPOT (None with one output token) and E2EL, seconds."""
+    assert r.first_token is not None and r.finish is not None
+    ttft = r.first_token - r.arrival
+    e2el = r.finish - r.arrival
+    tpot = (e2el - ttft) / (r.num_output_tokens - 1) if r.num_output_tokens > 1 else None
+    return ttft, tpot, e2el
+
+
+def good_tokens(records: list[RequestRecord], slo: SLO) -> tuple[int, int]:
+    """(input, output) tokens of the finished requests that met every limit of `slo`."""
+    num_in = num_out = 0
+    for r in records:
+        done = r.status == "finished" and r.first_token is not None and r.finish is not None
+        if done and _is_good(*_latencies(r), slo):
+            num_in += r.num_prompt_tokens
+            num_out += r.num_output_tokens
+    return num_in, num_out
+
+
 def summarize(
     records: list[RequestRecord],
     steps: Sequence[StepRecord] | None = None,
@@ -216,10 +236,7 @@ def summarize(
     e2els: list[float] = []
     num_good = 0
     for r in completed:
-        assert r.first_token is not None and r.finish is not None  # narrowed above
-        ttft = r.first_token - r.arrival
-        e2el = r.finish - r.arrival
-        tpot = (e2el - ttft) / (r.num_output_tokens - 1) if r.num_output_tokens > 1 else None
+        ttft, tpot, e2el = _latencies(r)
         ttfts.append(ttft)
         e2els.append(e2el)
         if tpot is not None:

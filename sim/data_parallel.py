@@ -131,10 +131,6 @@ class RankGroup:
     def max_prompt_tokens(self) -> int:
         return min(c.scheduler.max_prompt_tokens for c in self.cores)
 
-    @property
-    def max_model_len(self) -> int:
-        return min(c.max_model_len for c in self.cores)
-
     def add_request(self, req: Request) -> str | None:
         rank = self.router.route(req, self.views)
         self.requests_per_rank[rank] += 1
@@ -259,6 +255,7 @@ def _idle(
     wake = arrivals.wake()
     if due < math.inf:
         timer = env.timeout(due - env.now)
+        clock.now = due  # what a cluster reads as the soonest this instance can step
         yield timer if wake is None else timer | wake
     elif wake is not None:
         yield wake

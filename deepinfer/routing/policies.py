@@ -45,7 +45,7 @@ class LeastKVRouter(Router):
     """The lowest reported KV usage, then the fewest outstanding requests."""
 
     name = "least-kv"
-    reads_kv_usage = True
+    reads_run_state = True
 
     def choose(self, request: Request, instances: Sequence[InstanceView]) -> int:
         out = self.outstanding
@@ -77,9 +77,12 @@ class PrefixAffinityRouter(Router):
     is least-requests."""
 
     name = "prefix-affinity"
+    reads_run_state = True
 
     def __init__(self, num_instances: int, max_imbalance: int = 8) -> None:
         super().__init__(num_instances)
+        if not isinstance(max_imbalance, int) or isinstance(max_imbalance, bool):
+            raise ValueError(f"max_imbalance={max_imbalance!r}: expected an integer")
         if max_imbalance < 0:
             raise ValueError(f"max_imbalance={max_imbalance}: must be >= 0")
         self.max_imbalance = max_imbalance
@@ -100,7 +103,7 @@ class LeastLoadRouter(Router):
     instances instead of all landing on the one that looked idlest when it began."""
 
     name = "least-load"
-    reads_kv_usage = True
+    reads_run_state = True
 
     def __init__(self, num_instances: int) -> None:
         super().__init__(num_instances)

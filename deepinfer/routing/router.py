@@ -23,9 +23,10 @@ class Router(ABC):
     instance fits it, and books the placement."""
 
     name: str = ""
-    # Whether `choose` reads the reported KV usage, which changes within a decode run
-    # (a simulated instance then ends its runs at this router's next decision).
-    reads_kv_usage: bool = False
+    # Whether `choose` reads what changes within a decode run (the reported KV usage, the
+    # cached prefixes, which a run's new blocks evict): a simulated instance then ends its
+    # runs at this router's next decision.
+    reads_run_state: bool = False
 
     def __init__(self, num_instances: int) -> None:
         if num_instances < 1:

@@ -146,10 +146,11 @@ class Cluster:
 
     def horizon(self, inst: Instance) -> float:
         """A decode run of `inst` ends before its router's next decision when the router
-        reads the KV usage it reports (which changes within a run); the next handover
+        reads what changes within a run (the KV usage it reports, its cached prefixes,
+        which the run's new blocks evict); the next handover
         may be one not yet known, no sooner than the end of any prefill instance's
         current step."""
-        if not inst.routing.router.reads_kv_usage:
+        if not inst.routing.router.reads_run_state:
             return math.inf
         return self.soonest(inst)
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from deepinfer.metrics import SLO
+from deepinfer.metrics import SLO, good_tokens
 from deepinfer.records import RequestRecord
 from deepinfer.request import Request
 from deepinfer.step_log import column
@@ -67,8 +67,10 @@ def cluster_meta(
     slo: SLO | None,
     pools: Sequence[tuple[PoolSpec, dict[str, Any], int]],
     kv_tiers: dict[str, Any] | None = None,
+    records: list[RequestRecord] | None = None,
 ) -> dict[str, Any]:
-    """kv_tiers: the KV tiers' figures over every instance (sim/kv_tiers.py)."""
+    """kv_tiers: the KV tiers' figures over every instance (sim/kv_tiers.py); records:
+    the requests end to end (the cost counts the tokens of those meeting the SLO)."""
     instances = []
     for inst in hub.entry + hub.decode:
         steps = inst.core.steps
@@ -105,7 +107,7 @@ def cluster_meta(
         ],
         "instances": instances,
         "num_steps": sum(i["steps"] for i in instances),
-        "cost": plan_cost(spec, summary, slo),
+        "cost": plan_cost(spec, summary, slo, records),
     }
     if kv_tiers is not None:
         meta["kv_tiers"] = kv_tiers
@@ -145,18 +147,22 @@ def _stages(hub: Cluster) -> dict[str, Any]:
     }
 
 
-def plan_cost(spec: ClusterSpec, summary: dict[str, Any], slo: SLO | None) -> dict[str, Any]:
+def plan_cost(
+    spec: ClusterSpec,
+    summary: dict[str, Any],
+    slo: SLO | None,
+    records: list[RequestRecord] | None = None,
+) -> dict[str, Any]:
     """GPU-hours over the run (every GPU is held from the first arrival to the last
     finish), and the cost per million tokens of the requests that count: all completed
-    ones, or with an SLO only those that met it (goodput)."""
+    ones, or with an SLO (and the records) only the tokens of those that met it."""
     hours = summary["duration_s"] / 3600.0
     gpu_hours = {p.name: p.num_gpus * hours for p in spec.pools}
     dollars = sum(gpu_hours[p.name] * spec.prices[p.hardware] for p in spec.pools)
     counted_out = summary["total_output_tokens"]
     counted_in = summary["total_input_tokens"]
-    if slo is not None and summary.get("num_good") is not None and summary["num_completed"]:
-        share = summary["num_good"] / summary["num_completed"]
-        counted_out, counted_in = counted_out * share, counted_in * share
+    if slo is not None and records is not None:
+        counted_in, counted_out = good_tokens(records, slo)
     return {
         "gpus": spec.num_gpus,
         "gpu_hours": sum(gpu_hours.values()),

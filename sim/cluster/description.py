@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.config import EngineConfig, EngineRole
-from deepinfer.routing.policies import ROUTER_OPTIONS, ROUTERS
+from deepinfer.routing.policies import ROUTER_OPTIONS, ROUTERS, make_router
 from sim.kv_tiers import DEFAULT_HOST, DEFAULT_STORE, KVTierSpec, TierSpec
 
 ROLES = ("colocated", "prefill", "decode")
@@ -55,9 +55,6 @@ class Link:
 
     bandwidth: float
     latency_s: float
-
-    def transfer_s(self, num_bytes: float) -> float:
-        return self.latency_s + num_bytes / self.bandwidth
 
 
 @dataclass(frozen=True)
@@ -336,6 +333,10 @@ def _router(raw: Any, at: str) -> RouterSpec:
         if key not in allowed:
             takes = ", ".join(allowed) or "none"
             raise ClusterError(f"{at}: unknown option {key!r} for {policy} (options: {takes})")
+    try:  # the policy's own checks of the values
+        make_router(policy, 1, **options)
+    except ValueError as e:
+        raise ClusterError(f"{at}: {e}") from None
     return RouterSpec(policy, options)
 
 

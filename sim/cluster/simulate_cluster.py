@@ -174,7 +174,7 @@ def simulate_cluster(
     ]
     meta = cluster_meta(
         trace, cluster, hub, summary, slo, [(p.spec, p.cost_meta, p.num_blocks) for p in pools],
-        kv_tiers_meta(tiers_meta, engines),
+        kv_tiers_meta(tiers_meta, engines), records,
     )  # fmt: skip
     if dp_stats:
         meta["data_parallel"] = {name: st.to_meta() for name, st in dp_stats.items()}

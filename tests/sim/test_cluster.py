@@ -136,6 +136,20 @@ def test_the_plan_is_priced_per_million_tokens() -> None:
         ({"pools": [{"name": "a", "engine": {"max_num_seq": 1}}]}, "pools[0].engine"),
         ({"pools": [{"name": "a"}], "router": "fastest"}, "router: policy 'fastest'"),
         (
+            {
+                "pools": [{"name": "a"}],
+                "router": {"policy": "prefix-affinity", "max_imbalance": -1},
+            },
+            "router: max_imbalance=-1",
+        ),
+        (
+            {
+                "pools": [{"name": "a"}],
+                "router": {"policy": "prefix-affinity", "max_imbalance": "x"},
+            },
+            "router: max_imbalance='x'",
+        ),
+        (
             {"pools": [{"name": "a"}], "router": {"policy": "round-robin", "x": 1}},
             "unknown option 'x'",
         ),
@@ -245,3 +259,42 @@ def test_disaggregated_pools_of_expert_parallel_ranks_serve_every_request() -> N
     assert result.summary["num_completed"] == 60
     assert result.meta["cost"]["gpus"] == 2 + 2 * 4
     assert result.meta["data_parallel"]["d[0]"]["all_to_all_seconds"] > 0
+
+
+def test_fast_forward_is_exact_under_prefix_affinity_when_runs_evict_cached_prefixes() -> None:
+    """A decode run's blocks evict cached prefix blocks, which prefix-affinity reads: runs
+    end before its next decision, so the placements equal single steps' (a small cache
+    and shared prefixes, where a run that outlived an arrival placed requests apart)."""
+    import random
+
+    for seed in (23, 33):
+        rng = random.Random(seed)
+        reqs, t = [], 0.0
+        for i in range(rng.randint(6, 14)):
+            t += rng.expovariate(1 / 0.05)
+            nblk = rng.randint(1, 6)
+            pref = tuple(rng.choice([100, 101, 102]) * 10 + k for k in range(nblk))
+            plen = nblk * 16 + rng.randint(0, 20)
+            rest = tuple(10000 + i * 100 + k for k in range((plen - 1) // 16 + 1 - nblk))
+            reqs.append(TraceRequest(f"r{i}", t, plen, rng.randint(1, 200), pref + rest, 16))
+        engine = EngineConfig(
+            num_gpu_blocks=30, block_size=16, async_scheduling=False, max_model_len=512
+        )
+        router = RouterSpec("prefix-affinity", {"max_imbalance": 3})
+        cluster = replicas(2, engine, "moonlight-16b-a3b", "h200", router)
+        fast = simulate_cluster(reqs, cluster, cost_model="unit")
+        slow = simulate_cluster(reqs, cluster, cost_model="unit", fast_forward=False)
+        assert [r.__dict__ for r in fast.requests] == [r.__dict__ for r in slow.requests], seed
+
+
+def test_with_an_slo_the_plan_costs_the_tokens_of_the_requests_that_met_it() -> None:
+    from deepinfer.metrics import SLO, good_tokens
+
+    cluster = replicas(1, EngineConfig(), "moonlight-16b-a3b", "h200", RouterSpec())
+    slo = SLO(ttft_ms=60.0)  # some of the bundled trace's requests miss it
+    result = simulate_cluster(_trace(80), cluster, slo=slo)
+    good_in, good_out = good_tokens(result.requests, slo)
+    assert 0 < good_out < result.summary["total_output_tokens"]
+    cost = result.meta["cost"]
+    assert cost["per_million_output_tokens"] == pytest.approx(cost["dollars"] / good_out * 1e6)
+    assert cost["per_million_input_tokens"] == pytest.approx(cost["dollars"] / good_in * 1e6)
