@@ -97,15 +97,7 @@ def run_point(task: PointTask, ctx: SweepContext) -> dict[str, Any]:
             return row | _failed("error", detail, caught)
     summary = result.summary
     row |= {k: summary.get(k) for k in METRICS}
-    row["good_fraction"] = good_fraction(summary) if ctx.slo.goodput is not None else None
-    row["warnings"] = _warnings(caught)
-    if summary["num_rejected"]:
-        reasons = "; ".join(summary["rejected_reasons"])
-        row |= {"status": "rejected", "meets_slo": False}
-        row["reason"] = f"{summary['num_rejected']} requests rejected: {reasons}"
-        return row
-    ok, why = ctx.slo.check(summary)
-    return row | {"status": "ok", "meets_slo": ok, "reason": why}
+    return _judged(row, summary, ctx, caught)
 
 
 def _run_cluster_point(task: PointTask, ctx: SweepContext) -> dict[str, Any]:
@@ -141,7 +133,7 @@ def _run_cluster_point(task: PointTask, ctx: SweepContext) -> dict[str, Any]:
             return row | _failed("error", detail, caught)
     summary = result.summary
     pools = result.meta["pools"]
-    row |= {"cost_model": pools[0].get("cost_model"), "calibrated": False}
+    row["cost_model"] = pools[0].get("cost_model")
     row["calibrated"] = all(p.get("profile") for p in pools)
     row |= {k: summary.get(k) for k in METRICS if k != "num_steps"}
     row["num_steps"] = result.meta["num_steps"]
@@ -151,6 +143,14 @@ def _run_cluster_point(task: PointTask, ctx: SweepContext) -> dict[str, Any]:
     row["dollars_per_hour"] = cost["dollars"] / hours if hours else None
     row["per_million_output_tokens"] = cost["per_million_output_tokens"]
     row["per_million_input_tokens"] = cost["per_million_input_tokens"]
+    return _judged(row, summary, ctx, caught)
+
+
+def _judged(
+    row: dict[str, Any], summary: dict[str, Any], ctx: SweepContext, caught: list[Any]
+) -> dict[str, Any]:
+    """A simulated point's row completed: its goodput, warnings, and its status against
+    the SLO (any rejected request fails the point, naming why)."""
     row["good_fraction"] = good_fraction(summary) if ctx.slo.goodput is not None else None
     row["warnings"] = _warnings(caught)
     if summary["num_rejected"]:

@@ -183,7 +183,6 @@ def _acceptance(text: str) -> float | str:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
 
     from deepinfer.metrics import parse_slo
     from sim.report import plot_report, print_summary, write_report
@@ -227,14 +226,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                 "a cluster simulates neither"
             )
         return _run_cluster(args, trace, path, cluster, slo, acceptance)
-    with tqdm(
-        total=len(trace),
-        desc="simulating",
-        unit="req",
-        file=sys.stderr,
-        disable=args.no_progress or None,
-        leave=False,
-    ) as bar:
+    with _progress_bar(args, len(trace)) as bar:
         result = simulate(
             trace,
             model,
@@ -272,6 +264,20 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_bar(args: argparse.Namespace, total: int) -> Any:
+    """The requests-done bar on stderr (hidden by --no-progress)."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        desc="simulating",
+        unit="req",
+        file=sys.stderr,
+        disable=args.no_progress or None,
+        leave=False,
+    )
+
+
 def _cluster(args: argparse.Namespace, engine: Any) -> Any:
     """The cluster to simulate (--cluster, or --replicas with --router), or None."""
     from sim.cluster import load_cluster, replicas
@@ -298,19 +304,11 @@ def _cluster(args: argparse.Namespace, engine: Any) -> Any:
 def _run_cluster(
     args: argparse.Namespace, trace: Any, path: Path, cluster: Any, slo: Any, acceptance: Any
 ) -> int:
-    from tqdm import tqdm
 
     from sim.cluster import simulate_cluster
     from sim.report import plot_report, print_summary, write_report
 
-    with tqdm(
-        total=len(trace),
-        desc="simulating",
-        unit="req",
-        file=sys.stderr,
-        disable=args.no_progress or None,
-        leave=False,
-    ) as bar:
+    with _progress_bar(args, len(trace)) as bar:
         result = simulate_cluster(
             trace,
             cluster,
