@@ -226,3 +226,19 @@ def test_simulate_cli_serves_deepseek_v3_over_8_expert_parallel_h200s_with_mtp(
     assert cli.main([*args, "--hardware", "h100"]) == 2
     err = capsys.readouterr().err
     assert "holding 1/8 of its routed experts" in err and "more expert-parallel ranks" in err
+
+
+def test_the_ranks_place_requests_with_the_engines_data_parallel_router() -> None:
+    """data_parallel_router is read, not ignored: requests a second apart find both ranks
+    idle, so least-load (ties to the lowest rank) sends all to rank 0, while round-robin
+    alternates."""
+    reqs = [TraceRequest(f"r{i}", 1.0 * i, 64, 5) for i in range(8)]
+    placed = {
+        name: simulate(
+            reqs,
+            "deepseek-v2-lite",
+            engine=EngineConfig(data_parallel_size=2, data_parallel_router=name),
+        ).meta["dp_requests_per_rank"]
+        for name in ("round-robin", "least-load")
+    }
+    assert placed == {"round-robin": [4, 4], "least-load": [8, 0]}
