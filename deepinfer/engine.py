@@ -101,6 +101,12 @@ class EngineCore:
         # and those rejected since the last step() because it failed.
         self._compiling: dict[str, tuple[Request, futures.Future]] = {}
         self._grammar_rejected: list[Request] = []
+        # Role decode: (request id, when) for each request whose blocks were reserved
+        # for its KV on its way, since the sender last took them (`take_kv_reserved`).
+        self._kv_reserved: list[tuple[str, float]] = []
+        # (request id, when) of each first schedule since `take_started`, kept once a
+        # caller asked (a prefill instance's handovers begin there), else None.
+        self._started: list[tuple[str, float]] | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -159,6 +165,24 @@ class EngineCore:
         futures.wait([c for _, c in self._compiling.values()], return_when=futures.FIRST_COMPLETED)
         self._poll_grammars()
 
+    def take_kv_reserved(self) -> list[tuple[str, float]]:
+        """The requests awaiting their KV (`Request.awaiting_kv`) whose blocks were
+        reserved since the last call, with the time of each reservation: the sender may
+        send each KV from then on, and calls `kv_arrived` once it is here."""
+        taken, self._kv_reserved = self._kv_reserved, []
+        return taken
+
+    def take_started(self) -> list[tuple[str, float]]:
+        """The requests first scheduled since the last call (none before the first
+        call: it starts the record), with when."""
+        taken, self._started = self._started or [], []
+        return taken
+
+    def kv_arrived(self, req_id: str) -> None:
+        """The KV of a reserved request is in its blocks: it is scheduled from the next
+        step on."""
+        self.scheduler.kv_arrived(req_id)
+
     def abort(self, req_id: str) -> Request | None:
         return self.finish(req_id, FinishReason.ABORT)
 
@@ -198,13 +222,19 @@ class EngineCore:
         if self.check:
             scheduler_checks.check_output(self.scheduler, out)
             scheduler_checks.check_invariants(self.scheduler)
+        if out.kv_reserved:
+            now = self.clock()
+            self._kv_reserved += [(req_id, now) for req_id in out.kv_reserved]
         if out.scheduled:
             now = self.clock()
             requests = self.scheduler.requests
+            started = self._started
             for sr in out.scheduled:
                 times = requests[sr.req_id].times
                 if times.first_scheduled is None:
                     times.first_scheduled = now
+                    if started is not None:
+                        started.append((sr.req_id, now))
         return out
 
     def apply_results(
@@ -454,12 +484,13 @@ class EngineCore:
         return None
 
     def _idle(self) -> None:
-        """Nothing was scheduled with nothing in flight: wait for a grammar to compile
-        (not a stall), or raise SchedulerStalled when requests wait that no step serves."""
+        """Nothing was scheduled with nothing in flight: wait for a grammar to compile,
+        or return to the driver while reserved requests await their KV (not stalls); or
+        raise SchedulerStalled when requests wait that no step serves."""
         if self._compiling:
             if not self._grammar_rejected:  # (else hand those back first)
                 self._wait_for_a_grammar()
-        elif self.scheduler.has_unfinished():
+        elif self.scheduler.has_unfinished() and not self.scheduler.num_awaiting_kv:
             scheduler_checks.raise_stalled(self.scheduler)
 
     def _launch_in_flight(self, out: SchedulerOutput) -> list[Request] | None:

@@ -82,6 +82,10 @@ class SchedulerOutput:
     # Blocks this step loads from the lower KV tiers first (its requests' prefix hits
     # there); empty without tiers.
     kv_loads: tuple[KVLoad, ...] = ()
+    # Requests whose prompt's KV is on its way (role decode, `Request.awaiting_kv`) and
+    # whose blocks this schedule reserved: the sender may send it now. They are not in
+    # `scheduled`: each is, once its KV has arrived.
+    kv_reserved: tuple[str, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

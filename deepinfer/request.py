@@ -102,6 +102,10 @@ class Request:
         # Its grammar is still compiling: it stays in waiting and the scheduler passes it
         # over (EngineCore clears this when the compile is done).
         self.awaiting_grammar = False
+        # Its prompt's KV is on its way to this (decode) engine: the scheduler reserves
+        # its blocks when it would start it, then passes it over until the KV has arrived
+        # (Scheduler.kv_arrived).
+        self.awaiting_kv = False
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         # Tokens scheduled whose sampled value is not known yet (async scheduling).

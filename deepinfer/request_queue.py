@@ -7,7 +7,9 @@ prefill watermark while the request in front of it waits for room forever).
 
 A request whose grammar is still compiling (`awaiting_grammar`) keeps its place but
 is passed over by `peek` and `pop`: the requests behind it start meanwhile, and it
-starts, from where it stands, once its grammar is ready.
+starts, from where it stands, once its grammar is ready. So is a decode engine's request
+whose blocks are reserved and whose prompt's KV has not arrived yet (`awaiting_kv`, in
+progress: it holds its blocks).
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ class WaitingQueue:
 
     def peek(self) -> Request | None:
         """The first request that may start now (in-progress prefills never await a grammar)."""
-        if self._in_progress:
-            return self._in_progress[0]
+        for req in self._in_progress:
+            if not req.awaiting_kv:
+                return req
         for req in self._fcfs:  # the head, unless it awaits its grammar
             if not req.awaiting_grammar:
                 return req
@@ -54,8 +57,9 @@ class WaitingQueue:
     def pop(self) -> Request:
         """Remove and return what `peek` returns."""
         if self._in_progress:
-            return self._in_progress.popleft()
-        if self._fcfs and not self._fcfs[0].awaiting_grammar:
+            if not self._in_progress[0].awaiting_kv:
+                return self._in_progress.popleft()
+        elif self._fcfs and not self._fcfs[0].awaiting_grammar:
             return self._fcfs.popleft()
         req = self.peek()
         if req is None:

@@ -85,6 +85,9 @@ class Scheduler:
         self.draft_position_stats: list[list[int]] = []
         self._finished_since_last: set[str] = set()
         self._preempted_since_last: set[str] = set()
+        # Role decode: requests whose blocks are reserved for a KV on its way (or arrived,
+        # not scheduled yet) -> the prefix blocks this engine had cached of its prompt.
+        self._kv_reserved: dict[str, int] = {}
 
     # ---- admission -------------------------------------------------------------------
 
@@ -128,6 +131,11 @@ class Scheduler:
         """Queue `req`, or reject it (returns the reason; it never enters the queues)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in the engine")
+        if req.awaiting_kv and self.config.role is not EngineRole.DECODE:
+            raise ValueError(
+                f"request {req.request_id!r} awaits its prompt's KV, but only a decode "
+                f"engine imports one (this engine's role is {self.config.role.value!r})"
+            )
         self.num_submitted += 1
         reason = self.rejection_reason(req)
         if reason is not None:
@@ -139,6 +147,20 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.add(req)
         return None
+
+    def kv_arrived(self, req_id: str) -> None:
+        """The prompt's KV of `req_id`, whose blocks were reserved (`kv_reserved`), has
+        arrived: it is scheduled from the next step on, ahead of new starts."""
+        req = self.requests.get(req_id)
+        if req is None or req_id not in self._kv_reserved or not req.awaiting_kv:
+            raise ValueError(f"kv_arrived({req_id!r}): no reserved request awaits that KV")
+        req.awaiting_kv = False
+
+    @property
+    def num_awaiting_kv(self) -> int:
+        """Requests holding reserved blocks whose KV has not arrived: work that waits on
+        the sender, not on this engine (no stall while there are any)."""
+        return sum(self.requests[r].awaiting_kv for r in self._kv_reserved)
 
     def finish_request(self, req_id: str, reason: FinishReason) -> Request | None:
         """End a live request from outside (a stop string, a client abort)."""
@@ -180,6 +202,8 @@ class Scheduler:
         out = SchedulerOutput(
             self.step_id, step.scheduled, self._finished_since_last, self._preempted_since_last
         )
+        if step.kv_reserved:
+            out.kv_reserved = tuple(step.kv_reserved)
         if self.kv.tiers is not None:
             out.kv_loads = tuple(self.kv.take_loads())
         if self.draft_plan is not None and step.scheduled:
@@ -281,7 +305,13 @@ class Scheduler:
         if blocks is None:
             return False
         self.waiting.pop()
-        step.add(self._schedule_one(req, num_new, blocks, [], is_prompt=True))
+        num_cached = self._kv_reserved.pop(req.request_id, None)
+        if num_cached is None:
+            step.add(self._schedule_one(req, num_new, blocks, [], is_prompt=True))
+        else:  # its KV arrived into the blocks reserved for it: its first step here
+            sr = self._schedule_one(req, num_new, blocks, [], False, resumed=True)
+            sr.num_cached_blocks = num_cached
+            step.add(sr)
         self._after_prompt_chunk(req)
         return True
 
@@ -324,6 +354,9 @@ class Scheduler:
         if blocks is None:
             return False
         self.waiting.pop()
+        if imports_kv and req.awaiting_kv:
+            self._reserve_for_kv(req, len(cached), step)
+            return True
         if takes_hits:
             self.kv.count_lookup(req, len(cached), loads)
         req.num_computed_tokens = num_computed
@@ -334,6 +367,18 @@ class Scheduler:
         step.add(sr)
         self._after_prompt_chunk(req)
         return True
+
+    def _reserve_for_kv(self, req: Request, num_cached: int, step: _StepPlan) -> None:
+        """`req`'s blocks are held (its whole prompt's, as a start takes them) for a KV
+        on its way: it waits in progress, passed over, until `kv_arrived`. Its KV lands
+        in them, so its prompt counts as computed but its last token."""
+        req.num_computed_tokens = req.num_tokens - 1
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_cached * self.block_size
+        req.status = RequestStatus.PREFILLING
+        self.waiting.add_in_progress(req)
+        self._kv_reserved[req.request_id] = num_cached
+        step.kv_reserved.append(req.request_id)
 
     def _after_prompt_chunk(self, req: Request) -> None:
         if req.num_computed_tokens < req.num_tokens:
@@ -524,6 +569,8 @@ class Scheduler:
         req.status = status
         req.finish_reason = reason
         req.num_output_placeholders = 0
+        req.awaiting_kv = False
+        self._kv_reserved.pop(req.request_id, None)
         del self.requests[req.request_id]
         if status is RequestStatus.ABORTED:
             self.num_aborted += 1
@@ -559,10 +606,19 @@ class Scheduler:
             or cfg.num_speculative_tokens
             or cfg.role is EngineRole.PREFILL
             or self.emit_token_ids
-            or self.waiting.num_in_progress
         ):
             return None
-        if self.waiting and n < cfg.max_num_batched_tokens and not self._start_held_back():
+        # Requests reserved for a KV on its way are passed over until it arrives (an
+        # arrival ends the run: the engine's driver knows when); any other in progress
+        # is scheduled, and a waiting one may start.
+        awaiting = self.num_awaiting_kv if self._kv_reserved else 0
+        if self.waiting.num_in_progress > awaiting:
+            return None
+        if (
+            len(self.waiting) > awaiting
+            and n < cfg.max_num_batched_tokens
+            and not self._start_held_back()
+        ):
             return None
         placeholders = 0
         if in_flight is not None:  # its requests still live, in order: the running ones
@@ -783,6 +839,7 @@ class _StepPlan:
     budget: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_preempted: int = 0
+    kv_reserved: list[str] = field(default_factory=list)  # (role decode: `_reserve_for_kv`)
 
     def add(self, sr: ScheduledRequest) -> None:
         self.scheduled.append(sr)

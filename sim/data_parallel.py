@@ -122,6 +122,7 @@ class RankGroup:
         self.steps: list[StepRecord] = []
         self.requests_per_rank = [0] * len(cores)
         self._changes: dict[int, bool] = {}  # the group's cached prefixes since its report
+        self._rank_of: dict[str, int] = {}  # requests awaiting their KV -> their rank
 
     @property
     def block_size(self) -> int:
@@ -136,6 +137,8 @@ class RankGroup:
         self.requests_per_rank[rank] += 1
         core = self.cores[rank]
         reason = core.add_request(req)
+        if reason is None and req.awaiting_kv:
+            self._rank_of[req.request_id] = rank
         if reason is not None:  # rejected at once: it ended there
             self.records += core.records[self.num_records[rank] :]
             self.num_records[rank] = len(core.records)
@@ -144,6 +147,25 @@ class RankGroup:
 
     def has_unfinished(self) -> bool:
         return any(c.has_unfinished() for c in self.cores)
+
+    # ---- a cluster's handovers (EngineCore's calls of the same names) -----------------
+
+    def take_started(self) -> list[tuple[str, float]]:
+        return [s for c in self.cores for s in c.take_started()]
+
+    def take_kv_reserved(self) -> list[tuple[str, float]]:
+        return [r for c in self.cores for r in c.take_kv_reserved()]
+
+    def kv_arrived(self, req_id: str) -> None:
+        self.cores[self._rank_of.pop(req_id)].kv_arrived(req_id)
+
+    def abort(self, req_id: str) -> None:
+        """End a request on whichever rank holds it (its record is heard after the
+        next round)."""
+        self._rank_of.pop(req_id, None)
+        for c in self.cores:
+            if c.abort(req_id) is not None:
+                return
 
     def after_round(self) -> None:
         """Every rank reports to the group's router after a round."""
@@ -201,6 +223,7 @@ def serve_data_parallel(
                 yield from _idle(env, clock, arrivals)
             continue
         started = [len(c.steps) for c in cores]
+        stepped = False
         waiting: list[Generator[StepEvent, None, list[Request]]] = []
         tokens, seconds = [0] * len(cores), [0.0] * len(cores)
         draft_rows: list[list[int]] = [[] for _ in cores]  # rows of each rank's MTP passes
@@ -209,6 +232,7 @@ def serve_data_parallel(
                 continue
             events = core.step_events()
             for kind, out in events:  # up to the step's AWAIT (no async: refused)
+                stepped = True
                 if kind is StepEventKind.SCHEDULED:
                     seconds[r] += cost.cpu_time(out)
                 elif kind is StepEventKind.LAUNCHED:
@@ -219,6 +243,10 @@ def serve_data_parallel(
                     waiting.append(events)
                     stats.steps_per_rank[r] += 1
                     break
+        if not stepped:  # nothing to run: every request left awaits its KV
+            arrivals.stepped(env.now)  # (the blocks reserved for it)
+            yield from _idle(env, clock, arrivals)
+            continue
         rc = rounds.round(tokens, seconds, draft_rows)
         if rc.pairs_received and sum(rc.pairs_received):
             mean = sum(rc.pairs_received) / len(rc.pairs_received)

@@ -160,8 +160,11 @@ def serve_engine(
             if launched:
                 core.advance_decode(run, launched, applied)
                 runs.add(len(applied))
+        waits = False
         if not launched:
+            waits = True  # until a step event says otherwise
             for kind, out in core.step_events():
+                waits = False
                 if kind is SCHEDULED:
                     timeline.scheduled(cost.cpu_time(out))
                 elif kind is LAUNCHED:
@@ -176,7 +179,9 @@ def serve_engine(
                 else:
                     timeline.awaited(out.step_id)
         arrivals.stepped(clock.now)
-        if clock.now > env.now:
+        if waits:  # nothing to run: every request left awaits its KV (Request.awaiting_kv)
+            yield from _idle(env, clock, arrivals)
+        elif clock.now > env.now:
             yield env.timeout(clock.now - env.now)
         if on_progress is not None and len(core.records) != reported:
             on_progress(len(core.records) - reported)

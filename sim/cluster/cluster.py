@@ -1,12 +1,15 @@
 """The simulated cluster: instances in one simpy environment, routers between them.
 
 Arrivals are routed over the entry instances (colocated, or prefill) by the cluster's
-router; a prefill instance finishes a request at its first token, and the cluster
-hands it over: the decode router picks a decode instance, the prompt's KV crosses the
-link, and the request joins that instance's queue once its KV has arrived (a decode
-engine counts the prompt as computed). Decisions are made in time order by whichever
-instance's loop first reaches their time, each reading the reports true by then
-(`PoolRouting`).
+router. Disaggregated, a request's handover begins when its prefill instance first
+schedules it: the decode router picks a decode instance, which queues the request as
+awaiting its KV (`Request.awaiting_kv`) and reserves its blocks as it would start it (in
+queue order, when they are free); the prompt's KV crosses the link once it is both
+computed and has blocks to land in (layer by layer: each layer once computed), and the
+request is scheduled there once it has arrived (a decode engine counts the prompt as
+computed). The prefill instance finishes the request at its first token. Decisions are
+made in time order by whichever instance's loop first reaches their time, each reading
+the reports true by then (`PoolRouting`).
 """
 
 from __future__ import annotations
@@ -29,15 +32,17 @@ from sim.cluster.pool_routing import PoolRouting
 
 @dataclass
 class Handover:
-    """A prefill instance's finished request on its way to a decode instance."""
+    """A request on its way from its prefill instance to a decode instance."""
 
     req_id: str
-    ready: float  # the prefill's last step applied (its first token)
-    prefill_started: float  # its first step on the prefill instance
+    prefill_started: float  # its first step on the prefill instance: the decode router's turn
     prefill_instance: str
     decode_instance: str = ""
+    reserved: float = math.nan  # the decode instance reserved its blocks
+    ready: float = math.nan  # the prefill's last step applied (its first token)
     kv_bytes: float = 0.0
     kv_arrived: float = math.nan
+    cancelled: bool = False  # the prefill ended it without a first token
 
 
 class Cluster:
@@ -61,6 +66,7 @@ class Cluster:
         self.entry_routing: PoolRouting | None = None
         self.decode_routing: PoolRouting | None = None
         self.pending: list[tuple[float, int, Handover]] = []  # handovers to route, a heap
+        self.decode_of: dict[str, Instance] = {}  # a routed handover's decode instance
         self.handovers: dict[str, Handover] = {}
         self.decided_until = -math.inf
         self.link: Link = spec.kv_transfer_link()
@@ -91,7 +97,7 @@ class Cluster:
                 self._hand_over(heapq.heappop(pending)[2], h)
 
     def _hand_over(self, ho: Handover, at: float) -> None:
-        """The decode router's choice, and the KV's transfer to it."""
+        """The decode router's choice: the request waits there for its KV."""
         orig = self.by_id[ho.req_id]
         req = Request(
             ho.req_id,
@@ -102,24 +108,40 @@ class Cluster:
             at,
             priority=orig.priority,
         )
+        req.awaiting_kv = True
         assert self.decode_routing is not None
         target = self.decode[self.decode_routing.decide(req, at)]
         ho.decode_instance = target.name
         ho.kv_bytes = float(self.kv_bytes_per_token * orig.num_prompt_tokens)
+        self.decode_of[ho.req_id] = target
+        target.deliver(at, req)
+
+    def kv_reserved(self, req_id: str, at: float) -> None:
+        """The decode instance reserved the request's blocks at `at`."""
+        ho = self.handovers[req_id]
+        ho.reserved = at
+        if not math.isnan(ho.ready):
+            self._send(ho)
+
+    def _send(self, ho: Handover) -> None:
+        """Both ends known (the prefill's end, the decode's reservation): the KV's arrival."""
         ho.kv_arrived = self._kv_arrival(ho)
-        target.deliver(ho.kv_arrived, req)
+        self.decode_of[ho.req_id].kv_due(ho.kv_arrived, ho.req_id)
 
     def _kv_arrival(self, ho: Handover) -> float:
-        """When the prompt's KV is whole on the decode instance: after the last step of
-        the prefill plus the link's latency and the bytes at its bandwidth; layer by layer
-        (`layerwise`), only the last layer's share is left after that step, and the rest
-        went while the prefill ran (no sooner than the link allows from its start)."""
+        """When the prompt's KV is whole on the decode instance: the link's latency plus
+        the bytes at its bandwidth after the prefill's last step, or after the decode
+        instance reserved the blocks if that came later. Layer by layer (`layerwise`), a
+        layer goes once computed and the blocks are reserved: only the last layer's share
+        is left after the later of the two, and the rest went from the later of the
+        prefill's start and the reservation (no sooner than the link allows)."""
         link = self.link
         wire = ho.kv_bytes / link.bandwidth
+        end = max(ho.ready, ho.reserved)
         if not self.spec.layerwise:
-            return ho.ready + link.latency_s + wire
-        tail = ho.ready + link.latency_s + wire / self.num_layers
-        return max(tail, ho.prefill_started + link.latency_s + wire)
+            return end + link.latency_s + wire
+        tail = end + link.latency_s + wire / self.num_layers
+        return max(tail, max(ho.prefill_started, ho.reserved) + link.latency_s + wire)
 
     # ---- what the instances' loops ask -------------------------------------------------
 
@@ -154,23 +176,49 @@ class Cluster:
             return math.inf
         return self.soonest(inst)
 
+    def started(self, inst: Instance, started: list[tuple[str, float]]) -> None:
+        """Requests `inst` (a prefill instance) scheduled for the first time, each with
+        when: the decode router's turn comes."""
+        handovers = self.handovers
+        for req_id, at in started:
+            ho = handovers[req_id] = Handover(req_id, at, inst.name)
+            heapq.heappush(self.pending, (max(at, self.decided_until), len(handovers), ho))
+        if started:
+            for d in self.decode:
+                d.nudge()
+
     def ended(self, inst: Instance, records: list[RequestRecord]) -> None:
-        """Requests ended on `inst`: a prefill's finished ones go on to a decode instance."""
+        """Requests ended on `inst`: a prefill's finished ones send their KV once their
+        decode instance reserved its blocks; one it ended otherwise after its decode
+        router's turn is withdrawn there."""
         final = len(records)
         if inst.role == "prefill":
             final = 0
             for rec in records:
-                if rec.status != "finished":
+                ho = self.handovers.get(rec.req_id)
+                if rec.status != "finished" or ho is None:
                     final += 1
+                    if ho is not None:
+                        self._cancel(ho)
                     continue
-                assert rec.finish is not None and rec.first_scheduled is not None
-                ho = Handover(rec.req_id, rec.finish, rec.first_scheduled, inst.name)
-                self.handovers[rec.req_id] = ho
-                heapq.heappush(self.pending, (rec.finish, len(self.handovers), ho))
-            for d in self.decode:
-                d.nudge()
+                assert rec.finish is not None
+                ho.ready = rec.finish
+                if not math.isnan(ho.reserved):
+                    self._send(ho)
+        elif inst.role == "decode":
+            final -= sum(self.handovers[r.req_id].cancelled for r in records)
         if final and self.on_final is not None:
             self.on_final(final)
+
+    def _cancel(self, ho: Handover) -> None:
+        """The prefill ended the request for good: its decode instance lets it go."""
+        ho.cancelled = True
+        target = self.decode_of.get(ho.req_id)
+        if target is None:  # the decode router's turn has not come: it never will
+            self.pending = [p for p in self.pending if p[2] is not ho]
+            heapq.heapify(self.pending)
+        else:
+            target.withdraw(ho.req_id)
 
     def entry_loop_ended(self, inst: Instance) -> None:
         inst.done = True

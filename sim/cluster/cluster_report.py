@@ -4,6 +4,7 @@ per instance, per stage of a disaggregated request, and the plan's cost."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,8 @@ def merge_records(requests: list[Request], hub: Cluster) -> list[RequestRecord]:
     out = []
     for req in requests:
         first = entry[req.request_id]
-        second = decode.get(req.request_id) if req.request_id in hub.handovers else None
+        ho = hub.handovers.get(req.request_id)
+        second = decode.get(req.request_id) if ho is not None and not ho.cancelled else None
         if second is None:
             out.append(first)
             continue
@@ -121,27 +123,39 @@ def cluster_meta(
 
 
 def _stages(hub: Cluster) -> dict[str, Any]:
-    """Queueing at each stage, and the KV's transfer, over the handed-over requests."""
+    """Queueing at each stage, and the KV's transfer, over the handed-over requests:
+    prefill queue (arrival to its first prefill step), decode reservation (the decode
+    router's turn, at that step, to its blocks reserved), the transfer left once the KV
+    could go (the later of the prefill's end and the reservation, to its arrival), and
+    the decode queue (arrival of the KV to its first decode step)."""
     entry = {r.req_id: r for inst in hub.entry for r in inst.core.records}
     decode = {r.req_id: r for inst in hub.decode for r in inst.core.records}
-    prefill_queue, decode_queue, transfer, wire_bytes = [], [], [], 0.0
-    for req_id, ho in hub.handovers.items():
+    prefill_queue: list[float] = []
+    reservation: list[float] = []
+    transfer: list[float] = []
+    decode_queue: list[float] = []
+    wire_bytes = 0.0
+    # (one the decode instance rejected, or withdrawn, was never sent)
+    handed = [(r, ho) for r, ho in hub.handovers.items() if not math.isnan(ho.kv_arrived)]
+    for req_id, ho in handed:
         first = entry[req_id]
         if first.first_scheduled is not None:
             prefill_queue.append(first.first_scheduled - first.arrival)
-        transfer.append(ho.kv_arrived - ho.ready)
+        reservation.append(ho.reserved - ho.prefill_started)
+        transfer.append(ho.kv_arrived - max(ho.ready, ho.reserved))
         wire_bytes += ho.kv_bytes
         second = decode.get(req_id)
         if second is not None and second.first_scheduled is not None:
             decode_queue.append(second.first_scheduled - ho.kv_arrived)
     link = hub.link
     return {
-        "handovers": len(hub.handovers),
+        "handovers": len(handed),
         "kv_bytes_per_token": hub.kv_bytes_per_token,
         "kv_bytes_moved": wire_bytes,
         "link": {"bandwidth_bytes_s": link.bandwidth, "latency_s": link.latency_s},
         "layerwise": hub.spec.layerwise,
         "prefill_queue_s": _stats(prefill_queue),
+        "decode_reservation_s": _stats(reservation),
         "kv_transfer_s": _stats(transfer),
         "decode_queue_s": _stats(decode_queue),
     }

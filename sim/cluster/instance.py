@@ -50,12 +50,17 @@ class ClusterSide(Protocol):
 
     def ended(self, inst: Instance, records: list[RequestRecord]) -> None: ...
 
+    def started(self, inst: Instance, started: list[tuple[str, float]]) -> None: ...
+
+    def kv_reserved(self, req_id: str, at: float) -> None: ...
+
 
 class Instance:
     """Requests reach the engine from its inbox once they are due (an arrival at its
-    arrival time, a handed-over request once its KV has arrived). After every step the
-    instance reports to its router, and a prefill instance hands its finished requests
-    over to the cluster."""
+    arrival time, a handed-over request at its decode router's turn), and a reserved
+    request's KV once it has arrived. After every step the instance reports to its
+    router and tells the cluster what the handovers need: a prefill instance the requests
+    it started and ended, a decode instance the blocks it reserved."""
 
     def __init__(
         self,
@@ -75,9 +80,12 @@ class Instance:
         self.clock = clock
         self.routing = routing
         self.inbox: list[tuple[float, int, Request]] = []  # (due, order, request), a heap
+        self.kv_inbox: list[tuple[float, str]] = []  # (arrival, request id): KV, a heap
         self.num_reported = 0  # records the router has heard of
         self.placed = 0
         self.done = False  # its engine loop has ended
+        if role == "prefill":  # its first schedules begin handovers (Cluster.started)
+            core.take_started()
         self._wake: simpy.Event | None = None
 
     # ---- Arrivals, for the engine loop -------------------------------------------------
@@ -89,19 +97,24 @@ class Instance:
         while inbox and inbox[0][0] <= now:
             req = heapq.heappop(inbox)[2]
             rejected |= self.core.add_request(req) is not None
+        kv = self.kv_inbox
+        while kv and kv[0][0] <= now:
+            self.core.kv_arrived(heapq.heappop(kv)[1])
         if rejected:  # it ended here at once: the router hears of it now
             self.report(now)
 
     def more_may_come(self) -> bool:
         return bool(self.inbox) or self.cluster.more_may_come(self)
 
-    def next_time(self) -> float:
+    def _due(self) -> float:
         due = self.inbox[0][0] if self.inbox else math.inf
-        return min(due, self.cluster.next_decision(self))
+        return min(due, self.kv_inbox[0][0]) if self.kv_inbox else due
+
+    def next_time(self) -> float:
+        return min(self._due(), self.cluster.next_decision(self))
 
     def soonest(self) -> float:
-        due = self.inbox[0][0] if self.inbox else math.inf
-        return min(due, self.cluster.soonest(self))
+        return min(self._due(), self.cluster.soonest(self))
 
     def horizon(self) -> float:
         return self.cluster.horizon(self)
@@ -112,6 +125,11 @@ class Instance:
         return self._wake
 
     def stepped(self, now: float) -> None:
+        if self.role == "prefill":
+            self.cluster.started(self, self.core.take_started())
+        elif self.role == "decode":
+            for req_id, at in self.core.take_kv_reserved():
+                self.cluster.kv_reserved(req_id, at)
         self.report(now)
 
     # ---- the cluster's side ------------------------------------------------------------
@@ -119,6 +137,24 @@ class Instance:
     def deliver(self, due: float, req: Request) -> None:
         self.placed += 1
         heapq.heappush(self.inbox, (due, self.placed, req))
+        self.nudge()
+
+    def kv_due(self, due: float, req_id: str) -> None:
+        """The KV of `req_id`, whose blocks this instance reserved, arrives at `due`."""
+        heapq.heappush(self.kv_inbox, (due, req_id))
+        self.nudge()
+
+    def withdraw(self, req_id: str) -> None:
+        """A request handed over here ended on its prefill instance without a first
+        token: it ends here too (aborted), or never reaches the engine."""
+        for i, (_, _, req) in enumerate(self.inbox):
+            if req.request_id == req_id:
+                self.inbox.pop(i)
+                heapq.heapify(self.inbox)
+                return
+        self.kv_inbox = [kv for kv in self.kv_inbox if kv[1] != req_id]
+        heapq.heapify(self.kv_inbox)
+        self.core.abort(req_id)
         self.nudge()
 
     def nudge(self) -> None:

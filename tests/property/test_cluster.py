@@ -8,6 +8,7 @@ requests whose prefill finished are handed over, once each."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from hypothesis import given
@@ -132,14 +133,20 @@ def test_a_cluster_ends_every_request_once_and_conserves_its_blocks(
         assert (rec.status == "finished") == can_serve, (rec, fits_entry, fits_decode)
     if not decode:
         return
-    # Disaggregation: handed over once each, exactly when the prefill finished; the
-    # decode starts only once the KV is there.
+    # Disaggregation: handed over once each, when the prefill first ran it; the KV goes
+    # only once the prefill is done and the decode instance reserved its blocks (a
+    # request the decode instance rejects never has its KV sent); the decode starts only
+    # once the KV is there.
     entry_records = {r.req_id: r for i in entry for r in i.core.records}
     assert set(result.handovers) == {k for k, r in entry_records.items() if r.status == "finished"}
     counts = Counter(r.req_id for r in result.decode_records)
     assert set(counts) == set(result.handovers) and set(counts.values()) <= {1}
     for rec in result.decode_records:
         ho = result.handovers[rec.req_id]
+        if rec.status == "rejected":
+            assert math.isnan(ho.reserved) and math.isnan(ho.kv_arrived), ho
+            continue
+        assert ho.prefill_started <= ho.reserved <= ho.kv_arrived, ho
         assert ho.kv_arrived >= ho.ready
         if rec.first_scheduled is not None:
             assert rec.first_scheduled >= ho.kv_arrived

@@ -91,6 +91,43 @@ def test_a_slow_link_delays_every_decode_by_its_transfer() -> None:
         assert rec.first_token > result.handovers[rec.req_id].kv_arrived
 
 
+def test_a_full_decode_instance_reserves_blocks_before_the_kv_is_sent() -> None:
+    """Its cache holds one request at a time: each KV waits for its blocks (reserved
+    in arrival order as the one before ends) and goes only then, so the decode instance
+    never runs short (no preemption) and never receives a KV it has no room for."""
+    reqs = [TraceRequest(f"r{i}", 0.0, 100, 40) for i in range(4)]
+    raw = _pd({"bandwidth_gb_s": 1, "latency_us": 500}, kv_transfer={"layerwise": False})
+    raw["pools"][1]["engine"] = {"num_gpu_blocks": 9, "block_size": 16}  # 140 tokens of KV
+    result = simulate_cluster(reqs, cluster_from_dict(raw), fast_forward=False)
+    wire = 500e-6 + 100 * result.meta["disaggregation"]["kv_bytes_per_token"] / 1e9
+    decode = {r.req_id: r for r in result.decode_records}
+    order = sorted(result.handovers.values(), key=lambda ho: ho.reserved)
+    assert [ho.req_id for ho in order] == ["r0", "r1", "r2", "r3"]
+    for before, ho in zip([None, *order], order):
+        assert ho.kv_arrived == pytest.approx(max(ho.ready, ho.reserved) + wire)
+        if before is not None:  # its blocks were free only once the one before ended
+            assert ho.reserved >= decode[before.req_id].finish > ho.ready
+    assert all(r.num_preemptions == 0 and r.status == "finished" for r in result.requests)
+    assert result.meta["disaggregation"]["decode_reservation_s"]["p99"] > 0
+
+
+def test_layer_by_layer_the_kv_goes_while_the_prefill_runs() -> None:
+    """An idle decode instance reserves at its router's turn (the prefill's first step):
+    every layer but the last crosses while the prefill computes."""
+    reqs = [TraceRequest(f"r{i}", i * 2.0, 4000, 3) for i in range(3)]
+    raw = _pd({"bandwidth_gb_s": 5, "latency_us": 100}, kv_transfer={"layerwise": True})
+    result = simulate_cluster(reqs, cluster_from_dict(raw))
+    per_token = result.meta["disaggregation"]["kv_bytes_per_token"]
+    layers = 27  # moonlight-16b-a3b
+    wire = 4000 * per_token / 5e9
+    for ho in result.handovers.values():
+        assert ho.reserved == ho.prefill_started
+        assert ho.kv_arrived == pytest.approx(
+            max(ho.ready + 100e-6 + wire / layers, ho.prefill_started + 100e-6 + wire)
+        )
+        assert ho.kv_arrived < ho.ready + 100e-6 + wire  # sooner than whole
+
+
 @pytest.mark.parametrize("policy", ["least-kv", "least-load", "prefix-affinity"])
 def test_fast_forward_is_exact_over_several_instances(policy: str) -> None:
     trace = _trace(200)

@@ -361,7 +361,8 @@ def cluster_lines(meta: dict[str, Any]) -> list[str]:
 
         lines.append(
             f"disaggregation: {pd['handovers']} handovers, {pd['kv_bytes_moved'] / 1e9:.2f} GB "
-            f"of KV moved; prefill queue {ms(pd['prefill_queue_s'])}; KV transfer "
+            f"of KV moved; prefill queue {ms(pd['prefill_queue_s'])}; decode blocks "
+            f"reserved after {ms(pd['decode_reservation_s'])}; KV transfer "
             f"{ms(pd['kv_transfer_s'])}; decode queue {ms(pd['decode_queue_s'])}"
         )
     if "kv_tiers" in meta:
