@@ -243,8 +243,9 @@ def serve_data_parallel(
                     waiting.append(events)
                     stats.steps_per_rank[r] += 1
                     break
+        arrivals.scheduled()  # before the round's time passes: a handover begins now
         if not stepped:  # nothing to run: every request left awaits its KV
-            arrivals.stepped(env.now)  # (the blocks reserved for it)
+            arrivals.stepped(env.now)
             yield from _idle(env, clock, arrivals)
             continue
         rc = rounds.round(tokens, seconds, draft_rows)

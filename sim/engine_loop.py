@@ -45,6 +45,10 @@ class Arrivals(Protocol):
         """An event that fires when a request comes sooner than `next_time` said (None:
         none can)."""
 
+    def scheduled(self) -> None:
+        """Steps were scheduled (their requests' first schedules and the blocks reserved
+        for KV on its way are stamped with their times): what waits on those may go."""
+
     def stepped(self, now: float) -> None:
         """A step (or a decode run) was applied at `now`."""
 
@@ -82,6 +86,9 @@ class PendingArrivals:
 
     def wake(self) -> simpy.Event | None:
         return None
+
+    def scheduled(self) -> None:
+        pass
 
     def stepped(self, now: float) -> None:
         pass

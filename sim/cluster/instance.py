@@ -124,12 +124,15 @@ class Instance:
             self._wake = self.cluster.env.event()
         return self._wake
 
-    def stepped(self, now: float) -> None:
+    def scheduled(self) -> None:
         if self.role == "prefill":
             self.cluster.started(self, self.core.take_started())
         elif self.role == "decode":
             for req_id, at in self.core.take_kv_reserved():
                 self.cluster.kv_reserved(req_id, at)
+
+    def stepped(self, now: float) -> None:
+        self.scheduled()  # (one engine: both come before its step's time passes)
         self.report(now)
 
     # ---- the cluster's side ------------------------------------------------------------

@@ -111,11 +111,15 @@ def test_a_full_decode_instance_reserves_blocks_before_the_kv_is_sent() -> None:
     assert result.meta["disaggregation"]["decode_reservation_s"]["p99"] > 0
 
 
-def test_layer_by_layer_the_kv_goes_while_the_prefill_runs() -> None:
-    """An idle decode instance reserves at its router's turn (the prefill's first step):
-    every layer but the last crosses while the prefill computes."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_layer_by_layer_the_kv_goes_while_the_prefill_runs(ranks: int) -> None:
+    """An idle decode instance reserves at its router's turn (the prefill's first step,
+    also where the prefill instance is data-parallel ranks stepping in rounds): every
+    layer but the last crosses while the prefill computes."""
     reqs = [TraceRequest(f"r{i}", i * 2.0, 4000, 3) for i in range(3)]
     raw = _pd({"bandwidth_gb_s": 5, "latency_us": 100}, kv_transfer={"layerwise": True})
+    raw["pools"][0]["engine"] = {"data_parallel_size": ranks}
+    raw["pools"][1]["engine"] = {"data_parallel_size": ranks}
     result = simulate_cluster(reqs, cluster_from_dict(raw))
     per_token = result.meta["disaggregation"]["kv_bytes_per_token"]
     layers = 27  # moonlight-16b-a3b
