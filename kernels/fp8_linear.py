@@ -12,6 +12,14 @@ each weight byte once: half the bytes of a bf16 GEMM.
 
 BLOCK_K is the scale group bk, so one K step meets one weight scale per column; the
 column's scale row is n // bn, so any BLOCK_N works with any bn.
+
+Past a few rows, where cuBLAS has a block-scaled FP8 GEMM (Hopper: 1 x 128 activation
+groups, 128 x 128 weight blocks, torch._scaled_mm), x is quantized once by a small
+kernel with the same rounding (`act_quant`) and cuBLAS multiplies: the per-K-step
+rescale of the fused kernel above runs on the CUDA cores, cuBLAS's on the matrix
+pipeline's side. A few rows stream the weight, where the fused kernel's narrow tiles do
+better. A row's result then depends on how many rows share the GEMM (which kernel ran):
+batch-invariant callers keep the fused kernel (`allow_cublas=False`).
 """
 
 from __future__ import annotations
@@ -33,6 +41,12 @@ CONFIGS: tuple[tuple[int, dict[str, int]], ...] = (
 
 def fp8_linear_config(num_rows: int) -> dict[str, int]:
     return next(dict(cfg) for max_m, cfg in CONFIGS if num_rows <= max_m)
+
+
+# Rows from which cuBLAS's block-scaled GEMM takes over (where the device has it).
+CUBLAS_MIN_ROWS = 17
+# Per device index: whether cuBLAS ran a block-scaled GEMM of an odd row count once.
+_cublas_block_scaled: dict[int, bool] = {}
 
 
 @triton.jit
@@ -101,6 +115,78 @@ def _fp8_linear_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _act_quant_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [M, K] e4m3
+    s_ptr,  # [K / GROUP, M] float32: the scales M-major, as cuBLAS reads 1 x GROUP scales
+    M,
+    stride_xm,
+    BLOCK_M: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = g * GROUP + tl.arange(0, GROUP)
+    mask = (offs_m < M)[:, None]
+    a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :], mask=mask)
+    q, scale = quantize_group(a)
+    k = tl.num_programs(1) * GROUP
+    tl.store(q_ptr + offs_m[:, None].to(tl.int64) * k + offs_k[None, :], q, mask=mask)
+    tl.store(s_ptr + g * M + offs_m, scale, mask=offs_m < M)
+
+
+def act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of `group`) -> (e4m3 [M, K], scales [M, K / group] float32,
+    stored M-major): the fused kernel's rounding of each row and group, once."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(k // group, m, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, 32), k // group)
+    _act_quant_kernel[grid](x, q, s, m, x.stride(0), BLOCK_M=32, GROUP=group, num_warps=4)
+    return q, s.t()
+
+
+def _cublas_takes(x: torch.Tensor, n: int, k: int, block: tuple[int, int]) -> bool:
+    """Whether cuBLAS's block-scaled GEMM takes these shapes on x's device: 128 x 128
+    blocks, whole blocks, a bf16 / fp16 x, and a device where it ran once (checked at
+    the first call outside a CUDA graph capture: until then the fused kernel runs)."""
+    if block != (128, 128) or n % 128 or k % 128 or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _cublas_block_scaled:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _cublas_block_scaled[index] = _cublas_runs(x.device, x.dtype)
+    return _cublas_block_scaled[index]
+
+
+def _cublas_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run one small block-scaled GEMM of an odd row count: False if cuBLAS refuses."""
+    x = torch.ones(CUBLAS_MIN_ROWS, 128, dtype=dtype, device=device)
+    w = torch.ones(128, 128, dtype=torch.float8_e4m3fn, device=device)
+    s = torch.ones(1, 1, dtype=torch.float32, device=device)
+    try:
+        _cublas_fp8_linear(x, w, s, None)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _cublas_fp8_linear(
+    x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x2 [M, K] -> [M, N] by torch._scaled_mm: x quantized per 1 x 128 (act_quant), the
+    weight's 128 x 128 scales read as its transpose's (the weight [N, K] row-major is
+    the column-major [K, N] operand)."""
+    q, s = act_quant(x2, 128)
+    out = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale_inv.t(), out_dtype=x2.dtype)
+    return out if bias is None else out + bias
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -108,11 +194,14 @@ def fp8_linear(
     bias: torch.Tensor | None,
     block: tuple[int, int],
     config: dict[str, int] | None = None,
+    allow_cublas: bool = True,
 ) -> torch.Tensor:
     """x [..., K] (bf16, fp16 or fp32), weight [N, K] e4m3 (contiguous rows), scale_inv
     [ceil(N / bn), ceil(K / bk)] float32, bias [N] or None -> [..., N] in x.dtype.
     block = (bn, bk); bk must be a power of two >= 16 (it is the K tile). No host
-    synchronisation. `config` overrides the table's tiles (benchmarks, tests)."""
+    synchronisation. `config` overrides the table's tiles (benchmarks, tests; it also
+    keeps the fused kernel). allow_cublas: from CUBLAS_MIN_ROWS rows on, cuBLAS's
+    block-scaled GEMM where it takes the shapes (`_cublas_takes`)."""
     n, k = weight.shape
     bn, bk = block
     assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
@@ -123,6 +212,8 @@ def fp8_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    if allow_cublas and config is None and m >= CUBLAS_MIN_ROWS and _cublas_takes(x2, n, k, block):
+        return _cublas_fp8_linear(x2, weight, scale_inv, bias).view(*lead, n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)

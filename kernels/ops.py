@@ -54,12 +54,13 @@ def warmup_token_counts(max_tokens: int) -> list[int]:
     count (powers of two, and the thresholds of the kernels' config tables), so each
     interval between thresholds is visited. Only meaningful on CUDA (imports Triton)."""
     from kernels.fp8_linear import CONFIGS as FP8_CONFIGS
+    from kernels.fp8_linear import CUBLAS_MIN_ROWS
     from kernels.fused_moe import CONFIGS
     from kernels.moe_router import ROUTER_THRESHOLDS
 
     edges = {1 << i for i in range(max_tokens.bit_length() + 1)}
     edges |= {max_t for max_t, _ in CONFIGS} | set(ROUTER_THRESHOLDS)
-    edges |= {max_m for max_m, _ in FP8_CONFIGS}
+    edges |= {max_m for max_m, _ in FP8_CONFIGS} | {CUBLAS_MIN_ROWS}
     counts = {n for e in edges for n in (e, e + 1)}
     return sorted(n for n in counts if 1 <= n <= max_tokens)
 
@@ -105,17 +106,24 @@ def fp8_linear(
     bias: torch.Tensor | None,
     block: tuple[int, int],
     backend: str | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """x [..., K] @ a block-scaled e4m3 weight [N, K] (scale_inv [ceil(N / bn),
     ceil(K / bk)], block = (bn, bk)) -> [..., N] in x.dtype. The kernel
-    (kernels/fp8_linear.py) rounds x to e4m3 per row and group of bk on the fly; the
-    twin dequantizes the weight and multiplies in float32. The kernel needs bk a power
-    of two >= 32 (its K tile; e4m3 matrix instructions take K in steps of 32)."""
+    (kernels/fp8_linear.py) rounds x to e4m3 per row and group of bk on the fly (past a
+    few rows, cuBLAS's block-scaled GEMM on the same rounding, unless batch_invariant:
+    the fused kernel's K order is fixed by K alone); the twin dequantizes the weight and
+    multiplies in float32. The kernel needs bk a power of two >= 32 (its K tile; e4m3
+    matrix instructions take K in steps of 32)."""
     shapes_ok = _is_pow2(block[1]) and block[1] >= 32
+    if batch_invariant:
+        _require_triton("fp8 linear", x, backend, shapes_ok)
     if shapes_ok and use_triton(x, backend):
         from kernels.fp8_linear import fp8_linear as triton_fp8_linear
 
-        return triton_fp8_linear(x, weight, scale_inv, bias, block)
+        return triton_fp8_linear(
+            x, weight, scale_inv, bias, block, allow_cublas=not batch_invariant
+        )
     return fp8_linear_ref(x, weight, scale_inv, bias, block)
 
 

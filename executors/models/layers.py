@@ -72,7 +72,7 @@ def linear(
     """x [..., K] @ weight [N, K].T (+ bias): e4m3 with its block scales when scale_inv is
     given (kernels.ops.fp8_linear), else kernels.ops.linear."""
     if scale_inv is not None and block is not None:
-        return kernel_ops.fp8_linear(x, weight, scale_inv, bias, block)
+        return kernel_ops.fp8_linear(x, weight, scale_inv, bias, block, None, batch_invariant)
     return kernel_ops.linear(x, weight, bias, batch_invariant)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_linear import CONFIGS, fp8_linear, fp8_linear_config
+from kernels.fp8_linear import CONFIGS, CUBLAS_MIN_ROWS, act_quant, fp8_linear, fp8_linear_config
 from kernels.fused_moe import fused_moe
 from kernels.reference import (
     Fp8Scales,
@@ -106,6 +106,20 @@ def test_fp8_linear_keeps_leading_dims_and_all_zero_rows(device) -> None:
     assert rel_err(out.view(6, 64), want) < 1e-6
 
 
+@pytest.mark.parametrize("m", [1, 37])
+def test_act_quant_rounds_as_the_fused_kernel(m, device) -> None:
+    """The quantization before cuBLAS's GEMM: each row's group of 128 columns to e4m3
+    exactly as the fused kernel rounds it (act_quant_ref), scales stored M-major."""
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 256, generator=gen) * 3
+    x[0, :128] = 0.0  # an all-zero group: scale 1
+    q, s = act_quant(x.to(device), 128)
+    want_q, want_s = act_quant_ref(x, 128)
+    assert s.shape == (m, 2) and s.stride() == (1, m)
+    assert torch.equal(s.cpu(), want_s)
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+
+
 def test_fp8_config_table_covers_every_row_count() -> None:
     assert fp8_linear_config(1)["BLOCK_M"] == 16
     assert fp8_linear_config(10**9) == CONFIGS[-1][1]
@@ -157,6 +171,24 @@ def test_fp8_linear_bf16_moonlight_shapes(m, n, k) -> None:
     torch.cuda.synchronize()
     want = fp8_linear_ref(_rounded(x.cpu(), 128), q, s, None, (128, 128))
     assert rel_err(out.cpu(), want) < 1e-2  # bf16 output rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [CUBLAS_MIN_ROWS, 100, 333])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_past_a_few_rows_matches_the_fused_kernel(m, bias) -> None:
+    """From CUBLAS_MIN_ROWS rows (cuBLAS's block-scaled GEMM where the GPU has it, odd
+    row counts included) the result is the fused kernel's up to the float32
+    accumulation order and the bf16 output's rounding."""
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 2048, generator=gen).to("cuda", torch.bfloat16)
+    q, s = quantize_blocks(torch.randn(1024, 2048, generator=gen) / 2048**0.5, (128, 128))
+    b = torch.randn(1024, generator=gen).to("cuda", torch.bfloat16) if bias else None
+    q, s = q.cuda(), s.cuda()
+    out = fp8_linear(x, q, s, b, (128, 128))
+    fused = fp8_linear(x, q, s, b, (128, 128), allow_cublas=False)
+    torch.cuda.synchronize()
+    assert rel_err(out.float().cpu(), fused.float().cpu()) < 1e-2
 
 
 @pytest.mark.gpu
