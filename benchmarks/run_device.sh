@@ -16,6 +16,10 @@
 #     the start-up heap frozen and not, Moonlight shapes; about 2 min)
 #   bash benchmarks/run_device.sh fp8   (not in all: the FP8 kernels' and FP8 model's GPU
 #     tests, then model-speed rows of Moonlight shapes in bf16 and FP8 side by side)
+#   bash benchmarks/run_device.sh mutation [MUTANT GLOBS]   (not in all: no GPU, the device's
+#     CPU cores: mutmut over tests/property, tests/property/MUTATION.md; its wheels travel in
+#     .whl/mut/ (pip download mutmut==3.8.1 and its dependencies, hypothesis, for Python 3.12);
+#     results and per-module counts land in $OUT/mutation/)
 # The model sweep's JSON plots here with python -m benchmarks.plot_model_speed (matplotlib).
 # Missing pure-Python packages (simpy) travel as wheels in .whl/.
 set -uo pipefail
@@ -69,6 +73,18 @@ if [[ $what == async ]]; then
   # between the price of a mixed step and its served time in its shape or its context?
   python3 benchmarks/investigations/step_variance.py --served "$OUT/fidelity_async/fidelity.json" \
     --steps 12 2>&1 | grep -v Warning | tee "$OUT/served_replay.log" | tail -15
+fi
+if [[ $what == mutation ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mut .whl/mut/*.whl
+  mkdir -p "$OUT/mutation"
+  # Stop short of the device's per-command limit so the results are written either way.
+  PYTHONPATH="/tmp/mut:$PYTHONPATH" HYPOTHESIS_PROFILE=mutation timeout "${MUTMUT_SECONDS:-480}" \
+    python3 -m mutmut run --max-children "$(nproc)" "$@" > "$OUT/mutation/run.log" 2>&1
+  echo "mutmut run exit $?"
+  PYTHONPATH="/tmp/mut:$PYTHONPATH" python3 -m mutmut results --all true \
+    > "$OUT/mutation/results.txt" 2>&1
+  python3 tests/property/mutation_counts.py "$OUT/mutation/results.txt" \
+    | tee "$OUT/mutation/counts.md"
 fi
 if [[ $what == all || $what == tests ]]; then
   python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=10 2>&1 \

@@ -160,11 +160,11 @@ class RankGroup:
         self.cores[self._rank_of.pop(req_id)].kv_arrived(req_id)
 
     def abort(self, req_id: str) -> None:
-        """End a request on whichever rank holds it (its record is heard after the
-        next round)."""
+        """End a request on whichever rank holds it."""
         self._rank_of.pop(req_id, None)
-        for c in self.cores:
+        for rank, c in enumerate(self.cores):
             if c.abort(req_id) is not None:
+                self._hear(rank)  # its record is the group's now
                 return
 
     def after_round(self) -> None:

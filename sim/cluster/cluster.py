@@ -43,6 +43,7 @@ class Handover:
     kv_bytes: float = 0.0
     kv_arrived: float = math.nan
     cancelled: bool = False  # the prefill ended it without a first token
+    decode_ended: bool = False  # it ended on the decode instance (counted there)
 
 
 class Cluster:
@@ -182,6 +183,7 @@ class Cluster:
         handovers = self.handovers
         for req_id, at in started:
             ho = handovers[req_id] = Handover(req_id, at, inst.name)
+            # (`at` is never before decisions already made: a safeguard)
             heapq.heappush(self.pending, (max(at, self.decided_until), len(handovers), ho))
         if started:
             for d in self.decode:
@@ -197,8 +199,9 @@ class Cluster:
             for rec in records:
                 ho = self.handovers.get(rec.req_id)
                 if rec.status != "finished" or ho is None:
-                    final += 1
-                    if ho is not None:
+                    if ho is None or not ho.decode_ended:  # (else it ended there)
+                        final += 1
+                    if ho is not None and not ho.decode_ended:
                         self._cancel(ho)
                     continue
                 assert rec.finish is not None
@@ -206,12 +209,19 @@ class Cluster:
                 if not math.isnan(ho.reserved):
                     self._send(ho)
         elif inst.role == "decode":
-            final -= sum(self.handovers[r.req_id].cancelled for r in records)
+            for rec in records:
+                ho = self.handovers[rec.req_id]
+                if ho.cancelled:  # counted where it ended first
+                    final -= 1
+                else:
+                    ho.decode_ended = True
         if final and self.on_final is not None:
             self.on_final(final)
 
     def _cancel(self, ho: Handover) -> None:
         """The prefill ended the request for good: its decode instance lets it go."""
+        if ho.cancelled:
+            return
         ho.cancelled = True
         target = self.decode_of.get(ho.req_id)
         if target is None:  # the decode router's turn has not come: it never will

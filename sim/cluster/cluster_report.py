@@ -149,7 +149,7 @@ def _stages(hub: Cluster) -> dict[str, Any]:
             decode_queue.append(second.first_scheduled - ho.kv_arrived)
     link = hub.link
     return {
-        "handovers": len(handed),
+        "handovers": len(handed),  # KV sent (not those the decode instance rejected)
         "kv_bytes_per_token": hub.kv_bytes_per_token,
         "kv_bytes_moved": wire_bytes,
         "link": {"bandwidth_bytes_s": link.bandwidth, "latency_s": link.latency_s},

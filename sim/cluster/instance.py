@@ -81,6 +81,7 @@ class Instance:
         self.routing = routing
         self.inbox: list[tuple[float, int, Request]] = []  # (due, order, request), a heap
         self.kv_inbox: list[tuple[float, str]] = []  # (arrival, request id): KV, a heap
+        self.withdrawn: set[str] = set()  # in the inbox, to end as soon as admitted
         self.num_reported = 0  # records the router has heard of
         self.placed = 0
         self.done = False  # its engine loop has ended
@@ -97,6 +98,10 @@ class Instance:
         while inbox and inbox[0][0] <= now:
             req = heapq.heappop(inbox)[2]
             rejected |= self.core.add_request(req) is not None
+            if req.request_id in self.withdrawn:
+                self.withdrawn.discard(req.request_id)
+                self.core.abort(req.request_id)
+                rejected = True
         kv = self.kv_inbox
         while kv and kv[0][0] <= now:
             self.core.kv_arrived(heapq.heappop(kv)[1])
@@ -149,15 +154,15 @@ class Instance:
 
     def withdraw(self, req_id: str) -> None:
         """A request handed over here ended on its prefill instance without a first
-        token: it ends here too (aborted), or never reaches the engine."""
-        for i, (_, _, req) in enumerate(self.inbox):
-            if req.request_id == req_id:
-                self.inbox.pop(i)
-                heapq.heapify(self.inbox)
-                return
+        token: it ends here too, aborted (once admitted, if it is still in the inbox: its
+        router counted it here, and hears of its end from this instance's report)."""
+        if any(req.request_id == req_id for _, _, req in self.inbox):
+            self.withdrawn.add(req_id)
+            return
         self.kv_inbox = [kv for kv in self.kv_inbox if kv[1] != req_id]
         heapq.heapify(self.kv_inbox)
         self.core.abort(req_id)
+        self.report(self.cluster.env.now)
         self.nudge()
 
     def nudge(self) -> None:

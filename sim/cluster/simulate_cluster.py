@@ -157,6 +157,7 @@ def simulate_cluster(
             env.process(_then_ended(hub, inst, loop))
     hub.entry_running = len(hub.entry)
     env.run()
+    _check_drained(hub)
     records = merge_records(requests, hub)
     steps = {inst.name: inst.core.steps for inst in hub.entry + hub.decode}
     all_steps = MergedSteps(steps.values())
@@ -243,3 +244,18 @@ def _shared_store(cluster: ClusterSpec, pools: list[_Pool]) -> TierLRU | None:
             "hold blocks of all of them"
         )
     return cluster.kv_tiers.shared_store(pools[0].block_bytes)
+
+
+def _check_drained(hub: Cluster) -> None:
+    """Every instance's loop ended with nothing left: a request still held anywhere
+    would be a hang the records could hide (its prefill record merged as its end)."""
+    left = [
+        f"{inst.name}: {len(inst.inbox)} undelivered, {len(inst.kv_inbox)} KV transfers, "
+        f"unfinished={inst.core.has_unfinished()}"
+        for inst in hub.entry + hub.decode
+        if inst.inbox or inst.kv_inbox or inst.core.has_unfinished()
+    ]
+    if hub.pending or hub.arrivals:
+        left.append(f"router: {len(hub.pending)} handovers, {len(hub.arrivals)} arrivals")
+    if left:
+        raise RuntimeError("the cluster simulation ended with work left: " + "; ".join(left))

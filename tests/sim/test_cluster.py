@@ -112,6 +112,45 @@ def test_a_full_decode_instance_reserves_blocks_before_the_kv_is_sent() -> None:
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("admitted", [False, True])
+def test_a_prefill_that_ends_a_request_unfinished_withdraws_it_from_its_decode(
+    monkeypatch: pytest.MonkeyPatch, ranks: int, admitted: bool
+) -> None:
+    """Not reachable from a trace (a started prefill always finishes), so forced: the
+    prefill instance aborts r0 just after the decode router's turn. It ends once
+    (aborted), is counted once, and the decode router hears of its end."""
+    from sim.cluster import cluster as cluster_module
+
+    hand_over = cluster_module.Cluster._hand_over
+
+    def then_abort(self: cluster_module.Cluster, ho: cluster_module.Handover, at: float) -> None:
+        hand_over(self, ho, at)
+        if ho.req_id == "r0":
+            if admitted:
+                self.decode[0].admit(at)
+            self.entry[0].core.abort("r0")
+            self._cancel(ho)  # as its prefill's report says, before or after admission
+
+    monkeypatch.setattr(cluster_module.Cluster, "_hand_over", then_abort)
+    reqs = [TraceRequest("r0", 0.0, 400, 20), TraceRequest("r1", 0.0, 300, 20)]
+    raw = _pd()
+    for pool in raw["pools"]:  # (chunks: r0 is live on its prefill at the router's turn)
+        pool["engine"] = {"data_parallel_size": ranks, "max_num_batched_tokens": 64}
+    ended: list[int] = []
+    result = simulate_cluster(reqs, cluster_from_dict(raw), on_progress=ended.append)
+    assert [(r.req_id, r.status) for r in result.requests] == [
+        ("r0", "aborted"),
+        ("r1", "finished"),
+    ]
+    assert sum(ended) == 2
+    assert result.handovers["r0"].cancelled and math.isnan(result.handovers["r0"].kv_arrived)
+    routing = result.instances["d[0]"].routing
+    for queue in routing.queued:
+        routing._take(queue, math.inf)
+    assert routing.router.outstanding == [0]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
 def test_layer_by_layer_the_kv_goes_while_the_prefill_runs(ranks: int) -> None:
     """An idle decode instance reserves at its router's turn (the prefill's first step,
     also where the prefill instance is data-parallel ranks stepping in rounds): every
@@ -248,7 +287,8 @@ def test_the_cli_runs_a_cluster_file_and_refuses_a_bad_one(tmp_path: Path) -> No
     out = subprocess.run([*run, "--cluster", str(good)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert (
-        "disaggregation: 40 handovers" in out.stdout and "per million output tokens" in out.stdout
+        "disaggregation: 40 KV handovers" in out.stdout
+        and "per million output tokens" in out.stdout
     )
     bad = tmp_path / "bad.yaml"
     bad.write_text("pools:\n  - {name: a, count: two}\n")

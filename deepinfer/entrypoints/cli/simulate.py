@@ -360,7 +360,7 @@ def cluster_lines(meta: dict[str, Any]) -> list[str]:
             )
 
         lines.append(
-            f"disaggregation: {pd['handovers']} handovers, {pd['kv_bytes_moved'] / 1e9:.2f} GB "
+            f"disaggregation: {pd['handovers']} KV handovers, {pd['kv_bytes_moved'] / 1e9:.2f} GB "
             f"of KV moved; prefill queue {ms(pd['prefill_queue_s'])}; decode blocks "
             f"reserved after {ms(pd['decode_reservation_s'])}; KV transfer "
             f"{ms(pd['kv_transfer_s'])}; decode queue {ms(pd['decode_queue_s'])}"
