@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import IO, Any, NamedTuple
@@ -248,10 +248,3 @@ def _is_group(g: Any) -> bool:
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
         return False
     return g[0] >= 1 and g[1] >= 1 and g[2] >= 0 and all(v >= 0 for v in g[4:])
-
-
-def iter_steps(logs: list[StepLogFile]) -> Iterator[tuple[StepLogFile, LoggedStep]]:
-    """Every step of `logs`, each with the file it came from."""
-    for log in logs:
-        for step in log.steps:
-            yield log, step

@@ -42,7 +42,7 @@ from typing import Any
 
 from deepinfer.model_config import ModelConfig
 from deepinfer.outputs import SchedulerOutput
-from deepinfer.step_log_file import LoggedStep, StepLogFile, step_groups
+from deepinfer.step_log_file import LoggedStep, StepLogFile, read_step_log, step_groups
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
 from sim.hardware import get_hardware
@@ -492,8 +492,6 @@ def _refine(
 
 def load_logs(paths: list[str | Path]) -> list[StepLogFile]:
     """Read step log files (errors name the file and line)."""
-    from deepinfer.step_log_file import read_step_log
-
     logs = [read_step_log(p) for p in paths]
     for log in logs:
         if not log.steps:

@@ -59,3 +59,31 @@ def test_generate_writes_a_log_that_refines_the_shipped_profile(tmp_path: Path) 
     refined = load_profile(out)
     assert refined["meta"]["from_log"]["logs"] == [str(path)]
     assert any("logged_steps" in p for p in refined["points"])
+
+
+def test_a_server_writes_its_steps_though_it_keeps_none(tmp_path: Path) -> None:
+    """A server runs for days: its engine keeps no step records, and its step log gets
+    every served step as it is applied."""
+    from deepinfer.config import EngineConfig
+    from deepinfer.entrypoints.openai.served_model import real_model
+    from deepinfer.request import Request
+
+    path = tmp_path / "served.jsonl"
+    engine = EngineConfig(block_size=16, num_gpu_blocks=256)
+    served = real_model("deepinfer-demo", engine, device="cpu", step_log=str(path))
+    core = served.engine
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    core.add_request(Request("a", [5, 6, 7, 8, 9], params))
+    while core.has_unfinished():
+        served.step()
+    served.shutdown()
+    assert len(core.steps) == 0
+    log = read_step_log(path)
+    assert len(log.steps) >= 4 and log.steps[0].groups == [[1, 5, 0, True]]
+
+
+def test_the_simulated_twin_has_no_step_log_option(tmp_path: Path, capsys) -> None:
+    """Its steps are the cost model's: `deepinfer simulate --step-log` writes those."""
+    code = main(["serve", "--executor", "sim", "--step-log", str(tmp_path / "x.jsonl")])
+    assert code == 2
+    assert "--step-log: not an option of --executor sim" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """`deepinfer profile --model NAME --out PROFILE.json`: measure the real executor's steps
 (`deepinfer profile install PROFILE.json` then puts one among the shipped profiles:
-`profile_install.py`).
+`profile_install.py`; `deepinfer profile --from-log LOG...` fits one from runs' step logs
+instead: `profile_from_log.py`).
 
 Writes the profile the simulator's profiled cost model fits (sim/data/profiles/ holds
 the shipped ones): start-up, a grid of whole steps (decode, prefill, mixed, many short
