@@ -200,7 +200,7 @@ class EngineCore:
 
     def schedule(self) -> SchedulerOutput:
         """The scheduler's next step, its requests' first schedule stamped."""
-        started = time.perf_counter() if self.step_writer is not None else 0.0
+        host_t0 = time.perf_counter() if self.step_writer is not None else 0.0
         out = self.scheduler.schedule()
         if self.check:
             scheduler_checks.check_output(self.scheduler, out)
@@ -213,7 +213,7 @@ class EngineCore:
                 if times.first_scheduled is None:
                     times.first_scheduled = now
         if self.step_writer is not None:
-            self.step_writer.scheduled(out, time.perf_counter() - started)
+            self.step_writer.scheduled(out, time.perf_counter() - host_t0)
         return out
 
     def apply_results(
@@ -227,7 +227,7 @@ class EngineCore:
         """Apply a step's results, stamp times, record ended requests and the step.
         overlapped: it was launched while the step before it ran (the step log file
         says so: its duration is then a pipelined step's)."""
-        started = time.perf_counter() if self.step_writer is not None else 0.0
+        host_t0 = time.perf_counter() if self.step_writer is not None else 0.0
         changed = self.scheduler.update_from_output(out, res)
         now = self.clock()
         for req in changed:
@@ -246,7 +246,7 @@ class EngineCore:
             if self.record_steps:
                 self.steps.append(record)
             if self.step_writer is not None:
-                seconds = time.perf_counter() - started
+                seconds = time.perf_counter() - host_t0
                 self.step_writer.applied(out, record, seconds, overlapped)
         self._last_step_end = now
         if self.check:
