@@ -210,9 +210,17 @@ def run_workload(
     hardware: str,
     profile: Path | None,
     model_max_len: int,
+    step_log: Path | None = None,
 ) -> dict[str, Any]:
+    """One workload through the real engine and the simulator, compared; step_log: the
+    real run's step log goes there (`deepinfer profile --from-log` fits it)."""
+    writer = None
+    if step_log is not None:
+        from executors.profile_env import step_log_writer
+
+        writer = step_log_writer(step_log, executor, cfg, model)
     t0 = time.perf_counter()
-    real = replay(executor, cfg, trace, model_max_len=model_max_len)
+    real = replay(executor, cfg, trace, model_max_len=model_max_len, step_writer=writer)
     t1 = time.perf_counter()
     sim = simulate(trace, model, hardware, cfg, None, profile=profile)
     spec = load_model_config(model)
@@ -388,6 +396,13 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
     return 0
 
 
+def _log_path(folder: Path | None, workload: str) -> Path | None:
+    """Where a workload's step log goes under `folder` (None: none is written)."""
+    if folder is None:
+        return None
+    return folder / ("".join(c if c.isalnum() or c in "-_." else "_" for c in workload) + ".jsonl")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -412,6 +427,15 @@ def main(argv: list[str] | None = None) -> int:
         help="no GPU: simulate again against the real runs recorded in DIR (its "
         "fidelity.json and fidelity_records.json), with the current cost model",
     )
+    p.add_argument(
+        "--step-log",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write each workload's real run as a step log, DIR/<workload>.jsonl (for "
+        "`deepinfer profile --from-log`: a profile fitted from some workloads' logs, "
+        "checked on the others')",
+    )
     add_engine_options(p)
     args = p.parse_args(argv)
     if args.real is not None:
@@ -433,8 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.traces.split(","):
         trace = workloads(load_trace(ROOT / "traces" / name), limit, args.num_requests)
         first = run_workload(
-            executor, cfg, offline(trace), sim_model, hardware, args.profile, executor.max_model_len
-        )
+            executor, cfg, offline(trace), sim_model, hardware, args.profile,
+            executor.max_model_len, _log_path(args.step_log, f"{trace.name} offline"),
+        )  # fmt: skip
         results.append(first)
         capacity = len(trace) / first["requests"]["real_makespan_s"]
         for frac in (float(x) for x in args.rates.split(",") if x):
@@ -442,8 +467,15 @@ def main(argv: list[str] | None = None) -> int:
             load.name = f"{trace.name} {frac:.0%} of capacity"
             results.append(
                 run_workload(
-                    executor, cfg, load, sim_model, hardware, args.profile, executor.max_model_len
-                )
+                    executor,
+                    cfg,
+                    load,
+                    sim_model,
+                    hardware,
+                    args.profile,
+                    executor.max_model_len,
+                    _log_path(args.step_log, load.name),
+                )  # fmt: skip
             )
         print(f"{name}: capacity {capacity:.2f} req/s", flush=True)
     print_tables(results)

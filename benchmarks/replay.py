@@ -20,6 +20,7 @@ from deepinfer.engine import EngineCore, StepEventKind
 from deepinfer.outputs import SchedulerOutput
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
+from deepinfer.step_log_file import StepLogWriter
 from sim.simulator import build_requests
 from sim.traces import Trace, TraceRequest, offline, poisson, retimed
 
@@ -83,15 +84,18 @@ def replay(
     cfg: EngineConfig,
     trace: Trace | list[TraceRequest],
     model_max_len: int | None = None,
+    step_writer: StepLogWriter | None = None,
 ) -> ReplayResult:
-    """Run every request of `trace` through a fresh EngineCore over `executor`."""
+    """Run every request of `trace` through a fresh EngineCore over `executor`;
+    step_writer: the engine writes its steps to that step log (closed at the end)."""
     if not isinstance(trace, Trace):
         trace = Trace("requests", "python", list(trace))
     requests = materialized_requests(trace, executor.config.vocab_size)
     t0 = time.monotonic()
     engine = EngineCore(
-        cfg, executor, clock=lambda: time.monotonic() - t0, model_max_len=model_max_len
-    )
+        cfg, executor, clock=lambda: time.monotonic() - t0, model_max_len=model_max_len,
+        step_writer=step_writer,
+    )  # fmt: skip
     pending = deque(sorted(requests, key=lambda r: r.arrival_time))
     result = ReplayResult(records=[])
     device = getattr(executor, "device", None)
@@ -100,7 +104,7 @@ def replay(
         from benchmarks.step_events import StepEvents  # (torch: a real executor's run only)
 
         timer = StepEvents(executor)
-    with timer or contextlib.nullcontext():
+    with timer or contextlib.nullcontext(), step_writer or contextlib.nullcontext():
         _run(engine, pending, result)
     if timer is not None:
         for sample in result.steps:

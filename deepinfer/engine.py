@@ -28,6 +28,7 @@ from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import FinishReason, Request
 from deepinfer.scheduler import Scheduler
 from deepinfer.step_log import StepLog
+from deepinfer.step_log_file import StepLogWriter
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +71,14 @@ class EngineCore:
         check_invariants: bool = False,
         record_steps: bool = True,
         kv_tiers: KVTiers | None = None,
+        step_writer: StepLogWriter | None = None,
     ) -> None:
         """kv_tiers: the KV cache's tiers below HBM (kv_cache/tiers.py), which whoever
         runs the executor builds (the simulator sizes them from the model's KV bytes);
-        config.kv_host_cache_gib > 0 needs a host tier among them."""
+        config.kv_host_cache_gib > 0 needs a host tier among them.
+        step_writer: writes every applied step, its shape and host seconds, to a step log
+        file (deepinfer/step_log_file.py); each step then runs on its own (no decode
+        runs), whether or not the steps are kept in `steps`."""
         if config.kv_host_cache_gib > 0 and (kv_tiers is None or kv_tiers.host is None):
             raise ValueError(
                 f"kv_host_cache_gib={config.kv_host_cache_gib}: this engine was given no "
@@ -95,6 +100,7 @@ class EngineCore:
         self.record_steps = record_steps
         self.records: list[RequestRecord] = []  # one per request that reached a terminal state
         self.steps = StepLog()
+        self.step_writer = step_writer
         self._in_flight: _InFlight | None = None
         self._last_step_end: float | None = None
         # Structured requests whose grammar is compiling (req_id -> request, its compile),
@@ -218,6 +224,7 @@ class EngineCore:
 
     def schedule(self) -> SchedulerOutput:
         """The scheduler's next step, its requests' first schedule stamped."""
+        host_t0 = time.perf_counter() if self.step_writer is not None else 0.0
         out = self.scheduler.schedule()
         if self.check:
             scheduler_checks.check_output(self.scheduler, out)
@@ -235,12 +242,22 @@ class EngineCore:
                     times.first_scheduled = now
                     if started is not None:
                         started.append((sr.req_id, now))
+        if self.step_writer is not None:
+            self.step_writer.scheduled(out, time.perf_counter() - host_t0)
         return out
 
     def apply_results(
-        self, out: SchedulerOutput, res: ModelRunnerOutput, duration: float | None = None
+        self,
+        out: SchedulerOutput,
+        res: ModelRunnerOutput,
+        duration: float | None = None,
+        *,
+        overlapped: bool = False,
     ) -> list[Request]:
-        """Apply a step's results, stamp times, record ended requests and the step."""
+        """Apply a step's results, stamp times, record ended requests and the step.
+        overlapped: it was launched while the step before it ran (the step log file
+        says so: its duration is then a pipelined step's)."""
+        host_t0 = time.perf_counter() if self.step_writer is not None else 0.0
         changed = self.scheduler.update_from_output(out, res)
         now = self.clock()
         for req in changed:
@@ -254,8 +271,13 @@ class EngineCore:
         if duration is None:
             duration = now - (self._last_step_end if self._last_step_end is not None else now)
         self.scheduler.observe_step_time(out.step_id, duration)
-        if self.record_steps:
-            self.steps.append(self._step_record(out, now, duration))
+        if self.record_steps or self.step_writer is not None:
+            record = self._step_record(out, now, duration)
+            if self.record_steps:
+                self.steps.append(record)
+            if self.step_writer is not None:
+                seconds = time.perf_counter() - host_t0
+                self.step_writer.applied(out, record, seconds, overlapped)
         self._last_step_end = now
         if self.check:
             scheduler_checks.check_invariants(self.scheduler)
@@ -373,6 +395,8 @@ class EngineCore:
         that times them without running them, or None: the executor cannot return a
         run's tokens, grammars are compiling, or the step in flight is not one of them."""
         if self._compiling or self._grammar_rejected or not self.executor.can_fast_forward:
+            return None
+        if self.step_writer is not None:  # (it writes each step's shape and host time)
             return None
         flight = self._in_flight
         if self.config.async_scheduling:
@@ -531,8 +555,9 @@ class EngineCore:
         # this, may have done N+1's too).
         start, last = flight.start, self._last_step_end
         began = start if last is None else max(start, last)
+        overlapped = began > start  # launched while the step before ran
         end = self.clock() if flight.ended is None else flight.ended
-        changed = self.apply_results(flight.out, res, end - min(began, end))
+        changed = self.apply_results(flight.out, res, end - min(began, end), overlapped=overlapped)
         self._last_step_end = end
         return _Applied(changed, ok=True)
 

@@ -25,6 +25,7 @@ from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.step_log_file import StepLogWriter, step_log_header
 from sim.acceptance import AcceptanceModel
 from sim.cost_model import CostModel, prices_decode_runs
 from sim.cost_model_registry import engine_cost_model
@@ -76,6 +77,7 @@ def simulate(
     on_progress: Callable[[int], None] | None = None,
     grammar_mask_per_token_s: float | None = None,
     fast_forward: bool = True,
+    step_log: str | Path | None = None,
 ) -> SimResult:
     """Run `trace` to completion; raises deepinfer.SchedulerStalled if the engine stalls.
 
@@ -89,6 +91,10 @@ def simulate(
     fast_forward: advance decode runs the scheduler proves (docs/design.md,
     "Fast-forward") several steps at a time; the results are the same to the bit as
     with False, which runs every step (for comparison, or to time single steps).
+    step_log: write every step to this step log file (deepinfer/step_log_file.py: its
+    shape, the cost model's host price as its host time, its duration), in the format a
+    real run writes, to compare with one or to fit a profile from; every step then runs
+    on its own (no fast-forward).
     """
     if not isinstance(trace, Trace):
         trace = Trace("requests", "python", list(trace))
@@ -125,6 +131,11 @@ def simulate(
                 f"{engine.data_parallel_size}: the ranks' lock-step rounds do not price loads "
                 "from a host tier yet; simulate one rank, or a cluster of instances"
             )
+        if step_log is not None:
+            raise ValueError(
+                f"step_log with data_parallel_size={engine.data_parallel_size}: a step log "
+                "holds one engine's steps, and the ranks' lock-step rounds are not those"
+            )
         ranks = _simulate_ranks(
             trace, spec, hw, engine, cost, cost_meta, num_blocks, acceptance,
             check_invariants, on_progress, slo, mask_s=float(grammar_mask_per_token_s),
@@ -135,6 +146,18 @@ def simulate(
     executor = SimExecutor(engine, num_blocks, acceptance_rate=acceptance)
     env = simpy.Environment()
     clock = Clock()
+    writer = None
+    if step_log is not None:
+        if hw.runs_on_host and engine.async_scheduling:
+            raise ValueError(
+                f"step_log on {hw.name} under async scheduling: the simulated launch runs "
+                "its step beside the one before it, so a step's recorded duration is not "
+                "its own (the real engine's is); simulate with async_scheduling=False"
+            )
+        name = model if isinstance(model, str) else spec.name
+        meta = dict(cost.meta) | {"hardware": hw.name, "cost_model": cost_meta}
+        header = step_log_header(name, hw.name, engine, "sim", meta)
+        writer = StepLogWriter(step_log, header, host_price=cost.cpu_time)
     core = EngineCore(
         engine,
         executor,
@@ -142,12 +165,15 @@ def simulate(
         model_max_len=spec.max_position_embeddings,
         check_invariants=check_invariants,
         kv_tiers=tiers.build(block_bytes),
+        step_writer=writer,
     )
     requests = build_requests(trace, spec.vocab_size)
     mask_s = float(grammar_mask_per_token_s)
     runs = FastForwardStats() if fast_forward else None
     if runs is not None and not prices_decode_runs(cost):
         runs.reason = f"the cost model ({type(cost).__name__}) prices single steps only"
+    if runs is not None and writer is not None:
+        runs.reason = "a step log records every step"
     arrivals = PendingArrivals(core, deque(requests))
     env.process(
         serve_engine(
@@ -163,7 +189,11 @@ def simulate(
             tiers.load_pricing(block_bytes),
         )  # fmt: skip
     )
-    env.run()
+    try:
+        env.run()
+    finally:
+        if writer is not None:
+            writer.close()
     records = _in_trace_order(requests, [core])
     meta = _meta(trace, spec, hw, engine, cost_meta, num_blocks, [core], mask_s)
     meta["kv_tiers"] = kv_tiers_meta(tiers.to_meta(block_bytes), [(core.scheduler.kv, block_bytes)])

@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from deepinfer.config import EngineConfig, EngineRole
@@ -39,6 +40,9 @@ class LLM:
     (their counts, 'xPyD'), each request's prompt KV handed from one to the other
     (deepinfer/disaggregated_engine.py).
     check_invariants: every scheduler (every rank's) checks its invariants each step.
+    step_log: write every step of the engine (its shape, host and device seconds) to this
+    file, the step log `deepinfer profile --from-log` fits a profile from
+    (deepinfer/step_log_file.py); one engine only.
     """
 
     def __init__(
@@ -54,6 +58,7 @@ class LLM:
         enforce_eager: bool = False,
         check_invariants: bool = False,
         disaggregate: str | None = None,
+        step_log: str | Path | None = None,
         **engine_args: Any,
     ) -> None:
         self.config = EngineConfig.from_dict(engine_args, source="LLM(...)")
@@ -66,6 +71,14 @@ class LLM:
             enforce_eager=enforce_eager,
             trust_remote_code=trust_remote_code,
         )
+        if step_log is not None and (disaggregate or self.config.data_parallel_size > 1):
+            raise ValueError(
+                "step_log: a step log holds one engine's steps; this LLM serves from several "
+                f"(disaggregate={disaggregate!r}, data_parallel_size="
+                f"{self.config.data_parallel_size})"
+            )
+        if step_log is not None and executor != "torch":
+            raise ValueError(f"step_log: the {executor!r} executor writes none")
         t0 = time.perf_counter()
         self.engine: EngineCore | DataParallelEngine | DisaggregatedEngine
         # What LLM needs of the model (model_dir, vocab_size, eos_token_id): an executor,
@@ -87,9 +100,14 @@ class LLM:
                     "simulator replays request traces (`deepinfer simulate`, sim.simulate)"
                 )
             self.executor = get_executor_class(executor)(self.config, model, **kwargs)
+            writer = None
+            if step_log is not None:
+                from executors.profile_env import step_log_writer
+
+                writer = step_log_writer(step_log, self.executor, self.config, model)
             self.engine = EngineCore(
                 self.config, self.executor, model_max_len=self.executor.max_model_len,
-                check_invariants=check_invariants,
+                check_invariants=check_invariants, step_writer=writer,
             )  # fmt: skip
         self.tokenizer = maybe_tokenizer(self.executor.model_dir, trust_remote_code)
         self.processor = InputProcessor(
@@ -113,6 +131,8 @@ class LLM:
             self.engine.shutdown()
         else:
             self.executor.shutdown()
+            if self.engine.step_writer is not None:
+                self.engine.step_writer.close()
 
     def generate(
         self,

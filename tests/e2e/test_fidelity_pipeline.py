@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.config import EngineConfig
+from deepinfer.step_log_file import read_step_log
 from sim.cost_model import CostModel
 
 
@@ -87,7 +88,7 @@ def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
         "--out", str(tmp_path), "--model", "deepinfer-demo", "--device", "cpu",
         "--num-requests", "5", "--traces", "example.jsonl", "--rates", "1.2",
         "--num-gpu-blocks", "256", "--block-size", "16", "--max-num-batched-tokens", "512",
-        "--max-num-seqs", "16",
+        "--max-num-seqs", "16", "--step-log", str(tmp_path / "logs"),
     ])  # fmt: skip
     assert code == 0
     report = json.loads((tmp_path / "fidelity.json").read_text())
@@ -103,6 +104,12 @@ def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
             )
         assert {"decode", "prefill"} <= set(w["steps"])
     assert (tmp_path / "fidelity.png").read_bytes()[:4] == b"\x89PNG"
+    # Each workload's real run as a step log (`deepinfer profile --from-log` fits them).
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == ["example_120__of_capacity.jsonl", "example_offline.jsonl"]
+    for name, w in zip(logs[::-1], report["workloads"]):
+        log = read_step_log(tmp_path / "logs" / name)
+        assert log.header["executor"] == "torch" and len(log.steps) == w["real_steps"]
 
     # Without a device: the simulated side again against the recorded real runs gives
     # the same request-level errors (the simulator is deterministic).

@@ -264,8 +264,8 @@ def test_compiling_does_not_hold_up_other_requests(
     monkeypatch.setattr(xgr.GrammarCompiler, "compile_grammar", compile_grammar)
     real_apply = llm.engine.apply_results
 
-    def apply_results(out, res, duration=None):  # type: ignore[no-untyped-def]
-        changed = real_apply(out, res, duration)
+    def apply_results(out, res, duration=None, **kwargs):  # type: ignore[no-untyped-def]
+        changed = real_apply(out, res, duration, **kwargs)
         if any(r.is_finished for r in changed):  # only the free one can: the other waits
             free_done.set()
         return changed

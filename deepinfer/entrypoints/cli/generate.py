@@ -38,6 +38,13 @@ def add_generate_parser(sub: Any) -> None:
         help="serve from x prefill and y decode engines in this process, each request's "
         "prompt KV handed from one to the other (e.g. 1P1D)",
     )
+    p.add_argument(
+        "--step-log",
+        default=None,
+        metavar="PATH",
+        help="write every step (its shape, host and device seconds) to this step log, "
+        "which `deepinfer profile --from-log` fits a profile from",
+    )
     add_sampling_options(p)
     add_engine_options(p)
     p.set_defaults(func=run_generate)
@@ -54,6 +61,7 @@ def run_generate(args: argparse.Namespace) -> int:
             device=args.device,
             enforce_eager=args.enforce_eager,
             disaggregate=args.disaggregate,
+            step_log=args.step_log,
             **{f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)},
         )
     except (RuntimeError, OSError) as e:  # unreachable hub, unreadable checkpoint

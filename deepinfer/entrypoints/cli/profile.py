@@ -1,6 +1,7 @@
 """`deepinfer profile --model NAME --out PROFILE.json`: measure the real executor's steps
 (`deepinfer profile install PROFILE.json` then puts one among the shipped profiles:
-`profile_install.py`).
+`profile_install.py`; `deepinfer profile --from-log LOG...` fits one from runs' step logs
+instead: `profile_from_log.py`).
 
 Writes the profile the simulator's profiled cost model fits (sim/data/profiles/ holds
 the shipped ones): start-up, a grid of whole steps (decode, prefill, mixed, many short
@@ -22,9 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
+from deepinfer.entrypoints.cli.profile_from_log import (
+    add_from_log_options,
+    check_from_log_args,
+    run_from_log,
+)
 from deepinfer.entrypoints.cli.profile_install import add_install_parser
 
 PROFILE_VERSION = 1
+DEFAULT_MODEL = "moonlight-16b-a3b"
 
 
 def add_profile_parser(sub: Any) -> None:
@@ -33,17 +40,20 @@ def add_profile_parser(sub: Any) -> None:
         help="measure the real executor's step times for the simulator (needs the torch "
         "extra), or install a measured profile",
         usage="deepinfer profile --out PROFILE.json [--model NAME] [options]\n"
+        "       deepinfer profile --from-log LOG [LOG ...] --out PROFILE.json "
+        "[--base PROFILE.json]\n"
         "       deepinfer profile install PROFILE.json [--commit HASH] [--dry-run]",
         description="Run the real executor over a grid of whole engine steps and write the "
-        "profile that `deepinfer simulate` fits (cost model 'profiled'). `deepinfer profile "
-        "install PROFILE.json` compares such a profile with the shipped one of its name, "
-        "step kind by step kind, then replaces it (`install --help`).",
+        "profile that `deepinfer simulate` fits (cost model 'profiled'), or, with --from-log, "
+        "fit one from the step logs of served or replayed runs (their --step-log). "
+        "`deepinfer profile install PROFILE.json` compares such a profile with the shipped "
+        "one of its name, step kind by step kind, then replaces it (`install --help`).",
     )
     p.add_argument(
         "--model",
-        default="moonlight-16b-a3b",
+        default=None,
         help="preset (random weights in its shapes), checkpoint directory, or "
-        "hub id (default: %(default)s)",
+        f"hub id (default: {DEFAULT_MODEL}; with --from-log: the logs' own)",
     )
     p.add_argument("--out", type=Path, help="profile JSON to write (required to measure)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: detected)")
@@ -71,11 +81,15 @@ def add_profile_parser(sub: Any) -> None:
         "--num-speculative-tokens can profile verify steps (dummy weights only)",
     )
     add_engine_options(p)
+    add_from_log_options(p)
     p.set_defaults(func=run_profile)
     add_install_parser(p.add_subparsers(dest="profile_action", title="install a profile"))
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    check_from_log_args(args)
+    if args.from_log is not None:  # (no torch needed: the simulator's fit)
+        return run_from_log(args, args.model)
     import tempfile
 
     from tqdm import tqdm
@@ -83,7 +97,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from deepinfer.engine import EngineCore
     from deepinfer.entrypoints.executor_registry import get_executor_class
     from deepinfer.model_config import known_models, write_config_with_mtp_layer
-    from executors.profile_env import environment
+    from executors.profile_env import executor_meta
     from executors.profile_grid import GridLimits, default_grid, run_slack, speculative_grid
     from executors.profiler import drafter_detached, profile_host, profile_steps
 
@@ -94,6 +108,7 @@ def run_profile(args: argparse.Namespace) -> int:
     _refuse_scheduling_options(args)
     cfg = engine_config_from_args(args)
     k = cfg.num_speculative_tokens
+    args.model = args.model or DEFAULT_MODEL
     load_format = args.load_format or ("dummy" if args.model in known_models() else "auto")
     model = args.model
     if args.add_mtp_layer:
@@ -136,19 +151,8 @@ def run_profile(args: argparse.Namespace) -> int:
         "version": PROFILE_VERSION,
         "model": executor.config.name if args.model not in known_models() else args.model,
         "meta": {
-            **environment(executor),
-            "dtype": str(executor.dtype).removeprefix("torch."),
+            **executor_meta(executor, cfg),
             "load_format": load_format,
-            "cuda_graphs": executor.runner.graphs is not None,
-            # Verify steps whose requests all score 1 + K tokens replay these graphs.
-            "verify_graphs": executor.runner.verify_graphs is not None,
-            # Batch-invariant kernels are slower: the simulator prices each mode only with
-            # a profile measured in it (sim/cost_model_registry.py check_mode).
-            "batch_invariant": cfg.batch_invariant,
-            # FP8 weights stream at half the bytes: priced only by an FP8 profile.
-            "quantization": executor.config.quant_method,
-            # Steps up to this many tokens replay piecewise graphs; larger ones run eagerly.
-            "piecewise_max_tokens": pw.max_size if (pw := executor.runner.piecewise) else 0,
             # Drafts the MTP drafter proposes after each step of the speculative points.
             "num_speculative_tokens": k,
             # The model shipped no MTP layer: one in its shapes was added (dummy weights).

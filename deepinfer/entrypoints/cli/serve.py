@@ -12,7 +12,8 @@ from typing import Any
 from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
 
 # Flags of one executor only: given with the other, they are refused by name.
-_TORCH_ONLY = ("dtype", "device", "load_format", "revision", "enforce_eager", "trust_remote_code")
+_TORCH_ONLY = ("dtype", "device", "load_format", "revision", "enforce_eager", "trust_remote_code",
+               "step_log")  # fmt: skip
 _SIM_ONLY = ("hardware", "cost_model", "profile", "acceptance_rate", "tokenizer")
 
 
@@ -80,6 +81,14 @@ def add_serve_parser(sub: Any) -> None:
     torch.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     torch.add_argument(
         "--trust-remote-code", action="store_true", default=None, help="custom tokenizer classes"
+    )
+    torch.add_argument(
+        "--step-log",
+        default=None,
+        metavar="PATH",
+        help="write every served step (its shape, host and device seconds) to this step "
+        "log, which `deepinfer profile --from-log` fits a profile from (the steps are "
+        "written as served, a line each, not kept in memory)",
     )
     sim = p.add_argument_group("--executor sim")
     sim.add_argument("--hardware", default=None, help="h200 (default), h100, h800, b200 or cpu")

@@ -108,6 +108,15 @@ def add_simulate_parser(sub: Any) -> None:
         help="write PNG plots (TTFT/TPOT CDFs, KV usage, queues, batch tokens)",
     )
     p.add_argument(
+        "--step-log",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write every step (its shape, the cost model's host and device time) to this "
+        "step log, the format a real run's --step-log writes (`deepinfer profile --from-log` "
+        "fits a profile from it); every step then runs on its own (no fast-forward)",
+    )
+    p.add_argument(
         "--check-invariants",
         action="store_true",
         help="check scheduler invariants after every step (slow)",
@@ -220,10 +229,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     model = _model(args.model, args.add_mtp_layer, engine.num_speculative_tokens)
     acceptance = 0.7 if args.acceptance_rate is None else args.acceptance_rate
     if cluster is not None:
-        if args.add_mtp_layer or args.structured or mask_us is not None:
+        if args.add_mtp_layer or args.structured or mask_us is not None or args.step_log:
             raise ValueError(
-                "--add-mtp-layer, --structured and --grammar-mask-us apply to one engine; "
-                "a cluster simulates neither"
+                "--add-mtp-layer, --structured, --grammar-mask-us and --step-log apply to one "
+                "engine; a cluster simulates none of them"
             )
         return _run_cluster(args, trace, path, cluster, slo, acceptance)
     with _progress_bar(args, len(trace)) as bar:
@@ -240,6 +249,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             on_progress=bar.update,
             grammar_mask_per_token_s=None if mask_us is None else mask_us * 1e-6,
             fast_forward=args.fast_forward,
+            step_log=args.step_log,
         )
     meta = dict(result.meta, trace_path=str(path))
     title = f"{trace.name}: {meta['model']} on {meta['hardware']}"
@@ -258,6 +268,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.out:
         write_report(args.out, result.summary, result.requests, result.steps, meta)
         print(f"report: {args.out}")
+    if args.step_log:
+        print(f"step log: {args.step_log}")
     if args.plot:
         plot_report(args.plot, result.requests, result.steps, title)
         print(f"plots: {args.plot}")

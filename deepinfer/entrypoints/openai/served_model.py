@@ -53,7 +53,7 @@ def real_model(
     **llm_kwargs: Any,
 ) -> ServedModel:
     """`model` on the torch executor, loaded as `LLM` loads it (llm_kwargs: dtype,
-    device, load_format, revision, trust_remote_code, enforce_eager)."""
+    device, load_format, revision, trust_remote_code, enforce_eager, step_log)."""
     from deepinfer.entrypoints.llm import LLM
 
     if engine.data_parallel_size > 1:

@@ -1,0 +1,134 @@
+"""The step log file: a header, then one line a step, read back as written; anything
+malformed is an error naming the file and the line."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from deepinfer.config import EngineConfig
+from deepinfer.outputs import ScheduledRequest, SchedulerOutput
+from deepinfer.records import StepRecord
+from deepinfer.step_log_file import StepLogWriter, read_step_log, step_groups, step_log_header
+
+
+def _out(step_id: int, shapes: list[tuple[int, int, bool, int]]) -> SchedulerOutput:
+    return SchedulerOutput(
+        step_id,
+        [
+            ScheduledRequest(f"r{i}", q, c, p, True, [], draft_token_ids=[7] * d)
+            for i, (q, c, p, d) in enumerate(shapes)
+        ],
+    )
+
+
+def _record(step_id: int, duration: float = 0.01) -> StepRecord:
+    return StepRecord(step_id, 1.0 + step_id, duration, 2, 0, 3, 2, 2, 0.1, 0)
+
+
+def _header() -> dict:
+    return step_log_header("deepseek-v2-lite", "h200", EngineConfig(), "torch", {"dtype": "bf16"})
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text(json.dumps(_header()) + "\n" + "".join(line + "\n" for line in lines))
+    return path
+
+
+def test_a_steps_requests_are_its_groups_equal_ones_counted_once() -> None:
+    """A profile point's groups: [count, query, context, is_prompt] (+ drafts verified),
+    sorted, so a step's requests in any order give the same line."""
+    out = _out(0, [(1, 40, False, 0), (64, 0, True, 0), (1, 40, False, 0), (3, 12, False, 2)])
+    assert step_groups(out) == [[2, 1, 40, False], [1, 3, 12, False, 2], [1, 64, 0, True]]
+    shuffled = _out(0, [(3, 12, False, 2), (1, 40, False, 0), (64, 0, True, 0), (1, 40, False, 0)])
+    assert step_groups(shuffled) == step_groups(out)
+
+
+def test_the_writer_writes_what_the_reader_reads(tmp_path: Path) -> None:
+    path = tmp_path / "run" / "steps.jsonl"
+    with StepLogWriter(path, _header()) as writer:
+        out = _out(3, [(1, 40, False, 0), (64, 0, True, 0)])
+        writer.scheduled(out, 0.002)
+        writer.applied(out, _record(3), 0.001, overlapped=True)
+        writer.scheduled(_out(4, []), 0.5)  # an empty step is never applied
+    log = read_step_log(path)
+    assert (
+        log.header["model"] == "deepseek-v2-lite"
+        and log.engine["block_size"] == EngineConfig().block_size
+    )
+    (step,) = log.steps
+    assert step.line == 2 and step.record == _record(3)
+    assert step.groups == [[1, 1, 40, False], [1, 64, 0, True]]
+    assert (step.schedule_s, step.process_s, step.overlapped) == (0.002, 0.001, True)
+    assert step.host_s == pytest.approx(0.003)
+
+
+def test_a_priced_host_time_replaces_the_measured_one(tmp_path: Path) -> None:
+    """The simulator's host time is its cost model's price, written as the schedule's."""
+    path = tmp_path / "sim.jsonl"
+    with StepLogWriter(path, _header(), host_price=lambda out: 0.25 * len(out.scheduled)) as w:
+        out = _out(1, [(1, 40, False, 0), (1, 50, False, 0)])
+        w.scheduled(out, 9.0)
+        w.applied(out, _record(1), 9.0, overlapped=False)
+    (step,) = read_step_log(path).steps
+    assert (step.schedule_s, step.process_s) == (0.5, 0.0)
+
+
+def test_a_failed_steps_schedule_time_is_not_given_to_the_next(tmp_path: Path) -> None:
+    path = tmp_path / "steps.jsonl"
+    with StepLogWriter(path, _header()) as writer:
+        failed, ok = _out(1, [(1, 4, False, 0)]), _out(2, [(1, 5, False, 0)])
+        writer.scheduled(failed, 0.7)
+        writer.scheduled(ok, 0.1)
+        writer.applied(ok, _record(2), 0.0, overlapped=False)
+        later = _out(3, [(1, 6, False, 0)])
+        writer.applied(later, _record(3), 0.0, overlapped=False)
+    steps = read_step_log(path).steps
+    assert [s.schedule_s for s in steps] == [0.1, 0.0]
+
+
+GOOD = json.dumps(
+    {**_record(1).__dict__, "groups": [[1, 1, 40, False]], "schedule_s": 0.001,
+     "process_s": 0.001, "overlapped": False}
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        (GOOD.replace('"schedule_s"', '"other"'), "no 'schedule_s'"),
+        (GOOD.replace('"duration": 0.01', '"duration": -1'), "duration -1: must be"),
+        (GOOD.replace("[[1, 1, 40, false]]", "[]"), "groups []"),
+        (GOOD.replace("[[1, 1, 40, false]]", "[[0, 1, 40, false]]"), "group [0, 1, 40, False]"),
+        (GOOD.replace("[[1, 1, 40, false]]", "[[1, 1, 40, 1]]"), "group [1, 1, 40, 1]"),
+    ],
+)
+def test_a_malformed_step_names_the_file_and_line(tmp_path: Path, line: str, says: str) -> None:
+    path = _write(tmp_path / "bad.jsonl", [GOOD, line, GOOD])
+    with pytest.raises(ValueError, match=f"bad.jsonl:3: .*{re.escape(says)}"):
+        read_step_log(path)
+
+
+def test_a_file_that_is_not_a_step_log_is_refused_at_its_first_line(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"id": "r0", "arrival": 0.0, "prompt_len": 5, "output_len": 3}\n')
+    with pytest.raises(ValueError, match="trace.jsonl:1: not a deepinfer step log"):
+        read_step_log(trace)
+    newer = tmp_path / "newer.jsonl"
+    newer.write_text(json.dumps(_header() | {"version": 99}) + "\n")
+    with pytest.raises(ValueError, match="newer.jsonl:1: step log version 99"):
+        read_step_log(newer)
+    with pytest.raises(ValueError, match="missing.jsonl: cannot read the step log"):
+        read_step_log(tmp_path / "missing.jsonl")
+
+
+def test_a_last_line_cut_short_is_left_out(tmp_path: Path) -> None:
+    """A server killed while writing leaves a partial last line: the whole lines stand."""
+    path = _write(tmp_path / "cut.jsonl", [GOOD])
+    path.write_text(path.read_text() + GOOD[:40])
+    assert len(read_step_log(path).steps) == 1
