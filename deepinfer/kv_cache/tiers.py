@@ -16,8 +16,9 @@ store that several engines share (Mooncake's design). The rules:
   where a move would copy it back over PCIe. The cost is capacity: a block may be in
   HBM and in a lower tier at once (never twice in one place).
 - Loads are read before the evictions of the same allocation are written (the executor
-  issues a step's loads first on its copy stream, then its saves): a block being
-  loaded may be the victim of the same allocation's demotions without being lost.
+  reads a step's loads before it writes its saves): a block being loaded may be the
+  victim of the same allocation's demotions without being lost. A block one allocation
+  of a step evicts and a later one finds again is loaded from that save.
 
 Each block a tier holds has a slot, [0, capacity): where its copy lives. A block pushed
 out gives its slot to the block that pushed it, so a tier's slots are a fixed buffer the

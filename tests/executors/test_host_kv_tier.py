@@ -25,9 +25,8 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs
 A, B, C = prompts(45, [13, 16, 16])
 
 
-def _run(llm: LLM) -> list:
-    outs = [llm.generate([p], PARAMS, use_tqdm=False)[0] for p in (A, B, C, A)]
-    return outs
+def _run(llm: LLM, a: list[int] = A, b: list[int] = B, c: list[int] = C) -> list:
+    return [llm.generate([p], PARAMS, use_tqdm=False)[0] for p in (a, b, c, a)]
 
 
 def _llm(tiny: TinyModel, num_gpu_blocks: int, host_gib: float, **kw) -> LLM:
@@ -193,17 +192,24 @@ def test_on_cuda_saves_leave_on_a_side_stream_and_the_forward_waits_only_for_the
 def test_on_cuda_a_prefix_from_host_gives_the_tokens_of_a_large_hbm(
     tiny_models: dict[str, TinyModel],
 ) -> None:
-    """The tiny model end to end on the device, CUDA graphs and async scheduling on."""
+    """The tiny model end to end on the device, CUDA graphs and async scheduling on, blocks
+    of 16: A's three prefix blocks come back from the host."""
     tiny = tiny_models["v3_plain"]
+    a, b, c = prompts(46, [52, 64, 64])
 
     def llm(blocks: int, gib: float) -> LLM:
-        return LLM(str(tiny.path), device="cuda", dtype="bfloat16", block_size=4,
-                   num_gpu_blocks=blocks, kv_host_cache_gib=gib, gpu_memory_utilization=0.3)  # fmt: skip
+        return LLM(str(tiny.path), device="cuda", dtype="float32", block_size=16,
+                   num_gpu_blocks=blocks, kv_host_cache_gib=gib)  # fmt: skip
 
-    tiered, large = llm(8, 0.001), llm(64, 0.0)
-    outs, ref = _run(tiered), _run(large)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
-    assert outs[3].num_cached_tokens == 12
+    tiered = llm(8, 0.01)
+    outs = _run(tiered, a, b, c)
     assert tiered.executor.runner.host_tier.num_loaded == 3
+    assert outs[3].num_cached_tokens == 48
     tiered.shutdown()
+    large = llm(64, 0.0)
+    ref = _run(large, a, b, c)
     large.shutdown()
+    for got, want in zip(outs, ref):  # (the loaded KV is the computed KV's bytes)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        g, w = got.outputs[0].cumulative_logprob, want.outputs[0].cumulative_logprob
+        assert g is not None and w is not None and abs(g - w) < 1e-5
