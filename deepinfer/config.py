@@ -63,8 +63,8 @@ class EngineConfig:
     # simulator. None: the checkpoint as it is (an FP8 checkpoint is served in FP8).
     quantization: str | None = None
     # Host DRAM for prefix blocks evicted from HBM (deepinfer/kv_cache/tiers.py), GiB per
-    # engine (per rank); 0: none. The simulator prices it; the torch executor refuses it
-    # until it performs the copies.
+    # engine; 0: none. The torch executor copies the blocks (executors/host_kv_tier.py),
+    # the simulator prices the copies; neither with data-parallel ranks.
     kv_host_cache_gib: float = 0.0
 
     def __post_init__(self) -> None:

@@ -74,16 +74,18 @@ class EngineCore:
         step_writer: StepLogWriter | None = None,
     ) -> None:
         """kv_tiers: the KV cache's tiers below HBM (kv_cache/tiers.py), which whoever
-        runs the executor builds (the simulator sizes them from the model's KV bytes);
+        runs the executor builds (the simulator sizes them from the model's KV bytes), or
+        the executor does (`Executor.kv_tiers`: the torch executor's host memory);
         config.kv_host_cache_gib > 0 needs a host tier among them.
         step_writer: writes every applied step, its shape and host seconds, to a step log
         file (deepinfer/step_log_file.py); each step then runs on its own (no decode
         runs), whether or not the steps are kept in `steps`."""
+        kv_tiers = executor.kv_tiers(kv_tiers)
         if config.kv_host_cache_gib > 0 and (kv_tiers is None or kv_tiers.host is None):
             raise ValueError(
                 f"kv_host_cache_gib={config.kv_host_cache_gib}: this engine was given no "
-                "host KV tier to hold it (the simulator builds one; the torch executor "
-                "has none yet)"
+                f"host KV tier to hold it (the {type(executor).__name__} executor keeps "
+                "none; the simulator builds one)"
             )
         self.config = config
         self.executor = executor

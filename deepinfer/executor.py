@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from deepinfer.kv_cache.handover import KVHandover
+from deepinfer.kv_cache.tiers import KVTiers
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request
 
@@ -82,6 +83,14 @@ class Executor(ABC):
     def num_kv_blocks(self) -> int:
         """KV blocks this executor's cache holds (the scheduler's pool size); read once,
         when the EngineCore is built."""
+
+    def kv_tiers(self, given: KVTiers | None) -> KVTiers | None:
+        """The KV tiers below HBM that this engine's prefix blocks move through (read once,
+        when the EngineCore is built): by default `given`, the tiers whoever runs the
+        executor built (the simulator sizes them from the model's KV bytes and prices
+        their copies). An executor that copies the blocks (`SchedulerOutput.kv_loads`,
+        `kv_saves`) builds the tiers of its own memory and refuses others by name."""
+        return given
 
     @abstractmethod
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

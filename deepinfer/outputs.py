@@ -66,6 +66,19 @@ class KVLoad:
     tier: str  # "host" or "store"
     block_id: int  # the HBM block it is loaded into
     block_hash: int  # the content, by chain hash
+    slot: int  # where the tier holds it (TierLRU.slot)
+
+
+@dataclass(frozen=True, slots=True)
+class KVSave:
+    """A prefix block HBM evicted, written down to a lower KV tier: the executor copies
+    HBM block `block_id` (its content as it stands before the step that carries the save
+    runs: that step may overwrite it) to the tier's `slot`."""
+
+    tier: str  # "host" or "store"
+    block_id: int  # the HBM block it is copied from
+    block_hash: int  # the content, by chain hash
+    slot: int  # where the tier holds it from now on (TierLRU.slot)
 
 
 @dataclass
@@ -82,6 +95,12 @@ class SchedulerOutput:
     # Blocks this step loads from the lower KV tiers first (its requests' prefix hits
     # there); empty without tiers.
     kv_loads: tuple[KVLoad, ...] = ()
+    # Blocks this schedule's allocations evicted from HBM into a lower tier (each first
+    # written there; a block the tier held already is not listed), in eviction order;
+    # empty without tiers. A load and a save of one slot in one step: the load reads the
+    # save's block where their hashes match (the block was evicted, then found again),
+    # else the slot as it was before the step (tiers.py: loads read first).
+    kv_saves: tuple[KVSave, ...] = ()
     # Requests whose prompt's KV is on its way (role decode, `Request.awaiting_kv`) and
     # whose blocks this schedule reserved: the sender may send it now. They are not in
     # `scheduled`: each is, once its KV has arrived.

@@ -206,6 +206,8 @@ class Scheduler:
             out.kv_reserved = tuple(step.kv_reserved)
         if self.kv.tiers is not None:
             out.kv_loads = tuple(self.kv.take_loads())
+            if step.scheduled:  # (an empty step is never launched: the next one copies them)
+                out.kv_saves = tuple(self.kv.take_saves())
         if self.draft_plan is not None and step.scheduled:
             self.draft_plan.plan_proposals(out)
         if step.scheduled:  # an empty step is never launched: the next one tells the
@@ -767,6 +769,7 @@ class Scheduler:
         kv.take_cached_ahead()  # cached by steps the run applies: they ran
         last_blocks = self._take_blocks(run, events[last:], tokens, starts, taken)
         ahead = kv.take_cached_ahead()
+        kv.take_saves()  # only the simulator runs decode runs: it copies no block
         # Under async scheduling the step in flight (first_step_id - 1) is applied first.
         last_applied = run.first_step_id + k - 1 - (1 if pipelined else 0)
         for step_id in [s for s in self._cached_ahead if s <= last_applied]:

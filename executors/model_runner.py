@@ -1,6 +1,6 @@
 """ModelRunner: SchedulerOutput -> one flattened model forward -> sampled tokens.
 
-The runner owns four parts, each an object with its own state:
+The runner owns five parts, each an object with its own state:
 - `requests` (executors/request_states.py): per-request state keyed by req_id (block
   table, sampling state, the last sampled token, a structured request's grammar
   matcher, whose mask is applied to its logits before sampling:
@@ -12,7 +12,9 @@ The runner owns four parts, each an object with its own state:
   and the KV imported for a decode engine's requests, written into their blocks before
   the forward of the step that first schedules them;
 - `speculator` (executors/speculative_decoder.py), with an MTP layer to draft from:
-  the drafter and the verification of a step on the device.
+  the drafter and the verification of a step on the device;
+- `host_tier` (executors/host_kv_tier.py), with kv_host_cache_gib: the prefix blocks
+  copied to host memory and back, each step's copies queued first at its launch.
 The runner itself chooses a step's forward (decode or verify graphs, piecewise graphs,
 eager), samples, and keeps the step in flight.
 
@@ -46,6 +48,7 @@ from executors import prompt_logprobs
 from executors.batch_invariant import set_batch_invariant
 from executors.cuda_graphs import DecodeGraphs, default_capture_sizes
 from executors.host_copy import to_device
+from executors.host_kv_tier import HostKVTier
 from executors.input_builder import Batch, HostBatch, InputBuilder
 from executors.kv_cache import PagedKVCache
 from executors.kv_transfer import KVTransfer
@@ -101,6 +104,8 @@ class ModelRunner:
             self.requests, self.block_size, self.vocab_size, self.device,
             self.batch_invariant, decode_max_query_len, self.max_drafts,
         )  # fmt: skip
+        # Host memory for evicted prefix blocks; set by the TorchExecutor (kv_host_cache_gib).
+        self.host_tier: HostKVTier | None = None
         self._pending: PendingStep | None = None  # the latest step launched and not read
         self.num_chained_steps = 0  # steps that chained on a verify step in flight
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
@@ -209,6 +214,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> PendingStep:
         """Queue one step's device work; the handle's `result()` reads it back."""
+        if self.host_tier is not None:  # first: the tier's slots are booked once scheduled
+            self.host_tier.apply(out)
         prev = self._pending if self._pending is not None and not self._pending.done() else None
         on_device = self._on_device(out)
         if prev is not None and not (on_device and self._independent(out, prev)):

@@ -19,13 +19,16 @@ from deepinfer.config import EngineConfig
 from deepinfer.executor import Executor
 from deepinfer.kv_cache.handover import KVHandover
 from deepinfer.kv_cache.hashing import update_block_hashes
+from deepinfer.kv_cache.tiers import HOST, KVTiers, TierLRU
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from executors.batch_invariant import check_supported
 from executors.distributed.expert_parallel import ExpertParallel
+from executors.host_kv_tier import HostKVTier, check_host_tier
 from executors.kv_cache import (
     PagedKVCache,
+    bytes_per_block,
     cpu_num_blocks,
     cuda_num_blocks,
     num_kv_layers,
@@ -69,12 +72,7 @@ class TorchExecutor(Executor):
                 f"data_parallel_size={engine_config.data_parallel_size}: a TorchExecutor is one "
                 "rank; LLM(...) and `deepinfer generate` launch the ranks"
             )
-        if engine_config.kv_host_cache_gib > 0:
-            raise ValueError(
-                f"kv_host_cache_gib={engine_config.kv_host_cache_gib}: the torch executor "
-                "does not copy KV blocks to host memory yet (the simulator prices the host "
-                "tier); set it to 0"
-            )
+        check_host_tier(engine_config)
         self.engine_config = engine_config
         self.model_dir: Path = resolve_model_dir(
             model, revision=revision, weights=load_format != "dummy"
@@ -145,6 +143,8 @@ class TorchExecutor(Executor):
         self.runner = ModelRunner(
             self.model, self.kv_cache, engine_config, first_eos, max_model_len=self.max_model_len
         )
+        if engine_config.kv_host_cache_gib > 0:
+            self.runner.host_tier = HostKVTier(self.kv_cache, self._host_kv_slots())
         # Everything a served step can need is compiled (and captured) now, not on first use.
         self.warmup: WarmupReport | None = None
         if self.device.type == "cuda":
@@ -209,6 +209,20 @@ class TorchExecutor(Executor):
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
+    def kv_tiers(self, given: KVTiers | None) -> KVTiers | None:
+        """The host tier of kv_host_cache_gib (its slots: `HostKVTier`), or None. Tiers
+        built elsewhere are refused: this executor copies blocks to its own host memory
+        only, never to a shared store (a simulator plan)."""
+        if given is not None:
+            store = given.store is not None
+            raise ValueError(
+                f"kv_tiers with {'a shared KV store' if store else 'a host KV tier'}: the "
+                "torch executor copies prefix blocks to its own host memory only, sized by "
+                "kv_host_cache_gib" + ("; the store is a simulator plan" if store else "")
+            )
+        tier = self.runner.host_tier
+        return None if tier is None else KVTiers(TierLRU(HOST, tier.num_slots))
+
     def export_kv(self, request: Request, num_tokens: int) -> KVHandover:
         """`request`'s positions [0, num_tokens) from every layer, one device tensor
         [num_tokens, layers, entry_dim] (executors/kv_transfer.py), with the chain hashes
@@ -250,6 +264,7 @@ class TorchExecutor(Executor):
             self.runner.requests.grammars.shutdown()
         self.runner.requests.clear()
         self.runner.discard_pending()
+        self.runner.host_tier = None  # (its pinned host memory)
         # What holds device memory goes, even while the caller still holds this executor:
         # the caches, the graphs (their private pools), the drafter and the weights.
         self.kv_cache.layers.clear()
@@ -271,6 +286,16 @@ class TorchExecutor(Executor):
             if eos is not None:
                 return eos
         return self.config.eos_token_id
+
+    def _host_kv_slots(self) -> int:
+        """Blocks of kv_host_cache_gib (at least one, as the simulator sizes a tier): a
+        block is block_size x layers (the MTP layer's too when speculating) x
+        (kv_lora_rank + qk_rope_head_dim) values in the cache's dtype."""
+        cfg = self.engine_config
+        per_block = bytes_per_block(
+            self.config, cfg.block_size, self.dtype, num_kv_layers(self.config, cfg)
+        )
+        return max(1, int(cfg.kv_host_cache_gib * (1 << 30)) // per_block)
 
     def _num_blocks(self) -> int:
         if self.device.type != "cuda":

@@ -6,9 +6,9 @@ crosses (bandwidth and latency: `sim/cost_model.py`'s `KVLoadPricing` prices a s
 loads), and the report's figures (hits per tier over the prompt blocks looked up, bytes
 moved per tier).
 
-Saving a block to a lower tier costs the step nothing: in the real design an evicted
-block is copied out on a side stream while steps run (issue 45), and a step waits only
-for the loads it needs. The bytes saved are reported, so a run whose saves would exceed a
+Saving a block to a lower tier costs the step nothing: the torch executor gathers the
+step's saves with a device copy and sends them to the host on a side stream beside the
+forward (executors/host_kv_tier.py), and a step waits only for the loads it needs. The bytes saved are reported, so a run whose saves would exceed a
 link's bandwidth shows it.
 """
 

@@ -96,7 +96,7 @@ class BlockPool:
                 _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 if self.tiers is not None:
-                    self.tiers.demote(block.block_hash)
+                    self.tiers.demote(block.block_hash, block.block_id)
                 self._evict(block)
             block.ref_cnt = 1
             out.append(block)

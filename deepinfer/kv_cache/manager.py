@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from deepinfer.kv_cache.block_pool import BlockPool, KVBlock
 from deepinfer.kv_cache.hashing import update_block_hashes
 from deepinfer.kv_cache.tiers import HBM, LOWER_TIERS, KVTiers, TierLRU
-from deepinfer.outputs import KVLoad
+from deepinfer.outputs import KVLoad, KVSave
 from deepinfer.request import Request
 
 # A prefix block found in a lower tier: its chain hash and the tier holding it.
@@ -158,14 +158,16 @@ class KVCacheManager:
         if cached or loads:
             self.pool.touch(cached)
             new = list(cached)
+            slots = []
             if loads:  # read before this allocation's evictions are written below them
                 tiers = self.tiers
                 assert tiers is not None
                 for h, tier in loads:
                     tiers.read(tier, h)
+                    slots.append(tier.slot(h))  # (the evictions below may reuse it)
             fresh = self.pool.allocate(num_needed)
-            for (h, tier), block in zip(loads, fresh):
-                self._loads_ahead.append(KVLoad(tier.name, block.block_id, h))
+            for (h, tier), slot, block in zip(loads, slots, fresh):
+                self._loads_ahead.append(KVLoad(tier.name, block.block_id, h, slot))
             new.extend(fresh)
             self._num_cached[request.request_id] = len(cached)
         else:  # most calls: a decode token, in a block already held or one new block
@@ -196,6 +198,12 @@ class KVCacheManager:
         scheduled needs them in its blocks before it runs."""
         loads, self._loads_ahead = self._loads_ahead, []
         return loads
+
+    def take_saves(self) -> list[KVSave]:
+        """The blocks allocations evicted into a lower tier since the last call (the
+        step being scheduled copies them out before it overwrites them); empty without
+        tiers."""
+        return self.tiers.take_saves() if self.tiers is not None else []
 
     def take_cached_ahead(self) -> list[KVBlock]:
         """The blocks cached by allocations since the last call: their content is the

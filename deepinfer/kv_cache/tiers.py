@@ -16,24 +16,37 @@ store that several engines share (Mooncake's design). The rules:
   where a move would copy it back over PCIe. The cost is capacity: a block may be in
   HBM and in a lower tier at once (never twice in one place).
 - Loads are read before the evictions of the same allocation are written (the executor
-  issues a step's loads first on its copy stream, then its saves): a block being
-  loaded may be the victim of the same allocation's demotions without being lost.
+  reads a step's loads before it writes its saves): a block being loaded may be the
+  victim of the same allocation's demotions without being lost. A block one allocation
+  of a step evicts and a later one finds again is loaded from that save.
+
+Each block a tier holds has a slot, [0, capacity): where its copy lives. A block pushed
+out gives its slot to the block that pushed it, so a tier's slots are a fixed buffer the
+executor allocates once. What the executor copies comes with each step: its loads
+(`SchedulerOutput.kv_loads`: tier, slot, HBM block) and its saves (`kv_saves`: the HBM
+blocks the step's allocations evicted into the first lower tier, with the slot each
+takes; `KVTiers.take_saves`). A block moving on from the host tier to the store is
+bookkeeping only: no executor copies it (the torch executor keeps a host tier and
+refuses a store, a simulator plan).
 
 Pure bookkeeping: capacities and counts in blocks. What a move costs (bytes over a link)
-is the simulator's (sim/kv_tiers.py); the torch executor refuses the tiers until it
-performs the copies.
+is the simulator's (sim/kv_tiers.py); the torch executor performs the host tier's copies
+(executors/host_kv_tier.py).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from deepinfer.outputs import KVSave
+
 HBM, HOST, STORE = "hbm", "host", "store"
 LOWER_TIERS = (HOST, STORE)
 
 
 class TierLRU:
-    """One lower tier: up to `capacity` block hashes, least recently used first.
+    """One lower tier: up to `capacity` block hashes, least recently used first, each in
+    its slot.
 
     `num_saved` / `num_loaded` / `num_dropped`: blocks written into it, read back from
     it, and dropped from it (for a shared store: over every engine that shares it)."""
@@ -47,7 +60,7 @@ class TierLRU:
             raise ValueError(f"tier {name}: capacity {capacity} blocks: must be >= 1")
         self.name = name
         self.capacity = capacity
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._lru: OrderedDict[int, int] = OrderedDict()  # block hash -> its slot
         self.num_saved = 0
         self.num_loaded = 0
         self.num_dropped = 0
@@ -62,19 +75,25 @@ class TierLRU:
         """The hashes held, least recently used first."""
         return list(self._lru)
 
+    def slot(self, block_hash: int) -> int:
+        """Where the tier holds `block_hash`'s copy: [0, capacity)."""
+        return self._lru[block_hash]
+
     def put(self, block_hash: int) -> int | None:
         """Write a block (or make it the most recently used, if held); returns the hash it
-        pushed out past the capacity, or None."""
+        pushed out past the capacity (whose slot it takes), or None."""
         lru = self._lru
         if block_hash in lru:
             lru.move_to_end(block_hash)
             return None
-        lru[block_hash] = None
+        victim = None
+        if len(lru) < self.capacity:  # (blocks leave only when pushed out: slots fill in order)
+            slot = len(lru)
+        else:
+            victim, slot = lru.popitem(last=False)
+        lru[block_hash] = slot
         self.num_saved += 1
-        if len(lru) > self.capacity:
-            victim, _ = lru.popitem(last=False)
-            return victim
-        return None
+        return victim
 
     def read(self, block_hash: int) -> None:
         """A block loaded back into HBM: it stays here, the most recently used."""
@@ -89,7 +108,7 @@ class KVTiers:
     Per engine, by tier: `saved` (blocks this engine wrote there) and `loaded` (blocks it
     read back)."""
 
-    __slots__ = ("host", "store", "order", "saved", "loaded", "dropped")
+    __slots__ = ("host", "store", "order", "saved", "loaded", "dropped", "_saves")
 
     def __init__(self, host: TierLRU | None = None, store: TierLRU | None = None) -> None:
         if host is None and store is None:
@@ -104,24 +123,35 @@ class KVTiers:
         self.saved = dict.fromkeys(LOWER_TIERS, 0)
         self.loaded = dict.fromkeys(LOWER_TIERS, 0)
         self.dropped = 0  # blocks this engine's evictions pushed out of its last tier
+        self._saves: list[KVSave] = []  # HBM blocks written down since `take_saves`
 
     @property
     def shares_store(self) -> bool:
         return self.store is not None
 
-    def demote(self, block_hash: int) -> None:
-        """HBM evicted the block holding `block_hash`: down one tier, the victims of each
-        tier down the next; the last tier's victim is dropped."""
+    def demote(self, block_hash: int, block_id: int) -> None:
+        """HBM evicted block `block_id`, holding `block_hash`: down one tier (a save, unless
+        the tier holds it already), the victims of each tier down the next; the last
+        tier's victim is dropped."""
         pushed: int | None = block_hash
         for tier in self.order:
             assert pushed is not None
             before = tier.num_saved
-            pushed = tier.put(pushed)
-            self.saved[tier.name] += tier.num_saved - before
+            moved, pushed = pushed, tier.put(pushed)
+            if tier.num_saved != before:
+                self.saved[tier.name] += 1
+                if tier is self.order[0]:  # written from HBM (a lower tier's, from above)
+                    self._saves.append(KVSave(tier.name, block_id, moved, tier.slot(moved)))
             if pushed is None:
                 return
         self.dropped += 1
         self.order[-1].num_dropped += 1
+
+    def take_saves(self) -> list[KVSave]:
+        """The HBM blocks written down since the last call, in eviction order: the step
+        being scheduled copies them before it overwrites them."""
+        saves, self._saves = self._saves, []
+        return saves
 
     def find(self, block_hash: int) -> TierLRU | None:
         """The nearest lower tier holding `block_hash`, or None."""

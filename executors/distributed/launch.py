@@ -16,6 +16,7 @@ from deepinfer.data_parallel.protocol import RankInfo
 from executors.distributed.expert_parallel import check_expert_split
 from executors.distributed.process_group import free_port
 from executors.distributed.rank_worker import rank_main
+from executors.host_kv_tier import check_host_tier
 from executors.loader import read_model_config, resolve_model_dir
 
 
@@ -36,6 +37,7 @@ def launch_data_parallel(
         revision=executor_kwargs.get("revision"),
         weights=executor_kwargs.get("load_format", "auto") != "dummy",
     )
+    check_host_tier(config)  # refused here, before any process starts
     if config.enable_expert_parallel:  # refused here, before any process starts
         cfg = read_model_config(model_dir)
         if not cfg.n_routed_experts:

@@ -29,7 +29,7 @@ def test_an_evicted_block_moves_down_host_then_store_then_is_dropped() -> None:
     host, store = TierLRU(HOST, 1), TierLRU(STORE, 2)
     tiers = KVTiers(host, store)
     for h in (1, 2, 3, 4):
-        tiers.demote(h)
+        tiers.demote(h, block_id=h)
     # host holds the newest; its victims went to the store, whose oldest was dropped.
     assert host.hashes() == [4] and store.hashes() == [2, 3]
     assert tiers.saved == {HOST: 4, STORE: 3} and tiers.dropped == 1
@@ -40,8 +40,8 @@ def test_an_evicted_block_moves_down_host_then_store_then_is_dropped() -> None:
 def test_a_store_shared_by_two_engines_serves_both() -> None:
     store = TierLRU(STORE, 4)
     a, b = KVTiers(TierLRU(HOST, 1), store), KVTiers(None, store)
-    a.demote(7)
-    a.demote(8)  # 7 leaves a's host for the store
+    a.demote(7, block_id=0)
+    a.demote(8, block_id=1)  # 7 leaves a's host for the store
     assert b.find(7) is store and b.find(8) is None
     b.read(store, 7)
     assert b.loaded == {HOST: 0, STORE: 1} and a.loaded == {HOST: 0, STORE: 0}

@@ -50,16 +50,6 @@ def test_a_decode_engines_request_whose_kv_never_arrived_ends_aborted_naming_it(
     assert "prompt's KV never arrived" in (out.error or "")
 
 
-def test_a_host_kv_tier_is_refused_by_the_torch_executor(
-    tiny_models: dict[str, TinyModel],
-) -> None:
-    """It would keep nothing in host memory: the copies are not built (the simulator
-    prices the tier)."""
-    with pytest.raises(ValueError, match="kv_host_cache_gib=2: the torch executor"):
-        LLM(str(tiny_models["v3_plain"].path), device="cpu", dtype="float32",
-            kv_host_cache_gib=2)  # fmt: skip
-
-
 @pytest.mark.parametrize("model", ["tiny", "deepinfer-demo", "moonlight-16b-a3b"])
 def test_a_revision_of_a_model_with_one_version_is_refused(
     model: str, tiny_models: dict[str, TinyModel]

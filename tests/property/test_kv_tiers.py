@@ -8,7 +8,11 @@ host and store sizes:
 - a tier never holds more than its capacity, and each hash is in HBM's index once;
 - a request's prefix past its HBM hits that a lower tier holds is loaded, not computed:
   exactly the blocks in host or store, up to the first in none (or back in HBM), and the
-  loads land in the request's first fresh blocks, cached there under their hashes.
+  loads land in the request's first fresh blocks, cached there under their hashes;
+- the copies an executor makes of them (`kv_saves`, `kv_loads`, by the rule of
+  executors/host_kv_tier.py) move the right KV: a save copies an HBM block holding its
+  hash, and a load of the first tier reads a slot holding its hash (as the steps before
+  left it, or as this step's save of that hash to it does).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from hypothesis import strategies as st
 
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.kv_cache.tiers import HOST, STORE, KVTiers, TierLRU
+from deepinfer.outputs import KVLoad, KVSave
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from tests.property.strategies import scaled
@@ -68,6 +73,10 @@ def test_tier_blocks_are_conserved_and_loaded(
     tiers = KVTiers(TierLRU(HOST, host) if host else None, TierLRU(STORE, store) if store else None)
     kv = KVCacheManager(num_blocks, bs, True, tiers)
     live: list[Request] = []
+    # What an executor's copies leave: the hash whose KV each HBM block holds, and each
+    # slot of the first tier.
+    hbm: dict[int, int] = {}
+    slots: dict[int, int] = {}
     for n, (op, chunks, tail, held) in enumerate(script):
         before, dropped = _places(kv), tiers.dropped
         if op == "end":
@@ -93,12 +102,15 @@ def test_tier_blocks_are_conserved_and_loaded(
             computed = (len(hits) + len(loads)) * bs
             got = kv.allocate(req, req.num_tokens - computed, hits, loads=loads)
             if got is None:
-                assert kv.take_loads() == []
+                assert kv.take_loads() == [] and kv.take_saves() == []
                 assert _places(kv) == before  # refused: nothing moved
                 continue
             req.num_computed_tokens = req.num_tokens
             taken = kv.take_loads()
             table = kv.req_blocks[req.request_id]
+            _copy(tiers.order[0].name, taken, kv.take_saves(), hbm, slots)
+            for i, block in enumerate(table[: req.num_tokens // bs]):  # computed or hits
+                hbm[block.block_id] = req.block_hashes[i]
             assert [x.block_id for x in taken] == [
                 b.block_id for b in table[len(hits) : len(hits) + len(loads)]
             ]
@@ -116,3 +128,19 @@ def test_tier_blocks_are_conserved_and_loaded(
             for i, h in enumerate(req.block_hashes[: req.num_tokens // bs]):
                 block = kv.pool.lookup(h)
                 assert block is not None and block is kv.req_blocks[req.request_id][i]
+
+
+def _copy(
+    first: str, loads: list[KVLoad], saves: list[KVSave], hbm: dict[int, int], slots: dict[int, int]
+) -> None:
+    """One step's copies by the executor's rule, checking that each moves its hash's KV."""
+    saved = {(x.slot, x.block_hash) for x in saves}
+    for x in saves:
+        assert x.tier == first and hbm.get(x.block_id) == x.block_hash, x
+    for x in loads:
+        if x.tier == first:  # (host to store moves are bookkeeping: nothing copies them)
+            assert (x.slot, x.block_hash) in saved or slots.get(x.slot) == x.block_hash, x
+    for x in saves:
+        slots[x.slot] = x.block_hash
+    for x in loads:
+        hbm[x.block_id] = x.block_hash

@@ -28,7 +28,7 @@ def test_a_steps_loads_cost_the_slower_tier() -> None:
     pricing = KVLoadPricing(1000, {"host": (1e6, 1e-3), "store": (1e5, 2e-3)})
     out = SchedulerOutput(1, [])
     assert pricing.seconds(out) == 0.0
-    out.kv_loads = (*(KVLoad("host", i, i) for i in range(3)), KVLoad("store", 9, 9))
+    out.kv_loads = (*(KVLoad("host", i, i, i) for i in range(3)), KVLoad("store", 9, 9, 0))
     host, store = 1e-3 + 3 * 1000 / 1e6, 2e-3 + 1000 / 1e5
     assert pricing.seconds(out) == pytest.approx(max(host, store))
 

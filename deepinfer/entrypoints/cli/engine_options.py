@@ -36,7 +36,7 @@ ENGINE_HELP = {
     "quantization": "fp8: linear weights in e4m3 with 128x128 block scales (a bf16 "
     "checkpoint is quantized at load time; an FP8 checkpoint is FP8 without it)",
     "kv_host_cache_gib": "host DRAM (GiB per engine) that prefix blocks evicted from HBM "
-    "move to, and load back from (simulator only; 0: none)",
+    "move to, and load back from (0: none)",
     "model": "model preset or config.json path",
     "hardware": "GPU preset (h200, h100, h800, b200)",
     "cost_model": "profiled, analytic or unit (default: profiled where a profile exists)",
