@@ -1,58 +1,78 @@
 """Fidelity: the same requests through the real engine and through the simulator.
 
     deepinfer bench fidelity --out DIR [--model moonlight-16b-a3b] [--device cuda]
+        [--workloads held-out | NAME,...] [--repeats 3] [--add-mtp-layer]
         [--traces azure_code_small.json,mooncake_conversation_small.jsonl]
         [--num-requests 200] [--rates 0.7,1.2] [engine options]
 
-For each bundled trace: offline (every request at t=0), then Poisson arrivals at each
-rate times the capacity the real offline run measured (requests per second). Each
-workload runs through `EngineCore` + the torch executor in wall-clock time and through
-`simulate()` with the same EngineConfig and the shipped (or --profile) profile. Reports:
+With --workloads: the named recipes of benchmarks/fidelity_workloads.py (`held-out`:
+all of them), each a trace slice, its arrival times, and engine options that both sides
+run with; a recipe the model cannot run is skipped with the reason printed. Without:
+for each bundled trace, offline (every request at t=0), then Poisson arrivals at each
+rate times the capacity the real offline run measured (requests per second).
 
-  per step   the cost model's prediction (host + device) of every real step against its
-             measured wall time, signed error p10/p50/p90 by kind (decode, prefill, mixed)
-  requests   TTFT, TPOT, E2E: simulated vs real p50/p90/p99 (signed) and per-request |err|
-  totals     throughput and makespan
+Each workload runs --repeats times through `EngineCore` + the torch executor in
+wall-clock time, and once through `simulate()` (deterministic) with the same
+EngineConfig and the shipped (or --profile) profile. Reports:
 
-Writes DIR/fidelity.json and DIR/fidelity.png (real vs simulated CDFs), prints tables.
-The profile is fitted on a synthetic step grid; these workloads are held out from it.
+  per step   the cost model's prediction (host + device) of every step of the first
+             real run against its measured wall time, signed error p10/p50/p90 by kind
+             (decode, prefill, mixed); on CUDA also the device price against the
+             device's span of the step
+  requests   TTFT, TPOT, E2E: simulated vs the first real run, p50/p90/p99 (signed)
+             and per-request |err|; throughput and makespan
+  spread     the real runs' spread of each headline figure beside the simulator's
+             error against their median, and whether it fell inside their range
+             (benchmarks/fidelity_spread.py)
+
+Writes DIR/fidelity.json, DIR/fidelity_records.json (every record, step log and
+workload's requests: `--real DIR` simulates them again without a GPU) and
+DIR/fidelity.png (real vs simulated CDFs), prints the tables. The profile is fitted on
+a synthetic step grid; these workloads are held out from it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benchmarks.fidelity_spread import METRICS, print_spread_table, request_metrics, spread
+from benchmarks.fidelity_workloads import (
+    HELD_OUT,
+    TraceSlice,
+    Workload,
+    ideal_hit_rate,
+    parse_workloads,
+    with_prefix_hit,
+)
 from benchmarks.replay import ReplayResult, offline, poisson, replay
 from deepinfer.config import EngineConfig
 from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
-from deepinfer.model_config import known_models, load_model_config
+from deepinfer.model_config import (
+    ModelConfig,
+    known_models,
+    load_model_config,
+    write_config_with_mtp_layer,
+)
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 from deepinfer.records import RequestRecord
 from sim import load_trace, simulate
 from sim.cost_model_registry import resolve_cost_model
 from sim.hardware import get_hardware
-from sim.traces import Trace
+from sim.traces import Trace, TraceRequest
 
 ROOT = Path(__file__).resolve().parents[1]
-METRICS = ("ttft", "tpot", "e2e")
-
-
-def request_metrics(rec: RequestRecord) -> dict[str, float] | None:
-    if rec.status != "finished" or rec.first_token is None or rec.finish is None:
-        return None
-    n = rec.num_output_tokens
-    return {
-        "ttft": rec.first_token - rec.arrival,
-        "tpot": (rec.finish - rec.first_token) / (n - 1) if n > 1 else float("nan"),
-        "e2e": rec.finish - rec.arrival,
-    }
 
 
 def compare_requests(real: list[RequestRecord], sim: list[RequestRecord]) -> dict[str, Any]:
@@ -206,24 +226,44 @@ def run_workload(
     executor: Any,
     cfg: EngineConfig,
     trace: Trace,
-    model: str,
+    model: str | ModelConfig,
     hardware: str,
     profile: Path | None,
     model_max_len: int,
+    repeats: int = 1,
+    acceptance: float | None = None,
     step_log: Path | None = None,
 ) -> dict[str, Any]:
-    """One workload through the real engine and the simulator, compared; step_log: the
-    real run's step log goes there (`deepinfer profile --from-log` fits it)."""
+    """`trace` through the real engine `repeats` times and through the simulator once
+    (it is deterministic), with the same EngineConfig; `acceptance`: the simulator's
+    draft acceptance (the caller makes the real engine's match it). The first real run
+    gives the per-step and per-request tables; all of them give the spread. step_log:
+    the first real run's step log goes there (`deepinfer profile --from-log` fits it)."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: must be >= 1")
     writer = None
     if step_log is not None:
         from executors.profile_env import step_log_writer
 
-        writer = step_log_writer(step_log, executor, cfg, model)
+        name = model if isinstance(model, str) else str(executor.model_dir)
+        writer = step_log_writer(step_log, executor, cfg, name)
     t0 = time.perf_counter()
-    real = replay(executor, cfg, trace, model_max_len=model_max_len, step_writer=writer)
+    reals = [
+        replay(
+            executor,
+            cfg,
+            trace,
+            model_max_len=model_max_len,
+            step_writer=writer if i == 0 else None,
+        )
+        for i in range(repeats)
+    ]
     t1 = time.perf_counter()
-    sim = simulate(trace, model, hardware, cfg, None, profile=profile)
-    spec = load_model_config(model)
+    sim = simulate(
+        trace, model, hardware, cfg, None, profile=profile,
+        acceptance_rate=0.7 if acceptance is None else acceptance,
+    )  # fmt: skip
+    spec = model if isinstance(model, ModelConfig) else load_model_config(model)
     cost, meta = resolve_cost_model(
         None,
         spec,
@@ -233,21 +273,39 @@ def run_workload(
         batch_invariant=cfg.batch_invariant,
         async_scheduling=cfg.async_scheduling,
     )
+    real = reals[0]
+    samples: list[dict[str, Any]] = []
     res = {
         "workload": trace.name,
         "num_requests": len(trace),
-        "real_wall_s": t1 - t0,
+        "real_wall_s": (t1 - t0) / repeats,
         "real_steps": len(real.steps),
         "sim_steps": sim.meta["num_steps"],
         "cost_model": meta,
+        # The engine both sides ran, and the KV blocks each had.
+        "engine": cfg.to_dict(),
+        "real_kv_blocks": executor.num_kv_blocks(),
+        "sim_kv_blocks": sim.meta["num_gpu_blocks"],
+        "sim_engine": sim.meta["engine"],
         "requests": compare_requests(real.records, sim.requests),
-        "steps": compare_steps(real, cost, samples := [], step_basis(cfg, hardware)),
+        "steps": compare_steps(real, cost, samples, step_basis(cfg, hardware)),
         "steps_device": device_errors([(x.kind, x.requests, x.device_s) for x in real.steps], cost),
         "step_samples": samples,
+        "repeats": repeats,
+        # Each real run against the simulator, and the real runs' spread beside its error.
+        "repeat_requests": [compare_requests(r.records, sim.requests) for r in reals],
+        "spread": spread([r.records for r in reals], sim.requests),
     }
+    if cfg.num_speculative_tokens:
+        res["draft_acceptance"] = {
+            "real": [r.draft_acceptance for r in reals],
+            "sim": sim.meta.get("draft_acceptance_rate"),
+        }
     res["_records"] = {
         "real": [r.to_dict() for r in real.records],
         "sim": [r.to_dict() for r in sim.requests],
+        # The second and later real runs (the first is "real").
+        "real_repeats": [[r.to_dict() for r in x.records] for x in reals[1:]],
     }
     # Both step logs, one row each: (time, duration, tokens, prompt tokens, requests).
     res["_timelines"] = {
@@ -258,6 +316,25 @@ def run_workload(
         for side, steps in (("real", real.engine_steps), ("sim", sim.steps))
     }
     return res
+
+
+@contextlib.contextmanager
+def forced_acceptance(executor: Any, rate: float, seed: int) -> Iterator[None]:
+    """The executor's MTP drafter's drafts accepted at `rate` a position (dummy weights
+    draft nothing a target accepts): benchmarks/speculative.py's BENCHMARK-ONLY
+    ForcedAcceptance, its drafter and verification given back after."""
+    from benchmarks.speculative import ForcedAcceptance  # (torch)
+
+    speculator = executor.runner.speculator
+    if speculator is None:
+        raise ValueError("forced acceptance: the executor does not speculate")
+    inner = speculator.drafter
+    ForcedAcceptance(inner, rate, seed=seed).install(executor.runner)
+    try:
+        yield
+    finally:
+        speculator.drafter = inner
+        ForcedAcceptance.uninstall()
 
 
 def _error_row(workload: str, kind: str, row: dict[str, Any]) -> str:
@@ -329,10 +406,217 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def workloads(base: Trace, limit: int, num_requests: int) -> Trace:
-    """The trace's first `num_requests` requests that fit `limit` tokens."""
-    reqs = [r for r in base.requests if r.prompt_len + r.output_len <= limit]
-    return Trace(base.name, base.source, reqs[:num_requests])
+# EngineConfig fields that only the scheduler reads: workloads that differ in no other
+# field share one executor (building one takes tens of seconds on a GPU).
+SCHEDULER_ONLY = frozenset({
+    "async_scheduling", "policy", "prefill_watermark", "enable_prefix_caching",
+    "enable_chunked_prefill", "enable_mtp_varlen",
+})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A workload ready to run: its slice cut for the model, the engine both sides run,
+    and whether the real side's model needs an MTP layer added."""
+
+    workload: Workload
+    trace: Trace
+    cfg: EngineConfig
+    mtp_added: bool
+    capacity_source: bool  # its real runs give the slice's offline capacity
+
+    @property
+    def executor_key(self) -> tuple[Any, ...]:
+        fields = self.cfg.to_dict()
+        return (
+            self.mtp_added,
+            *sorted((k, str(v)) for k, v in fields.items() if k not in SCHEDULER_ONLY),
+        )
+
+
+def legacy_workloads(traces: str, rates: str, num_requests: int) -> list[Workload]:
+    """The default run: per trace, its first requests offline (the capacity), then
+    Poisson at each rate (a fraction of that capacity)."""
+    out = []
+    for name in (x for x in traces.split(",") if x):
+        trace_name = load_trace(ROOT / "traces" / name).name
+        cut = TraceSlice(name, name, num_requests)
+        out.append(Workload(f"{trace_name} offline", "every request at t = 0", cut))
+        for frac in (float(x) for x in rates.split(",") if x):
+            out.append(
+                Workload(
+                    f"{trace_name} {frac:.0%} of capacity",
+                    f"Poisson at {frac:.0%} of the offline capacity",
+                    cut,
+                    "poisson",
+                    of_capacity=frac,
+                )
+            )
+    return out
+
+
+def _is_capacity_source(w: Workload) -> bool:
+    return (
+        w.arrivals == "offline" and not w.overrides and w.kv_fraction is None
+        and w.num_requests is None and w.prefix_hit is None
+    )  # fmt: skip
+
+
+def plan(
+    recipes: list[Workload],
+    spec: ModelConfig,
+    base: EngineConfig,
+    limit: int,
+    num_requests: int | None,
+    add_mtp_layer: bool,
+    dummy_weights: bool,
+) -> tuple[list[Planned], list[dict[str, str]]]:
+    """The workloads to run, in order, and those skipped with the reason. A load that is
+    a fraction of a slice's capacity gets the slice's offline run before it (added
+    where not asked for). Workloads sharing an executor run together, those that give
+    a capacity first."""
+    recipes = list(recipes)
+    for w in list(recipes):
+        if w.needs_capacity and not any(
+            _is_capacity_source(x) and x.slice == w.slice for x in recipes
+        ):
+            source = next(
+                (x for x in HELD_OUT if _is_capacity_source(x) and x.slice == w.slice),
+                Workload(
+                    f"offline ({w.slice.name})", "the capacity the loads are fractions of", w.slice
+                ),
+            )
+            recipes.insert(recipes.index(w), source)
+            print(f"{w.name}: {source.name} runs first (its capacity sets the rate)")
+    planned: list[Planned] = []
+    skipped: list[dict[str, str]] = []
+    for w in recipes:
+        reason = _unrunnable(w, spec, limit, add_mtp_layer, dummy_weights)
+        trace = None
+        if reason is None:
+            trace = w.slice.cut(
+                limit, min(num_requests or 1 << 30, w.num_requests or w.slice.num_requests)
+            )
+            if len(trace) < 2:
+                reason = f"fewer than two requests of {w.slice.name} fit {limit:,} tokens"
+            elif w.prefix_hit is not None:
+                try:
+                    with_prefix_hit(trace, w.prefix_hit)
+                except ValueError as e:
+                    reason = str(e)
+        if reason is not None or trace is None:
+            skipped.append({"workload": w.name, "reason": reason or ""})
+            print(f"skipping {w.name}: {reason}", flush=True)
+            continue
+        mtp = w.speculates and not spec.num_nextn_predict_layers
+        planned.append(Planned(w, trace, w.engine(base, trace), mtp, _is_capacity_source(w)))
+    measured = {p.workload.slice for p in planned if p.capacity_source}
+    for p in [p for p in planned if p.workload.needs_capacity]:
+        if p.workload.slice not in measured:
+            planned.remove(p)
+            reason = f"the offline run of {p.workload.slice.name} (its capacity) was skipped"
+            skipped.append({"workload": p.workload.name, "reason": reason})
+            print(f"skipping {p.workload.name}: {reason}", flush=True)
+    groups: dict[tuple[Any, ...], list[Planned]] = {}
+    for p in planned:
+        groups.setdefault(p.executor_key, []).append(p)
+    ordered = sorted(groups.values(), key=lambda g: not any(p.capacity_source for p in g))
+    return [p for g in ordered for p in sorted(g, key=lambda p: not p.capacity_source)], skipped
+
+
+def _unrunnable(
+    w: Workload, spec: ModelConfig, limit: int, add_mtp_layer: bool, dummy_weights: bool
+) -> str | None:
+    """Why the model cannot run `w` as its recipe means it, or None."""
+    need = w.slice.longest_needed()
+    if need > limit:
+        return (
+            f"its requests need up to {need:,} tokens (prompts {w.slice.min_prompt:,}-"
+            f"{w.slice.max_prompt:,}) and {spec.name} holds {limit:,}; run it with a model of "
+            "a longer context (deepseek-v2-lite)"
+        )
+    if w.speculates and not spec.num_nextn_predict_layers:
+        if not add_mtp_layer:
+            return (
+                f"{spec.name} has no MTP layer to draft with; --add-mtp-layer gives it one "
+                "in its own shapes (dummy weights, as `deepinfer profile --add-mtp-layer` "
+                "measures it)"
+            )
+        if not dummy_weights:
+            return (
+                f"the checkpoint of {spec.name} has no MTP weights; --add-mtp-layer needs "
+                "a preset's dummy weights"
+            )
+    return None
+
+
+def run_planned(
+    planned: list[Planned],
+    build: Callable[[EngineConfig, bool], Any],
+    sim_model: Callable[[bool], str | ModelConfig],
+    hardware: str,
+    profile: Path | None,
+    repeats: int,
+    step_log: Path | None = None,
+) -> list[dict[str, Any]]:
+    """Each planned workload through `run_workload`, one executor at a time (`build`:
+    (engine, MTP layer added) -> executor); a slice's capacity comes from its offline
+    run, the median over its real runs. step_log: a folder for each workload's step log
+    (its first real run's)."""
+    capacity: dict[str, float] = {}
+    results: list[dict[str, Any]] = []
+    executor: Any = None
+    key: tuple[Any, ...] | None = None
+    try:
+        for p in planned:
+            if p.executor_key != key:
+                if executor is not None:
+                    executor.shutdown()
+                    executor = None
+                executor, key = build(p.cfg, p.mtp_added), p.executor_key
+            w = p.workload
+            load = w.load(p.trace, capacity.get(w.slice.name), p.cfg.seed)
+            forced = (
+                forced_acceptance(executor, w.acceptance, p.cfg.seed)
+                if w.acceptance is not None and p.cfg.num_speculative_tokens
+                else contextlib.nullcontext()
+            )
+            with forced:
+                res = run_workload(
+                    executor, p.cfg, load, sim_model(p.mtp_added), hardware, profile,
+                    executor.max_model_len, repeats, w.acceptance,
+                    _log_path(step_log, load.name),
+                )  # fmt: skip
+            res["recipe"] = _recipe(w, p, load)
+            res["_trace"] = [dataclasses.asdict(r) for r in load.requests]
+            results.append(res)
+            if p.capacity_source:
+                runs = [len(p.trace) / m for m in res["spread"]["makespan"]["real"]]
+                capacity[w.slice.name] = float(np.median(runs))
+                print(f"{w.slice.name}: capacity {capacity[w.slice.name]:.2f} req/s", flush=True)
+    finally:
+        if executor is not None:
+            executor.shutdown()
+    return results
+
+
+def _recipe(w: Workload, p: Planned, load: Trace) -> dict[str, Any]:
+    """What a workload was, for the JSON and for `--real` re-simulation."""
+    return {
+        "name": w.name,
+        "what": w.what,
+        "slice": dataclasses.asdict(w.slice),
+        "arrivals": w.arrivals,
+        "speed": w.speed,
+        "of_capacity": w.of_capacity,
+        "prefix_hit": w.prefix_hit,
+        "ideal_hit_rate": ideal_hit_rate(load),
+        "kv_fraction": w.kv_fraction,
+        "overrides": dict(w.overrides),
+        "acceptance": w.acceptance,
+        "mtp_layer_added": p.mtp_added,
+        "arrival_span_s": load.duration,
+    }
 
 
 def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
@@ -341,6 +625,81 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
     doc = json.loads((real_dir / "fidelity.json").read_text())
     recorded = json.loads((real_dir / "fidelity_records.json").read_text())
     meta = doc["meta"]
+    real = {w["workload"]: w for w in recorded}
+    # Step shapes are recorded since the piecewise-graph change; older runs have none.
+    recorded_steps = {w["workload"]: w.get("step_samples", []) for w in doc["workloads"]}
+    recorded_acceptance = {w["workload"]: w.get("draft_acceptance", {}) for w in doc["workloads"]}
+    if all("recipe" in w for w in doc["workloads"]):
+        loads = _recorded_loads(doc, real)
+    else:
+        loads = _rebuilt_loads(meta, real)
+    results = []
+    for wname, load, cfg, model, acceptance in loads:
+        sim = simulate(
+            load, model, meta["hardware"], cfg, None, profile=profile,
+            acceptance_rate=0.7 if acceptance is None else acceptance,
+        )  # fmt: skip
+        records = [RequestRecord(**r) for r in real[wname]["real"]]
+        runs = [records] + [
+            [RequestRecord(**r) for r in run] for run in real[wname].get("real_repeats", [])
+        ]
+        cost, _ = resolve_cost_model(
+            None,
+            model if isinstance(model, ModelConfig) else load_model_config(model),
+            get_hardware(meta["hardware"]),
+            profile,
+            cfg.num_speculative_tokens,
+            batch_invariant=cfg.batch_invariant,
+            async_scheduling=cfg.async_scheduling,
+        )
+        samples = [x for x in recorded_steps.get(wname, []) if "shape" in x]
+        basis = step_basis(cfg, meta["hardware"])
+        steps = step_errors(
+            [(x["kind"], x["shape"], x["wall_s"], x["execute_s"]) for x in samples], cost, basis
+        )
+        on_device = [(x["kind"], x["shape"], x.get("device_s")) for x in samples]
+        results.append({
+            "workload": wname, "requests": compare_requests(records, sim.requests),
+            "steps": steps, "steps_device": device_errors(on_device, cost),
+            "spread": spread(runs, sim.requests),
+        })  # fmt: skip
+        if cfg.num_speculative_tokens:
+            results[-1]["draft_acceptance"] = {
+                "real": recorded_acceptance.get(wname, {}).get("real", []),
+                "sim": sim.meta.get("draft_acceptance_rate"),
+            }
+    print_tables(results)
+    print_spread_table(results, doc.get("skipped", []))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "resimulated.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return 0
+
+
+Load = tuple[str, Trace, EngineConfig, "str | ModelConfig", "float | None"]
+
+
+def _recorded_loads(doc: dict[str, Any], real: dict[str, Any]) -> list[Load]:
+    """Each workload of a run that recorded its requests and engine (recipes)."""
+    meta = doc["meta"]
+    out: list[Load] = []
+    for w in doc["workloads"]:
+        name, recipe = w["workload"], w["recipe"]
+        reqs = [
+            TraceRequest(**(r | {"prefix_blocks": tuple(r["prefix_blocks"])}))
+            for r in real[name]["trace"]
+        ]
+        name_or_dir: str = meta["sim_model"]
+        model: str | ModelConfig = name_or_dir
+        if recipe["mtp_layer_added"]:
+            model = load_model_config(name_or_dir).replace(num_nextn_predict_layers=1)
+        cfg = EngineConfig.from_dict(w["engine"])
+        out.append((name, Trace(name, "recorded", reqs), cfg, model, recipe["acceptance"]))
+    return out
+
+
+def _rebuilt_loads(meta: dict[str, Any], real: dict[str, Any]) -> list[Load]:
+    """Each workload of a run that recorded only the traces and rates: rebuilt from the
+    bundled traces, the capacity from its recorded offline run."""
     engine = {k: v for k, v in meta["engine"].items() if k != "role"}
     cfg = EngineConfig(**engine)
     model = meta.get("sim_model", meta["model"])
@@ -348,52 +707,17 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
     limit = meta.get("max_prompt") or min(
         spec.max_position_embeddings, (cfg.num_gpu_blocks or 1 << 40) * cfg.block_size
     )
-    real = {w["workload"]: [RequestRecord(**r) for r in w["real"]] for w in recorded}
-    # Step shapes are recorded since the piecewise-graph change; older runs have none.
-    recorded_steps = {w["workload"]: w.get("step_samples", []) for w in doc["workloads"]}
-    results = []
-    traces = meta.get("traces", "azure_code_small.json").split(",")
-    for name in traces:
-        trace = workloads(load_trace(ROOT / "traces" / name), limit, meta.get("num_requests", 200))
-        first = real[f"{trace.name} offline"]
+    out: list[Load] = []
+    for name in meta.get("traces", "azure_code_small.json").split(","):
+        trace = TraceSlice(name, name, meta.get("num_requests", 200)).cut(limit)
+        first = [RequestRecord(**r) for r in real[f"{trace.name} offline"]["real"]]
         capacity = len(trace) / compare_requests(first, first)["real_makespan_s"]
-        for wname, load in [(f"{trace.name} offline", offline(trace))] + [
-            (w, poisson(trace, float(w.split()[-3].rstrip("%")) / 100 * capacity, cfg.seed))
-            for w in real
-            if w.startswith(trace.name) and w.endswith("of capacity")
-        ]:
-            sim = simulate(load, model, meta["hardware"], cfg, None, profile=profile)
-            q = compare_requests(real[wname], sim.requests)
-            cost, _ = resolve_cost_model(
-                None,
-                spec,
-                get_hardware(meta["hardware"]),
-                profile,
-                cfg.num_speculative_tokens,
-                batch_invariant=cfg.batch_invariant,
-                async_scheduling=cfg.async_scheduling,
-            )
-            samples = recorded_steps.get(wname, [])
-            steps = step_errors(
-                [
-                    (x["kind"], x["shape"], x["wall_s"], x["execute_s"])
-                    for x in samples
-                    if "shape" in x
-                ],
-                cost,
-                step_basis(cfg, meta["hardware"]),
-            )
-            on_device = [
-                (x["kind"], x["shape"], x.get("device_s")) for x in samples if "shape" in x
-            ]
-            results.append({
-                "workload": wname, "requests": q, "steps": steps,
-                "steps_device": device_errors(on_device, cost),
-            })  # fmt: skip
-    print_tables(results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "resimulated.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    return 0
+        out.append((f"{trace.name} offline", offline(trace), cfg, model, None))
+        for w in real:
+            if w.startswith(trace.name) and w.endswith("of capacity"):
+                rate = float(w.split()[-3].rstrip("%")) / 100 * capacity
+                out.append((w, poisson(trace, rate, cfg.seed), cfg, model, None))
+    return out
 
 
 def _log_path(folder: Path | None, workload: str) -> Path | None:
@@ -411,9 +735,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--hardware", default=None, help="simulator hardware (default: detected)")
     p.add_argument("--profile", type=Path, default=None, help="profile for the simulator")
-    p.add_argument("--traces", default="azure_code_small.json,mooncake_conversation_small.jsonl")
-    p.add_argument("--num-requests", type=int, default=200)
-    p.add_argument("--rates", default="0.7,1.2", help="fractions of the offline capacity")
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help="named workloads (benchmarks/fidelity_workloads.py), comma-separated, or "
+        "'held-out' for all of them: " + ", ".join(w.name for w in HELD_OUT),
+    )
+    p.add_argument(
+        "--traces",
+        default=None,
+        help="without --workloads: bundled traces, each offline then at --rates "
+        "(default: azure_code_small.json,mooncake_conversation_small.jsonl)",
+    )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests per trace (default 200); with --workloads, at most this many each",
+    )
+    p.add_argument(
+        "--rates", default=None, help="without --workloads: fractions of the offline capacity "
+        "(default: 0.7,1.2)"
+    )  # fmt: skip
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="real runs of each workload, for the engine's own run-to-run spread (default: "
+        "3 on CUDA, else 1)",
+    )
+    p.add_argument(
+        "--add-mtp-layer",
+        action="store_true",
+        help="give a model with no MTP layer one in its own shapes for the speculating "
+        "workloads (dummy weights only), on both sides",
+    )
     p.add_argument(
         "--max-prompt",
         type=int,
@@ -441,55 +797,84 @@ def main(argv: list[str] | None = None) -> int:
     if args.real is not None:
         return resimulate(args.real, args.profile, args.out)
     cfg = engine_config_from_args(args)
+    if args.workloads is not None:
+        if args.traces is not None or args.rates is not None:
+            raise ValueError(
+                "--traces and --rates choose the default run; --workloads names its own"
+            )
+        recipes = parse_workloads(args.workloads)
+    else:
+        recipes = legacy_workloads(
+            args.traces or "azure_code_small.json,mooncake_conversation_small.jsonl",
+            args.rates if args.rates is not None else "0.7,1.2",
+            args.num_requests or 200,
+        )
 
+    import torch
+
+    from executors.loader import resolve_model_dir
     from executors.profile_env import hardware_name
     from executors.torch_executor import TorchExecutor
 
-    load_format = "dummy" if args.model in known_models() else "auto"
-    executor = TorchExecutor(
-        cfg, args.model, device=args.device, dtype=args.dtype, load_format=load_format
-    )
-    hardware = args.hardware or hardware_name(executor.device)
-    sim_model = args.model if args.model in known_models() else str(executor.model_dir)
-    max_len = min(executor.max_model_len, executor.num_kv_blocks() * cfg.block_size)
-    limit = args.max_prompt or max_len
-    results = []
-    for name in args.traces.split(","):
-        trace = workloads(load_trace(ROOT / "traces" / name), limit, args.num_requests)
-        first = run_workload(
-            executor, cfg, offline(trace), sim_model, hardware, args.profile,
-            executor.max_model_len, _log_path(args.step_log, f"{trace.name} offline"),
-        )  # fmt: skip
-        results.append(first)
-        capacity = len(trace) / first["requests"]["real_makespan_s"]
-        for frac in (float(x) for x in args.rates.split(",") if x):
-            load = poisson(trace, frac * capacity, seed=cfg.seed)
-            load.name = f"{trace.name} {frac:.0%} of capacity"
-            results.append(
-                run_workload(
-                    executor,
-                    cfg,
-                    load,
-                    sim_model,
-                    hardware,
-                    args.profile,
-                    executor.max_model_len,
-                    _log_path(args.step_log, load.name),
-                )  # fmt: skip
+    dummy = args.model in known_models()
+    load_format = "dummy" if dummy else "auto"
+    spec = load_model_config(resolve_model_dir(args.model, weights=not dummy))
+    if args.add_mtp_layer:
+        if spec.num_nextn_predict_layers:
+            raise ValueError(
+                f"--add-mtp-layer: {spec.name} ships {spec.num_nextn_predict_layers} MTP "
+                "layer(s) already; drop the flag"
             )
-        print(f"{name}: capacity {capacity:.2f} req/s", flush=True)
+        if not any(w.speculates for w in recipes):
+            raise ValueError("--add-mtp-layer: no workload named speculates")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    hardware = args.hardware or hardware_name(device)
+    repeats = args.repeats or (3 if device.type == "cuda" else 1)
+    cache = cfg.num_gpu_blocks * cfg.block_size if cfg.num_gpu_blocks else 1 << 62
+    limit = args.max_prompt or min(cfg.max_model_len or spec.max_position_embeddings, cache)
+    planned, skipped = plan(
+        recipes, spec, cfg, limit, args.num_requests if args.workloads else None,
+        args.add_mtp_layer, dummy,
+    )  # fmt: skip
+    if not planned:
+        print("no workload to run", file=sys.stderr)
+        return 2
+    sim_name = args.model if dummy else str(resolve_model_dir(args.model, weights=True))
+    startup: list[float] = []
+
+    def build(engine: EngineConfig, mtp_added: bool) -> Any:
+        model = args.model
+        if mtp_added:
+            model = str(
+                write_config_with_mtp_layer(args.model, tempfile.mkdtemp(prefix="fidelity-"))
+            )
+        executor = TorchExecutor(
+            engine, model, device=str(device), dtype=args.dtype, load_format=load_format
+        )
+        startup.append(executor.startup_seconds)
+        return executor
+
+    def sim_model(mtp_added: bool) -> str | ModelConfig:
+        if mtp_added:
+            return load_model_config(sim_name).replace(num_nextn_predict_layers=1)
+        return sim_name
+
+    results = run_planned(planned, build, sim_model, hardware, args.profile, repeats, args.step_log)
     print_tables(results)
+    print_spread_table(results, skipped)
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, args.out / "fidelity.png")
     meta = {
         "model": args.model,
-        "sim_model": sim_model,
+        "sim_model": sim_name,
         "max_prompt": limit,
-        "num_requests": args.num_requests,
-        "traces": args.traces,
+        "num_requests": args.num_requests or 200,
+        "traces": args.traces or "azure_code_small.json,mooncake_conversation_small.jsonl",
+        "workloads": [r["workload"] for r in results],
+        "repeats": repeats,
         "hardware": hardware,
         "engine": {k: getattr(cfg, k) for k in cfg.field_names()} | {"role": cfg.role.value},
-        "startup_s": executor.startup_seconds,
+        "startup_s": startup[0] if startup else None,
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
     (args.out / "fidelity.json").write_text(
@@ -497,23 +882,27 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "meta": meta,
                 "workloads": [{k: v for k, v in r.items() if k[0] != "_"} for r in results],
+                "skipped": skipped,
             },
             indent=1,
             default=str,
         )
         + "\n"
     )
-    # For analysis beside fidelity.json: every request record and both step logs.
+    # For analysis beside fidelity.json: every request record, both step logs, and the
+    # requests each workload ran (what `--real` simulates again).
     (args.out / "fidelity_records.json").write_text(
         json.dumps(
             [
-                {"workload": r["workload"]} | r["_records"] | {"timelines": r["_timelines"]}
+                {"workload": r["workload"]}
+                | r["_records"]
+                | {"timelines": r["_timelines"]}
+                | {"trace": r["_trace"]}
                 for r in results
             ]
         )  # fmt: skip
         + "\n"
     )
-    executor.shutdown()
     return 0
 
 

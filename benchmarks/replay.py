@@ -56,6 +56,8 @@ class ReplayResult:
     steps: list[StepSample] = field(default_factory=list)
     wall_s: float = 0.0
     engine_steps: list[StepRecord] = field(default_factory=list)  # the engine's own log
+    # Drafts accepted over drafts verified (None: the engine did not speculate).
+    draft_acceptance: float | None = None
 
 
 def materialized_requests(trace: Trace, vocab_size: int) -> list[Request]:
@@ -113,6 +115,8 @@ def replay(
                 sample.device_s, sample.device_idle_before_s = got
     result.wall_s = time.monotonic() - t0
     result.engine_steps = list(engine.steps)
+    drafts = engine.scheduler.num_draft_tokens
+    result.draft_acceptance = engine.scheduler.num_accepted_drafts / drafts if drafts else None
     by_id = {r.req_id: r for r in engine.records}
     result.records = [by_id[r.request_id] for r in requests]
     return result

@@ -20,6 +20,14 @@
 #     CPU cores: mutmut over tests/property, tests/property/MUTATION.md; its wheels travel in
 #     .whl/mut/ (pip download mutmut==3.8.1 and its dependencies, hypothesis, for Python 3.12);
 #     results and per-module counts land in $OUT/mutation/)
+#   bash benchmarks/run_device.sh fidelity46a|fidelity46b|fidelity46c   (not in all: the
+#     held-out fidelity workloads, each run 3 times by the real engine beside the simulator;
+#     a: Moonlight, own arrivals at 1x / 2x / saturated / 2x overload, Poisson async and
+#     sync, the conversation trace (~7 min); b: Moonlight, small KV cache, prefix reuse at
+#     50/70/90%, speculation k = 3 and varlen with an added MTP layer (~7 min); c:
+#     DeepSeek-V2-Lite, long prompts (16k-64k), offline, saturated, conversation, prefix
+#     reuse 70%, k = 3 (~6 min). The shipped profiles are the H200's: on another card the
+#     simulator prices with the analytic model (the tables' "cost model" line says which)
 # The model sweep's JSON plots here with python -m benchmarks.plot_model_speed (matplotlib).
 # Missing pure-Python packages (simpy) travel as wheels in .whl/.
 set -uo pipefail
@@ -67,8 +75,8 @@ fi
 if [[ $what == async ]]; then
   "${bench[@]}" fidelity --out "$OUT/fidelity_async" --model moonlight-16b-a3b \
     --device cuda --num-requests 200 --traces azure_code_small.json --num-gpu-blocks 20000 \
-    --max-num-seqs 256 --max-num-batched-tokens 8192 --async-scheduling true 2>&1 \
-    | grep -v Warning | tee "$OUT/fidelity_async.log" | tail -30
+    --max-num-seqs 256 --max-num-batched-tokens 8192 --async-scheduling true --repeats 1 \
+    2>&1 | grep -v Warning | tee "$OUT/fidelity_async.log" | tail -30
   # The served prompt steps replayed as the profiler replays its points: is the gap
   # between the price of a mixed step and its served time in its shape or its context?
   python3 benchmarks/investigations/step_variance.py --served "$OUT/fidelity_async/fidelity.json" \
@@ -85,6 +93,24 @@ if [[ $what == mutation ]]; then
     > "$OUT/mutation/results.txt" 2>&1
   python3 tests/property/mutation_counts.py "$OUT/mutation/results.txt" \
     | tee "$OUT/mutation/counts.md"
+fi
+if [[ $what == fidelity46a || $what == fidelity46b || $what == fidelity46c ]]; then
+  # benchmarks/fidelity_workloads.py names the recipes; the engine of run A in RESULTS.md
+  # (async scheduling on unless a recipe says otherwise).
+  model=moonlight-16b-a3b
+  extra=()
+  case $what in
+    fidelity46a) workloads=offline,own-arrivals,own-arrivals-x2,saturated,overload-2x,async,sync,conversation ;;
+    fidelity46b) workloads=small-kv,prefix-reuse-50,prefix-reuse-70,prefix-reuse-90,spec-k3,spec-varlen
+      extra=(--add-mtp-layer) ;;
+    fidelity46c) model=deepseek-v2-lite
+      workloads=long-context,offline,saturated,conversation,prefix-reuse-70,spec-k3
+      extra=(--add-mtp-layer) ;;
+  esac
+  "${bench[@]}" fidelity --out "$OUT/$what" --model $model --device cuda --repeats 3 \
+    --workloads $workloads "${extra[@]}" --num-gpu-blocks 20000 --max-num-seqs 256 \
+    --max-num-batched-tokens 8192 "$@" 2>&1 | grep -v Warning | tee "$OUT/$what.log" | tail -60
+  status=${PIPESTATUS[0]}
 fi
 if [[ $what == all || $what == tests ]]; then
   python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=10 2>&1 \
@@ -177,7 +203,7 @@ if [[ $what == serve ]]; then
   if [[ -z $rate ]]; then
     "${bench[@]}" fidelity --out "$OUT/fidelity_offline" --model moonlight-16b-a3b \
       --device cuda --num-requests 200 --traces azure_code_small.json --rates 0.7 \
-      "${engine[@]}" 2>&1 | grep -v Warning | tee "$OUT/fidelity_offline.log" | tail -30
+      --repeats 1 "${engine[@]}" 2>&1 | grep -v Warning | tee "$OUT/fidelity_offline.log" | tail -30
     capacity=$(grep -o "capacity [0-9.]* req/s" "$OUT/fidelity_offline.log" | head -1 \
       | cut -d' ' -f2)
     rate=$(python3 -c "print(0.7 * float('${capacity:-0}'))")
