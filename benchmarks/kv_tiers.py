@@ -3,11 +3,15 @@ the simulator's prediction of the same run (issue 45's device figures).
 
     deepinfer bench kv-tiers --out DIR [--model moonlight-16b-a3b] [--device cuda]
         [--trace mooncake_conversation_small.jsonl] [--num-requests 60]
-        [--max-prompt 8192] [--max-output 32] [--hbm-fraction 0.25] [--host-gib G]
+        [--max-prompt 8192] [--max-output 32] [--prefix-hit 0.7 --documents 8]
+        [--hbm-fraction 0.25] [--host-gib G]
         [--pd-requests 16] [engine options]
 
 1. tiers: the trace's requests (prefix reuse: requests sharing hash ids share those
-   prompt blocks), all arriving at once, through the real engine (EngineCore + the torch
+   prompt blocks; the first requests of Mooncake's conversation slice share little
+   beyond a system prompt that never leaves HBM, so by default each request's leading
+   part is one of --documents shared documents, taken in turn, for --prefix-hit of the
+   prompt tokens, which evicts each before it comes back), all arriving at once, through the real engine (EngineCore + the torch
    executor, dummy weights for a preset) with `num_gpu_blocks` set so that HBM holds
    --hbm-fraction of the prefix blocks that two or more requests share, once without and
    once with `kv_host_cache_gib` (default: room for every shared prefix block). Per run:
@@ -49,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.fidelity_workloads import TRACES
+from benchmarks.fidelity_workloads import TRACES, with_prefix_hit
 from benchmarks.replay import ReplayResult, materialized_requests, replay
 from deepinfer.config import EngineConfig, EngineRole
 from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
@@ -500,6 +504,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--max-prompt", type=int, default=8192)
     p.add_argument("--max-output", type=int, default=32)
+    p.add_argument("--prefix-hit", type=float, default=0.7,
+                   help="the slice's prefix blocks rewritten so that an unbounded cache "
+                   "would serve this fraction of its prompt tokens, request i sharing "
+                   "document i mod --documents (benchmarks/fidelity_workloads.py's "
+                   "with_prefix_hit); 0: the trace's own hash ids")  # fmt: skip
+    p.add_argument("--documents", type=int, default=8,
+                   help="shared documents the requests take turns on (--prefix-hit)")  # fmt: skip
     p.add_argument("--hbm-fraction", type=float, default=0.25,
                    help="num_gpu_blocks: this fraction of the shared prefix blocks (unless "
                    "--num-gpu-blocks is given)")  # fmt: skip
@@ -533,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.trace) if Path(args.trace).exists() else TRACES / args.trace
     limit = min(args.max_prompt, spec.max_position_embeddings - args.max_output)
     trace = trace_slice(path, args.num_requests, limit, args.max_output)
+    if args.prefix_hit > 0:
+        trace = with_prefix_hit(trace, args.prefix_hit, args.documents)
     bs = cfg.block_size
     shared = shared_prefix_blocks(trace, bs)
     if shared == 0:

@@ -120,8 +120,8 @@ if [[ $what == kv45 ]]; then
   python3 -m pytest -q -m gpu tests/executors/test_host_kv_tier.py tests/executors/test_kv_handover.py \
     -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
   "${bench[@]}" kv-tiers --out "$OUT/kv45" --model moonlight-16b-a3b --device cuda \
-    --num-requests 60 --max-prompt 8192 --max-output 32 --hbm-fraction 0.25 --pd-requests 16 \
-    --max-num-seqs 64 --max-num-batched-tokens 8192 "$@" 2>&1 | grep -v Warning \
+    --num-requests 60 --max-prompt 8192 --max-output 32 --prefix-hit 0.7 --documents 8 \
+    --hbm-fraction 0.25 --pd-requests 16 --max-num-seqs 64 --max-num-batched-tokens 8192 "$@" 2>&1 | grep -v Warning \
     | tee "$OUT/kv45.log" | tail -45
   status=${PIPESTATUS[0]}
 fi

@@ -45,7 +45,7 @@ def test_kv_tiers_bench_runs_the_host_tier_and_1p1d_beside_the_simulator(tmp_pat
     code = kv_tiers.main([
         "--out", str(tmp_path), "--model", "deepinfer-demo", "--device", "cpu",
         "--trace", str(_trace(tmp_path / "reuse.jsonl")), "--num-requests", "8",
-        "--max-output", "4", "--num-gpu-blocks", "6", "--block-size", "16",
+        "--max-output", "4", "--prefix-hit", "0", "--num-gpu-blocks", "6", "--block-size", "16",
         "--max-num-seqs", "2", "--max-num-batched-tokens", "256", "--pd-requests", "3",
     ])  # fmt: skip
     assert code == 0
