@@ -17,6 +17,7 @@ from typing import Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore, StepEventKind
+from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.outputs import SchedulerOutput
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
@@ -58,6 +59,9 @@ class ReplayResult:
     engine_steps: list[StepRecord] = field(default_factory=list)  # the engine's own log
     # Drafts accepted over drafts verified (None: the engine did not speculate).
     draft_acceptance: float | None = None
+    # The engine's KV manager after the run: its prefix hits per tier and its tiers' copies.
+    kv: KVCacheManager | None = None
+    output_tokens: list[list[int]] = field(default_factory=list)  # per request, in order
 
 
 def materialized_requests(trace: Trace, vocab_size: int) -> list[Request]:
@@ -115,10 +119,12 @@ def replay(
                 sample.device_s, sample.device_idle_before_s = got
     result.wall_s = time.monotonic() - t0
     result.engine_steps = list(engine.steps)
+    result.kv = engine.scheduler.kv
     drafts = engine.scheduler.num_draft_tokens
     result.draft_acceptance = engine.scheduler.num_accepted_drafts / drafts if drafts else None
     by_id = {r.req_id: r for r in engine.records}
     result.records = [by_id[r.request_id] for r in requests]
+    result.output_tokens = [list(r.output_token_ids) for r in requests]
     return result
 
 

@@ -28,6 +28,10 @@
 #     DeepSeek-V2-Lite, long prompts (16k-64k), offline, saturated, conversation, prefix
 #     reuse 70%, k = 3 (~6 min). The shipped profiles are the H200's: on another card the
 #     simulator prices with the analytic model (the tables' "cost model" line says which)
+#   bash benchmarks/run_device.sh kv45 [ARGS of deepinfer bench kv-tiers]   (not in all: the
+#     host KV tier's GPU tests, then Moonlight shapes on a Mooncake slice with prefix reuse,
+#     HBM holding a quarter of the shared prefixes, without and with the host tier, and 1P1D
+#     in one process on the GPU, each beside the simulator; about 5 min)
 # The model sweep's JSON plots here with python -m benchmarks.plot_model_speed (matplotlib).
 # Missing pure-Python packages (simpy) travel as wheels in .whl/.
 set -uo pipefail
@@ -110,6 +114,15 @@ if [[ $what == fidelity46a || $what == fidelity46b || $what == fidelity46c ]]; t
   "${bench[@]}" fidelity --out "$OUT/$what" --model $model --device cuda --repeats 3 \
     --workloads $workloads "${extra[@]}" --num-gpu-blocks 20000 --max-num-seqs 256 \
     --max-num-batched-tokens 8192 "$@" 2>&1 | grep -v Warning | tee "$OUT/$what.log" | tail -60
+  status=${PIPESTATUS[0]}
+fi
+if [[ $what == kv45 ]]; then
+  python3 -m pytest -q -m gpu tests/executors/test_host_kv_tier.py tests/executors/test_kv_handover.py \
+    -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+  "${bench[@]}" kv-tiers --out "$OUT/kv45" --model moonlight-16b-a3b --device cuda \
+    --num-requests 60 --max-prompt 8192 --max-output 32 --prefix-hit 0.7 --documents 8 \
+    --hbm-fraction 0.25 --pd-requests 16 --max-num-seqs 64 --max-num-batched-tokens 8192 "$@" 2>&1 | grep -v Warning \
+    | tee "$OUT/kv45.log" | tail -45
   status=${PIPESTATUS[0]}
 fi
 if [[ $what == all || $what == tests ]]; then

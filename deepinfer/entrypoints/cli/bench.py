@@ -38,6 +38,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "cluster_plans",
         "colocated replicas under each router and prefill/decode ratios on one trace",
     ),
+    "kv-tiers": (
+        "kv_tiers",
+        "a trace with prefix reuse without and with the host KV tier, and 1P1D handovers, "
+        "each beside the simulator's prediction",
+    ),
     "deepseek-production": (
         "deepseek_production",
         "DeepSeek's published per-node throughput beside the simulator's for its plan",
