@@ -795,6 +795,8 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_options(p)
     args = p.parse_args(argv)
     if args.real is not None:
+        if args.step_log is not None:
+            p.error("--step-log: --real runs no real engine (it re-simulates recorded runs)")
         return resimulate(args.real, args.profile, args.out)
     cfg = engine_config_from_args(args)
     if args.workloads is not None:

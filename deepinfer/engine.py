@@ -576,6 +576,9 @@ class EngineCore:
         if launch_error is not None:
             errors.update(_errors(outs[1], launch_error))
         errors.update(_errors(outs[0], exc))
+        for out in outs:  # the KV their schedules moved down a tier still gets there
+            if out.kv_saves:
+                self.executor.settle_kv_saves(out)
         aborted = self.scheduler.fail_step(outs, errors)
         now = self.clock()
         for req in aborted:

@@ -155,6 +155,13 @@ class Executor(ABC):
             "(a decode engine of a disaggregated setup needs one that can)"
         )
 
+    def settle_kv_saves(self, out: SchedulerOutput) -> None:  # noqa: B027 (a default)
+        """`out` will never run (it failed, or it was scheduled after a step that failed
+        and never launched), yet its schedule moved prefix blocks down a KV tier
+        (`out.kv_saves`): the tier's bookkeeping holds them, so their KV must get there.
+        Their HBM blocks are unwritten since (no step launched after `out`). Default:
+        nothing copied (the simulator prices the moves, it performs none)."""
+
     def discard_pending(self) -> None:  # noqa: B027 (a default that does nothing)
         """The engine dropped its step in flight (a step failed, or `discard_in_flight`):
         its result will never be read. Default: nothing to forget."""

@@ -27,6 +27,7 @@ A line that is not what it should be is an error naming the file and the line.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -223,8 +224,16 @@ def _step(path: Path, n: int, obj: Any) -> LoggedStep:
         raise ValueError(f"{where}: the step has no {', '.join(map(repr, missing))}")
     for key in ("duration", "schedule_s", "process_s"):
         value = obj[key]
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-            raise ValueError(f"{where}: {key} {value!r}: must be a number of seconds >= 0")
+        if not _is_count(value, float):
+            raise ValueError(f"{where}: {key} {value!r}: must be a finite number of seconds >= 0")
+    for f in fields(StepRecord):  # counts are whole; every figure a finite number >= 0
+        value = obj.get(f.name)
+        kind = float if f.type in ("float", float) else int
+        given = f.name in obj and not (value is None and f.default is None)
+        if given and not _is_count(value, kind):
+            raise ValueError(f"{where}: {f.name} {value!r}: must be a number >= 0")
+    if not isinstance(obj["overlapped"], bool):
+        raise ValueError(f"{where}: overlapped {obj['overlapped']!r}: must be true or false")
     groups = obj["groups"]
     if not isinstance(groups, list) or not groups:
         raise ValueError(f"{where}: groups {groups!r}: must list the step's requests")
@@ -239,6 +248,15 @@ def _step(path: Path, n: int, obj: Any) -> LoggedStep:
         n, record, groups, float(obj["schedule_s"]), float(obj["process_s"]),
         bool(obj["overlapped"]),
     )  # fmt: skip
+
+
+def _is_count(value: Any, kind: type) -> bool:
+    """A number >= 0 (not a bool); for int, whole; for float, finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if kind is int and not isinstance(value, int):
+        return False
+    return math.isfinite(value) and value >= 0 if isinstance(value, float) else value >= 0
 
 
 def _is_group(g: Any) -> bool:

@@ -68,6 +68,7 @@ class HostKVTier:
         self._held: list[int | None] = [None] * num_slots
         self.num_loaded = 0  # blocks copied in, over the steps
         self.num_saved = 0  # blocks copied out
+        self._last_applied = -1  # the last step whose copies were queued (steps go in order)
 
     @property
     def num_slots(self) -> int:
@@ -83,6 +84,21 @@ class HostKVTier:
         loads, saves = out.kv_loads, out.kv_saves
         if not loads and not saves:
             return
+        self._check_tiers(loads, saves)
+        sources = self._load_sources(loads, saves)
+        self._last_applied = out.step_id
+        self._queue(loads, saves, sources)
+
+    def settle(self, out: SchedulerOutput) -> None:
+        """`out` will never run (Executor.settle_kv_saves): copy its saves, unless its
+        launch already queued them; its loads are moot (its requests start over)."""
+        if out.step_id <= self._last_applied or not out.kv_saves:
+            return
+        self._check_tiers((), out.kv_saves)
+        self._last_applied = out.step_id
+        self._queue((), out.kv_saves, [])
+
+    def _check_tiers(self, loads: Sequence[KVLoad], saves: Sequence[KVSave]) -> None:
         for copy in (*loads, *saves):
             if copy.tier != HOST:
                 raise ValueError(
@@ -90,7 +106,10 @@ class HostKVTier:
                     "own host memory only (kv_host_cache_gib); a shared store is a "
                     "simulator plan"
                 )
-        sources = self._load_sources(loads, saves)
+
+    def _queue(
+        self, loads: Sequence[KVLoad], saves: Sequence[KVSave], sources: Sequence[int | None]
+    ) -> None:
         if self.stream is None:
             self._copy(loads, saves, sources)
             return

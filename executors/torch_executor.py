@@ -252,6 +252,10 @@ class TorchExecutor(Executor):
         """Whether `out`, launched now, runs beside the step in flight (ModelRunner)."""
         return self.runner.can_overlap(out)
 
+    def settle_kv_saves(self, out: SchedulerOutput) -> None:
+        if self.runner.host_tier is not None:
+            self.runner.host_tier.settle(out)
+
     def discard_pending(self) -> None:
         """The engine dropped its step in flight (EngineCore._fail, discard_in_flight)."""
         self.runner.discard_pending()

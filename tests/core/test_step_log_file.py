@@ -106,6 +106,13 @@ GOOD = json.dumps(
         (GOOD.replace("[[1, 1, 40, false]]", "[]"), "groups []"),
         (GOOD.replace("[[1, 1, 40, false]]", "[[0, 1, 40, false]]"), "group [0, 1, 40, False]"),
         (GOOD.replace("[[1, 1, 40, false]]", "[[1, 1, 40, 1]]"), "group [1, 1, 40, 1]"),
+        (GOOD.replace('"duration": 0.01', '"duration": Infinity'), "duration inf"),
+        (GOOD.replace('"overlapped": false', '"overlapped": "false"'), "overlapped 'false'"),
+        (
+            re.sub(r'"num_scheduled_reqs": \d+', '"num_scheduled_reqs": "three"', GOOD),
+            "num_scheduled_reqs 'three'",
+        ),
+        (re.sub(r'"num_running": \d+', '"num_running": 1.5', GOOD), "num_running 1.5"),
     ],
 )
 def test_a_malformed_step_names_the_file_and_line(tmp_path: Path, line: str, says: str) -> None:

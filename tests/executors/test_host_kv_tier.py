@@ -213,3 +213,48 @@ def test_on_cuda_a_prefix_from_host_gives_the_tokens_of_a_large_hbm(
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         g, w = got.outputs[0].cumulative_logprob, want.outputs[0].cumulative_logprob
         assert g is not None and w is not None and abs(g - w) < 1e-5
+
+
+def test_saves_of_a_step_that_never_launched_still_reach_host_memory(
+    tiny_models: dict[str, TinyModel],
+) -> None:
+    """Async scheduling: B's decode step fails while the step after it (C's prompt, with
+    prompt logprobs: it cannot overlap, so it waits to launch) was scheduled evicting A's
+    cached blocks to host memory. That step never launches, yet the tier holds A's blocks:
+    their saves are copied as the engine drops the step, so A, and an unrelated prompt
+    beside it, are served later (not aborted on a slot that holds nothing)."""
+    from deepinfer.request import Request
+    from executors.step_handle import PendingStep
+
+    llm = _llm(tiny_models["v3_plain"], 10, 0.001, enable_prefix_caching=True,
+               async_scheduling=True)  # fmt: skip
+    engine, executor = llm.engine, llm.executor
+    assert isinstance(engine, EngineCore)
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    want = llm.generate([A], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    launch = executor.execute_async
+    fail = {engine.scheduler.step_id + 2}  # B's first decode step
+
+    def execute_async(out: SchedulerOutput):  # type: ignore[no-untyped-def]
+        handle = launch(out)
+        return PendingStep.failed(RuntimeError("injected")) if out.step_id in fail else handle
+
+    executor.execute_async = execute_async  # type: ignore[method-assign]
+    b = Request("B", prompts(7, [5])[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request(b)
+    engine.step()
+    c = Request("C", C + B, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1))
+    engine.add_request(c)
+    while engine.has_unfinished():
+        engine.step()
+    fail.clear()
+    assert engine.scheduler.kv.tiers is not None and len(engine.scheduler.kv.tiers.host) > 0
+    again = [Request("A2", A, greedy), Request("D", prompts(3, [5])[0], greedy)]
+    for r in again:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.status.value for r in again] == ["finished", "finished"], [
+        r.reject_reason for r in again
+    ]
+    assert again[0].output_token_ids == want
