@@ -158,15 +158,20 @@ def simulate(
         meta = dict(cost.meta) | {"hardware": hw.name, "cost_model": cost_meta}
         header = step_log_header(name, hw.name, engine, "sim", meta)
         writer = StepLogWriter(step_log, header, host_price=cost.cpu_time)
-    core = EngineCore(
-        engine,
-        executor,
-        clock=clock,
-        model_max_len=spec.max_position_embeddings,
-        check_invariants=check_invariants,
-        kv_tiers=tiers.build(block_bytes),
-        step_writer=writer,
-    )
+    try:
+        core = EngineCore(
+            engine,
+            executor,
+            clock=clock,
+            model_max_len=spec.max_position_embeddings,
+            check_invariants=check_invariants,
+            kv_tiers=tiers.build(block_bytes),
+            step_writer=writer,
+        )
+    except BaseException:  # (a refused option: the log holds its header only)
+        if writer is not None:
+            writer.close()
+        raise
     requests = build_requests(trace, spec.vocab_size)
     mask_s = float(grammar_mask_per_token_s)
     runs = FastForwardStats() if fast_forward else None

@@ -105,10 +105,15 @@ class LLM:
                 from executors.profile_env import step_log_writer
 
                 writer = step_log_writer(step_log, self.executor, self.config, model)
-            self.engine = EngineCore(
-                self.config, self.executor, model_max_len=self.executor.max_model_len,
-                check_invariants=check_invariants, step_writer=writer,
-            )  # fmt: skip
+            try:
+                self.engine = EngineCore(
+                    self.config, self.executor, model_max_len=self.executor.max_model_len,
+                    check_invariants=check_invariants, step_writer=writer,
+                )  # fmt: skip
+            except BaseException:  # (a refused option: the log holds its header only)
+                if writer is not None:
+                    writer.close()
+                raise
         self.tokenizer = maybe_tokenizer(self.executor.model_dir, trust_remote_code)
         self.processor = InputProcessor(
             self.tokenizer,

@@ -207,3 +207,31 @@ def test_the_simulator_refuses_a_step_log_it_would_write_wrong(tmp_path, trace, 
             trace, "deepseek-v2-lite", "h200", EngineConfig(data_parallel_size=2),
             step_log=tmp_path / "y.jsonl",
         )  # fmt: skip
+
+
+def test_a_step_log_is_closed_when_the_engine_cannot_be_built(
+    tmp_path, trace, demo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer opens the file (its header written) before the engine is built: an
+    engine that refuses its options must not leave the file open."""
+    import sim.simulator
+    from deepinfer.step_log_file import StepLogWriter
+
+    closed: list[bool] = []
+    close = StepLogWriter.close
+
+    def recording_close(self: StepLogWriter) -> None:
+        closed.append(True)
+        close(self)
+
+    def refusing(*args: object, **kwargs: object) -> None:
+        raise ValueError("refused")
+
+    monkeypatch.setattr(StepLogWriter, "close", recording_close)
+    monkeypatch.setattr(sim.simulator, "EngineCore", refusing)
+    with pytest.raises(ValueError, match="refused"):
+        simulate(
+            trace, demo, "cpu", ENGINE.replace(async_scheduling=False),
+            profile=DEMO_PROFILE, step_log=tmp_path / "x.jsonl",
+        )  # fmt: skip
+    assert closed == [True]
