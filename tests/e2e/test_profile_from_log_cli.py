@@ -68,6 +68,7 @@ def test_another_runs_steps_are_checked_against_the_fit(sim_log, tmp_path, capsy
         (["--max-num-seqs", "8"], "--max-num-seqs: options of a measuring run"),
         (["--compare", GRID], "--compare: with --held-out F or --check LOG"),
         (["--held-out", "1.5"], "--held-out 1.5: a fraction"),
+        (["--model", "deepseek-v3"], "was written by"),  # the log's is the demo model
     ],
 )
 def test_what_a_fit_from_logs_does_not_take_is_refused(
@@ -85,3 +86,17 @@ def test_its_options_without_from_log_and_bad_logs_exit_2(sim_log, tmp_path, cap
     bad.write_text(sim_log.read_text().split("\n")[0] + "\n{oops\n")
     assert main(["profile", "--from-log", str(bad), "--out", str(tmp_path / "p.json")]) == 2
     assert "bad.jsonl:2: not JSON" in capsys.readouterr().err
+
+
+def test_a_log_whose_model_does_not_load_here_is_named(sim_log, tmp_path, capsys) -> None:
+    """The simulator's header keeps --model as given (a relative path): read elsewhere,
+    the error names the log and the way out (--model)."""
+    moved = tmp_path / "moved.jsonl"
+    header, rest = sim_log.read_text().split("\n", 1)
+    moved.write_text(header.replace(DEMO, "no/such/model/dir") + "\n" + rest)
+    assert main(["profile", "--from-log", str(moved), "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "moved.jsonl: its model 'no/such/model/dir' does not load here" in err
+    assert "--model" in err
+    out = tmp_path / "q.json"
+    assert main(["profile", "--from-log", str(moved), "--out", str(out), "--model", DEMO]) == 0

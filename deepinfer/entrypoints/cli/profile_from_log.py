@@ -93,7 +93,23 @@ def run_from_log(args: argparse.Namespace, model: str | None) -> int:
     from sim.profiled_cost_model import load_profile
 
     logs = load_logs(args.from_log)
-    spec = load_model_config(model or logs[0].header["model"])
+    logged_name = logs[0].header["model"]
+    logged = None
+    try:
+        logged = load_model_config(logged_name)
+    except (ValueError, OSError) as e:
+        if model is None:
+            raise ValueError(
+                f"{logs[0].path}: its model {logged_name!r} does not load here ({e}); "
+                "name it with --model"
+            ) from e
+    spec = load_model_config(model) if model is not None else logged
+    assert spec is not None
+    if logged is not None and logged.name != spec.name:
+        raise ValueError(
+            f"--model {model}: {logs[0].path} was written by {logged_name!r} "
+            f"({logged.name}), a different model"
+        )
     base = load_profile(args.base) if args.base is not None else None
     fit = fit_from_logs(logs, spec, base)
     profile = fit.profile
