@@ -56,7 +56,7 @@ from benchmarks.fidelity_workloads import (
     parse_workloads,
     with_prefix_hit,
 )
-from benchmarks.replay import ReplayResult, offline, poisson, replay
+from benchmarks.replay import ReplayResult, add_replay_options, offline, poisson, replay
 from deepinfer.config import EngineConfig
 from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
 from deepinfer.model_config import (
@@ -729,12 +729,7 @@ def _log_path(folder: Path | None, workload: str) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--model", default="moonlight-16b-a3b")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--hardware", default=None, help="simulator hardware (default: detected)")
-    p.add_argument("--profile", type=Path, default=None, help="profile for the simulator")
+    add_replay_options(p)
     p.add_argument(
         "--workloads",
         default=None,

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.fidelity_workloads import TRACES, with_prefix_hit
-from benchmarks.replay import ReplayResult, materialized_requests, replay
+from benchmarks.replay import ReplayResult, add_replay_options, materialized_requests, replay
 from deepinfer.config import EngineConfig, EngineRole
 from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
 from deepinfer.kv_cache.tiers import HBM, HOST
@@ -493,12 +493,7 @@ def print_pd_table(pd: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--model", default="moonlight-16b-a3b")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--hardware", default=None, help="simulator hardware (default: detected)")
-    p.add_argument("--profile", type=Path, default=None, help="profile for the simulator")
+    add_replay_options(p)
     p.add_argument("--trace", default="mooncake_conversation_small.jsonl",
                    help="a trace file, or a name under traces/")  # fmt: skip
     p.add_argument("--num-requests", type=int, default=60)

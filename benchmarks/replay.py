@@ -9,10 +9,12 @@ their time has come, as the simulator admits them; the engine sleeps when idle.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from deepinfer.config import EngineConfig
@@ -156,3 +158,15 @@ def _run(engine: EngineCore, pending: deque[Request], result: ReplayResult) -> N
                 StepSample(shape, end - start, rec.duration, start - last_end, rec.step_id)
             )
         last_end = end
+
+
+def add_replay_options(p: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that replays requests through the real engine beside
+    the simulator: where its results go, the model and device, and the simulator's
+    hardware and profile."""
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default="moonlight-16b-a3b")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--hardware", default=None, help="simulator hardware (default: detected)")
+    p.add_argument("--profile", type=Path, default=None, help="profile for the simulator")
