@@ -155,6 +155,8 @@ def simulate(
                 "its own (the real engine's is); simulate with async_scheduling=False"
             )
         name = model if isinstance(model, str) else spec.name
+        if Path(name).exists():  # a checkpoint directory or config: readable from anywhere
+            name = str(Path(name).resolve())
         meta = dict(cost.meta) | {"hardware": hw.name, "cost_model": cost_meta}
         header = step_log_header(name, hw.name, engine, "sim", meta)
         writer = StepLogWriter(step_log, header, host_price=cost.cpu_time)

@@ -235,3 +235,18 @@ def test_a_step_log_is_closed_when_the_engine_cannot_be_built(
             profile=DEMO_PROFILE, step_log=tmp_path / "x.jsonl",
         )  # fmt: skip
     assert closed == [True]
+
+
+def test_a_model_given_as_a_relative_path_is_logged_absolute(
+    tmp_path, trace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header names the model so the log can be fitted from any directory."""
+    monkeypatch.chdir(DEMO_DIR.parent)
+    path = tmp_path / "x.jsonl"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        simulate(
+            Trace(trace.name, trace.source, trace.requests[:5]), DEMO_DIR.name, "cpu",
+            ENGINE.replace(async_scheduling=False), profile=DEMO_PROFILE, step_log=path,
+        )  # fmt: skip
+    assert read_step_log(path).header["model"] == str(DEMO_DIR.resolve())
