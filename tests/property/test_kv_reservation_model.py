@@ -15,6 +15,7 @@ aborts interleave, under either scheduling mode. The rules, both ways:
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -127,6 +128,20 @@ class ReservationMachine(RuleBasedStateMachine):
         rid = waiting[pick % len(waiting)]
         self.engine.kv_arrived(rid)
         self.arrived.add(rid)
+
+    @precondition(lambda self: bool(self.requests))
+    @rule(pick=st.integers(0, 100))
+    def kv_arrives_unasked(self, pick: int) -> None:
+        """Only a reserved request still awaiting its KV takes one: any other (not
+        reserved yet, arrived already, running, ended) is refused by name."""
+        awaiting = set(self._awaiting_reserved())
+        others = [r for r in self.requests if r not in awaiting]
+        if not others:
+            return
+        rid = others[pick % len(others)]
+        with pytest.raises(ValueError, match=f"kv_arrived\\({rid!r}\\): no reserved request"):
+            self.engine.kv_arrived(rid)
+        note("an unasked KV refused")
 
     @rule()
     def step(self) -> None:
