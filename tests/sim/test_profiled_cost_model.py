@@ -102,10 +102,12 @@ def test_simulate_uses_the_profile_where_one_is_shipped_and_says_so_elsewhere() 
     profiled = simulate(reqs, engine=cfg)
     assert profiled.meta["cost_model"] == "profiled" and profiled.meta["calibrated"]
     assert profiled.meta["profile"].endswith("moonlight-16b-a3b__h200.json")
-    other = simulate(reqs, hardware="h100", engine=cfg)
+    other = simulate(reqs, hardware="b200", engine=cfg)
     assert other.meta["cost_model"] == "analytic" and not other.meta["calibrated"]
-    with pytest.raises(ValueError, match="no profile of 'moonlight-16b-a3b' on 'h100'"):
-        simulate(reqs, hardware="h100", engine=cfg, cost_model="profiled")
+    with pytest.raises(ValueError, match="no profile of 'moonlight-16b-a3b' on 'b200'"):
+        simulate(reqs, hardware="b200", engine=cfg, cost_model="profiled")
+    h100 = simulate(reqs, hardware="h100", engine=cfg)
+    assert h100.meta["profile"].endswith("moonlight-16b-a3b__h100.json")
 
 
 def test_host_time_grows_with_the_requests_of_a_step() -> None:
