@@ -18,11 +18,12 @@ the simulator's prediction of the same run (issue 45's device figures).
    TTFT p50/p99, prompt tokens computed (the steps' prompt tokens: a prefix hit is not
    computed, a preempted request's prompt is computed again), prefix hits per tier (the
    KV manager's counters), blocks saved to and loaded from host memory, and the copy
-   bandwidth achieved: the host and device bytes the tier moved over the time its copy
-   stream spent on them (CUDA events around each step's copies on that stream: the gather
-   of the saves and the scatter of the loads in HBM are inside that time, so the figure
-   is a floor of the link's), against PCIe Gen5 x16's and NVLink-C2C's figures. On a CPU
-   the time is the wall time of the copies (no stream). Beside each figure: `simulate()`
+   bandwidth achieved each way: the bytes loaded from host slots over the time the tier's
+   copy stream spent on the steps' gathers and loads, and the bytes saved over the time
+   its save stream spent on them (CUDA events around each step's copies on each stream:
+   the gather and the scatter in HBM are inside the load side's time, so its figure is a
+   floor of the link's), against PCIe Gen5 x16's and NVLink-C2C's figures. On a CPU the
+   times are the wall time of the copies (no stream). Beside each figure: `simulate()`
    of the same requests with the same EngineConfig (the same num_gpu_blocks and tier).
 2. pd: the first --pd-requests of the requests through a prefill and a decode engine in
    this process (deepinfer/disaggregated_engine.py; on one GPU both share it), all
@@ -138,61 +139,79 @@ def run_figures(
 
 
 class CopyTimes:
-    """The host tier's copies of each step, timed around `HostKVTier._copy` (benchmark
-    only: the tier itself times nothing). On CUDA an event pair on the copy stream, read
-    after the run; on a CPU the copies' wall time. Bytes: host-to-device (loads read from
-    a host slot) and device-to-host (distinct slots saved)."""
+    """The host tier's copies of each step, timed around `HostKVTier._load` (the gather of
+    the saves and the loads, on the copy stream) and `HostKVTier._save` (the saves' way to
+    the host, on the save stream), benchmark only: the tier itself times nothing. On CUDA
+    an event pair on each call's stream, read after the run; on a CPU the calls' wall
+    time. Bytes: host to device (loads read from a host slot, not from the step's own
+    save) and device to host (distinct slots saved). The load side's time holds the gather
+    and the scatter in HBM, and any wait for a save still writing a slot it reads: its
+    bandwidth is a floor of the link's."""
 
     def __init__(self) -> None:
         self.bytes_h2d = 0
         self.bytes_d2h = 0
-        self._events: list[Any] = []  # (start, end) CUDA events
-        self._wall_s = 0.0
+        self._events: dict[str, list[Any]] = {"load": [], "save": []}  # (start, end) pairs
+        self._wall_s = {"load": 0.0, "save": 0.0}
 
     @contextmanager
     def around(self, tier: Any) -> Iterator[None]:
         import torch
 
-        original = tier._copy
         on_cuda = tier.stream is not None
 
-        def timed(loads: Any, saves: Any, sources: Any) -> Any:
-            self.bytes_h2d += sum(1 for j in sources if j is None) * tier.block_bytes
-            self.bytes_d2h += len({s.slot for s in saves}) * tier.block_bytes
-            if not on_cuda:
-                t0 = time.perf_counter()
-                ready = original(loads, saves, sources)
-                self._wall_s += time.perf_counter() - t0
-                return ready
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()  # (the current stream: apply runs _copy on the copy stream)
-            ready = original(loads, saves, sources)
-            end.record()
-            self._events.append((start, end))
-            return ready
+        def timed(side: str, original: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any) -> Any:
+                if not on_cuda:
+                    t0 = time.perf_counter()
+                    result = original(*args)
+                    self._wall_s[side] += time.perf_counter() - t0
+                    return result
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()  # (the current stream: the tier's, as it calls)
+                result = original(*args)
+                end.record()
+                self._events[side].append((start, end))
+                return result
 
-        tier._copy = timed
+            return call
+
+        def load(loads: Any, saves: Any, sources: Any, fences: Any) -> Any:
+            self.bytes_h2d += sum(1 for j in sources if j is None) * tier.block_bytes
+            return timed("load", tier_load)(loads, saves, sources, fences)
+
+        def save(saves: Any, written: Any, gathered: Any) -> None:
+            self.bytes_d2h += len(written) * tier.block_bytes
+            timed("save", tier_save)(saves, written, gathered)
+
+        tier_load, tier_save = tier._load, tier._save
+        tier._load, tier._save = load, save
         try:
             yield
         finally:
-            del tier._copy  # the class's method again
+            del tier._load, tier._save  # the class's methods again
 
-    def seconds(self) -> float:
-        if self._events:
+    def seconds(self, side: str) -> float:
+        """The time the `side` ("load" or "save") stream spent on the tier's copies."""
+        events = self._events[side]
+        if events:
             import torch
 
             torch.cuda.synchronize()
-        return self._wall_s + sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+        return self._wall_s[side] + sum(a.elapsed_time(b) for a, b in events) / 1e3
 
     def to_dict(self) -> dict[str, Any]:
-        s = self.seconds()
-        moved = self.bytes_h2d + self.bytes_d2h
+        load_s, save_s = self.seconds("load"), self.seconds("save")
+        on_cuda = any(self._events.values())
         return {
             "bytes_h2d": self.bytes_h2d,
             "bytes_d2h": self.bytes_d2h,
-            "copy_s": s,
-            "timed_by": "cuda events on the copy stream" if self._events else "wall time",
-            "gb_s": moved / s / 1e9 if s > 0 else None,
+            "load_s": load_s,
+            "save_s": save_s,
+            "timed_by": "cuda events on the tier's streams" if on_cuda else "wall time",
+            "h2d_gb_s": self.bytes_h2d / load_s / 1e9 if load_s > 0 else None,
+            "d2h_gb_s": self.bytes_d2h / save_s / 1e9 if save_s > 0 else None,
         }
 
 
@@ -455,10 +474,12 @@ def print_tier_table(rows: list[dict[str, Any]]) -> None:
     copies = rows[1]["copies"]
     if copies is not None:
         print(
-            f"\nhost tier copies: {copies['bytes_h2d'] / 1e9:.3f} GB host to device, "
-            f"{copies['bytes_d2h'] / 1e9:.3f} GB device to host in {copies['copy_s'] * 1e3:.1f} "
-            f"ms ({copies['timed_by']}): {_fmt(copies['gb_s'])} GB/s achieved; the simulator "
-            f"prices {_fmt(rows[1]['sim']['host_gb_s'])} GB/s; "
+            f"\nhost tier copies ({copies['timed_by']}): {copies['bytes_h2d'] / 1e9:.3f} GB "
+            f"host to device in {copies['load_s'] * 1e3:.1f} ms on the copy stream "
+            f"({_fmt(copies['h2d_gb_s'])} GB/s), {copies['bytes_d2h'] / 1e9:.3f} GB device "
+            f"to host in {copies['save_s'] * 1e3:.1f} ms on the save stream "
+            f"({_fmt(copies['d2h_gb_s'])} GB/s); the simulator prices "
+            f"{_fmt(rows[1]['sim']['host_gb_s'])} GB/s for loads; "
             + ", ".join(f"{k} {v:g} GB/s" for k, v in LINKS_GB_S.items())
         )
 

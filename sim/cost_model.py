@@ -20,6 +20,8 @@ from itertools import repeat
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from deepinfer.kv_cache.tiers import step_copies
+
 if TYPE_CHECKING:
     from deepinfer.decode_run import DecodeRun
     from deepinfer.outputs import SchedulerOutput
@@ -111,12 +113,23 @@ def mask_time(out: SchedulerOutput, per_token_s: float) -> float:
 class KVLoadPricing:
     """Device seconds a step waits for its loads from the lower KV tiers
     (`SchedulerOutput.kv_loads`), added to its priced time by the engine loop whatever the
-    cost model: per tier, the link's latency plus the blocks' bytes at its bandwidth; the
+    cost model. The loads priced are those that cross a link (the core's `step_copies`:
+    a load of a block the same step saved reads the save, a device copy, and costs
+    nothing): per tier, the link's latency plus the blocks' bytes at its bandwidth; the
     tiers' links (PCIe from host DRAM, the network from the store) run side by side, so
-    the step waits for the slower. The loads could start while the step before runs
-    (under async scheduling they are known a step ahead); this model does not hide them,
-    which is exact for a step launched on an idle device and an upper bound otherwise.
-    A decode step never loads (decode runs are priced without it)."""
+    the step waits for the slower.
+
+    As the torch executor copies (executors/host_kv_tier.py): a step's loads start once
+    the step before has run (its copy stream waits for the compute stream: the step
+    gathers its saves from blocks the step before wrote) and its forward waits for them,
+    so they add to the step's device time, not hidden behind the step before; its saves
+    cross the link beside the forward, and cost it nothing. Not priced: the device copies
+    (the gather of the saves, the loads' scatter into their blocks, a load from the
+    step's own save), a block read and written at HBM's bandwidth, some 30 times less
+    than its way over PCIe by the datasheets; and a load of a slot whose save from an
+    earlier step is still crossing the link, which waits for it (the simulator keeps no
+    clock of the saves' link). A decode step never loads (decode runs are priced without
+    it)."""
 
     __slots__ = ("block_bytes", "links")
 
@@ -128,9 +141,7 @@ class KVLoadPricing:
         loads = out.kv_loads
         if not loads:
             return 0.0
-        counts: dict[str, int] = {}
-        for load in loads:
-            counts[load.tier] = counts.get(load.tier, 0) + 1
+        counts = step_copies(loads, out.kv_saves).link_loads(loads)
         worst = 0.0
         for tier, n in counts.items():
             bandwidth, latency = self.links[tier]

@@ -7,9 +7,11 @@ loads), and the report's figures (hits per tier over the prompt blocks looked up
 moved per tier).
 
 Saving a block to a lower tier costs the step nothing: the torch executor gathers the
-step's saves with a device copy and sends them to the host on a side stream beside the
-forward (executors/host_kv_tier.py), and a step waits only for the loads it needs. The bytes saved are reported, so a run whose saves would exceed a
-link's bandwidth shows it.
+step's saves with a device copy and sends them to the host on a stream of their own
+beside the forward (executors/host_kv_tier.py), and a step waits only for the loads it
+needs, and only for those that cross a link (the core's `step_copies`: a block the step
+saved and loads back is a device copy from the save). The bytes saved are reported, so a
+run whose saves would exceed a link's bandwidth shows it.
 """
 
 from __future__ import annotations

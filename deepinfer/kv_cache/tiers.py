@@ -29,6 +29,12 @@ takes; `KVTiers.take_saves`). A block moving on from the host tier to the store 
 bookkeeping only: no executor copies it (the torch executor keeps a host tier and
 refuses a store, a simulator plan).
 
+How a step's copies are made is a rule here too (`step_copies`), so that the executor
+performs and the simulator prices the same copies: a load whose block the same step
+saved to its slot reads the save (a device copy of the block as the step found it in
+HBM), any other load reads its tier (over the tier's link); a slot the step saves twice
+ends with the later save.
+
 Pure bookkeeping: capacities and counts in blocks. What a move costs (bytes over a link)
 is the simulator's (sim/kv_tiers.py); the torch executor performs the host tier's copies
 (executors/host_kv_tier.py).
@@ -37,8 +43,10 @@ is the simulator's (sim/kv_tiers.py); the torch executor performs the host tier'
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NamedTuple
 
-from deepinfer.outputs import KVSave
+from deepinfer.outputs import KVLoad, KVSave
 
 HBM, HOST, STORE = "hbm", "host", "store"
 LOWER_TIERS = (HOST, STORE)
@@ -170,3 +178,36 @@ class KVTiers:
                 raise AssertionError(
                     f"tier {tier.name}: {len(tier)} blocks over its capacity {tier.capacity}"
                 )
+
+
+class StepCopies(NamedTuple):
+    """How one step's copies are made (`step_copies`), by the executor and as the simulator
+    prices them."""
+
+    # per load (SchedulerOutput.kv_loads): the index in kv_saves of the save it reads (the
+    # step evicted its block, then found it again), or None: it reads its tier's slot
+    sources: tuple[int | None, ...]
+    # the indices in kv_saves of the saves written, ascending: per (tier, slot) the last
+    written: tuple[int, ...]
+
+    def link_loads(self, loads: Sequence[KVLoad]) -> dict[str, int]:
+        """tier -> how many of `loads` (the loads these copies were made of) cross that
+        tier's link; a load from the step's own save is a device copy, and crosses none."""
+        counts: dict[str, int] = {}
+        for load, source in zip(loads, self.sources):
+            if source is None:
+                counts[load.tier] = counts.get(load.tier, 0) + 1
+        return counts
+
+
+def step_copies(loads: Sequence[KVLoad], saves: Sequence[KVSave]) -> StepCopies:
+    """The copies of a step that loads `loads` and saves `saves` (its kv_loads, kv_saves).
+
+    The rule (module docstring; the core's read-before-write of one allocation): a load
+    reads the step's save of its hash to its slot where there is one, the slot as the
+    steps before left it otherwise; the saves are written after the loads have read, and
+    a slot saved twice keeps the later."""
+    saved_at = {(s.tier, s.slot, s.block_hash): j for j, s in enumerate(saves)}
+    sources = tuple(saved_at.get((ld.tier, ld.slot, ld.block_hash)) for ld in loads)
+    last = {(s.tier, s.slot): j for j, s in enumerate(saves)}
+    return StepCopies(sources, tuple(sorted(last.values())))

@@ -8,8 +8,8 @@ import pytest
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import EngineCore
-from deepinfer.kv_cache.tiers import HOST, STORE, KVTiers, TierLRU
-from deepinfer.outputs import SchedulerOutput
+from deepinfer.kv_cache.tiers import HOST, STORE, KVTiers, TierLRU, step_copies
+from deepinfer.outputs import KVLoad, KVSave, SchedulerOutput
 from tests.factories import ScriptedExecutor, StepClock, make_config, make_request
 from tests.factories import run_to_completion as run
 
@@ -109,3 +109,22 @@ def test_without_room_in_the_host_tier_the_prefix_is_computed() -> None:
     assert out.kv_loads == () and out.scheduled[0].num_computed_tokens == 0
     tiers = engine.scheduler.kv.tiers
     assert tiers is not None and tiers.dropped > 0
+
+
+def test_a_load_reads_the_steps_own_save_of_its_hash_to_its_slot_else_its_tier() -> None:
+    """The rule both executors follow (the torch executor copies by it, the simulator
+    prices by it): a load whose block the step saved to its slot reads that save, a device
+    copy crossing no link; a load of a slot the step saves another block into reads the
+    slot as it was (loads read before saves write); a slot saved twice keeps the later."""
+    saves = [KVSave(HOST, 2, 20, 0), KVSave(HOST, 5, 50, 1), KVSave(HOST, 6, 60, 1)]
+    loads = [
+        KVLoad(HOST, 3, 30, 0),  # slot 0 before this step's save of 20 into it
+        KVLoad(HOST, 7, 50, 1),  # 50: saved by this step to slot 1, then found again
+        KVLoad(STORE, 8, 20, 0),  # the store's slot 0: no save of this step goes there
+    ]
+    copies = step_copies(loads, saves)
+    assert copies.sources == (None, 1, None)
+    assert copies.written == (0, 2)  # slot 1 ends with 60, the later save
+    assert copies.link_loads(loads) == {HOST: 1, STORE: 1}
+    assert step_copies([], saves).written == (0, 2)
+    assert step_copies(loads, []).sources == (None, None, None)

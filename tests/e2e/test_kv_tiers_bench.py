@@ -57,7 +57,9 @@ def test_kv_tiers_bench_runs_the_host_tier_and_1p1d_beside_the_simulator(tmp_pat
     assert with_["host_hit_blocks"] > 0 and with_["host_bytes_loaded"] > 0
     assert with_["prompt_tokens_computed"] < without["prompt_tokens_computed"]
     assert with_["copies"]["bytes_h2d"] == with_["host_bytes_loaded"]
-    assert with_["copies"]["copy_s"] > 0 and with_["copies"]["gb_s"] > 0
+    copies = with_["copies"]
+    assert copies["bytes_d2h"] > 0 and copies["load_s"] > 0 and copies["save_s"] > 0
+    assert copies["h2d_gb_s"] > 0 and copies["d2h_gb_s"] > 0
     for row in (without, with_):
         assert row["statuses"] == ["finished"]
         for key in ("ttft_p50_s", "ttft_p99_s", "prompt_tokens_computed", "host_hit_blocks"):

@@ -16,6 +16,7 @@ from deepinfer.kv_cache.tiers import HBM, HOST, STORE, KVTiers, TierLRU
 from deepinfer.outputs import KVLoad, KVSave, SchedulerOutput
 from executors.host_kv_tier import HostKVTier
 from executors.kv_cache import PagedKVCache
+from executors.pending_saves import PendingSaves
 from tests.executors.test_llm import prompts
 from tests.executors.tiny_models import TinyModel
 
@@ -144,6 +145,32 @@ def test_a_load_of_a_slot_never_written_fails_by_name() -> None:
         tier.apply(_step(loads=[KVLoad(HOST, 3, 99, 1)]))
 
 
+class _Fence:
+    """A save's fence as the tests drive it: done when they say."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+def test_a_read_of_a_slot_waits_only_for_the_save_still_writing_it() -> None:
+    """The saves leave on a stream of their own: a load from a host slot waits for the
+    last save queued into that slot while it is not done, for no other save, and for none
+    once it is done."""
+    pending: PendingSaves[_Fence] = PendingSaves(lambda f: f.done)
+    first, second = _Fence(), _Fence()
+    pending.saved([0, 1], first)
+    pending.saved([1, 2], second)  # slot 1 again: its later save's fence covers both
+    assert pending.fences([3]) == []  # never saved: nothing to wait for
+    assert pending.fences([0]) == [first]
+    assert pending.fences([1]) == [second]
+    assert pending.fences([2, 0, 1]) == [second, first]  # each fence once, in read order
+    first.done = True
+    assert pending.fences([0, 1]) == [second]
+    assert len(pending) == 2  # slot 0's done fence is forgotten once asked about
+    second.done = True
+    assert pending.fences([0, 1, 2]) == [] and len(pending) == 0
+
+
 def test_a_store_is_refused_by_name(tiny_models: dict[str, TinyModel]) -> None:
     """The shared store is a simulator plan: tiers built for the torch executor elsewhere
     are refused when its engine is built, and a store copy by the tier itself."""
@@ -162,30 +189,70 @@ def test_a_host_tier_with_data_parallel_ranks_is_refused(
             kv_host_cache_gib=1, data_parallel_size=2)  # fmt: skip
 
 
-@pytest.mark.gpu
-def test_on_cuda_saves_leave_on_a_side_stream_and_the_forward_waits_only_for_their_gather() -> None:
-    """On the device: the buffer is pinned, the copies run on the tier's own stream, and
-    work the compute stream queues right after `apply` (a forward that overwrites the
-    saved blocks) does not change what was saved; the loads are in their blocks for the
-    next work on the compute stream."""
+def _cuda_cache(num_blocks: int, num_mtp_layers: int = 0) -> PagedKVCache:
+    """Moonlight's layers and entries (27 x 576, bf16) in blocks of 256 tokens: 8 MB a
+    block, so that a save of a few dozen blocks takes the link milliseconds."""
     dev = torch.device("cuda")
-    cache = PagedKVCache(3, 64, 16, 576, torch.bfloat16, dev, num_mtp_layers=1)
+    cache = PagedKVCache(27, num_blocks, 256, 576, torch.bfloat16, dev, False, num_mtp_layers)
     for layer in cache.layers + cache.mtp_layers:
         layer.normal_()
-    tier = HostKVTier(cache, 32)
-    assert tier.buffer.is_pinned() and tier.stream is not None
-    assert tier.stream != torch.cuda.current_stream(dev)
-    ids = list(range(16))
-    before = [_block(cache, b) for b in ids]
-    tier.apply(_step(saves=[KVSave(HOST, b, 100 + b, b) for b in ids]))
+    return cache
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_forward_does_not_wait_for_an_earlier_steps_saves_to_the_host() -> None:
+    """Step 2 saves 64 blocks (510 MB: milliseconds over PCIe); step 3 loads a block saved
+    long before and its forward overwrites step 2's blocks. The forward is done while step
+    2's saves are still crossing the link (it waited for their gather only), and they reach
+    the host as they were before it."""
+    dev = torch.device("cuda")
+    cache = _cuda_cache(66)
+    tier = HostKVTier(cache, 65)
+    assert tier.buffer.is_pinned() and tier.stream is not None and tier.save_stream is not None
+    assert len({tier.stream, tier.save_stream, torch.cuda.current_stream(dev)}) == 3
+    kept = _block(cache, 65)
+    tier.apply(_step(saves=[KVSave(HOST, 65, 7, 64)]))
+    torch.cuda.synchronize()
+    before = {b: _block(cache, b) for b in (0, 31, 63)}
+    tier.apply(_step(saves=[KVSave(HOST, b, 100 + b, b) for b in range(64)]))
+    saved = torch.cuda.Event()
+    saved.record(tier.save_stream)
+    tier.apply(_step(loads=[KVLoad(HOST, 64, 7, 64)]))  # no slot step 2 writes
+    for layer in cache.layers:  # step 3's "forward": overwrites step 2's saved blocks
+        layer[:64].zero_()
+    forward = torch.cuda.Event()
+    forward.record()
+    forward.synchronize()
+    assert not saved.query(), "the forward waited for the saves' way to the host"
+    assert _same(_block(cache, 64), kept)
+    torch.cuda.synchronize()
+    for b, blocks in before.items():
+        assert _same([tier.buffer[b, i].to(dev) for i in range(len(blocks))], blocks)
+
+
+@pytest.mark.gpu
+def test_on_cuda_back_to_back_saves_and_loads_of_one_slot_move_the_right_blocks() -> None:
+    """With no synchronisation between the steps: a load of slots whose save is still
+    crossing the link waits for it (and the compute stream's next work sees the loads), and
+    a save into slots that loads still read waits for those loads."""
+    cache = _cuda_cache(40, num_mtp_layers=1)
+    tier = HostKVTier(cache, 16)
+    before = [_block(cache, b) for b in range(16)]
+    tier.apply(_step(saves=[KVSave(HOST, b, 100 + b, b) for b in range(16)]))
     for layer in cache.layers + cache.mtp_layers:  # the "forward": overwrites them
         layer[:16].zero_()
-    tier.apply(_step(loads=[KVLoad(HOST, 32 + b, 100 + b, b) for b in ids]))
-    total = sum(layer[32:48].float().abs().sum() for layer in cache.layers + cache.mtp_layers)
-    assert float(total) > 0  # (queued on the compute stream after the loads' event)
+    tier.apply(_step(loads=[KVLoad(HOST, 16 + b, 100 + b, b) for b in range(16)]))
+    # queued on the compute stream after the loads' event (read after the next steps)
+    total = sum(layer[16:32].float().abs().sum() for layer in cache.layers + cache.mtp_layers)
+    fresh = [_block(cache, 32 + b) for b in range(8)]
+    tier.apply(_step(saves=[KVSave(HOST, 32 + b, 200 + b, b) for b in range(8)]))
+    tier.apply(_step(loads=[KVLoad(HOST, b, 200 + b, b) for b in range(8)]))
     torch.cuda.synchronize()
-    for b in ids:
-        assert _same(_block(cache, 32 + b), before[b])
+    assert float(total) > 0
+    for b in range(16):
+        assert _same(_block(cache, 16 + b), before[b])
+    for b in range(8):
+        assert _same(_block(cache, b), fresh[b])
 
 
 @pytest.mark.gpu

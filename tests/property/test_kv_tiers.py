@@ -9,8 +9,8 @@ host and store sizes:
 - a request's prefix past its HBM hits that a lower tier holds is loaded, not computed:
   exactly the blocks in host or store, up to the first in none (or back in HBM), and the
   loads land in the request's first fresh blocks, cached there under their hashes;
-- the copies an executor makes of them (`kv_saves`, `kv_loads`, by the rule of
-  executors/host_kv_tier.py) move the right KV: a save copies an HBM block holding its
+- the copies an executor makes of them (`kv_saves`, `kv_loads`, by the core's rule
+  `step_copies`, which executors/host_kv_tier.py performs) move the right KV: a save copies an HBM block holding its
   hash, and a load of the first tier reads a slot holding its hash (as the steps before
   left it, or as this step's save of that hash to it does).
 """
@@ -21,7 +21,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from deepinfer.kv_cache.manager import KVCacheManager
-from deepinfer.kv_cache.tiers import HOST, STORE, KVTiers, TierLRU
+from deepinfer.kv_cache.tiers import HOST, STORE, KVTiers, TierLRU, step_copies
 from deepinfer.outputs import KVLoad, KVSave
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
@@ -133,14 +133,17 @@ def test_tier_blocks_are_conserved_and_loaded(
 def _copy(
     first: str, loads: list[KVLoad], saves: list[KVSave], hbm: dict[int, int], slots: dict[int, int]
 ) -> None:
-    """One step's copies by the executor's rule, checking that each moves its hash's KV."""
-    saved = {(x.slot, x.block_hash) for x in saves}
+    """One step's copies by the core's rule (`step_copies`, which the executor performs and
+    the simulator prices), checking that each moves its hash's KV."""
+    copies = step_copies(loads, saves)
     for x in saves:
         assert x.tier == first and hbm.get(x.block_id) == x.block_hash, x
-    for x in loads:
-        if x.tier == first:  # (host to store moves are bookkeeping: nothing copies them)
-            assert (x.slot, x.block_hash) in saved or slots.get(x.slot) == x.block_hash, x
-    for x in saves:
-        slots[x.slot] = x.block_hash
+    for x, j in zip(loads, copies.sources):
+        if j is not None:  # read from this step's save: the same block, as the step found it
+            assert saves[j].block_hash == x.block_hash and saves[j].slot == x.slot, x
+        elif x.tier == first:  # (host to store moves are bookkeeping: nothing copies them)
+            assert slots.get(x.slot) == x.block_hash, x
+    for j in copies.written:
+        slots[saves[j].slot] = saves[j].block_hash
     for x in loads:
         hbm[x.block_id] = x.block_hash

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.config import EngineConfig
-from deepinfer.outputs import KVLoad, SchedulerOutput
+from deepinfer.outputs import KVLoad, KVSave, SchedulerOutput
 from sim.cluster import simulate_cluster
 from sim.cluster.description import cluster_from_dict
 from sim.cost_model import KVLoadPricing
@@ -31,6 +31,18 @@ def test_a_steps_loads_cost_the_slower_tier() -> None:
     out.kv_loads = (*(KVLoad("host", i, i, i) for i in range(3)), KVLoad("store", 9, 9, 0))
     host, store = 1e-3 + 3 * 1000 / 1e6, 2e-3 + 1000 / 1e5
     assert pricing.seconds(out) == pytest.approx(max(host, store))
+
+
+def test_a_load_from_the_steps_own_save_crosses_no_link() -> None:
+    """A block the step evicted and found again is a device copy from its save in the
+    executor (the core's `step_copies`): priced nothing, beside the loads that do cross."""
+    pricing = KVLoadPricing(1000, {"host": (1e6, 1e-3)})
+    out = SchedulerOutput(1, [])
+    out.kv_saves = (KVSave("host", 4, 40, 0),)
+    out.kv_loads = (KVLoad("host", 5, 40, 0),)
+    assert pricing.seconds(out) == 0.0
+    out.kv_loads = (KVLoad("host", 5, 40, 0), KVLoad("host", 6, 61, 1))
+    assert pricing.seconds(out) == pytest.approx(1e-3 + 1000 / 1e6)
 
 
 def _reuse_trace() -> list[TraceRequest]:
