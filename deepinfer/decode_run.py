@@ -22,15 +22,18 @@ from deepinfer.request import Request
 @dataclass(frozen=True)
 class DecodeRun:
     """Steps first_step_id, first_step_id + 1, ... each scheduling `requests` (in this
-    order), request i at context contexts[i] + s in the run's step s; at most
-    `horizon` of them are certain. in_flight_step: under async scheduling, the step in
-    flight when the run starts (the same requests, one token each): the run's step s is
-    scheduled before that step's results, or step s - 1's, are applied."""
+    order) that are still in the batch, request i at context contexts[i] + s in the
+    run's step s; at most `horizon` of them are certain. Request i is in the run's steps
+    s < limits[i] and ends by length in step limits[i] - 1's turn; a run whose horizon
+    passes a limit (nothing waits to take the freed room) goes on with the others.
+    in_flight_step: under async scheduling, the step in flight when the run starts (the
+    same requests, one token each): the run's step s is scheduled before that step's
+    results, or step s - 1's, are applied."""
 
     requests: tuple[Request, ...]
     contexts: tuple[int, ...]  # num_computed_tokens of each before the run's first step
-    # The steps after which each may end by length (max_tokens, max_model_len): it can
-    # end only in a run of exactly that many steps.
+    # The steps after which each ends by length (max_tokens, max_model_len), if the run
+    # gets that far: the last step it is in is the run's step limits[i] - 1.
     limits: tuple[int, ...]
     horizon: int
     first_step_id: int
@@ -53,6 +56,33 @@ class DecodeRun:
     def ctx_sum(self) -> int:
         """The contexts' sum in the run's first step (step s: ctx_sum + s * num_reqs)."""
         return sum(self.contexts)
+
+    def batches(self) -> list[Batch]:
+        """The run's steps up to its horizon as stretches of one batch, in order: a
+        stretch ends where a request leaves (its limit)."""
+        horizon, limits, contexts = self.horizon, self.limits, self.contexts
+        if min(limits) >= horizon:  # (most runs: one batch)
+            return [Batch(0, horizon, len(limits), max(contexts), sum(contexts))]
+        out = []
+        start = 0
+        for end in sorted({h for h in limits if h < horizon} | {horizon}):
+            ctx = [c for c, h in zip(contexts, limits) if h > start]
+            n = len(ctx)
+            out.append(Batch(start, end - start, n, max(ctx) + start, sum(ctx) + n * start))
+            start = end
+        return out
+
+
+class Batch(NamedTuple):
+    """`num_steps` steps of a decode run from its step `first`, each scheduling the same
+    `num_reqs` requests: at the first, their longest context is ctx_max and their sum
+    ctx_sum (step first + s: ctx_max + s, ctx_sum + num_reqs * s)."""
+
+    first: int
+    num_steps: int
+    num_reqs: int
+    ctx_max: int
+    ctx_sum: int
 
 
 class AdvancedRun(NamedTuple):

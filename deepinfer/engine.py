@@ -392,10 +392,12 @@ class EngineCore:
 
     # ---- decode runs (fast-forward) -----------------------------------------------
 
-    def decode_run(self) -> DecodeRun | None:
+    def decode_run(self, through_finishes: bool = False) -> DecodeRun | None:
         """Steps from here the scheduler can prove (`Scheduler.decode_run`), for a driver
         that times them without running them, or None: the executor cannot return a
-        run's tokens, grammars are compiling, or the step in flight is not one of them."""
+        run's tokens, grammars are compiling, or the step in flight is not one of them.
+        through_finishes: the driver reads nothing of the engine between the run's steps
+        (a request's end is reported with the run), so a run may go on past it."""
         if self._compiling or self._grammar_rejected or not self.executor.can_fast_forward:
             return None
         if self.step_writer is not None:  # (it writes each step's shape and host time)
@@ -404,8 +406,8 @@ class EngineCore:
         if self.config.async_scheduling:
             if flight is None or flight.ended is not None:
                 return None
-            return self.scheduler.decode_run(flight.out)
-        return None if flight is not None else self.scheduler.decode_run(None)
+            return self.scheduler.decode_run(flight.out, through_finishes)
+        return None if flight is not None else self.scheduler.decode_run(None, through_finishes)
 
     def advance_decode(self, run: DecodeRun, launched: list[float], applied: list[float]) -> None:
         """Take len(applied) steps of `run` at once (at most its horizon), as `step_events`
@@ -419,8 +421,10 @@ class EngineCore:
         ids = [r.request_id for r in reqs]
         flight = self._in_flight
         pipelined = run.in_flight_step is not None
-        # Request i's tokens, one per step applied: the step in flight's, then the run's.
-        num_run = k - 1 if pipelined else k
+        # Request i's tokens, one per step applied to it (up to its limit): the step in
+        # flight's, then the run's.
+        counts = [h if h < k else k for h in run.limits]
+        num_run = [c - 1 for c in counts] if pipelined else counts
         sampled = self.executor.execute_decode_run(ids, run.contexts, num_run, run.dropped_req_ids)
         if pipelined:
             assert flight is not None
@@ -434,13 +438,14 @@ class EngineCore:
                     )
                 sampled[i] = token + sampled[i]
         following, usages, finished = self.scheduler.advance_decode(run, k, sampled)
-        for req in reqs:
+        for req, count in zip(reqs, counts):
             times = req.times
             if times.first_token is None:  # (a decode engine's request: its first step)
                 times.first_token = applied[0]
-            times.token_times.extend(applied)
+            times.token_times.extend(applied if count == k else applied[:count])
+        limit = dict(zip(ids, run.limits))
         for req in finished:
-            req.times.finish = applied[-1]
+            req.times.finish = applied[limit[req.request_id] - 1]
             self.records.append(_record(req))
         if self.record_steps:
             self._record_run(run, launched, applied, usages, len(finished))
@@ -465,8 +470,53 @@ class EngineCore:
         end of the step before where that is later, to its results (max and min as the
         single step takes them). Under async scheduling the first is the step in flight,
         scheduled before the run; the run's first step reports the preemptions made
-        since the step before it; the others schedule the run's requests, one token each.
+        since the step before it; the others schedule the run's requests still in its
+        batch (run.limits), one token each.
         """
+        k, n = len(applied), run.num_reqs
+        if min(run.limits) < k:  # requests ended within the run
+            self._record_batches(run, launched, applied, usages)
+            return
+        first_id, head, durations, preempted_col = self._run_head(run, launched, applied)
+        batched, num_reqs, prompt, _ = head
+        self.steps.extend(
+            (
+                range(first_id, first_id + k), applied, durations,
+                [n] * (k - 1) + [n - num_finished], repeat(self.scheduler.num_waiting, k),
+                [batched] + [n] * (k - 1), [prompt] + [0] * (k - 1),
+                [num_reqs] + [n] * (k - 1), usages, preempted_col, repeat(None, k),
+            )
+        )  # fmt: skip
+
+    def _record_batches(
+        self, run: DecodeRun, launched: list[float], applied: list[float], usages: list[float]
+    ) -> None:
+        """`_record_run` where requests end within the run: the run's step s schedules
+        those whose limit is past s, and each record counts those running after it."""
+        k = len(applied)
+        sched = [run.num_reqs] * (k + 1)  # [s]: the requests the run's step s schedules
+        for h in run.limits:
+            for s in range(h, k + 1):
+                sched[s] -= 1
+        first_id, head, durations, preempted_col = self._run_head(run, launched, applied)
+        batched, num_reqs, prompt, _ = head
+        pipelined = run.in_flight_step is not None
+        shapes = sched[: k - 1] if pipelined else sched[1:k]
+        self.steps.extend(
+            (
+                range(first_id, first_id + k), applied, durations,
+                sched[1:], repeat(self.scheduler.num_waiting, k),
+                [batched] + shapes, [prompt] + [0] * (k - 1),
+                [num_reqs] + shapes, usages, preempted_col, repeat(None, k),
+            )
+        )  # fmt: skip
+
+    def _run_head(
+        self, run: DecodeRun, launched: list[float], applied: list[float]
+    ) -> tuple[int, tuple[int, int, int, int], list[float], list[int]]:
+        """What a run's records share however its batch changes: the first record's
+        step id, its shape (batched tokens, requests, prompt tokens, preemptions), the
+        steps' durations, and the preemptions column."""
         k, n = len(applied), run.num_reqs
         starts, head = launched, (n, n, 0, run.num_preempted_before)
         pipelined = run.in_flight_step is not None
@@ -481,18 +531,10 @@ class EngineCore:
             durations.append(end - (end if end < began else began))
             last = end
         first_id = run.first_step_id - 1 if pipelined else run.first_step_id
-        batched, num_reqs, prompt, preempted = head
-        preempted_col = [preempted] + [0] * (k - 1)
+        preempted_col = [head[3]] + [0] * (k - 1)
         if pipelined and k > 1:
             preempted_col[1] = run.num_preempted_before
-        self.steps.extend(
-            (
-                range(first_id, first_id + k), applied, durations,
-                [n] * (k - 1) + [n - num_finished], repeat(self.scheduler.num_waiting, k),
-                [batched] + [n] * (k - 1), [prompt] + [0] * (k - 1),
-                [num_reqs] + [n] * (k - 1), usages, preempted_col, repeat(None, k),
-            )
-        )  # fmt: skip
+        return first_id, head, durations, preempted_col
 
     def _start_step(self) -> Generator[StepEvent, None, list[Request] | None]:
         """With nothing in flight, schedule a step and launch it: None once it is in

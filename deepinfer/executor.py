@@ -105,14 +105,15 @@ class Executor(ABC):
         self,
         req_ids: Sequence[str],
         contexts: Sequence[int],
-        num_steps: int,
+        num_steps: Sequence[int],
         dropped_req_ids: frozenset[str],
     ) -> list[list[int]]:
-        """The tokens of `num_steps` consecutive decode steps of these requests, without a
-        SchedulerOutput per step: request i decodes one token a step, step s at context
-        contexts[i] + s; [i] lists its tokens in step order. dropped_req_ids: requests
-        the first step would have told the executor to drop (ended or preempted). Called
-        by `EngineCore.advance_decode`, only where `can_fast_forward`."""
+        """The tokens of consecutive decode steps of these requests, without a
+        SchedulerOutput per step: request i decodes one token a step in num_steps[i]
+        steps, step s at context contexts[i] + s; [i] lists its tokens in step order. A
+        request with fewer steps than the run's longest ends within it. dropped_req_ids:
+        requests the first step would have told the executor to drop (ended or
+        preempted). Called by `EngineCore.advance_decode`, only where `can_fast_forward`."""
         raise TypeError(
             f"the {type(self).__name__} executor cannot fast-forward decode runs "
             "(can_fast_forward is False): its tokens come from running the steps"

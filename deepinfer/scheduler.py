@@ -584,7 +584,9 @@ class Scheduler:
 
     # ---- decode runs (fast-forward) ---------------------------------------------------
 
-    def decode_run(self, in_flight: SchedulerOutput | None) -> DecodeRun | None:
+    def decode_run(
+        self, in_flight: SchedulerOutput | None, through_finishes: bool = False
+    ) -> DecodeRun | None:
         """The steps from here that are certain to schedule every running request, in
         order, one decode token each (docs/design.md, "Fast-forward"), or None.
 
@@ -592,12 +594,14 @@ class Scheduler:
         its computed ones; `in_flight`: under async scheduling, the step in flight, which
         must sample one token of each of the same requests (a decode, or a prompt's last
         chunk), beside requests that ended since it was scheduled); none can end but by
-        length, and only in the last step (no stop token or EOS, which only its tokens
-        decide: the horizon ends at the step that applies its max_tokens-th token or
-        reaches max_model_len); the token budget holds them all; no waiting request can
-        start (none waits, or `_start_held_back`); and the free blocks cover every block
-        the steps take. Speculation, a prefill engine and executors that need token ids
-        run single steps.
+        length (no stop token or EOS, which only its tokens decide: it ends at the step
+        that applies its max_tokens-th token or reaches max_model_len); the token budget
+        holds them all; no waiting request can start (none waits, or `_start_held_back`);
+        and the free blocks cover every block the steps take. The run ends where the
+        first request ends, unless `through_finishes` (the driver reads nothing between
+        steps) and nothing waits: then the others go on, their batch one smaller, as the
+        freed room starts no one. Speculation, a prefill engine and executors that need
+        token ids run single steps.
         """
         cfg = self.config
         running = self.running
@@ -668,13 +672,16 @@ class Scheduler:
             limits.append(h)
         if horizon < 1:
             return None
+        if through_finishes and not self.waiting:
+            horizon = max(limits)
         # Step s writes position c + s: a new block where that is the first slot past
-        # the blocks held. The step of the (free + 1)-th new block cannot be certain.
+        # the blocks held (in its steps, s < its limit). The step of the (free + 1)-th
+        # new block cannot be certain (blocks freed by a request ending are not counted).
         bs = self.block_size
         new_blocks: list[int] = []
-        for req, c in zip(running, contexts):
+        for req, c, h in zip(running, contexts, limits):
             held = len(self.kv.req_blocks[req.request_id])
-            new_blocks.extend(range(held * bs - c, horizon, bs))
+            new_blocks.extend(range(held * bs - c, h if h < horizon else horizon, bs))
         pool = self.kv.pool
         free = pool.num_free_blocks
         if self.kv.tiers is not None and self.kv.tiers.store is not None:
@@ -732,15 +739,17 @@ class Scheduler:
     ) -> AdvancedRun:
         """Schedule and apply `num_steps` (at most `run.horizon`) steps of `run` at once,
         leaving the state those steps one by one would: tokens[i] are request i's sampled
-        tokens, one per step applied; blocks are taken and cached in the order the steps
-        would take them (their KV work is all in scheduling: in a decode step, caching
-        after the results adds no block the scheduling did not cache ahead); requests
-        the last step ends by length end there, in schedule order."""
+        tokens, one per step applied to it; blocks are taken and cached in the order the
+        steps would take them (their KV work is all in scheduling: in a decode step,
+        caching after the results adds no block the scheduling did not cache ahead);
+        a request ends by length in its limit's turn, after that turn's step took its
+        blocks, in schedule order."""
         k = num_steps
         if not 1 <= k <= run.horizon:
             raise ValueError(f"advance_decode: {k} steps of a run certain for {run.horizon}")
         kv, bs = self.kv, self.block_size
         pipelined = run.in_flight_step is not None
+        limits = run.limits
         starts = [len(req.output_token_ids) for req in run.requests]
         # (step, request): where a step takes a new block or fills one (then caches it),
         # in the order the steps meet them; elsewhere a step's allocation changes nothing.
@@ -748,24 +757,37 @@ class Scheduler:
         caching = kv.enable_caching
         for i, req in enumerate(run.requests):
             c, t = run.contexts[i], req.num_tokens
+            end = limits[i] if limits[i] < k else k  # its steps in the run
             first = len(kv.req_blocks[req.request_id]) * bs - c  # its first new block
             if caching:  # step s fills min(c + s + 1, t + s) = t + s tokens
                 filled = (-t) % bs
                 if (first - filled) % bs:  # two progressions, disjoint
-                    if filled < k:
-                        events.extend((s, i) for s in range(filled, k, bs))
+                    if filled < end:
+                        events.extend((s, i) for s in range(filled, end, bs))
                     lowest = min(first, filled)
                 else:  # one progression, from the earlier of the two
                     first = lowest = min(first, filled)
                 if lowest and kv.num_cached_blocks(req.request_id) < t // bs:
                     events.append((0, i))  # full blocks not cached yet (a decode engine's)
-            if first < k:  # (most runs are shorter than a block: no event)
-                events.extend((s, i) for s in range(first, k, bs))
+            if first < end:  # (most runs are shorter than a block: no event)
+                events.extend((s, i) for s in range(first, end, bs))
         events.sort()
         free = kv.pool.num_free_blocks
         taken = [0] * k
+        done = 0  # events taken so far
+        finished: list[Request] = []
+        ended_free: dict[int, int] = {}  # turn -> free blocks after it, where some ended
+        for turn, i in sorted((h - 1, i) for i, h in enumerate(limits) if h < k):
+            if turn not in ended_free:  # its step's blocks first; that step told the
+                upto = bisect.bisect_left(events, (turn + 1, -1))  # executor of the last
+                self._take_blocks(run, events[done:upto], tokens, starts, taken)
+                done = upto
+                self._finished_since_last = set()
+                self._preempted_since_last = set()
+            finished.append(self._end_in_run(run, i, tokens[i], starts[i]))
+            ended_free[turn] = kv.pool.num_free_blocks
         last = bisect.bisect_left(events, (k - 1, -1))
-        self._take_blocks(run, events[:last], tokens, starts, taken)
+        self._take_blocks(run, events[done:last], tokens, starts, taken)
         kv.take_cached_ahead()  # cached by steps the run applies: they ran
         last_blocks = self._take_blocks(run, events[last:], tokens, starts, taken)
         ahead = kv.take_cached_ahead()
@@ -775,14 +797,18 @@ class Scheduler:
         for step_id in [s for s in self._cached_ahead if s <= last_applied]:
             del self._cached_ahead[step_id]
         for i, req in enumerate(run.requests):
+            if limits[i] < k:  # (ended in the run)
+                continue
             outputs = req.output_token_ids
             outputs.extend(tokens[i][len(outputs) - starts[i] : k])
             computed = req.num_computed_tokens = run.contexts[i] + k
             if computed > req.max_computed_tokens:
                 req.max_computed_tokens = computed
         self.step_id += k
-        if k > 1:  # the run's earlier steps told the executor
-            self._finished_since_last = set()
+        if k > 1:  # the run's earlier steps told the executor (its last: those ended
+            # in the turn before it)
+            if k - 2 not in ended_free:
+                self._finished_since_last = set()
             self._preempted_since_last = set()
         out = None
         if pipelined:
@@ -790,6 +816,8 @@ class Scheduler:
                 self._cached_ahead[self.step_id] = ahead
             scheduled = []
             for i, req in enumerate(run.requests):
+                if limits[i] < k:
+                    continue
                 new = last_blocks.get(i, [])
                 scheduled.append(
                     ScheduledRequest(
@@ -811,15 +839,31 @@ class Scheduler:
         usages = []
         total = kv.pool.num_blocks
         for s in range(k - 1):
-            free -= taken[s]
+            free = ended_free[s] if s in ended_free else free - taken[s]
             usages.append(1.0 - free / total)
-        finished = []
-        for req, limit in zip(run.requests, run.limits):  # the last step's results
+        for req, limit in zip(run.requests, limits):  # the last step's results
             if limit == k and (reason := check_stop(req, self.max_model_len)) is not None:
                 self._end(req, RequestStatus.FINISHED, reason)
                 finished.append(req)
         usages.append(kv.usage)
         return AdvancedRun(out, usages, finished)
+
+    def _end_in_run(self, run: DecodeRun, i: int, tokens: Sequence[int], start: int) -> Request:
+        """End request i of `run` in its limit's turn: all its tokens applied."""
+        req = run.requests[i]
+        outputs = req.output_token_ids
+        outputs.extend(tokens[len(outputs) - start :])
+        computed = req.num_computed_tokens = run.contexts[i] + run.limits[i]
+        if computed > req.max_computed_tokens:
+            req.max_computed_tokens = computed
+        reason = check_stop(req, self.max_model_len)
+        if reason is None:
+            raise RuntimeError(
+                f"decode run: {req.request_id!r} did not end after its {run.limits[i]} "
+                "steps; its limit was not certain"
+            )
+        self._end(req, RequestStatus.FINISHED, reason)
+        return req
 
     # ---- introspection ---------------------------------------------------------------
 

@@ -162,10 +162,11 @@ class AnalyticCostModel(CostModel):
         return self._decode_run(run)
 
     def _decode_run(self, run: DecodeRun) -> RunCosts:
-        n, ctx_sum = run.num_reqs, run.ctx_sum
-        cpu = self.coeffs.cpu_step_overhead_s + self.coeffs.cpu_per_request_s * n
-        for s in range(run.horizon):
-            yield cpu, self._price_sums(decode_sums(n, ctx_sum + n * s), None, None), 0.0
+        for batch in run.batches():
+            n, ctx_sum = batch.num_reqs, batch.ctx_sum
+            cpu = self.coeffs.cpu_step_overhead_s + self.coeffs.cpu_per_request_s * n
+            for s in range(batch.num_steps):
+                yield cpu, self._price_sums(decode_sums(n, ctx_sum + n * s), None, None), 0.0
 
     @property
     def grammar_mask_per_token_s(self) -> float:

@@ -52,6 +52,11 @@ class Arrivals(Protocol):
     def stepped(self, now: float) -> None:
         """A step (or a decode run) was applied at `now`."""
 
+    def reads_steps(self) -> bool:
+        """Whether something reads the engine after each step (`stepped`: a cluster
+        instance's reports to its router): then a decode run ends where a request ends,
+        to report it at its step's time."""
+
 
 class Admits(Protocol):
     def add_request(self, req: Request) -> str | None: ...
@@ -92,6 +97,9 @@ class PendingArrivals:
 
     def stepped(self, now: float) -> None:
         pass
+
+    def reads_steps(self) -> bool:
+        return False
 
 
 class Clock:
@@ -150,6 +158,7 @@ def serve_engine(
     kv_loads: a step that loads prefix blocks from the lower KV tiers waits for them on
     the device first (`KVLoadPricing`); None: the engine has no lower tier."""
     timeline = Timeline(clock, on_host)
+    through_finishes = not arrivals.reads_steps()
     reported = 0
     while arrivals.more_may_come() or core.has_unfinished():
         now = clock.now
@@ -158,7 +167,9 @@ def serve_engine(
             if arrivals.more_may_come():  # else the last arrivals were all rejected
                 yield from _idle(env, clock, arrivals)
             continue
-        run = core.decode_run() if runs is not None and runs.reason is None else None
+        run = None
+        if runs is not None and runs.reason is None:
+            run = core.decode_run(through_finishes)
         costs = cost.decode_run_costs(run) if run is not None else None
         launched: list[float] = []
         if run is not None and costs is not None:

@@ -43,14 +43,14 @@ import json
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from operator import truediv
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from deepinfer.decode_run import DecodeRun
+from deepinfer.decode_run import Batch, DecodeRun
 from deepinfer.model_config import ModelConfig
 from deepinfer.outputs import SchedulerOutput
 from sim.analytic_cost_model import AnalyticCostModel
@@ -284,10 +284,19 @@ class ProfiledCostModel(CostModel):
         return self._decode_run(run, sequential)
 
     def _decode_run(self, run: DecodeRun, sequential: StepSurface | None) -> RunCosts:
+        """Each of the run's batches priced by `_decode_batch`, one after another."""
+        batches = run.batches()
+        if len(batches) == 1:
+            return self._decode_batch(batches[0], sequential)
+        return chain.from_iterable(self._decode_batch(b, sequential) for b in batches)
+
+    def _decode_batch(self, batch: Batch, sequential: StepSurface | None) -> RunCosts:
         """`_measure` then `_price` (and the sequential model's) of each step, by hand:
         step s's effective context is the longest one plus s (one wave) or the contexts'
         mean, (ctx_sum + n * s) / n, each at least 1.0."""
-        n, ctx_max, ctx_sum, horizon = run.num_reqs, run.ctx_max, run.ctx_sum, run.horizon
+        n, ctx_max, ctx_sum, horizon = (
+            batch.num_reqs, batch.ctx_max, batch.ctx_sum, batch.num_steps
+        )  # fmt: skip
         a, b, c = self._host
         cpu = a + b * n + c * n
         one_wave = n <= self._one_wave

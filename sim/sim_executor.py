@@ -96,28 +96,31 @@ class SimExecutor(Executor):
         self,
         req_ids: Sequence[str],
         contexts: Sequence[int],
-        num_steps: int,
+        num_steps: Sequence[int],
         dropped_req_ids: frozenset[str],
     ) -> list[list[int]]:
         """The tokens `execute` samples for these steps: step s of request i computes
         position contexts[i] + s and samples the token at the position after it (the
         formula of `execute`, one list a request). Without drafts a request's salt is
         all that is held of it: dropped_req_ids drop theirs (a preempted request's
-        comes back the same, from its id)."""
+        comes back the same, from its id), and so do requests that end within the run."""
         salts = self._salts
         for rid in dropped_req_ids:
             salts.pop(rid, None)
         out = []
-        for rid, ctx in zip(req_ids, contexts):
+        longest = max(num_steps, default=0)
+        for rid, ctx, steps in zip(req_ids, contexts, num_steps):
             salt = salts.get(rid)
             if salt is None:
                 salt = salts[rid] = zlib.crc32(rid.encode())
             out.append(
                 [
                     1 + ((salt + pos * 2654435761) % (_VOCAB - 1))
-                    for pos in range(ctx + 1, ctx + 1 + num_steps)
+                    for pos in range(ctx + 1, ctx + 1 + steps)
                 ]
             )
+            if steps < longest:
+                del salts[rid]
         return out
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

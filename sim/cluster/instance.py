@@ -140,6 +140,9 @@ class Instance:
         self.scheduled()  # (one engine: both come before its step's time passes)
         self.report(now)
 
+    def reads_steps(self) -> bool:
+        return True
+
     # ---- the cluster's side ------------------------------------------------------------
 
     def deliver(self, due: float, req: Request) -> None:

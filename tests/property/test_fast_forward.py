@@ -141,6 +141,20 @@ def test_a_steady_workload_is_mostly_fast_forwarded() -> None:
         assert single.meta["fast_forward"] == {"enabled": False}
 
 
+def test_a_run_goes_on_past_each_finish_when_nothing_waits() -> None:
+    """The steady workload's requests end one by one with nothing waiting: after the
+    prompts, one run decodes to the last finish, its batch one smaller at each, under
+    either scheduling; the results stay exact. In a cluster (a router reads each step's
+    report) a run ends at each finish instead."""
+    for async_scheduling in (True, False):
+        engine = EngineConfig(
+            block_size=16, num_gpu_blocks=400, max_num_seqs=16, async_scheduling=async_scheduling
+        )
+        single, fast = _both(_steady(), engine, "analytic")
+        _assert_same(single, fast)
+        assert fast.meta["fast_forward"]["runs"] <= 2, fast.meta["fast_forward"]
+
+
 def test_a_run_stops_at_each_arrival_and_at_blocks_the_cache_lacks() -> None:
     """Arrivals every few steps and a cache that runs out: runs are short, preemptions
     happen between them, and the results stay exact."""

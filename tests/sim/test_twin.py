@@ -126,6 +126,6 @@ def test_a_decode_run_drops_the_requests_its_first_step_would() -> None:
     from sim.sim_executor import SimExecutor
 
     executor = SimExecutor(EngineConfig(num_gpu_blocks=16, block_size=16), 16)
-    executor.execute_decode_run(["a", "b"], [4, 4], 2, frozenset())
-    executor.execute_decode_run(["b"], [6], 2, frozenset({"a"}))
+    executor.execute_decode_run(["a", "b"], [4, 4], [2, 2], frozenset())
+    executor.execute_decode_run(["b"], [6], [2], frozenset({"a"}))
     assert set(executor._salts) == {"b"}
