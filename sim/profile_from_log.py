@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from deepinfer.model_config import ModelConfig
 from deepinfer.outputs import SchedulerOutput
 from deepinfer.step_log_file import LoggedStep, StepLogFile, read_step_log, step_groups
@@ -55,6 +57,16 @@ _SAME = ("dtype", "kernel_backend", "cuda_graphs", "piecewise_max_tokens", "quan
          "batch_invariant")  # fmt: skip
 _STEPS_PER_CELL = 64  # a cell's median needs no more (evenly spaced over the cell's steps)
 _HOST_SAMPLES = 4096  # host samples kept (evenly spaced): the host fit has three terms
+
+# A step whose time over its analytic price lies this many scaled MADs (1.4826 MAD:
+# one standard deviation of a normal spread) from its peers' median, in log, is an
+# outlier: a compile, a stall, a launch held behind another.
+_OUTLIER_MADS = 5.0
+# ... and never within these factors of it: decode steps of one shape spread by under
+# 1% while a batch bucket's shapes differ by more from the analytic model; a prompt
+# step's peers are its whole kind, whose time over analytic price varies with the shape.
+_OUTLIER_WITHIN = {"decode": math.log(1.25), "prefill": math.log(3.0), "mixed": math.log(3.0)}
+_SHORT_CONTEXT = 1024  # decode logs whose shortest context is longer miss short requests
 
 Cell = tuple[str, tuple[int, ...]]
 
@@ -124,6 +136,30 @@ class _Binned:
     out: SchedulerOutput
     seconds: float
     pipelined: bool  # its duration is a pipelined step's
+    price: float  # its analytic price (_Prices.of), what its time is read against
+    holds_next: bool = False  # its duration holds the next step's launch (_reattribute)
+
+
+class _Prices:
+    """The analytic price a step's time is read against: a decode step's is that of the
+    uniform step at its (batch, effective context), the surface's coordinates, kept per
+    pair (a log repeats them); another step's is its own shape's."""
+
+    def __init__(self, analytic: AnalyticCostModel, one_wave: int) -> None:
+        self.analytic = analytic
+        self.one_wave = one_wave
+        self._uniform: dict[tuple[int, int], float] = {}  # (batch, context) -> seconds
+
+    def uniform(self, batch: int, context: float) -> float:
+        key = (batch, round(context))
+        if key not in self._uniform:
+            self._uniform[key] = self.analytic.step_time(shape_output([[batch, 1, key[1], False]]))
+        return self._uniform[key]
+
+    def of(self, kind: str, out: SchedulerOutput) -> float:
+        if kind == "decode":
+            return self.uniform(len(out.scheduled), _effective(out, self.one_wave))
+        return self.analytic.step_time(out)
 
 
 def fit_from_logs(
@@ -142,26 +178,36 @@ def fit_from_logs(
         _check_base(base, logs[0], model)
     analytic = AnalyticCostModel(model, hw, load_cost_coefficients())
     one_wave = 0 if hw.runs_on_host else ONE_WAVE_BATCH
+    prices = _Prices(analytic, one_wave)
     binned: list[_Binned] = []
+    runs: list[list[_Binned | None]] = []  # each log's steps in order (None: left out)
     verify = unusable = 0
     for log in logs:
+        run: list[_Binned | None] = []
         for step in log.steps:
             kind = step_kind(step.groups)
-            if kind == "verify":
-                verify += 1
-                continue
-            if not step.record.duration > 0:
-                unusable += 1
+            if kind == "verify" or not step.record.duration > 0:
+                verify += kind == "verify"
+                unusable += kind != "verify"
+                run.append(None)
                 continue
             out = shape_output(step.groups)
             pipelined = step.overlapped and not hw.runs_on_host
             cell = (kind, _cell_key(kind, out, one_wave))
-            binned.append(_Binned(kind, cell, out, step.record.duration, pipelined))
-    points, ratios = _points(binned, analytic, one_wave)
+            price = prices.of(kind, out)
+            run.append(_Binned(kind, cell, out, step.record.duration, pipelined, price))
+        runs.append(run)
+        binned += [b for b in run if b is not None]
+    # (a simulated log's durations are its cost model's prices, split as it priced them)
+    real = [run for run, log in zip(runs, logs) if log.header.get("executor") != "sim"]
+    held, moved = _reattribute(real)
+    binned = [b for b in binned if not b.holds_next]
+    binned, outliers = _without_outliers(binned)
+    points, ratios = _points(binned, prices)
     fills = _fill_times(points, ratios, any(b.pipelined for b in binned))
     coverage = _coverage(binned, points)
     host = _host_samples([s for log in logs for s in log.steps])
-    gaps = _missing(coverage, binned)
+    gaps = _missing(coverage, binned) + _beyond(coverage, binned, logs, model)
     missing = [f"{what}: {cost}" for what, cost, _ in gaps]
     needed = [f"{what}: {cost}" for what, cost, need in gaps if need]
     if base is not None:
@@ -174,15 +220,45 @@ def fit_from_logs(
         )
     if unusable:
         notes.append(f"{unusable} steps of zero duration left out")
+    if held:
+        notes.append(
+            f"{held} steps left out: the next step's launch (prompt chunks, beside them) "
+            f"held their results; {moved:.3f} s of theirs given to those steps"
+        )
+    if outliers:
+        notes.append(
+            f"{outliers} outlier steps left out (time over analytic price beyond "
+            f"{_OUTLIER_MADS} scaled MADs of their peers')"
+        )
     if any(fills.values()):
         notes.append(
             f"points with one time only: {fills['sequential_from_pipelined']} have their "
             f"sequential time from their pipelined one, {fills['pipelined_from_sequential']} "
             "the reverse (by the ratio of their kind's steps that ran both ways)"
         )
+        launched = [
+            f"{kind} {sum(b.kind == kind and not b.pipelined for b in binned)} of "
+            f"{sum(b.kind == kind for b in binned)} (ratio "
+            + (
+                f"{max(1.0, ratios[kind]):.3f})"
+                if kind in ratios
+                else "of the other kinds)"
+                if ratios
+                else "none ran both ways: 1)"
+            )
+            for kind in KINDS
+            if kind in coverage
+        ]
+        notes.append(
+            "steps launched on an idle device (async scheduling off, or after the engine "
+            "idled), whose sequential times price a run without async scheduling: "
+            + ", ".join(launched)
+        )
     from_log = {
         "logs": [str(log.path) for log in logs],
-        "steps": len(binned),
+        "steps": len(binned),  # (fitted; read: these and the two below)
+        "held_by_next_launch": held,
+        "outliers": outliers,
         "kinds": {k: c.steps for k, c in coverage.items()},
         "not_covered": missing,
         **fills,
@@ -285,7 +361,7 @@ def _effective(out: SchedulerOutput, one_wave: int) -> float:
 
 
 def _points(
-    binned: list[_Binned], analytic: AnalyticCostModel, one_wave: int
+    binned: list[_Binned], prices: _Prices
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """One point per cell, its sequential and pipelined medians under `_sequential` and
     `_pipelined` (None: none of its steps ran so); and by step kind whose steps ran both
@@ -295,33 +371,24 @@ def _points(
     for b in binned:
         cells[b.cell].append(b)
     # Decode: one batch per batch bucket and one context per context bucket (a grid).
+    one_wave = prices.one_wave
     decode = [b for b in binned if b.kind == "decode"]
     batch_of = _medians((b.cell[1][0], len(b.out.scheduled)) for b in decode)
     context_of = _medians((b.cell[1][1], _effective(b.out, one_wave)) for b in decode)
-    uniform: dict[tuple[int, int], float] = {}  # (batch, context) -> analytic seconds
-
-    def uniform_price(batch: int, context: float) -> float:
-        key = (batch, round(context))
-        if key not in uniform:
-            uniform[key] = analytic.step_time(shape_output([[batch, 1, key[1], False]]))
-        return uniform[key]
-
     points = []
     per_price: dict[tuple[str, bool], list[float]] = defaultdict(list)
     for cell, members in sorted(cells.items()):
         kind, steps = cell[0], _spaced(members, _STEPS_PER_CELL)
+        priced = [b.price for b in steps]
         if kind == "decode":
             batch, context = batch_of[cell[1][0]], context_of[cell[1][1]]
             rep = shape_output([[batch, 1, context, False]])
-            target = uniform_price(batch, context)
-            prices = [uniform_price(len(b.out.scheduled), _effective(b.out, one_wave))
-                      for b in steps]  # fmt: skip
+            target = prices.uniform(batch, context)
         else:
-            prices = [analytic.step_time(b.out) for b in steps]
-            middle = sorted(range(len(steps)), key=prices.__getitem__)[len(steps) // 2]
-            rep, target = steps[middle].out, prices[middle]
-        moved = [(b.seconds * target / price, b.pipelined) for b, price in zip(steps, prices)]
-        for b, price in zip(steps, prices):
+            middle = sorted(range(len(steps)), key=priced.__getitem__)[len(steps) // 2]
+            rep, target = steps[middle].out, priced[middle]
+        moved = [(b.seconds * target / price, b.pipelined) for b, price in zip(steps, priced)]
+        for b, price in zip(steps, priced):
             per_price[kind, b.pipelined].append(b.seconds / price)
         seq = sorted(t for t, pipelined in moved if not pipelined)
         pip = sorted(t for t, pipelined in moved if pipelined)
@@ -342,6 +409,125 @@ def _points(
         if per_price[kind, False] and per_price[kind, True]
     }
     return points, ratios
+
+
+def _without_outliers(binned: list[_Binned]) -> tuple[list[_Binned], int]:
+    """`binned` without its outlier steps, and how many there were. A step's peers are
+    the steps of its kind launched the same way (pipelined or not) and, for a decode
+    step, of its batch bucket (the analytic model's error varies with the batch more
+    than the context); log ratios of time to price within
+    _OUTLIER_MADS scaled MADs of the peers' median are kept. So one odd step cannot set
+    a cell's price, however few steps the cell has."""
+    peers: dict[tuple[Any, ...], list[float]] = defaultdict(list)
+
+    def key(b: _Binned) -> tuple[Any, ...]:
+        return (b.kind, b.pipelined, b.cell[1][0] if b.kind == "decode" else None)
+
+    for b in binned:
+        peers[key(b)].append(math.log(b.seconds / b.price))
+    medians = {k: statistics.median(v) for k, v in peers.items()}
+    deviation: dict[tuple[Any, ...], list[float]] = defaultdict(list)
+    for b in binned:  # (a kind's spread: a batch bucket's steps may be few)
+        k = key(b)
+        deviation[k[:2]].append(abs(math.log(b.seconds / b.price) - medians[k]))
+    band = {
+        k: max(_OUTLIER_MADS * 1.4826 * statistics.median(v), _OUTLIER_WITHIN[k[0]])
+        for k, v in deviation.items()
+    }
+    kept = [
+        b for b in binned
+        if abs(math.log(b.seconds / b.price) - medians[key(b)])
+        <= band[key(b)[:2]]
+    ]  # fmt: skip
+    return kept, len(binned) - len(kept)
+
+
+def _reattribute(runs: list[list[_Binned | None]]) -> tuple[int, float]:
+    """Give back to each step launched beside the step before it the time that step's
+    duration holds of it; (how many steps held some, the seconds moved).
+
+    A step's duration ends when the host reads its results, and under async scheduling
+    the host first launches the next step. The launch of a step with prompt chunks
+    (eager or piecewise, its inputs built on the host) can outlast the step before it
+    on the device, and the device waits for it: that step's duration then holds the
+    next one's launch (a graph-replayed decode step several times its own time), and
+    the next step's holds only what ran after it. The pair's sum is right. So a step
+    followed by such a launch whose time (with what it was given) lies beyond the
+    spread of its peers' (p90 of their time over their analytic price; a decode step's
+    peers: its cell's steps, an eager step's: its kind's) is left out of its cell, and
+    its time beyond its peers' median goes to the next step, whose launch it held.
+    Decode steps first: eager steps' peers are read with what decode steps gave them."""
+    held = 0
+    moved = 0.0
+    for kinds in (("decode",), ("prefill", "mixed")):
+        peers = _peer_ratios(runs, kinds)
+        for run in runs:
+            for b, after in zip(run, [*run[1:], None]):
+                if b is None or b.kind not in kinds or not _launch_held(b, after):
+                    continue
+                assert after is not None
+                ratio, spread = peers.get((b.cell, b.pipelined)) or peers.get(
+                    (b.kind, b.pipelined), (math.inf, 1.0)
+                )
+                own = ratio * b.price
+                if b.seconds > own * spread and (kinds == ("decode",) or _short(after, peers)):
+                    b.holds_next = True
+                    held += 1
+                    moved += b.seconds - own
+                    after.seconds += b.seconds - own
+                    b.seconds = own
+    return held, moved
+
+
+def _short(b: _Binned, peers: dict[tuple[Any, bool], tuple[float, float]]) -> bool:
+    """`b` took less than its kind's spread allows below its peers' median."""
+    ratio, spread = peers.get((b.kind, b.pipelined), (0.0, 1.0))
+    return b.seconds < ratio * b.price / spread
+
+
+def _launch_held(b: _Binned, after: _Binned | None) -> bool:
+    """`after` was launched beside `b` with prompt chunks: its launch may hold `b`'s
+    results."""
+    return after is not None and after.pipelined and after.kind != "decode"
+
+
+def _peer_ratios(
+    runs: list[list[_Binned | None]], kinds: tuple[str, ...]
+) -> dict[tuple[Any, bool], tuple[float, float]]:
+    """(decode cell or kind, pipelined) -> the median time over analytic price of the
+    steps of `kinds` whose next launch could not hold their results, and its spread
+    (p90 over median: of each step's ratio over its cell's for decode, whose cells are
+    full, over its kind's for the others, whose cells hold a step or two)."""
+    ratios: dict[tuple[Any, bool], list[float]] = defaultdict(list)
+    for run in runs:
+        for b, after in zip(run, [*run[1:], None]):
+            if b is not None and b.kind in kinds and not _launch_held(b, after):
+                r = b.seconds / b.price
+                ratios[b.kind, b.pipelined].append(r)
+                if b.kind == "decode":
+                    ratios[b.cell, b.pipelined].append(r)
+    medians = {key: statistics.median(values) for key, values in ratios.items()}
+    out = {}
+    for (kind, pipelined), values in ratios.items():
+        if not isinstance(kind, str):
+            continue
+        if kind == "decode":
+            rel = [
+                b.seconds / b.price / medians[b.cell, b.pipelined]
+                for run in runs for b, after in zip(run, [*run[1:], None])
+                if b is not None and b.kind == kind and b.pipelined == pipelined
+                and not _launch_held(b, after)
+            ]  # fmt: skip
+        else:
+            rel = [v / medians[kind, pipelined] for v in values]
+        spread = max(1.0, float(np.quantile(rel, 0.9)))
+        out[kind, pipelined] = (medians[kind, pipelined], spread)
+        if kind == "decode":
+            out.update({
+                key: (m, spread) for key, m in medians.items()
+                if not isinstance(key[0], str) and key[1] == pipelined
+            })  # fmt: skip
+    return out
 
 
 def _fill_times(
@@ -434,7 +620,63 @@ def _missing(
     if "mixed" not in coverage:
         cost = "priced by the fit's physics of the other kinds"
         missing.append(("mixed steps (decodes beside a prompt chunk)", cost, False))
+    missing.append((
+        "verify steps (a speculating engine's: its logs are refused)",
+        "a speculating simulation prices them by physics (take them from a grid profile: "
+        "--base)", False,
+    ))  # fmt: skip
     return missing
+
+
+def _beyond(
+    coverage: dict[str, KindCoverage],
+    binned: list[_Binned],
+    logs: list[StepLogFile],
+    model: ModelConfig,
+) -> list[tuple[str, str, bool]]:
+    """What the logged engines could run and their steps never did: decode batches up
+    to max_num_seqs, contexts up to the longest request, prompt chunks up to the token
+    budget and after cached prefixes as long; each with how the profile prices it."""
+    engines = [log.engine for log in logs]
+    seqs = max(int(e.get("max_num_seqs") or 0) for e in engines)
+    budget = max(int(e.get("max_num_batched_tokens") or 0) for e in engines)
+    longest = max(_max_model_len(e, model) for e in engines)
+    edge = "the nearest logged shape scaled by the fit's physics"
+    gaps = []
+    decode = coverage.get("decode")
+    if decode is not None and decode.reqs[1] < seqs:
+        what = f"decode batches above {decode.reqs[1]} (max_num_seqs {seqs})"
+        gaps.append((what, edge, False))
+    if decode is not None and decode.context[1] < longest // 2:
+        what = f"decode contexts above {decode.context[1]} (requests may reach {longest})"
+        gaps.append((what, edge, False))
+    if decode is not None and decode.context[0] > _SHORT_CONTEXT:
+        what = f"decode contexts below {decode.context[0]} (short requests, fresh conversations)"
+        gaps.append((what, edge, False))
+    prompts = [r for b in binned if b.kind != "decode" for r in b.out.scheduled if r.is_prompt]
+    if prompts:
+        tokens = max(b.out.num_batched_tokens for b in binned if b.kind != "decode")
+        if tokens < budget:
+            what = f"prompt steps above {tokens} tokens (max_num_batched_tokens {budget})"
+            gaps.append((what, "the fit's physics", False))
+        cached = max(r.num_computed_tokens for r in prompts)
+        if cached < longest // 2:
+            what = (
+                f"prompt chunks after cached prefixes above {cached} tokens (prefix "
+                f"caching, a long prompt's later chunks; requests may reach {longest})"
+            )
+            gaps.append((what, "the fit's physics", False))
+    return gaps
+
+
+def _max_model_len(engine: dict[str, Any], model: ModelConfig) -> int:
+    """The longest request a logged engine ran: its max_model_len, or the model's limit
+    capped by its cache (EngineConfig's rule)."""
+    if engine.get("max_model_len"):
+        return int(engine["max_model_len"])
+    limit = model.max_position_embeddings
+    blocks, size = engine.get("num_gpu_blocks"), engine.get("block_size")
+    return min(limit, int(blocks) * int(size)) if blocks and size else limit
 
 
 def _meta(header: dict[str, Any], log: StepLogFile) -> dict[str, Any]:
