@@ -134,6 +134,7 @@ class GridCheck:
     folds: int  # 0: leave-one-out
     kinds: dict[str, KindCheck]
     uncovered: tuple[str, ...]
+    too_few: tuple[str, ...] = ()  # kinds of one point: none left to fit it on
 
     def table(self) -> str:
         """One line a kind: points, median and p90 |error|, the median signed error,
@@ -155,6 +156,8 @@ class GridCheck:
                 f"{c.bias:+7.1%}  {'met' if c.meets_targets else 'missed':7s}  "
                 f"{_span(c.reqs)}, {_span(c.tokens)}, {context}"
             )
+        for kind in self.too_few:
+            lines.append(f"  {kind:13s} one point: none left to fit it on, not checked")
         for kind in self.uncovered:
             lines.append(f"  {kind:13s} not covered: the grid has no such step")
         return "\n".join(lines)
@@ -165,6 +168,7 @@ class GridCheck:
             "folds": self.folds,
             "kinds": {k: c.to_dict() for k, c in self.kinds.items()},
             "uncovered": list(self.uncovered),
+            "too_few": list(self.too_few),
         }
 
 
@@ -189,28 +193,10 @@ def check_grid(
     drafts = max((int(p.get("drafter", 0)) for p in points), default=0)
     # kind -> item (point or host sample) -> its held-out signed error
     errors: dict[str, dict[int, float]] = {}
-    for f in range(n_folds):
-        held = [i for i, g in enumerate(fold_of) if g == f]
-        held_host = [i for i, g in enumerate(host_fold) if g == f]
-        rest = [p for i, p in enumerate(points) if fold_of[i] != f]
-        rest_host = [h for i, h in enumerate(host) if host_fold[i] != f]
-        plain_held = [i for i in held if not points[i].get("drafter")]
-        spec_held = [i for i in held if points[i].get("drafter")]
-        fitted = dict(profile, points=rest, host=rest_host)
-        if plain_held or held_host:
-            cost = _fit(fitted, model, hardware, 0)
-            for i in plain_held:
-                priced = cost.step_time(shape_output(points[i]["groups"]))
-                _add(errors, kinds[i], i, priced, step_seconds(points[i], pipelined=False))
-            for i in held_host:
-                h = host[i]
-                priced = cost.cpu_time(_host_shape(h["num_reqs"], h["num_tokens"]))
-                _add(errors, "host", i, priced, h["schedule_s"] + h["process_s"])
-        if spec_held:
-            cost = _fit(fitted, model, hardware, drafts)
-            for i in spec_held:
-                priced = cost.step_time(shape_output(points[i]["groups"]))
-                _add(errors, kinds[i], i, priced, step_seconds(points[i], pipelined=False))
+    with warnings.catch_warnings():  # (range and coverage warnings: the table says how)
+        warnings.simplefilter("ignore")
+        for f in range(n_folds):
+            _check_fold(f, profile, model, hardware, drafts, kinds, fold_of, host_fold, errors)
     checked = {}
     for kind in KINDS:
         if not errors.get(kind):
@@ -233,8 +219,46 @@ def check_grid(
         )
     present = set(kinds) | ({"host"} if host else set())
     uncovered = tuple(k for k in KINDS if k not in present)
+    too_few = tuple(k for k in KINDS if k in present and k not in checked)
     name = str(profile.get("_path", profile.get("model", "profile")))
-    return GridCheck(name.rsplit("/", 1)[-1], folds, checked, uncovered)
+    return GridCheck(name.rsplit("/", 1)[-1], folds, checked, uncovered, too_few)
+
+
+def _check_fold(
+    f: int,
+    profile: dict[str, Any],
+    model: ModelConfig,
+    hardware: HardwareSpec,
+    drafts: int,
+    kinds: list[str],
+    fold_of: list[int],
+    host_fold: list[int],
+    errors: dict[str, dict[int, float]],
+) -> None:
+    """Fold `f`'s points and host samples priced by the fit of the others, into `errors`
+    (a speculative point by a fit whose engine drafts as the profile's did)."""
+    points, host = profile["points"], profile["host"]
+    held = [i for i, g in enumerate(fold_of) if g == f]
+    held_host = [i for i, g in enumerate(host_fold) if g == f]
+    rest = [p for i, p in enumerate(points) if fold_of[i] != f]
+    rest_host = [h for i, h in enumerate(host) if host_fold[i] != f]
+    plain_held = [i for i in held if not points[i].get("drafter")]
+    spec_held = [i for i in held if points[i].get("drafter")]
+    fitted = dict(profile, points=rest, host=rest_host)
+    if plain_held or held_host:
+        cost = ProfiledCostModel(fitted, model, hardware, 0)
+        for i in plain_held:
+            priced = cost.step_time(shape_output(points[i]["groups"]))
+            _add(errors, kinds[i], i, priced, step_seconds(points[i], pipelined=False))
+        for i in held_host:
+            h = host[i]
+            priced = cost.cpu_time(_host_shape(h["num_reqs"], h["num_tokens"]))
+            _add(errors, "host", i, priced, h["schedule_s"] + h["process_s"])
+    if spec_held:
+        cost = ProfiledCostModel(fitted, model, hardware, drafts)
+        for i in spec_held:
+            priced = cost.step_time(shape_output(points[i]["groups"]))
+            _add(errors, kinds[i], i, priced, step_seconds(points[i], pipelined=False))
 
 
 def _folds(kinds: list[str], folds: int) -> list[int]:
@@ -252,14 +276,6 @@ def _folds(kinds: list[str], folds: int) -> list[int]:
         else:
             out.append(i if not folds else j % folds)
     return out
-
-
-def _fit(
-    profile: dict[str, Any], model: ModelConfig, hardware: HardwareSpec, drafts: int
-) -> ProfiledCostModel:
-    with warnings.catch_warnings():  # (range and coverage warnings: the table says how)
-        warnings.simplefilter("ignore")
-        return ProfiledCostModel(profile, model, hardware, drafts)
 
 
 def _add(
