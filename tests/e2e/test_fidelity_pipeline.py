@@ -88,7 +88,7 @@ def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
         "--out", str(tmp_path), "--model", "deepinfer-demo", "--device", "cpu",
         "--num-requests", "5", "--traces", "example.jsonl", "--rates", "1.2",
         "--num-gpu-blocks", "256", "--block-size", "16", "--max-num-batched-tokens", "512",
-        "--max-num-seqs", "16", "--step-log", str(tmp_path / "logs"),
+        "--max-num-seqs", "16", "--step-log", str(tmp_path / "logs"), "--bands", "4",
     ])  # fmt: skip
     assert code == 0
     report = json.loads((tmp_path / "fidelity.json").read_text())
@@ -114,7 +114,7 @@ def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
     # Without a device: the simulated side again against the recorded real runs gives
     # the same request-level errors (the simulator is deterministic).
     again = tmp_path / "again"
-    assert bench.main(["--real", str(tmp_path), "--out", str(again)]) == 0
+    assert bench.main(["--real", str(tmp_path), "--out", str(again), "--bands", "4"]) == 0
     redone = {
         w["workload"]: w["requests"] for w in json.loads((again / "resimulated.json").read_text())
     }
@@ -128,3 +128,14 @@ def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
     }
     for w in report["workloads"]:
         assert steps[w["workload"]] == w["steps"]
+    # ... and the same bands (seeded by the engine's seed), each real run read against them.
+    bands = {
+        w["workload"]: w["bands"] for w in json.loads((again / "resimulated.json").read_text())
+    }
+    for w in report["workloads"]:
+        assert bands[w["workload"]] == w["bands"]
+        assert w["bands"]["replicates"] == 4
+        for key, row in w["bands"]["figures"].items():
+            assert row["low"] <= row["point"] <= row["high"], key
+            assert row["point"] == w["spread"][key]["sim"]
+            assert row["inside"] == [row["low"] <= v <= row["high"] for v in row["real"]]
