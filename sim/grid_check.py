@@ -135,6 +135,7 @@ class GridCheck:
     kinds: dict[str, KindCheck]
     uncovered: tuple[str, ...]
     too_few: tuple[str, ...] = ()  # kinds of one point: none left to fit it on
+    short: tuple[str, ...] = ()  # kinds whose steps stop well short of the grid's reach
 
     def table(self) -> str:
         """One line a kind: points, median and p90 |error|, the median signed error,
@@ -156,6 +157,8 @@ class GridCheck:
                 f"{c.bias:+7.1%}  {'met' if c.meets_targets else 'missed':7s}  "
                 f"{_span(c.reqs)}, {_span(c.tokens)}, {context}"
             )
+        for line in self.short:
+            lines.append(f"  {line}")
         for kind in self.too_few:
             lines.append(f"  {kind:13s} one point: none left to fit it on, not checked")
         for kind in self.uncovered:
@@ -169,6 +172,7 @@ class GridCheck:
             "kinds": {k: c.to_dict() for k, c in self.kinds.items()},
             "uncovered": list(self.uncovered),
             "too_few": list(self.too_few),
+            "short": list(self.short),
         }
 
 
@@ -221,7 +225,29 @@ def check_grid(
     uncovered = tuple(k for k in KINDS if k not in present)
     too_few = tuple(k for k in KINDS if k in present and k not in checked)
     name = str(profile.get("_path", profile.get("model", "profile")))
-    return GridCheck(name.rsplit("/", 1)[-1], folds, checked, uncovered, too_few)
+    return GridCheck(name.rsplit("/", 1)[-1], folds, checked, uncovered, too_few, _short(checked))
+
+
+def _short(checked: dict[str, KindCheck]) -> tuple[str, ...]:
+    """The kinds whose longest context is under half the grid's longest, and a host
+    sample of fewer requests than the largest step: steps beyond are priced by the fit's
+    physics alone (the check cannot say how well)."""
+    # (a lone chunk's context is its own length, bounded by the token budget)
+    steps = [c for k, c in checked.items() if k not in ("host", "prefill", "lone_chunk")]
+    if not steps:
+        return ()
+    reach = max(c.context[1] for c in steps)
+    out = [
+        f"{c.kind}: contexts up to {c.context[1]}, the grid's steps reach {reach}; "
+        "longer ones are priced by the fit's physics"
+        for c in steps
+        if c.context[1] < reach / 2
+    ]
+    host = checked.get("host")
+    most = max(c.reqs[1] for c in steps)
+    if host is not None and host.reqs[1] < most:
+        out.append(f"host: samples up to {host.reqs[1]} requests, the grid's steps reach {most}")
+    return tuple(out)
 
 
 def _check_fold(

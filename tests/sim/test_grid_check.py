@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from deepinfer.model_config import load_model_config
-from sim.grid_check import _folds, check_grid, point_kind, step_kind
+from sim.grid_check import KindCheck, _folds, _short, check_grid, point_kind, step_kind
 from sim.hardware import get_hardware
 from sim.profile_fit import shape_output
 from sim.profiled_cost_model import ProfiledCostModel, load_profile, profile_path
@@ -96,3 +96,19 @@ def test_a_step_kind_reads_the_shape() -> None:
     assert kind([[4, 1, 512, False], [1, 256, 0, True]]) == "mixed"
     assert kind([[4, 3, 512, False, 2]], drafter=True) == "verify"
     assert point_kind({"groups": [[4, 3, 512, False, 2]], "drafter": 2}) == "verify"
+
+
+def test_kinds_that_stop_short_of_the_grids_reach_are_named() -> None:
+    def kind(name: str, reqs: int, context: int) -> KindCheck:
+        return KindCheck(name, (0.01, -0.01), (0, 1), (1, reqs), (1, 1), (257, context))
+
+    checked = {
+        "decode": kind("decode", 512, 65537),
+        "verify": kind("verify", 512, 4100),
+        "mixed": kind("mixed", 241, 40000),
+        "host": kind("host", 256, 0),
+    }
+    short = _short(checked)
+    assert len(short) == 2
+    assert short[0].startswith("verify: contexts up to 4100, the grid's steps reach 65537")
+    assert short[1] == "host: samples up to 256 requests, the grid's steps reach 512"
