@@ -19,6 +19,11 @@ requests (a window of HOST_WINDOW samples: an error the host fit makes at a batc
 is shared by the samples around it), and the host's per-step sigma is the robust spread
 (1.4826 x the median absolute deviation) of what is left.
 
+The held-out errors are those of the points' medians (steps launched on an idle
+device); under async scheduling the simulator prices pipelined times, and the same
+relative errors stand for them (the profile holds no held-out check of its own for
+those).
+
 A kind the grid does not cover (or has too few points to check) takes the widest
 systematic errors and per-step sigma of the kinds it does cover (`for_kind`): a step
 the profile never measured is no better known than the worst it did.
