@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.fidelity_bands import band_check, print_band_table
+from benchmarks.fidelity_bands import band_check, print_band_table, require_profile
 from benchmarks.fidelity_spread import METRICS, print_spread_table, request_metrics, spread
 from benchmarks.fidelity_workloads import (
     HELD_OUT,
@@ -853,6 +853,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--add-mtp-layer: no workload named speculates")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     hardware = args.hardware or hardware_name(device)
+    if args.bands:
+        require_profile(spec, hardware, cfg, args.profile)
     repeats = args.repeats or (3 if device.type == "cuda" else 1)
     cache = cfg.num_gpu_blocks * cfg.block_size if cfg.num_gpu_blocks else 1 << 62
     limit = args.max_prompt or min(cfg.max_model_len or spec.max_position_embeddings, cache)

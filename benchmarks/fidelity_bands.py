@@ -21,6 +21,8 @@ from deepinfer.config import EngineConfig
 from deepinfer.model_config import ModelConfig
 from deepinfer.records import RequestRecord
 from sim.bands import simulate_bands
+from sim.cost_model_registry import profile_key
+from sim.profiled_cost_model import find_profile
 from sim.simulator import SimResult
 from sim.traces import Trace
 
@@ -56,6 +58,22 @@ def band_check(
             "inside": [band.contains(v) for v in values],
         }
     return {"replicates": replicates, "noise": bands.noise, "figures": rows}
+
+
+def require_profile(
+    spec: ModelConfig, hardware: str, cfg: EngineConfig, profile: Path | None
+) -> None:
+    """ValueError before any real run where the bands would have no profile to draw their
+    noise from (the simulator would price with the analytic model)."""
+    if profile is not None:
+        return
+    key = profile_key(spec.with_quantization(cfg.quantization))
+    if find_profile(key, hardware, cfg.batch_invariant) is None:
+        raise ValueError(
+            f"--bands: no profile of {key} on {hardware} ships, and the bands draw their "
+            "noise from a profile's held-out errors; pass --profile PROFILE.json, or "
+            "--bands 0"
+        )
 
 
 def _cell(row: dict[str, Any] | None) -> str:

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from deepinfer.config import EngineConfig
 from deepinfer.step_log_file import read_step_log
 from sim.cost_model import CostModel
@@ -139,3 +141,17 @@ def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
             assert row["low"] <= row["point"] <= row["high"], key
             assert row["point"] == w["spread"][key]["sim"]
             assert row["inside"] == [row["low"] <= v <= row["high"] for v in row["real"]]
+
+
+def test_bands_without_a_profile_are_refused_before_any_real_run() -> None:
+    """The bands draw their noise from a profile: on hardware with none shipped the
+    benchmark stops at once (not after its real runs) and says what to pass."""
+    from benchmarks.fidelity_bands import require_profile
+    from deepinfer.model_config import load_model_config
+    from sim.profiled_cost_model import profile_path
+
+    spec, cfg = load_model_config("moonlight-16b-a3b"), EngineConfig()
+    require_profile(spec, "h200", cfg, None)  # shipped
+    require_profile(spec, "h100", cfg, profile_path("moonlight-16b-a3b", "h200"))  # given
+    with pytest.raises(ValueError, match="--bands: no profile of moonlight-16b-a3b on h100"):
+        require_profile(spec, "h100", cfg, None)
