@@ -25,8 +25,9 @@ EngineConfig and the shipped (or --profile) profile. Reports:
              error against their median, and whether it fell inside their range
              (benchmarks/fidelity_spread.py)
   bands      the simulated 95% band of each headline figure (--bands N replicates with
-             step prices drawn from the profile's noise; default 10, 0: none) and
-             whether each real run fell inside (benchmarks/fidelity_bands.py)
+             step prices drawn from the profile's noise; default 10 where a profile
+             prices the hardware, 0: none) and whether each real run fell inside
+             (benchmarks/fidelity_bands.py)
 
 Writes DIR/fidelity.json, DIR/fidelity_records.json (every record, step log and
 workload's requests: `--real DIR` simulates them again without a GPU) and
@@ -50,7 +51,12 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.fidelity_bands import band_check, print_band_table, require_profile
+from benchmarks.fidelity_bands import (
+    DEFAULT_REPLICATES,
+    band_check,
+    print_band_table,
+    replicates_for,
+)
 from benchmarks.fidelity_spread import METRICS, print_spread_table, request_metrics, spread
 from benchmarks.fidelity_workloads import (
     HELD_OUT,
@@ -806,20 +812,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--bands",
         type=int,
-        default=10,
+        default=None,
         metavar="N",
         help="simulate each workload N more times with step prices drawn from the "
         "profile's noise: the 95%% band of each headline figure, and whether each real run "
-        "fell inside (default: %(default)s; 0: none)",
+        "fell inside (default: 10 where a profile prices the hardware, else none; 0: none)",
     )
     add_engine_options(p)
     args = p.parse_args(argv)
-    if args.bands < 0:
+    if args.bands is not None and args.bands < 0:
         p.error(f"--bands {args.bands}: the replicates, 0 (none) or more")
     if args.real is not None:
         if args.step_log is not None:
             p.error("--step-log: --real runs no real engine (it re-simulates recorded runs)")
-        return resimulate(args.real, args.profile, args.out, args.bands)
+        bands = DEFAULT_REPLICATES if args.bands is None else args.bands
+        return resimulate(args.real, args.profile, args.out, bands)
     cfg = engine_config_from_args(args)
     if args.workloads is not None:
         if args.traces is not None or args.rates is not None:
@@ -853,8 +860,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--add-mtp-layer: no workload named speculates")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     hardware = args.hardware or hardware_name(device)
-    if args.bands:
-        require_profile(spec, hardware, cfg, args.profile)
+    bands = replicates_for(args.bands, spec, hardware, cfg, args.profile)
     repeats = args.repeats or (3 if device.type == "cuda" else 1)
     cache = cfg.num_gpu_blocks * cfg.block_size if cfg.num_gpu_blocks else 1 << 62
     limit = args.max_prompt or min(cfg.max_model_len or spec.max_position_embeddings, cache)
@@ -886,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
         return sim_name
 
     results = run_planned(
-        planned, build, sim_model, hardware, args.profile, repeats, args.step_log, args.bands
+        planned, build, sim_model, hardware, args.profile, repeats, args.step_log, bands
     )
     print_tables(results)
     print_spread_table(results, skipped)

@@ -60,20 +60,29 @@ def band_check(
     return {"replicates": replicates, "noise": bands.noise, "figures": rows}
 
 
-def require_profile(
-    spec: ModelConfig, hardware: str, cfg: EngineConfig, profile: Path | None
-) -> None:
-    """ValueError before any real run where the bands would have no profile to draw their
-    noise from (the simulator would price with the analytic model)."""
-    if profile is not None:
-        return
+DEFAULT_REPLICATES = 10
+
+
+def replicates_for(
+    asked: int | None, spec: ModelConfig, hardware: str, cfg: EngineConfig, profile: Path | None
+) -> int:
+    """The bands' replicates: `asked` (--bands N), or by default DEFAULT_REPLICATES where a
+    profile prices the hardware and none where none does (the simulator then prices with
+    the analytic model, and the bands have no held-out errors to draw from). Asked for
+    with no profile: ValueError, before any real run."""
+    if profile is not None or asked == 0:
+        return DEFAULT_REPLICATES if asked is None else asked
     key = profile_key(spec.with_quantization(cfg.quantization))
-    if find_profile(key, hardware, cfg.batch_invariant) is None:
-        raise ValueError(
-            f"--bands: no profile of {key} on {hardware} ships, and the bands draw their "
-            "noise from a profile's held-out errors; pass --profile PROFILE.json, or "
-            "--bands 0"
-        )
+    if find_profile(key, hardware, cfg.batch_invariant) is not None:
+        return DEFAULT_REPLICATES if asked is None else asked
+    if asked is None:
+        print(f"no bands: no profile of {key} on {hardware} to draw their noise from")
+        return 0
+    raise ValueError(
+        f"--bands {asked}: no profile of {key} on {hardware} ships, and the bands draw "
+        "their noise from a profile's held-out errors; pass --profile PROFILE.json, or "
+        "--bands 0"
+    )
 
 
 def _cell(row: dict[str, Any] | None) -> str:
