@@ -154,6 +154,8 @@ def simulate_bands(
     simulate_options: passed to each `simulate` (slo, acceptance_rate, ...)."""
     if replicates < 1:
         raise ValueError(f"bands: replicates={replicates}, must be >= 1")
+    if simulate_options.get("step_log") is not None:
+        raise ValueError("bands: step_log is the run's own; its replicates write none")
     if engine.data_parallel_size > 1:
         raise ValueError(
             f"bands with data_parallel_size={engine.data_parallel_size}: the ranks' lock-step "

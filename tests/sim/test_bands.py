@@ -125,11 +125,13 @@ def test_band_quantiles_and_the_point_outside_them() -> None:
     assert math.isnan(band_of(1.0, [float("nan")]).low)  # no finite replicate: no band
 
 
-def test_bands_need_a_profile_to_draw_from() -> None:
+def test_bands_refuse_what_they_cannot_draw_or_would_overwrite() -> None:
     trace = _trace(5)
     point = simulate(trace, MODEL, engine=ENGINE, cost_model="unit")
     with pytest.raises(ValueError, match="no profile"):
         simulate_bands(trace, MODEL, "h200", ENGINE, point, replicates=2, cost_model="unit")
+    with pytest.raises(ValueError, match="step_log"):
+        simulate_bands(trace, MODEL, "h200", ENGINE, point, replicates=2, step_log="x.jsonl")
     with pytest.raises(ValueError, match="data_parallel_size"):
         simulate_bands(
             trace, MODEL, "h200", ENGINE.replace(data_parallel_size=2), point, replicates=2
