@@ -24,6 +24,10 @@ EngineConfig and the shipped (or --profile) profile. Reports:
   spread     the real runs' spread of each headline figure beside the simulator's
              error against their median, and whether it fell inside their range
              (benchmarks/fidelity_spread.py)
+  bands      the simulated 95% band of each headline figure (--bands N replicates with
+             step prices drawn from the profile's noise; default 10 where a profile
+             prices the hardware, 0: none) and whether each real run fell inside
+             (benchmarks/fidelity_bands.py)
 
 Writes DIR/fidelity.json, DIR/fidelity_records.json (every record, step log and
 workload's requests: `--real DIR` simulates them again without a GPU) and
@@ -47,6 +51,12 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.fidelity_bands import (
+    DEFAULT_REPLICATES,
+    band_check,
+    print_band_table,
+    replicates_for,
+)
 from benchmarks.fidelity_spread import METRICS, print_spread_table, request_metrics, spread
 from benchmarks.fidelity_workloads import (
     HELD_OUT,
@@ -233,12 +243,15 @@ def run_workload(
     repeats: int = 1,
     acceptance: float | None = None,
     step_log: Path | None = None,
+    bands: int = 0,
 ) -> dict[str, Any]:
     """`trace` through the real engine `repeats` times and through the simulator once
     (it is deterministic), with the same EngineConfig; `acceptance`: the simulator's
     draft acceptance (the caller makes the real engine's match it). The first real run
     gives the per-step and per-request tables; all of them give the spread. step_log:
-    the first real run's step log goes there (`deepinfer profile --from-log` fits it)."""
+    the first real run's step log goes there (`deepinfer profile --from-log` fits it).
+    bands: replicates of the simulation with drawn step prices (0: none), the band each
+    real run's figures are read against."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: must be >= 1")
     writer = None
@@ -259,10 +272,8 @@ def run_workload(
         for i in range(repeats)
     ]
     t1 = time.perf_counter()
-    sim = simulate(
-        trace, model, hardware, cfg, None, profile=profile,
-        acceptance_rate=0.7 if acceptance is None else acceptance,
-    )  # fmt: skip
+    rate = 0.7 if acceptance is None else acceptance
+    sim = simulate(trace, model, hardware, cfg, None, profile=profile, acceptance_rate=rate)
     spec = model if isinstance(model, ModelConfig) else load_model_config(model)
     cost, meta = resolve_cost_model(
         None,
@@ -296,6 +307,10 @@ def run_workload(
         "repeat_requests": [compare_requests(r.records, sim.requests) for r in reals],
         "spread": spread([r.records for r in reals], sim.requests),
     }
+    if bands:
+        res["bands"] = band_check(
+            trace, model, hardware, cfg, sim, profile, bands, rate, [r.records for r in reals]
+        )
     if cfg.num_speculative_tokens:
         res["draft_acceptance"] = {
             "real": [r.draft_acceptance for r in reals],
@@ -558,11 +573,12 @@ def run_planned(
     profile: Path | None,
     repeats: int,
     step_log: Path | None = None,
+    bands: int = 0,
 ) -> list[dict[str, Any]]:
     """Each planned workload through `run_workload`, one executor at a time (`build`:
     (engine, MTP layer added) -> executor); a slice's capacity comes from its offline
     run, the median over its real runs. step_log: a folder for each workload's step log
-    (its first real run's)."""
+    (its first real run's). bands: `run_workload`'s."""
     capacity: dict[str, float] = {}
     results: list[dict[str, Any]] = []
     executor: Any = None
@@ -585,7 +601,7 @@ def run_planned(
                 res = run_workload(
                     executor, p.cfg, load, sim_model(p.mtp_added), hardware, profile,
                     executor.max_model_len, repeats, w.acceptance,
-                    _log_path(step_log, load.name),
+                    _log_path(step_log, load.name), bands,
                 )  # fmt: skip
             res["recipe"] = _recipe(w, p, load)
             res["_trace"] = [dataclasses.asdict(r) for r in load.requests]
@@ -619,9 +635,10 @@ def _recipe(w: Workload, p: Planned, load: Trace) -> dict[str, Any]:
     }
 
 
-def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
+def resimulate(real_dir: Path, profile: Path | None, out: Path, bands: int = 0) -> int:
     """The simulated side again, against the real records of an earlier run: what a
-    cost-model change does to the request-level errors, without a GPU."""
+    cost-model change does to the request-level errors, without a GPU; with `bands`
+    replicates, the simulated bands and whether each recorded real run fell inside."""
     doc = json.loads((real_dir / "fidelity.json").read_text())
     recorded = json.loads((real_dir / "fidelity_records.json").read_text())
     meta = doc["meta"]
@@ -635,10 +652,10 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
         loads = _rebuilt_loads(meta, real)
     results = []
     for wname, load, cfg, model, acceptance in loads:
+        rate = 0.7 if acceptance is None else acceptance
         sim = simulate(
-            load, model, meta["hardware"], cfg, None, profile=profile,
-            acceptance_rate=0.7 if acceptance is None else acceptance,
-        )  # fmt: skip
+            load, model, meta["hardware"], cfg, None, profile=profile, acceptance_rate=rate
+        )
         records = [RequestRecord(**r) for r in real[wname]["real"]]
         runs = [records] + [
             [RequestRecord(**r) for r in run] for run in real[wname].get("real_repeats", [])
@@ -663,6 +680,10 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
             "steps": steps, "steps_device": device_errors(on_device, cost),
             "spread": spread(runs, sim.requests),
         })  # fmt: skip
+        if bands:
+            results[-1]["bands"] = band_check(
+                load, model, meta["hardware"], cfg, sim, profile, bands, rate, runs
+            )
         if cfg.num_speculative_tokens:
             results[-1]["draft_acceptance"] = {
                 "real": recorded_acceptance.get(wname, {}).get("real", []),
@@ -670,6 +691,7 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path) -> int:
             }
     print_tables(results)
     print_spread_table(results, doc.get("skipped", []))
+    print_band_table(results)
     out.mkdir(parents=True, exist_ok=True)
     (out / "resimulated.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     return 0
@@ -787,12 +809,24 @@ def main(argv: list[str] | None = None) -> int:
         "`deepinfer profile --from-log`: a profile fitted from some workloads' logs, "
         "checked on the others')",
     )
+    p.add_argument(
+        "--bands",
+        type=int,
+        default=None,
+        metavar="N",
+        help="simulate each workload N more times with step prices drawn from the "
+        "profile's noise: the 95%% band of each headline figure, and whether each real run "
+        "fell inside (default: 10 where a profile prices the hardware, else none; 0: none)",
+    )
     add_engine_options(p)
     args = p.parse_args(argv)
+    if args.bands is not None and args.bands < 0:
+        p.error(f"--bands {args.bands}: the replicates, 0 (none) or more")
     if args.real is not None:
         if args.step_log is not None:
             p.error("--step-log: --real runs no real engine (it re-simulates recorded runs)")
-        return resimulate(args.real, args.profile, args.out)
+        bands = DEFAULT_REPLICATES if args.bands is None else args.bands
+        return resimulate(args.real, args.profile, args.out, bands)
     cfg = engine_config_from_args(args)
     if args.workloads is not None:
         if args.traces is not None or args.rates is not None:
@@ -826,6 +860,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--add-mtp-layer: no workload named speculates")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     hardware = args.hardware or hardware_name(device)
+    bands = replicates_for(args.bands, spec, hardware, cfg, args.profile)
     repeats = args.repeats or (3 if device.type == "cuda" else 1)
     cache = cfg.num_gpu_blocks * cfg.block_size if cfg.num_gpu_blocks else 1 << 62
     limit = args.max_prompt or min(cfg.max_model_len or spec.max_position_embeddings, cache)
@@ -856,9 +891,12 @@ def main(argv: list[str] | None = None) -> int:
             return load_model_config(sim_name).replace(num_nextn_predict_layers=1)
         return sim_name
 
-    results = run_planned(planned, build, sim_model, hardware, args.profile, repeats, args.step_log)
+    results = run_planned(
+        planned, build, sim_model, hardware, args.profile, repeats, args.step_log, bands
+    )
     print_tables(results)
     print_spread_table(results, skipped)
+    print_band_table(results)
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, args.out / "fidelity.png")
     meta = {

@@ -7,8 +7,8 @@ for position j given the earlier drafts passed (sim/acceptance.py: measured on a
 real model, or one fixed rate).
 
 Every draw is a function of the seed, the request and the token position a draft
-guesses (`_unit`; the draft's place j in the drafter's chain enters only through the
-acceptance model's p(j)): runs repeat exactly, and two runs of the same trace under
+guesses (`_unit`: sim/keyed_draws.py; the draft's place j in the drafter's chain enters
+only through the acceptance model's p(j)): runs repeat exactly, and two runs of the same trace under
 different policies (draft lengths, batch sizes, async or not) meet the same luck
 wherever they draft the same token, so a difference between them is the policy's, not
 the dice's (common random numbers).
@@ -20,12 +20,13 @@ seed.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from deepinfer.config import EngineConfig
 from deepinfer.executor import Executor
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from sim.acceptance import AcceptanceModel
+from sim.keyed_draws import unit_draw as _unit
 
 # Placeholder tokens stay clear of id 0 so a user's EOS id is never produced.
 _VOCAB = 1 << 20
@@ -33,18 +34,6 @@ _VOCAB = 1 << 20
 # (seed, salt, position, kind) for the first and last, and before j for the token, so no
 # key begins with another's.
 _ACCEPT, _TOKEN, _CONFIDENCE = 1, 2, 3
-_MASK = (1 << 64) - 1
-
-
-def _unit(key: Iterable[int]) -> float:
-    """A number in [0, 1) fixed by `key`, the integers folded through splitmix64's
-    finaliser (the same on every machine and Python, unlike `hash`)."""
-    z = 0x9E3779B97F4A7C15
-    for part in key:
-        z = (z ^ (part & _MASK)) * 0xBF58476D1CE4E5B9 & _MASK
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK
-        z ^= z >> 31
-    return (z >> 11) / float(1 << 53)
 
 
 class SimExecutor(Executor):

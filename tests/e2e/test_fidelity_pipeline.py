@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from deepinfer.config import EngineConfig
 from deepinfer.step_log_file import read_step_log
 from sim.cost_model import CostModel
@@ -88,7 +90,7 @@ def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
         "--out", str(tmp_path), "--model", "deepinfer-demo", "--device", "cpu",
         "--num-requests", "5", "--traces", "example.jsonl", "--rates", "1.2",
         "--num-gpu-blocks", "256", "--block-size", "16", "--max-num-batched-tokens", "512",
-        "--max-num-seqs", "16", "--step-log", str(tmp_path / "logs"),
+        "--max-num-seqs", "16", "--step-log", str(tmp_path / "logs"), "--bands", "4",
     ])  # fmt: skip
     assert code == 0
     report = json.loads((tmp_path / "fidelity.json").read_text())
@@ -114,7 +116,7 @@ def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
     # Without a device: the simulated side again against the recorded real runs gives
     # the same request-level errors (the simulator is deterministic).
     again = tmp_path / "again"
-    assert bench.main(["--real", str(tmp_path), "--out", str(again)]) == 0
+    assert bench.main(["--real", str(tmp_path), "--out", str(again), "--bands", "4"]) == 0
     redone = {
         w["workload"]: w["requests"] for w in json.loads((again / "resimulated.json").read_text())
     }
@@ -128,3 +130,33 @@ def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
     }
     for w in report["workloads"]:
         assert steps[w["workload"]] == w["steps"]
+    # ... and the same bands (seeded by the engine's seed), each real run read against them.
+    bands = {
+        w["workload"]: w["bands"] for w in json.loads((again / "resimulated.json").read_text())
+    }
+    for w in report["workloads"]:
+        assert bands[w["workload"]] == w["bands"]
+        assert w["bands"]["replicates"] == 4
+        for key, row in w["bands"]["figures"].items():
+            assert row["low"] <= row["point"] <= row["high"], key
+            assert row["point"] == w["spread"][key]["sim"]
+            assert row["inside"] == [row["low"] <= v <= row["high"] for v in row["real"]]
+
+
+def test_bands_without_a_profile_are_refused_before_any_real_run(capsys) -> None:  # type: ignore[no-untyped-def]
+    """The bands draw their noise from a profile: asked for on hardware with none shipped,
+    the benchmark stops at once (not after its real runs) and says what to pass; by
+    default there it runs without them and says so."""
+    from benchmarks.fidelity_bands import replicates_for
+    from deepinfer.model_config import load_model_config
+    from sim.profiled_cost_model import profile_path
+
+    spec, cfg = load_model_config("moonlight-16b-a3b"), EngineConfig()
+    given = profile_path("moonlight-16b-a3b", "h200")
+    assert replicates_for(None, spec, "h200", cfg, None) == 10  # shipped
+    assert replicates_for(4, spec, "h100", cfg, given) == 4
+    assert replicates_for(0, spec, "h100", cfg, None) == 0
+    assert replicates_for(None, spec, "h100", cfg, None) == 0
+    assert "no bands: no profile of moonlight-16b-a3b on h100" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--bands 3: no profile of moonlight-16b-a3b on h100"):
+        replicates_for(3, spec, "h100", cfg, None)

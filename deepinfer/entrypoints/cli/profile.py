@@ -1,7 +1,8 @@
 """`deepinfer profile --model NAME --out PROFILE.json`: measure the real executor's steps
 (`deepinfer profile install PROFILE.json` then puts one among the shipped profiles:
 `profile_install.py`; `deepinfer profile --from-log LOG...` fits one from runs' step logs
-instead: `profile_from_log.py`).
+instead: `profile_from_log.py`; `deepinfer profile --check-grid PROFILE` prices each of
+its points by the fit of the others: `profile_check_grid.py`).
 
 Writes the profile the simulator's profiled cost model fits (sim/data/profiles/ holds
 the shipped ones): start-up, a grid of whole steps (decode, prefill, mixed, many short
@@ -23,6 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
+from deepinfer.entrypoints.cli.profile_check_grid import (
+    add_check_grid_options,
+    check_grid_args,
+    run_check_grid,
+)
 from deepinfer.entrypoints.cli.profile_from_log import (
     add_from_log_options,
     check_from_log_args,
@@ -42,6 +48,7 @@ def add_profile_parser(sub: Any) -> None:
         usage="deepinfer profile --out PROFILE.json [--model NAME] [options]\n"
         "       deepinfer profile --from-log LOG [LOG ...] --out PROFILE.json "
         "[--base PROFILE.json]\n"
+        "       deepinfer profile --check-grid PROFILE.json [--folds K]\n"
         "       deepinfer profile install PROFILE.json [--commit HASH] [--dry-run]",
         description="Run the real executor over a grid of whole engine steps and write the "
         "profile that `deepinfer simulate` fits (cost model 'profiled'), or, with --from-log, "
@@ -82,11 +89,15 @@ def add_profile_parser(sub: Any) -> None:
     )
     add_engine_options(p)
     add_from_log_options(p)
+    add_check_grid_options(p)
     p.set_defaults(func=run_profile)
     add_install_parser(p.add_subparsers(dest="profile_action", title="install a profile"))
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    check_grid_args(args)
+    if args.check_grid is not None:  # (no torch needed: the simulator's fit)
+        return run_check_grid(args)
     check_from_log_args(args)
     if args.from_log is not None:  # (no torch needed: the simulator's fit)
         return run_from_log(args, args.model)

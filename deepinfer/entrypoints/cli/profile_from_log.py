@@ -61,6 +61,17 @@ def add_from_log_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def measuring_flags(args: argparse.Namespace) -> str:
+    """The options of a measuring run given (a run's engine options among them), as
+    flags: a command that measures nothing refuses them ("" where none is given)."""
+    measuring = [n for n in _MEASURING if getattr(args, n) not in (None, False)]
+    engine = [k for k, v in vars(args).items() if k.startswith("engine_") and v is not None]
+    if args.reps != 5 or args.rounds != 1:
+        measuring.append("reps" if args.reps != 5 else "rounds")
+    names = measuring + [k.removeprefix("engine_") for k in engine]
+    return ", ".join("--" + n.replace("_", "-") for n in names)
+
+
 def check_from_log_args(args: argparse.Namespace) -> None:
     """Refuse what a fit from logs does not take, or its options without --from-log."""
     if args.from_log is None:
@@ -71,13 +82,8 @@ def check_from_log_args(args: argparse.Namespace) -> None:
         return
     if args.out is None:
         raise ValueError("profile --from-log: --out PROFILE.json is required")
-    measuring = [n for n in _MEASURING if getattr(args, n) not in (None, False)]
-    engine = [k for k, v in vars(args).items() if k.startswith("engine_") and v is not None]
-    if args.reps != 5 or args.rounds != 1:
-        measuring.append("reps" if args.reps != 5 else "rounds")
-    if measuring or engine:
-        names = measuring + [k.removeprefix("engine_") for k in engine]
-        flags = ", ".join("--" + n.replace("_", "-") for n in names)
+    flags = measuring_flags(args)
+    if flags:
         raise ValueError(
             f"{flags}: options of a measuring run; --from-log fits the steps its logs hold, "
             "with the engine options their runs had"

@@ -161,6 +161,16 @@ def add_simulate_parser(sub: Any) -> None:
         help="with --replicas: round-robin, least-requests (default), least-kv, "
         "power-of-two, prefix-affinity or least-load",
     )
+    p.add_argument(
+        "--bands",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also give each headline figure a 95%% band: N replicates with step prices "
+        "drawn from the profile's held-out errors (per step kind, once a replicate) and "
+        "its steps' measured spread (each step), and with --request-rate the arrivals "
+        "drawn again; seeded by --seed (default: off, the run is exact)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_engine_options(p)
     p.set_defaults(func=run_simulate)
@@ -210,6 +220,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.structured:
         trace = trace.with_all_structured()
     engine = engine_config_from_args(args)
+    sized = trace
     if args.request_rate is not None:
         trace = retime(trace, args.request_rate, engine.seed, args.time_scale)
     slo = parse_slo(args.slo) if args.slo else None
@@ -229,12 +240,24 @@ def run_simulate(args: argparse.Namespace) -> int:
     model = _model(args.model, args.add_mtp_layer, engine.num_speculative_tokens)
     acceptance = 0.7 if args.acceptance_rate is None else args.acceptance_rate
     if cluster is not None:
-        if args.add_mtp_layer or args.structured or mask_us is not None or args.step_log:
+        if (
+            args.add_mtp_layer or args.structured or mask_us is not None or args.step_log
+            or args.bands is not None
+        ):  # fmt: skip
             raise ValueError(
-                "--add-mtp-layer, --structured, --grammar-mask-us and --step-log apply to one "
-                "engine; a cluster simulates none of them"
+                "--add-mtp-layer, --structured, --grammar-mask-us, --step-log and --bands "
+                "apply to one engine; a cluster simulates none of them"
             )
         return _run_cluster(args, trace, path, cluster, slo, acceptance)
+    if args.bands is not None and args.bands < 1:
+        raise ValueError(f"--bands {args.bands}: the replicates, at least 1")
+    options = {
+        "slo": slo,
+        "acceptance_rate": acceptance,
+        "check_invariants": args.check_invariants,
+        "grammar_mask_per_token_s": None if mask_us is None else mask_us * 1e-6,
+        "fast_forward": args.fast_forward,
+    }
     with _progress_bar(args, len(trace)) as bar:
         result = simulate(
             trace,
@@ -243,15 +266,15 @@ def run_simulate(args: argparse.Namespace) -> int:
             engine,
             args.cost_model,
             profile=args.profile,
-            slo=slo,
-            acceptance_rate=acceptance,
-            check_invariants=args.check_invariants,
             on_progress=bar.update,
-            grammar_mask_per_token_s=None if mask_us is None else mask_us * 1e-6,
-            fast_forward=args.fast_forward,
             step_log=args.step_log,
+            **options,
         )
     meta = dict(result.meta, trace_path=str(path))
+    bands = None
+    if args.bands is not None:
+        bands = _bands(args, sized, trace, model, engine, result, options)
+        meta["bands"] = bands.to_dict()
     title = f"{trace.name}: {meta['model']} on {meta['hardware']}"
     print_summary(result.summary, title)
     print(
@@ -265,6 +288,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"KV tiers: {tiers_line(meta['kv_tiers'])}")
     if engine.data_parallel_size > 1:
         print(_data_parallel_line(meta, engine.data_parallel_size, engine.enable_expert_parallel))
+    if bands is not None:
+        print("\n".join(bands.lines()))
     if args.out:
         write_report(args.out, result.summary, result.requests, result.steps, meta)
         print(f"report: {args.out}")
@@ -274,6 +299,39 @@ def run_simulate(args: argparse.Namespace) -> int:
         plot_report(args.plot, result.requests, result.steps, title)
         print(f"plots: {args.plot}")
     return 0
+
+
+def _bands(
+    args: argparse.Namespace,
+    sized: Any,
+    trace: Any,
+    model: Any,
+    engine: Any,
+    result: Any,
+    options: dict[str, Any],
+) -> Any:
+    """--bands N: the replicates of the run (sim/bands.py); under --request-rate each
+    re-timed with a seed of its own (`sized`: the requests before re-timing)."""
+    from tqdm import tqdm
+
+    from sim.bands import simulate_bands
+
+    workload = None
+    rate = args.request_rate
+    if rate is not None and rate != float("inf"):
+
+        def workload(i: int) -> Any:
+            return retime(sized, rate, engine.seed + 1 + i, args.time_scale)
+
+    with tqdm(
+        total=args.bands, desc="bands", unit="run", file=sys.stderr,
+        disable=args.no_progress or None, leave=False,
+    ) as bar:  # fmt: skip
+        return simulate_bands(
+            trace, model, args.hardware, engine, result, replicates=args.bands,
+            seed=engine.seed, cost_model=args.cost_model, profile=args.profile,
+            workload=workload, on_replicate=lambda: bar.update(1), **options,
+        )  # fmt: skip
 
 
 def _progress_bar(args: argparse.Namespace, total: int) -> Any:
