@@ -23,7 +23,7 @@ waits for it); on a CPU they run in order as they are called.
    HBM blocks;
 4. the copy stream records `ready` after 2 and 3, and the compute stream waits for it:
    the forward waits for a device copy of its saves and for its loads, never for a save's
-   way to the host (an earlier step's or its own);
+   way to the host (an earlier step's or its own) unless a load reads the slot it writes;
 5. the save stream waits for `ready`, copies the gathered saves to their host slots
    (device to host; a slot saved twice in one step keeps the later) beside the forward,
    and records their fence. Waiting for `ready` puts every load queued so far (this
@@ -83,6 +83,23 @@ class HostKVTier:
         self.num_loaded = 0  # blocks copied in, over the steps
         self.num_saved = 0  # blocks copied out
         self._last_applied = -1  # the last step whose copies were queued (steps go in order)
+        if on_cuda:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Every copy kernel once, on the tier's streams, before any step: CUDA loads a
+        kernel on its first launch (lazy module loading), which may wait for all the work
+        queued on the device, so a first load launched behind a large save would hold the
+        forward until that save has crossed the link. Block 0 goes to slot 0 and back
+        (unchanged: nothing has written the cache yet); the slot is then free again."""
+        save, load = KVSave(HOST, 0, 0, 0), KVLoad(HOST, 0, 0, 0)
+        self._queue((), (save,), step_copies((), (save,)))
+        torch.cuda.synchronize(self.device)
+        self._queue((load,), (), step_copies((load,), ()))
+        torch.cuda.synchronize(self.device)
+        self._held[0] = None
+        self.num_loaded = self.num_saved = 0
+        self.pending.fences([0])  # done: forgotten
 
     @property
     def num_slots(self) -> int:

@@ -206,7 +206,12 @@ def step_copies(loads: Sequence[KVLoad], saves: Sequence[KVSave]) -> StepCopies:
     The rule (module docstring; the core's read-before-write of one allocation): a load
     reads the step's save of its hash to its slot where there is one, the slot as the
     steps before left it otherwise; the saves are written after the loads have read, and
-    a slot saved twice keeps the later."""
+    a slot saved twice keeps the later.
+
+    A load is matched to a save by (tier, slot, hash), not by their order in the step:
+    this holds because a block a step loads is never freed, evicted and saved again within
+    that step (loads come only with a request's start, which never preempts), so a save
+    matching a load always precedes it."""
     saved_at = {(s.tier, s.slot, s.block_hash): j for j, s in enumerate(saves)}
     sources = tuple(saved_at.get((ld.tier, ld.slot, ld.block_hash)) for ld in loads)
     last = {(s.tier, s.slot): j for j, s in enumerate(saves)}

@@ -200,29 +200,16 @@ def _cuda_cache(num_blocks: int, num_mtp_layers: int = 0) -> PagedKVCache:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "warm",
-    [
-        pytest.param(
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="on an H100 the first such cycle of a fresh tier waited for the saves: "
-                "its first buffers on the copy stream are new allocations, which serialise "
-                "the streams (the warm cycle is the served steady state)",
-            ),
-        ),
-        True,
-    ],
-)
+@pytest.mark.parametrize("warm", [False, True])
 def test_on_cuda_a_forward_does_not_wait_for_an_earlier_steps_saves_to_the_host(
     warm: bool,
 ) -> None:
     """Step 2 saves 64 blocks (510 MB: milliseconds over PCIe); step 3 loads a block saved
     long before and its forward overwrites step 2's blocks. The forward is done while step
     2's saves are still crossing the link (it waited for their gather only), and they reach
-    the host as they were before it. `warm`: the same two steps ran once before, so the
-    allocators hold the buffers they need, as in a served engine after its first copies."""
+    the host as they were before it. Cold: the tier's first steps (its kernels were loaded
+    by its construction); `warm`: the same two steps ran once before, so the allocators hold
+    the buffers they need, as in a served engine after its first copies."""
     dev = torch.device("cuda")
     cache = _cuda_cache(66)
     tier = HostKVTier(cache, 65)
