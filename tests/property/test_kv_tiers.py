@@ -27,8 +27,9 @@ from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from tests.property.strategies import scaled
 
-# An op: ("start", prefix chunks, own tail tokens, held on) or ("end", [], which live
-# request, False). A request not held on ends at once: its blocks stay cached, free.
+# An op: ("start", prefix chunks, own tail tokens, held on, joins the step before) or
+# ("end", [], which live request, False, False). A request not held on ends with its step:
+# its blocks stay cached, free.
 ops = st.lists(
     st.one_of(
         st.tuples(
@@ -36,8 +37,9 @@ ops = st.lists(
             st.lists(st.integers(0, 5), min_size=0, max_size=3),
             st.integers(1, 5),
             st.booleans(),
+            st.booleans(),
         ),
-        st.tuples(st.just("end"), st.just([]), st.integers(0, 7), st.just(False)),
+        st.tuples(st.just("end"), st.just([]), st.integers(0, 7), st.just(False), st.just(False)),
     ),
     min_size=8,
     max_size=40,
@@ -66,7 +68,7 @@ def test_tier_blocks_are_conserved_and_loaded(
     num_blocks: int,
     host: int,
     store: int,
-    script: list[tuple[str, list[int], int, bool]],
+    script: list[tuple[str, list[int], int, bool, bool]],
 ) -> None:
     if not host and not store:
         store = 3
@@ -77,7 +79,10 @@ def test_tier_blocks_are_conserved_and_loaded(
     # slot of the first tier.
     hbm: dict[int, int] = {}
     slots: dict[int, int] = {}
-    for n, (op, chunks, tail, held) in enumerate(script):
+    step = _Step()
+    for n, (op, chunks, tail, held, joins) in enumerate(script):
+        if not joins:
+            step.end(tiers.order[0].name, kv, hbm, slots)
         before, dropped = _places(kv), tiers.dropped
         if op == "end":
             if live:
@@ -108,9 +113,13 @@ def test_tier_blocks_are_conserved_and_loaded(
             req.num_computed_tokens = req.num_tokens
             taken = kv.take_loads()
             table = kv.req_blocks[req.request_id]
-            _copy(tiers.order[0].name, taken, kv.take_saves(), hbm, slots)
-            for i, block in enumerate(table[: req.num_tokens // bs]):  # computed or hits
-                hbm[block.block_id] = req.block_hashes[i]
+            step.loads += taken
+            step.saves += kv.take_saves()
+            # The blocks the step's forward writes (computed) or finds (hits, loads).
+            step.written += [
+                (block.block_id, req.block_hashes[i])
+                for i, block in enumerate(table[: req.num_tokens // bs])
+            ]
             assert [x.block_id for x in taken] == [
                 b.block_id for b in table[len(hits) : len(hits) + len(loads)]
             ]
@@ -120,7 +129,7 @@ def test_tier_blocks_are_conserved_and_loaded(
             if held:
                 live.append(req)
             else:
-                kv.free(req)
+                step.ending.append(req)
         kv.check_invariants()  # (each tier within its capacity, HBM's index consistent)
         vanished = before - _places(kv)
         assert len(vanished) <= tiers.dropped - dropped, vanished
@@ -128,6 +137,35 @@ def test_tier_blocks_are_conserved_and_loaded(
             for i, h in enumerate(req.block_hashes[: req.num_tokens // bs]):
                 block = kv.pool.lookup(h)
                 assert block is not None and block is kv.req_blocks[req.request_id][i]
+    step.end(tiers.order[0].name, kv, hbm, slots)
+
+
+class _Step:
+    """The starts of one step: their copies, taken together at its end as an executor
+    makes them, the blocks its forward writes, and the requests that end with it."""
+
+    def __init__(self) -> None:
+        self.loads: list[KVLoad] = []
+        self.saves: list[KVSave] = []
+        self.written: list[tuple[int, int]] = []  # (HBM block, the hash it then holds)
+        self.ending: list[Request] = []
+
+    def _clear(self) -> None:
+        self.loads, self.saves, self.written, self.ending = [], [], [], []
+
+    def end(
+        self, first: str, kv: KVCacheManager, hbm: dict[int, int], slots: dict[int, int]
+    ) -> None:
+        if self.loads or self.saves:
+            sources = step_copies(self.loads, self.saves).sources
+            if any(j is not None for j in sources):
+                event("a load reads a save of its own step")
+        _copy(first, self.loads, self.saves, hbm, slots)
+        for block_id, h in self.written:
+            hbm[block_id] = h
+        for req in self.ending:
+            kv.free(req)
+        self._clear()
 
 
 def _copy(
