@@ -319,8 +319,9 @@ class Scheduler:
 
     def _start_held_back(self) -> bool:
         """No waiting request may start now: the sequence limit, or usage past the
-        watermark. Both hold for the whole of a decode run (no request ends before its
-        last step, and blocks are only taken)."""
+        watermark. Both hold for the whole of a decode run where a request waits (then no
+        request ends before the run's last step, and blocks are only taken); a run that goes
+        on past finishes has no waiting request to hold back."""
         cfg = self.config
         if len(self.running) + self.waiting.num_in_progress >= cfg.max_num_seqs:
             return True
