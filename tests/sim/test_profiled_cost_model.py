@@ -17,7 +17,7 @@ from sim.profile_fit import StepSurface
 from sim.profiled_cost_model import PROFILES_DIR, ProfiledCostModel, shape_output
 from sim.traces import TraceRequest
 
-SHIPPED = sorted(PROFILES_DIR.glob("*__h200.json"))
+SHIPPED = sorted(PROFILES_DIR.glob("*__h[12]00.json"))
 
 
 def _model(path):
