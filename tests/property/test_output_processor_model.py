@@ -4,9 +4,9 @@ shapes and stop rule restated (docs/design.md, "Stop conditions"; vLLM's
 
 Requests are driven as the engine leaves them after each update: one to three tokens
 a step (a speculative step accepts several) with a logprob row per token, token times,
-and possibly an end (length, a stop token, a grammar that completed, an abort). The
-reference keeps its own copy of what the engine produced and derives every field from
-it, never from the request the processor trims:
+and possibly an end (length, a stop token, a grammar that completed, an abort, or a
+rejection at arrival). The reference keeps its own copy of what the engine produced
+and derives every field from it, never from the request the processor trims:
 - the request ends on the first token (at or after min_tokens) whose text completes a
   stop string; tokens and logprob rows after it are dropped, its finish reason is
   "stop" even when the engine had ended it on a later token, and `stop_reason` names
@@ -42,7 +42,7 @@ from tests.property.test_detokenizer_model import PIECES, SPECIALS, ByteTokenize
 
 EOS = 101  # a special token: it adds no text
 STOP_TOKENS = [100, 3]  # a special token and an ordinary one (" ")
-ENDS = ("length", "stop token", "grammar", "abort", "live")
+ENDS = ("length", "stop token", "grammar", "abort", "rejected", "live")
 
 
 def piece(t: int) -> str:
@@ -99,7 +99,7 @@ def scripts(draw: st.DrawFn, logprobs: int | None) -> Script:
             draw(st.sampled_from([0, 1, 2, 4, 5, 6, 7, 3, 100]))
             for _ in range(draw(st.integers(1, 3)))
         ]
-        for _ in range(draw(st.integers(0 if end == "abort" else 1, 5)))
+        for _ in range(0 if end == "rejected" else draw(st.integers(0 if end == "abort" else 1, 5)))
     ]
     if end == "stop token":
         steps[-1][-1] = draw(st.sampled_from([EOS, *STOP_TOKENS]))
@@ -115,11 +115,21 @@ def scripts(draw: st.DrawFn, logprobs: int | None) -> Script:
         rows=rows,
         end=end,
         arrival=float(draw(st.integers(0, 5))),
-        first_scheduled=float(draw(st.integers(5, 8))) if steps or draw(st.booleans()) else None,
+        first_scheduled=(
+            float(draw(st.integers(5, 8)))
+            if steps or (end == "abort" and draw(st.booleans()))
+            else None
+        ),
         step_times=[float(t) + 8 for t in times],
         finish=float(draw(st.integers(60, 70))) if end != "live" else None,
         cached=draw(st.integers(-1, 4)),
-        reject=draw(st.sampled_from([None, "too long"])) if end == "abort" else None,
+        reject=(
+            "too long"
+            if end == "rejected"
+            else draw(st.sampled_from([None, "failed"]))
+            if end == "abort"
+            else None
+        ),
     )
 
 
@@ -225,7 +235,7 @@ def test_completions_and_their_prompt_come_out_in_vllms_shapes(
                     req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.STOP
                     req.times.finish = plan.finish or 99.0
             streamed += c.take_new_text()
-        if plan.end == "abort" and not plan.steps:
+        if plan.end in ("abort", "rejected") and not plan.steps:
             end(req, plan)
             ended_by_engine.append(i)
             streamed += c.take_new_text()
@@ -246,6 +256,7 @@ def test_completions_and_their_prompt_come_out_in_vllms_shapes(
                 "stop token": "stop",
                 "grammar": "stop",
                 "abort": "abort",
+                "rejected": "rejected",
                 "live": None,
             }[plan.end]
             want_stop = tokens[-1] if plan.end == "stop token" else None
@@ -301,6 +312,7 @@ def end(req: Request, plan: Script) -> None:
         "stop token": (RequestStatus.FINISHED, FinishReason.STOP),
         "grammar": (RequestStatus.FINISHED, FinishReason.STOP),
         "abort": (RequestStatus.ABORTED, FinishReason.ABORT),
+        "rejected": (RequestStatus.REJECTED, FinishReason.REJECTED),
     }[plan.end]
     req.status, req.finish_reason = status, reason
     req.reject_reason = plan.reject
