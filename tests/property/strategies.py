@@ -49,6 +49,14 @@ def scaled(weight: float) -> settings:
     return settings(max_examples=max(5, int(settings.default.max_examples * weight)))
 
 
+def at_least(examples: int) -> settings:
+    """The loaded profile's example count, never fewer than `examples`: for a test of one
+    object cheap enough to run its ci count under every profile, since the mutation
+    profile's few examples would leave its rare cases (a stop string at min_tokens, a
+    window over a skipped token) unreached."""
+    return settings(max_examples=max(examples, settings.default.max_examples))
+
+
 @dataclass(frozen=True)
 class EngineCase:
     config: EngineConfig
