@@ -154,9 +154,9 @@ def test_bands_without_a_profile_are_refused_before_any_real_run(capsys) -> None
     spec, cfg = load_model_config("moonlight-16b-a3b"), EngineConfig()
     given = profile_path("moonlight-16b-a3b", "h200")
     assert replicates_for(None, spec, "h200", cfg, None) == 10  # shipped
-    assert replicates_for(4, spec, "h100", cfg, given) == 4
-    assert replicates_for(0, spec, "h100", cfg, None) == 0
-    assert replicates_for(None, spec, "h100", cfg, None) == 0
-    assert "no bands: no profile of moonlight-16b-a3b on h100" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="--bands 3: no profile of moonlight-16b-a3b on h100"):
-        replicates_for(3, spec, "h100", cfg, None)
+    assert replicates_for(4, spec, "b200", cfg, given) == 4
+    assert replicates_for(0, spec, "b200", cfg, None) == 0
+    assert replicates_for(None, spec, "b200", cfg, None) == 0
+    assert "no bands: no profile of moonlight-16b-a3b on b200" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--bands 3: no profile of moonlight-16b-a3b on b200"):
+        replicates_for(3, spec, "b200", cfg, None)
