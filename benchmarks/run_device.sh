@@ -26,8 +26,9 @@
 #     sync, the conversation trace (~7 min); b: Moonlight, small KV cache, prefix reuse at
 #     50/70/90%, speculation k = 3 and varlen with an added MTP layer (~7 min); c:
 #     DeepSeek-V2-Lite, long prompts (16k-64k), offline, saturated, conversation, prefix
-#     reuse 70%, k = 3 (~6 min). The shipped profiles are the H200's: on another card the
-#     simulator prices with the analytic model (the tables' "cost model" line says which)
+#     reuse 70%, k = 3 (~6 min). Profiles ship for the H200 and the H100: on another card
+#     the simulator prices with the analytic model (the tables' "cost model" line says
+#     which); pass --step-log DIR to keep the real runs' step logs for `profile --from-log`
 #   bash benchmarks/run_device.sh kv45 [ARGS of deepinfer bench kv-tiers]   (not in all: the
 #     host KV tier's GPU tests, then Moonlight shapes on a Mooncake slice with prefix reuse,
 #     HBM holding a quarter of the shared prefixes, without and with the host tier, and 1P1D
