@@ -29,6 +29,8 @@ from sim.acceptance import AcceptanceModel
 
 # Placeholder tokens stay clear of id 0 so a user's EOS id is never produced.
 _VOCAB = 1 << 20
+# A placeholder token is 1 + (salt + position * _STRIDE) mod (_VOCAB - 1).
+_STRIDE = 2654435761
 # What a draw decides: a draft's acceptance, its token, its confidence; the last key of
 # (seed, salt, position, kind) for the first and last, and before j for the token, so no
 # key begins with another's.
@@ -109,16 +111,16 @@ class SimExecutor(Executor):
             salts.pop(rid, None)
         out = []
         longest = max(num_steps, default=0)
+        modulus = _VOCAB - 1
+        stride = _STRIDE % modulus
         for rid, ctx, steps in zip(req_ids, contexts, num_steps):
             salt = salts.get(rid)
             if salt is None:
                 salt = salts[rid] = zlib.crc32(rid.encode())
-            out.append(
-                [
-                    1 + ((salt + pos * 2654435761) % (_VOCAB - 1))
-                    for pos in range(ctx + 1, ctx + 1 + steps)
-                ]
-            )
+            # salt + pos * _STRIDE for pos in ctx + 1 .. ctx + steps, as one range of
+            # the same residues (both terms reduced first: smaller ints)
+            first = salt % modulus + (ctx + 1) * stride
+            out.append([1 + x % modulus for x in range(first, first + steps * stride, stride)])
             if steps < longest:
                 del salts[rid]
         return out
@@ -142,7 +144,7 @@ class SimExecutor(Executor):
                     salt = salts[sr.req_id] = zlib.crc32(sr.req_id.encode())
                 # The same token as below with accepted = 0: one per step, no rng draw.
                 pos = sr.num_computed_tokens + sr.num_tokens
-                sampled[sr.req_id] = [1 + ((salt + pos * 2654435761) % (_VOCAB - 1))]
+                sampled[sr.req_id] = [1 + ((salt + pos * _STRIDE) % (_VOCAB - 1))]
                 continue
             start = sr.num_computed_tokens
             if sr.block_table is None and sr.req_id in self._computed:
@@ -170,7 +172,7 @@ class SimExecutor(Executor):
             self._computed[sr.req_id] -= len(sr.draft_token_ids) - accepted
             # A deterministic function of (request, position): repeatable across runs.
             res.sampled_token_ids[sr.req_id] = [
-                1 + ((salt + (pos + j) * 2654435761) % (_VOCAB - 1)) for j in range(accepted + 1)
+                1 + ((salt + (pos + j) * _STRIDE) % (_VOCAB - 1)) for j in range(accepted + 1)
             ]
             if self.k:
                 k = self.k if out.num_proposals is None else min(out.num_proposals, self.k)
