@@ -145,12 +145,14 @@ class KVCacheManager:
                 return None
         held = self.req_blocks.get(request.request_id)
         num_held = len(held) if held else 0
-        num_computed = request.num_computed_tokens + (len(cached) + len(loads)) * self.block_size
+        num_computed = request.num_computed_tokens
+        if cached or loads:
+            num_computed += (len(cached) + len(loads)) * self.block_size
         need_tokens = max(num_computed + num_new_tokens + num_lookahead_tokens, reserve_tokens)
-        num_needed = max(cdiv(need_tokens, self.block_size) - num_held - len(cached), 0)
+        num_needed = max(-(-need_tokens // self.block_size) - num_held - len(cached), 0)
         # Hits that sit in the free list stop being allocatable once touched.
         num_free_hits = sum(1 for b in cached if b.ref_cnt == 0) if cached else 0
-        if num_needed > self.pool.num_free_blocks - num_free_hits:
+        if num_needed and num_needed > self.pool.num_free_blocks - num_free_hits:
             return None
         if held is None:
             held = self.req_blocks[request.request_id] = []
