@@ -817,19 +817,17 @@ class Scheduler:
             for i, req in enumerate(run.requests):
                 if limits[i] < k:
                     continue
-                new = last_blocks.get(i, [])
-                scheduled.append(
-                    ScheduledRequest(
-                        req_id=req.request_id,
-                        num_tokens=1,
-                        num_computed_tokens=run.contexts[i] + k - 1,
-                        is_prompt=False,
-                        will_sample=True,
-                        new_block_ids=[b.block_id for b in new],
-                        num_prior_blocks=len(kv.req_blocks[req.request_id]) - len(new),
-                        num_prompt_tokens=req.num_prompt_tokens,
-                    )
-                )
+                num_held = len(kv.req_blocks[req.request_id])
+                new = last_blocks.get(i)  # (most requests: no new block in the last step)
+                # req_id, num_tokens, num_computed_tokens, is_prompt, will_sample,
+                # new_block_ids, num_prior_blocks: positional (every run makes these)
+                sr = ScheduledRequest(
+                    req.request_id, 1, run.contexts[i] + k - 1, False, True,
+                    [b.block_id for b in new] if new else [],
+                    num_held - len(new) if new else num_held,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                )  # fmt: skip
+                scheduled.append(sr)
             out = SchedulerOutput(
                 self.step_id, scheduled, self._finished_since_last, self._preempted_since_last
             )

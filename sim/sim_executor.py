@@ -22,6 +22,8 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from deepinfer.config import EngineConfig
 from deepinfer.executor import Executor
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
@@ -31,6 +33,9 @@ from sim.acceptance import AcceptanceModel
 _VOCAB = 1 << 20
 # A placeholder token is 1 + (salt + position * _STRIDE) mod (_VOCAB - 1).
 _STRIDE = 2654435761
+# A decode run's tokens from this many on are made as one array (numpy's fixed cost
+# per call is that of about as many tokens made one by one).
+_ARRAY_TOKENS = 128
 # What a draw decides: a draft's acceptance, its token, its confidence; the last key of
 # (seed, salt, position, kind) for the first and last, and before j for the token, so no
 # key begins with another's.
@@ -109,20 +114,31 @@ class SimExecutor(Executor):
         salts = self._salts
         for rid in dropped_req_ids:
             salts.pop(rid, None)
-        out = []
         longest = max(num_steps, default=0)
         modulus = _VOCAB - 1
         stride = _STRIDE % modulus
+        # Request i's token of its step s is 1 + (first[i] + s * stride) mod modulus:
+        # salt + pos * _STRIDE with both terms reduced first (the same residues).
+        firsts = []
         for rid, ctx, steps in zip(req_ids, contexts, num_steps):
             salt = salts.get(rid)
             if salt is None:
                 salt = salts[rid] = zlib.crc32(rid.encode())
-            # salt + pos * _STRIDE for pos in ctx + 1 .. ctx + steps, as one range of
-            # the same residues (both terms reduced first: smaller ints)
-            first = salt % modulus + (ctx + 1) * stride
-            out.append([1 + x % modulus for x in range(first, first + steps * stride, stride)])
+            firsts.append(salt % modulus + (ctx + 1) * stride)
             if steps < longest:
                 del salts[rid]
+        if len(firsts) * longest < _ARRAY_TOKENS:
+            return [
+                [1 + x % modulus for x in range(first, first + steps * stride, stride)]
+                for first, steps in zip(firsts, num_steps)
+            ]
+        # [i, s] (int64 holds first + s * stride while positions stay below 2**43)
+        grid = (
+            np.array(firsts, dtype=np.int64)[:, None] + np.arange(longest, dtype=np.int64) * stride
+        )
+        out: list[list[int]] = (grid % modulus + 1).tolist()
+        for row, steps in zip(out, num_steps):
+            del row[steps:]  # (a request that ends within the run)
         return out
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
