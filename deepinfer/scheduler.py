@@ -239,7 +239,7 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            num_drafts = max(0, min(len(drafts), num_new - (num_known - computed)))
+            num_drafts = max(0, min(len(drafts), num_new - (num_known - computed))) if drafts else 0
             lookahead = self._lookahead(computed + num_new) if spec_k else 0  # (no drafter)
             while (
                 blocks := allocate(
@@ -407,12 +407,14 @@ class Scheduler:
                 prior = req.token_ids(0, start)
                 if req.sampling_params.prompt_logprobs is not None:
                     prompt = req.token_ids(0, req.num_prompt_tokens)
-        req.num_computed_tokens = start + num_new
-        req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
-        will_sample = req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders
+        computed = req.num_computed_tokens = start + num_new
+        if computed > req.max_computed_tokens:
+            req.max_computed_tokens = computed
+        will_sample = computed >= req.num_tokens + req.num_output_placeholders
         if will_sample:
             req.num_output_placeholders += 1
-        req.spec_token_ids = []
+        if req.spec_token_ids:  # (this step verifies them, or they were not taken)
+            req.spec_token_ids = []
         req.num_pending_drafts += len(drafts)
         return ScheduledRequest(
             req_id=req.request_id,
@@ -420,7 +422,7 @@ class Scheduler:
             num_computed_tokens=start,
             is_prompt=is_prompt,
             will_sample=will_sample,
-            new_block_ids=[b.block_id for b in blocks],
+            new_block_ids=[b.block_id for b in blocks] if blocks else [],
             num_prior_blocks=len(self.kv.req_blocks[req.request_id]) - len(blocks),
             block_table=table,
             token_ids=token_ids,

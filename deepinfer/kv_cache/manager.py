@@ -184,10 +184,11 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         req_id = request.request_id
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
-        start = self._num_cached[req_id]
-        if num_full <= start:
+        known = request.num_tokens
+        num_full = (num_tokens if num_tokens < known else known) // self.block_size
+        if num_full <= self._num_cached[req_id]:  # (most calls: no block filled)
             return
+        start = self._num_cached[req_id]
         hashes = update_block_hashes(request, self.block_size)
         blocks = self.req_blocks[req_id]
         for i in range(start, num_full):
@@ -224,8 +225,8 @@ class KVCacheManager:
         newest token, whose KV the next step writes (under async scheduling the computed
         count already covers that step, which may still fail)."""
         if request.request_id in self.req_blocks:
-            written = min(request.num_computed_tokens, request.num_tokens - 1)
-            self._cache_full_blocks(request, written, False)
+            computed, last = request.num_computed_tokens, request.num_tokens - 1
+            self._cache_full_blocks(request, computed if computed < last else last, False)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Free blocks past what `num_tokens` tokens need (rejected draft slots)."""
