@@ -186,9 +186,9 @@ class KVCacheManager:
         req_id = request.request_id
         known = request.num_tokens
         num_full = (num_tokens if num_tokens < known else known) // self.block_size
-        if num_full <= self._num_cached[req_id]:  # (most calls: no block filled)
-            return
         start = self._num_cached[req_id]
+        if num_full <= start:  # (most calls: no block filled)
+            return
         hashes = update_block_hashes(request, self.block_size)
         blocks = self.req_blocks[req_id]
         for i in range(start, num_full):
