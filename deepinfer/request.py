@@ -45,7 +45,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_terminal(self) -> bool:
-        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
+        return self in _TERMINAL
+
+
+# Made once: a member read off the enum's class goes through its metaclass, and
+# `is_terminal` runs for every request of every step.
+_TERMINAL = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
 
 
 class FinishReason(enum.StrEnum):

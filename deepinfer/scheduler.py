@@ -219,33 +219,30 @@ class Scheduler:
 
     def _schedule_running(self, step: _StepPlan) -> None:
         """Running requests, oldest first; the newest is preempted when blocks run out."""
+        running, allocate, max_len = self.running, self.kv.allocate, self.max_model_len
+        spec_k, draft_lengths = self.config.num_speculative_tokens, self._draft_lengths
         i = 0
-        while i < len(self.running) and step.budget > 0:
-            req = self.running[i]
+        while i < len(running) and step.budget > 0:
+            req = running[i]
             # With steps in flight, assume all their drafts are accepted (the executor
             # knows the truth and shifts; update_from_output corrects the count).
             num_known = req.num_tokens + req.num_output_placeholders + req.num_pending_drafts
-            k = self.config.num_speculative_tokens
-            if self._draft_lengths is not None:
-                k = self._draft_lengths.get(req.request_id, 0)
+            k = spec_k if draft_lengths is None else draft_lengths.get(req.request_id, 0)
             drafts = req.spec_token_ids[:k]
             if req.num_output_placeholders and k:
                 # The step in flight proposes this step's drafts: the executor fills them.
                 if self.draft_plan is not None and self.draft_plan.proposals_in_flight is not None:
                     k = min(k, self.draft_plan.proposals_in_flight)
                 drafts = [DRAFT_PLACEHOLDER] * k
-            num_new = min(
-                num_known + len(drafts) - req.num_computed_tokens,
-                step.budget,
-                self.max_model_len - req.num_computed_tokens,
-            )
+            computed = req.num_computed_tokens
+            num_new = min(num_known + len(drafts) - computed, step.budget, max_len - computed)
             if num_new <= 0:
                 i += 1
                 continue
-            num_drafts = max(0, min(len(drafts), num_new - (num_known - req.num_computed_tokens)))
-            lookahead = self._lookahead(req.num_computed_tokens + num_new)
+            num_drafts = max(0, min(len(drafts), num_new - (num_known - computed))) if drafts else 0
+            lookahead = self._lookahead(computed + num_new) if spec_k else 0  # (no drafter)
             while (
-                blocks := self.kv.allocate(
+                blocks := allocate(
                     req, num_new, num_draft_tokens=num_drafts, num_lookahead_tokens=lookahead
                 )
             ) is None:
@@ -411,12 +408,14 @@ class Scheduler:
                 prior = req.token_ids(0, start)
                 if req.sampling_params.prompt_logprobs is not None:
                     prompt = req.token_ids(0, req.num_prompt_tokens)
-        req.num_computed_tokens = start + num_new
-        req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
-        will_sample = req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders
+        computed = req.num_computed_tokens = start + num_new
+        if computed > req.max_computed_tokens:
+            req.max_computed_tokens = computed
+        will_sample = computed >= req.num_tokens + req.num_output_placeholders
         if will_sample:
             req.num_output_placeholders += 1
-        req.spec_token_ids = []
+        if req.spec_token_ids:  # (this step verifies them, or they were not taken)
+            req.spec_token_ids = []
         req.num_pending_drafts += len(drafts)
         return ScheduledRequest(
             req_id=req.request_id,
@@ -424,7 +423,7 @@ class Scheduler:
             num_computed_tokens=start,
             is_prompt=is_prompt,
             will_sample=will_sample,
-            new_block_ids=[b.block_id for b in blocks],
+            new_block_ids=[b.block_id for b in blocks] if blocks else [],
             num_prior_blocks=len(self.kv.req_blocks[req.request_id]) - len(blocks),
             block_table=table,
             token_ids=token_ids,
@@ -445,6 +444,7 @@ class Scheduler:
             del self._cached_ahead[step_id]  # the step ran: its blocks hold their content
         live, sampled = self.requests, res.sampled_token_ids
         is_prefill_role = self.config.role is EngineRole.PREFILL
+        running = RequestStatus.RUNNING
         k = self.config.num_speculative_tokens
         completed = res.completed_req_ids
         for sr in out.scheduled:
@@ -453,7 +453,7 @@ class Scheduler:
                 req.prompt_logprobs.update(res.prompt_logprobs[sr.req_id])
             if req is None or not sr.will_sample:
                 continue  # ended while the step was in flight, or a partial prompt chunk
-            preempted_meanwhile = req.status is not RequestStatus.RUNNING
+            preempted_meanwhile = req.status is not running
             if not preempted_meanwhile:
                 req.num_output_placeholders -= 1
             tokens = sampled.get(sr.req_id) or []
@@ -468,10 +468,11 @@ class Scheduler:
                     f"executor returned {len(tokens)} tokens for {sr.req_id!r} "
                     f"with only {len(sr.draft_token_ids)} drafts to verify"
                 )
-            self._count_acceptance(len(sr.draft_token_ids), len(tokens) - 1)
-            if not preempted_meanwhile:
-                req.num_computed_tokens -= num_rejected
-                req.num_pending_drafts -= len(sr.draft_token_ids)
+            if sr.draft_token_ids:  # (else one token: nothing to count)
+                self._count_acceptance(len(sr.draft_token_ids), len(tokens) - 1)
+                if not preempted_meanwhile:
+                    req.num_computed_tokens -= num_rejected
+                    req.num_pending_drafts -= len(sr.draft_token_ids)
             reason = None
             logprobs = res.logprobs.get(sr.req_id) if res.logprobs else None
             for j, t in enumerate(tokens):
@@ -819,19 +820,17 @@ class Scheduler:
             for i, req in enumerate(run.requests):
                 if limits[i] < k:
                     continue
-                new = last_blocks.get(i, [])
-                scheduled.append(
-                    ScheduledRequest(
-                        req_id=req.request_id,
-                        num_tokens=1,
-                        num_computed_tokens=run.contexts[i] + k - 1,
-                        is_prompt=False,
-                        will_sample=True,
-                        new_block_ids=[b.block_id for b in new],
-                        num_prior_blocks=len(kv.req_blocks[req.request_id]) - len(new),
-                        num_prompt_tokens=req.num_prompt_tokens,
-                    )
-                )
+                num_held = len(kv.req_blocks[req.request_id])
+                new = last_blocks.get(i)  # (most requests: no new block in the last step)
+                # req_id, num_tokens, num_computed_tokens, is_prompt, will_sample,
+                # new_block_ids, num_prior_blocks: positional (every run makes these)
+                sr = ScheduledRequest(
+                    req.request_id, 1, run.contexts[i] + k - 1, False, True,
+                    [b.block_id for b in new] if new else [],
+                    num_held - len(new) if new else num_held,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                )  # fmt: skip
+                scheduled.append(sr)
             out = SchedulerOutput(
                 self.step_id, scheduled, self._finished_since_last, self._preempted_since_last
             )

@@ -14,11 +14,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import fields
 from itertools import chain
+from operator import attrgetter
 from typing import Any, overload
 
 from deepinfer.records import StepRecord
 
 FIELDS = tuple(f.name for f in fields(StepRecord))
+_fields_of = attrgetter(*FIELDS)  # a record -> its fields' values, in FIELDS' order
 
 
 class StepLog(Sequence[StepRecord]):
@@ -33,8 +35,8 @@ class StepLog(Sequence[StepRecord]):
             self.append(rec)
 
     def append(self, rec: StepRecord) -> None:
-        for column, name in zip(self._columns, FIELDS):
-            column.append(getattr(rec, name))
+        for column, value in zip(self._columns, _fields_of(rec)):
+            column.append(value)
 
     def extend(self, columns: Sequence[Iterable[Any]]) -> None:
         """Append records given as their fields' values, one iterable a field in FIELDS'

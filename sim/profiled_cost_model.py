@@ -44,7 +44,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain, repeat
-from operator import truediv
+from operator import mul, truediv
 from pathlib import Path
 from typing import Any
 
@@ -405,14 +405,14 @@ class ProfiledCostModel(CostModel):
         return target + self._analytic.drafter_seconds(out, step.num_drafts)
 
     def _physics(self, out: SchedulerOutput) -> float:
-        return sum(f * c for f, c in zip(self.features(out), self._coef))
+        return sum(map(mul, self.features(out), self._coef))
 
     def _physics_of(self, step: _Step) -> float:
         """`_physics(step.out)`, its features computed once for both fits."""
         features = step.features
         if features is None:
             features = step.features = self.features(step.out)
-        return sum(f * c for f, c in zip(features, self._coef))
+        return sum(map(mul, features, self._coef))
 
     @staticmethod
     def _eager(out: SchedulerOutput) -> bool:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 
+import numpy as np
+
 from deepinfer.config import EngineConfig
 from deepinfer.executor import Executor
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
@@ -30,6 +32,11 @@ from sim.keyed_draws import unit_draw as _unit
 
 # Placeholder tokens stay clear of id 0 so a user's EOS id is never produced.
 _VOCAB = 1 << 20
+# A placeholder token is 1 + (salt + position * _STRIDE) mod (_VOCAB - 1).
+_STRIDE = 2654435761
+# A decode run's tokens from this many on are made as one array (numpy's fixed cost
+# per call is that of about as many tokens made one by one).
+_ARRAY_TOKENS = 128
 # What a draw decides: a draft's acceptance, its token, its confidence; the last key of
 # (seed, salt, position, kind) for the first and last, and before j for the token, so no
 # key begins with another's.
@@ -96,20 +103,31 @@ class SimExecutor(Executor):
         salts = self._salts
         for rid in dropped_req_ids:
             salts.pop(rid, None)
-        out = []
         longest = max(num_steps, default=0)
+        modulus = _VOCAB - 1
+        stride = _STRIDE % modulus
+        # Request i's token of its step s is 1 + (first[i] + s * stride) mod modulus:
+        # salt + pos * _STRIDE with both terms reduced first (the same residues).
+        firsts = []
         for rid, ctx, steps in zip(req_ids, contexts, num_steps):
             salt = salts.get(rid)
             if salt is None:
                 salt = salts[rid] = zlib.crc32(rid.encode())
-            out.append(
-                [
-                    1 + ((salt + pos * 2654435761) % (_VOCAB - 1))
-                    for pos in range(ctx + 1, ctx + 1 + steps)
-                ]
-            )
+            firsts.append(salt % modulus + (ctx + 1) * stride)
             if steps < longest:
                 del salts[rid]
+        if len(firsts) * longest < _ARRAY_TOKENS:
+            return [
+                [1 + x % modulus for x in range(first, first + steps * stride, stride)]
+                for first, steps in zip(firsts, num_steps)
+            ]
+        # [i, s] (int64 holds first + s * stride while positions stay below 2**43)
+        grid = (
+            np.array(firsts, dtype=np.int64)[:, None] + np.arange(longest, dtype=np.int64) * stride
+        )
+        out: list[list[int]] = (grid % modulus + 1).tolist()
+        for row, steps in zip(out, num_steps):
+            del row[steps:]  # (a request that ends within the run)
         return out
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -131,7 +149,7 @@ class SimExecutor(Executor):
                     salt = salts[sr.req_id] = zlib.crc32(sr.req_id.encode())
                 # The same token as below with accepted = 0: one per step, no rng draw.
                 pos = sr.num_computed_tokens + sr.num_tokens
-                sampled[sr.req_id] = [1 + ((salt + pos * 2654435761) % (_VOCAB - 1))]
+                sampled[sr.req_id] = [1 + ((salt + pos * _STRIDE) % (_VOCAB - 1))]
                 continue
             start = sr.num_computed_tokens
             if sr.block_table is None and sr.req_id in self._computed:
@@ -159,7 +177,7 @@ class SimExecutor(Executor):
             self._computed[sr.req_id] -= len(sr.draft_token_ids) - accepted
             # A deterministic function of (request, position): repeatable across runs.
             res.sampled_token_ids[sr.req_id] = [
-                1 + ((salt + (pos + j) * 2654435761) % (_VOCAB - 1)) for j in range(accepted + 1)
+                1 + ((salt + (pos + j) * _STRIDE) % (_VOCAB - 1)) for j in range(accepted + 1)
             ]
             if self.k:
                 k = self.k if out.num_proposals is None else min(out.num_proposals, self.k)

@@ -8,6 +8,7 @@ and the stall rule and async overlap are the engine loop's.
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -50,16 +51,32 @@ def build_requests(trace: Trace, vocab_size: int) -> list[Request]:
     """Engine requests for a trace: synthetic prompts that share content where
     the trace's prefix blocks say so; each stops after its trace output_len. A
     `structured` request carries no schema (no tokens here): its grammar masks are
-    priced by the cost model's host time."""
+    priced by the cost model's host time. Requests of one output length share their
+    SamplingParams, validated once (nothing changes a request's params).
+
+    The garbage collector pauses meanwhile: every object made here stays alive, so the
+    passes that their growing number triggers (each over all of them) would free nothing."""
     out = []
-    for i, tr in enumerate(trace.requests):
-        params = SamplingParams(temperature=0.0, max_tokens=tr.output_len, ignore_eos=True)
-        prompt = SyntheticPrompt.for_request(tr, salt=i, vocab_size=vocab_size)
-        out.append(
-            Request(
-                tr.id, prompt, params, tr.arrival, priority=tr.priority, structured=tr.structured
-            )
-        )
+    params_of: dict[int, SamplingParams] = {}  # output_len -> its requests' params
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for i, tr in enumerate(trace.requests):
+            params = params_of.get(tr.output_len)
+            if params is None:
+                params = params_of[tr.output_len] = SamplingParams(
+                    temperature=0.0, max_tokens=tr.output_len, ignore_eos=True
+                )
+            prompt = SyntheticPrompt.for_request(tr, salt=i, vocab_size=vocab_size)
+            out.append(
+                Request(
+                    tr.id, prompt, params, tr.arrival, priority=tr.priority,
+                    structured=tr.structured,
+                )
+            )  # fmt: skip
+    finally:
+        if collecting:
+            gc.enable()
     return out
 
 

@@ -145,12 +145,14 @@ class KVCacheManager:
                 return None
         held = self.req_blocks.get(request.request_id)
         num_held = len(held) if held else 0
-        num_computed = request.num_computed_tokens + (len(cached) + len(loads)) * self.block_size
+        num_computed = request.num_computed_tokens
+        if cached or loads:
+            num_computed += (len(cached) + len(loads)) * self.block_size
         need_tokens = max(num_computed + num_new_tokens + num_lookahead_tokens, reserve_tokens)
-        num_needed = max(cdiv(need_tokens, self.block_size) - num_held - len(cached), 0)
+        num_needed = max(-(-need_tokens // self.block_size) - num_held - len(cached), 0)
         # Hits that sit in the free list stop being allocatable once touched.
         num_free_hits = sum(1 for b in cached if b.ref_cnt == 0) if cached else 0
-        if num_needed > self.pool.num_free_blocks - num_free_hits:
+        if num_needed and num_needed > self.pool.num_free_blocks - num_free_hits:
             return None
         if held is None:
             held = self.req_blocks[request.request_id] = []
@@ -182,9 +184,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         req_id = request.request_id
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        known = request.num_tokens
+        num_full = (num_tokens if num_tokens < known else known) // self.block_size
         start = self._num_cached[req_id]
-        if num_full <= start:
+        if num_full <= start:  # (most calls: no block filled)
             return
         hashes = update_block_hashes(request, self.block_size)
         blocks = self.req_blocks[req_id]
@@ -222,8 +225,8 @@ class KVCacheManager:
         newest token, whose KV the next step writes (under async scheduling the computed
         count already covers that step, which may still fail)."""
         if request.request_id in self.req_blocks:
-            written = min(request.num_computed_tokens, request.num_tokens - 1)
-            self._cache_full_blocks(request, written, False)
+            computed, last = request.num_computed_tokens, request.num_tokens - 1
+            self._cache_full_blocks(request, computed if computed < last else last, False)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Free blocks past what `num_tokens` tokens need (rejected draft slots)."""
