@@ -116,7 +116,10 @@ class SimExecutor(Executor):
             firsts.append(salt % modulus + (ctx + 1) * stride)
             if steps < longest:
                 del salts[rid]
-        if len(firsts) * longest < _ARRAY_TOKENS:
+        total = sum(num_steps)
+        # One array only when it is dense: a ragged run (one long request among many
+        # that end early) would fill a grid mostly of tokens thrown away.
+        if total < _ARRAY_TOKENS or 2 * total < len(firsts) * longest:
             return [
                 [1 + x % modulus for x in range(first, first + steps * stride, stride)]
                 for first, steps in zip(firsts, num_steps)
