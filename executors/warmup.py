@@ -65,10 +65,16 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int)
         steps.append([_request("warm-d", 1, long_ctx, list(range(-(-(long_ctx + 1) // bs))))])
     for b in sorted({1, min(max_num_seqs, max_num_batched_tokens)}):
         steps.append([_request(f"warm-d{i}", 1, 1, [0]) for i in range(b)])
-    for i, scheduled in enumerate(steps):
-        runner.execute(SchedulerOutput(step_id=-1 - i, scheduled=scheduled))
-        done = {sr.req_id for sr in scheduled}
-        runner.execute(SchedulerOutput(step_id=-1 - i, scheduled=[], finished_req_ids=done))
+    # A decode engine fills a request's counted context from its import; the synthetic
+    # decode steps count context that nobody computed and read whatever the blocks hold.
+    imports, runner.kv_transfer.imports = runner.kv_transfer.imports, False
+    try:
+        for i, scheduled in enumerate(steps):
+            runner.execute(SchedulerOutput(step_id=-1 - i, scheduled=scheduled))
+            done = {sr.req_id for sr in scheduled}
+            runner.execute(SchedulerOutput(step_id=-1 - i, scheduled=[], finished_req_ids=done))
+    finally:
+        runner.kv_transfer.imports = imports
     runner.masks.warm_up()  # the grammar mask kernel (structured outputs)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.config import EngineConfig
+from deepinfer.config import EngineConfig, EngineRole
 from deepinfer.model_config import ModelConfig
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 from deepinfer.sampling_params import SamplingParams
@@ -25,7 +25,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
 
 def load_runner(
-    path: Path, *, block_size: int = 4, num_blocks: int = 256, num_speculative_tokens: int = 0
+    path: Path,
+    *,
+    block_size: int = 4,
+    num_blocks: int = 256,
+    num_speculative_tokens: int = 0,
+    role: EngineRole = EngineRole.NORMAL,
 ) -> ModelRunner:
     cfg = ModelConfig.from_dict(read_hf_config(path))
     model = load_model(path, cfg, dtype=torch.float32, device=torch.device("cpu"))
@@ -42,6 +47,7 @@ def load_runner(
         block_size=block_size,
         num_gpu_blocks=num_blocks,
         num_speculative_tokens=num_speculative_tokens,
+        role=role,
     )
     return ModelRunner(model, cache, engine, eos_token_id=cfg.eos_token_id)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deepinfer import EngineConfig
+from deepinfer.config import EngineRole
 from deepinfer.engine import EngineCore
 from deepinfer.model_config import PRESETS_DIR
 from deepinfer.request import Request
@@ -27,6 +28,18 @@ def test_warm_up_runs_every_shape_class_and_leaves_no_state(
     # prefill buckets 1..64 (powers of two and the config tables' edges) + 3 decode steps
     assert report.num_steps >= 8 and report.num_compiled == 0  # nothing compiles on the CPU
     assert len(runner.requests) == 0
+
+
+def test_a_decode_engine_warms_up_without_imports(tiny_models: dict[str, TinyModel]) -> None:
+    """A decode engine counts a prompt it never computed as computed and imports its KV;
+    the warm-up's decode steps count context too, but read blocks nobody holds: they
+    import nothing and are not failed for it."""
+    runner = load_runner(
+        tiny_models["v3_plain"].path, block_size=4, num_blocks=64, role=EngineRole.DECODE
+    )
+    report = warm_up(runner, max_num_batched_tokens=64, max_num_seqs=8)
+    assert report.num_steps >= 8 and len(runner.requests) == 0
+    assert runner.kv_transfer.imports and runner.kv_transfer.num_imported_tokens == 0
 
 
 @pytest.mark.gpu
