@@ -652,22 +652,48 @@ class _Unstepped:
         raise AssertionError("this rank is never read")
 
 
-def test_the_front_end_places_with_its_own_seed() -> None:
-    """Placement draws from the front-end's seed (0 when none is given): power-of-two
-    over three ranks places as a router of that seed fed the same requests. Pinned: the
-    seeds here place these requests differently (asserted), so a seed lost or replaced
-    shows; the state machine reaches this case only now and then."""
+def test_the_front_end_places_with_its_own_router_and_seed() -> None:
+    """Placement uses the front-end's router and seed (least-load and 0 when none is
+    given): it places as a router of that name and seed fed the same requests. Pinned:
+    power-of-two over three ranks places these requests differently under the seeds
+    here (asserted), so a seed lost or replaced shows; the state machine reaches that
+    case only now and then."""
     infos = [RankInfo(r, 64, 16, BS, 63, None, None, None) for r in range(3)]  # type: ignore[arg-type]
-    placements: dict[int | None, list[int]] = {}
-    for seed in (None, 1, 2):
-        options = {} if seed is None else {"seed": seed}
-        dp = DataParallelEngine([_Unstepped()] * 3, infos, router="power-of-two", **options)
-        twin = make_router("power-of-two", 3, seed=seed or 0)
+    placements: dict[tuple[str | None, int | None], list[int]] = {}
+    for router, seed in ((None, None), ("power-of-two", None), ("power-of-two", 1),
+                         ("power-of-two", 2)):  # fmt: skip
+        options: dict[str, Any] = {} if seed is None else {"seed": seed}
+        if router is not None:
+            options["router"] = router
+        dp = DataParallelEngine([_Unstepped()] * 3, infos, **options)
+        twin = make_router(router or "least-load", 3, seed=seed or 0)
         views = views_of(BS, [63] * 3)
-        placements[seed] = []
+        got = placements[router, seed] = []
         for i in range(12):
             dp.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1)))
             want = twin.route(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1)), views)
-            assert dp.rank_of[f"r{i}"] == want, f"seed {seed}: r{i} on {dp.rank_of[f'r{i}']}"
-            placements[seed].append(want)
-    assert len({tuple(p) for p in placements.values()}) == 3, f"seeds alike: {placements}"
+            assert dp.rank_of[f"r{i}"] == want, f"{router}, seed {seed}: r{i} on {dp.rank_of}"
+            got.append(want)
+    assert placements[None, None] == [0, 1, 2] * 4, "least-load spreads a burst"
+    drawn = [tuple(p) for (router, _), p in placements.items() if router is not None]
+    assert len(set(drawn)) == 3, f"seeds alike: {placements}"
+
+
+def test_a_delta_for_a_request_ended_meanwhile_is_passed_over() -> None:
+    """Pinned: an interrupted step leaves a reply unread whose first delta is for a
+    request the client then ends; the next step skips that delta and applies the rest
+    (the machine's checks: the other request's copy, the changed list, the ends). The
+    state machine reaches this only now and then."""
+    m = FrontEndMachine()
+    m.setup(n=1, blocks=[12] * 3, seqs=2, policy="least-load", seed=0, explicit=True,
+            gone=[4] * 3, hook=False)  # fmt: skip
+    try:
+        m.arrive(run=(0, 1), tail=0, huge=False, max_tokens=6, burst=2)
+        m.step()  # both requests prefill and run
+        m.step_interrupted(at=0, ends=[0])  # r0 ends here while its delta is unread
+        unread = len(m.wire)
+        m.step()
+        assert [d.req_id for d in m.wire[unread][1].deltas] == ["r0", "r1"], m.wire[unread]
+        assert "r0" in m.ended_here and "r1" in m.live, (m.ended_here, m.live)
+    finally:
+        m.teardown()
