@@ -44,9 +44,11 @@ def either(draw: st.DrawFn, *options: st.SearchStrategy) -> object:
     return draw(options[draw(st.integers(0, len(options) - 1))])
 
 
-def scaled(weight: float) -> settings:
-    """The loaded profile's example count times `weight` (cheap tests run more)."""
-    return settings(max_examples=max(5, int(settings.default.max_examples * weight)))
+def scaled(weight: float, floor: int = 5) -> settings:
+    """The loaded profile's example count times `weight` (cheap tests run more), never
+    fewer than `floor`: a cheap model test keeps its ci count under the mutation profile,
+    whose few examples would leave its rare interleavings unreached."""
+    return settings(max_examples=max(floor, int(settings.default.max_examples * weight)))
 
 
 def at_least(examples: int) -> settings:
