@@ -14,11 +14,19 @@ A step is priced as its target part plus the drafter's:
            from the measured grids: the plain decode surface at k = 0, one verify
            surface (measured minus the drafter) per k, linear in the step's mean k
            between them (each k as measured: fewer drafts can cost more, when
-           only 1 + K tokens a request run in graphs); past the profile's K the
-           analytic model scales the K surface. Other steps: the plain fit's physics.
+           only 1 + K tokens a request run in graphs). A surface's unmeasured nodes,
+           the steps beyond its grid and those past the profile's K are scaled by the
+           verify physics (`VerifyPhysics`), fitted on the verify points alone. Other
+           steps: the plain fit's physics.
   drafter  a non-negative fit of `draft_s` on the analytic model's drafter parts (passes,
            pass 1 over the step's tokens, the chained passes, drafts proposed), so it
            follows the engine's K even where the profile drafted another number.
+
+The verify physics is its own fit because a verify step is not a decode step with more
+tokens: its requests' 1 + k query rows take the verify path of the decode attention
+kernel, whose time over the context grows faster than a decode step's (and no faster
+for k = 3 than for k = 1: the KV is read once a request, not once a query row), so the plain fit, fitted on decode and prompt steps,
+under-prices verify steps as batch and context grow.
 
 A profile without verify points cannot price these: `ProfiledCostModel` then warns and
 falls back to the analytic physics (fallback_target, AnalyticCostModel.drafter_seconds).
@@ -62,12 +70,21 @@ class SpeculativeSteps:
         # Drafts the profile's drafter proposed (verify surfaces exist for k = 1..this).
         self.profile_drafts = max((int(p["drafter"]) for p, _ in spec), default=0)
         self.surfaces: dict[int, StepSurface] = {}
+        # Uniform verify points: their drafts a request, step and target part's time.
+        verify = [
+            (_uniform_k(o), o, step_seconds(p, pipelined) - p["draft_s"])
+            for p, o in spec
+            if p["kind"] == "verify" and _uniform_k(o) > 0
+        ]  # fmt: skip
+        self.verify_physics = VerifyPhysics(
+            [o for _, o, _ in verify], np.array([t for _, _, t in verify]), analytic
+        )
+        # (too few verify points to fit it: the plain fit's physics scales instead)
+        self._scale = self.verify_physics if self.verify_physics.ready else physics
         for k in range(1, self.profile_drafts + 1):
-            at_k = [(p, o) for p, o in spec if p["kind"] == "verify" and _uniform_k(o) == k]
-            target = np.array(
-                [step_seconds(p, pipelined) - p["draft_s"] for p, _ in at_k], dtype=float
-            )
-            surface = StepSurface([o for _, o in at_k], target, physics, drafts=k)
+            outs_k = [o for kk, o, _ in verify if kk == k]
+            target = np.array([t for kk, _, t in verify if kk == k], dtype=float)
+            surface = StepSurface(outs_k, target, self._scale, drafts=k)
             if not surface.ready:
                 self.surfaces = {}
                 break
@@ -107,12 +124,64 @@ class SpeculativeSteps:
         for k in range(1, hi + 1):
             value = self.surfaces[k].predict_at(batch, context)
             values.append(max(values[-1], value) if self._monotone else value)
-        if mean_drafts > top:  # beyond the profile: the analytic ratio to k <= top
-            capped = self._analytic.target_time(capped_drafts(out, top))
-            return values[top] * max(1.0, self._analytic.target_time(out) / capped)
+        if mean_drafts > top:  # beyond the profile: the verify physics' ratio to k <= top
+            scale = self._scale
+            return values[top] * max(1.0, scale(out) / scale(capped_drafts(out, top)))
         lo = math.floor(mean_drafts)
         u = mean_drafts - lo
         return values[lo] if u == 0 else (1 - u) * values[lo] + u * values[lo + 1]
+
+
+class VerifyPhysics:
+    """The target time of a verify step (the drafter apart) as a non-negative combination
+    of features that follow its physics, fitted on a profile's verify points (relative
+    error, `nnls_relative`):
+
+      fixed, reqs, tokens   the step's fixed cost (a replayed graph), per-request and
+                            per-token work the groups below do not price
+      dense, experts,       the analytic model's seconds of the matmuls over the step's
+      lm_head               tokens (every request's 1 + k) and of the logits
+      kv_read               the decode attention's keys, each request's context once (its
+                            latent KV is read once for all of its query rows)
+      longest               the longest context: one wave of split-KV waits for it
+      pairs                 query rows times their context (the attention's FLOPs)
+
+    It prices the verify surfaces' unmeasured nodes and steps beyond their grids
+    (`StepSurface` scales a measured node by its ratio), and steps verifying more drafts
+    than the profile measured. With fewer verify points than features there is no fit
+    (`ready` is False, every coefficient 0.0): the plain fit's physics scales instead."""
+
+    FEATURES = ("fixed", "reqs", "tokens", "dense", "experts", "lm_head", "kv_read",
+                "longest", "pairs")  # fmt: skip
+
+    def __init__(
+        self, outs: list[SchedulerOutput], times: np.ndarray, analytic: AnalyticCostModel
+    ) -> None:
+        """outs: the verify points' steps; times: their target seconds (each point's time
+        less its drafter's), [len(outs)]."""
+        self._analytic = analytic
+        self.ready = len(outs) >= len(self.FEATURES)
+        self.coef = [0.0] * len(self.FEATURES)
+        if self.ready:
+            x = np.array([self.features(o) for o in outs], dtype=float)
+            self.coef = [float(c) for c in nnls_relative(x, np.asarray(times, dtype=float))]
+
+    def features(self, out: SchedulerOutput) -> list[float]:
+        """The FEATURES of `out`, in order (contexts in tokens)."""
+        tokens = kv_read = longest = pairs = 0
+        for r in out.scheduled:
+            q, c = r.num_tokens, r.num_computed_tokens
+            tokens += q
+            kv_read += c
+            pairs += q * c
+            if c > longest:
+                longest = c
+        dense, experts, _, _, lm_head = self._analytic.group_seconds(out)
+        return [1.0, float(len(out.scheduled)), float(tokens), dense, experts, lm_head,
+                float(kv_read), float(longest), float(pairs)]  # fmt: skip
+
+    def __call__(self, out: SchedulerOutput) -> float:
+        return sum(f * c for f, c in zip(self.features(out), self.coef))
 
 
 def fallback_target(analytic: AnalyticCostModel, out: SchedulerOutput, decode: float) -> float:
