@@ -148,7 +148,8 @@ class VerifyPhysics:
 
     It prices the verify surfaces' unmeasured nodes and steps beyond their grids
     (`StepSurface` scales a measured node by its ratio), and steps verifying more drafts
-    than the profile measured. With fewer verify points than features there is no fit
+    than the profile measured. With fewer verify points than features, a point whose
+    drafter took all its time, or a fit that prices a point at zero, there is none
     (`ready` is False, every coefficient 0.0): the plain fit's physics scales instead."""
 
     FEATURES = ("fixed", "reqs", "tokens", "dense", "experts", "lm_head", "kv_read",
@@ -160,11 +161,17 @@ class VerifyPhysics:
         """outs: the verify points' steps; times: their target seconds (each point's time
         less its drafter's), [len(outs)]."""
         self._analytic = analytic
-        self.ready = len(outs) >= len(self.FEATURES)
+        times = np.asarray(times, dtype=float)
+        # (a target part at or below zero: a drafter's time as long as its step's)
+        self.ready = len(outs) >= len(self.FEATURES) and bool(np.all(times > 0))
         self.coef = [0.0] * len(self.FEATURES)
         if self.ready:
             x = np.array([self.features(o) for o in outs], dtype=float)
-            self.coef = [float(c) for c in nnls_relative(x, np.asarray(times, dtype=float))]
+            coef = nnls_relative(x, times)
+            # A fit that prices a point at zero cannot scale from it.
+            self.ready = bool(np.all(x @ coef > 0))
+            if self.ready:
+                self.coef = [float(c) for c in coef]
 
     def features(self, out: SchedulerOutput) -> list[float]:
         """The FEATURES of `out`, in order (contexts in tokens)."""
