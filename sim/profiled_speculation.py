@@ -14,10 +14,11 @@ A step is priced as its target part plus the drafter's:
            from the measured grids: the plain decode surface at k = 0, one verify
            surface (measured minus the drafter) per k, linear in the step's mean k
            between them (each k as measured: fewer drafts can cost more, when
-           only 1 + K tokens a request run in graphs). A surface's unmeasured nodes,
-           the steps beyond its grid and those past the profile's K are scaled by the
-           verify physics (`VerifyPhysics`), fitted on the verify points alone. Other
-           steps: the plain fit's physics.
+           only 1 + K tokens a request run in graphs). A surface's unmeasured nodes
+           and the steps beyond its grid are scaled by the verify physics
+           (`VerifyPhysics`), fitted on the verify points alone; past the profile's K
+           the analytic model scales the K surface. Other steps: the plain fit's
+           physics.
   drafter  a non-negative fit of `draft_s` on the analytic model's drafter parts (passes,
            pass 1 over the step's tokens, the chained passes, drafts proposed), so it
            follows the engine's K even where the profile drafted another number.
@@ -124,9 +125,9 @@ class SpeculativeSteps:
         for k in range(1, hi + 1):
             value = self.surfaces[k].predict_at(batch, context)
             values.append(max(values[-1], value) if self._monotone else value)
-        if mean_drafts > top:  # beyond the profile: the verify physics' ratio to k <= top
-            scale = self._scale
-            return values[top] * max(1.0, scale(out) / scale(capped_drafts(out, top)))
+        if mean_drafts > top:  # beyond the profile: the analytic ratio to k <= top
+            capped = self._analytic.target_time(capped_drafts(out, top))
+            return values[top] * max(1.0, self._analytic.target_time(out) / capped)
         lo = math.floor(mean_drafts)
         u = mean_drafts - lo
         return values[lo] if u == 0 else (1 - u) * values[lo] + u * values[lo + 1]
@@ -147,8 +148,9 @@ class VerifyPhysics:
       pairs                 query rows times their context (the attention's FLOPs)
 
     It prices the verify surfaces' unmeasured nodes and steps beyond their grids
-    (`StepSurface` scales a measured node by its ratio), and steps verifying more drafts
-    than the profile measured. With fewer verify points than features, a point whose
+    (`StepSurface` scales a measured node by its ratio). Not the steps verifying more
+    drafts than the profile measured: fitted on k <= K alone, its tokens' terms say
+    little of a larger k (the analytic model's ratio scales those). With fewer verify points than features, a point whose
     drafter took all its time, or a fit that prices a point at zero, there is none
     (`ready` is False, every coefficient 0.0): the plain fit's physics scales instead."""
 
