@@ -17,7 +17,7 @@ EngineConfig and the shipped (or --profile) profile. Reports:
 
   per step   the cost model's prediction (host + device) of every step of the first
              real run against its measured wall time, signed error p10/p50/p90 by kind
-             (decode, prefill, mixed); on CUDA also the device price against the
+             (decode, prefill, mixed, verify); on CUDA also the device price against the
              device's span of the step
   requests   TTFT, TPOT, E2E: simulated vs the first real run, p50/p90/p99 (signed)
              and per-request |err|; throughput and makespan
@@ -66,7 +66,14 @@ from benchmarks.fidelity_workloads import (
     parse_workloads,
     with_prefix_hit,
 )
-from benchmarks.replay import ReplayResult, add_replay_options, offline, poisson, replay
+from benchmarks.replay import (
+    ReplayResult,
+    add_replay_options,
+    offline,
+    poisson,
+    replay,
+    shape_kind,
+)
 from deepinfer.config import EngineConfig
 from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
 from deepinfer.model_config import (
@@ -159,10 +166,16 @@ def device_errors(steps: list[tuple[str, list[Any], float | None]], cost: Any) -
 
 
 def _step_output(shape: list[Any]) -> SchedulerOutput:
-    """A step of `shape`'s requests, (tokens, context, is_prompt) each, for pricing."""
-    return SchedulerOutput(
-        0, [ScheduledRequest(str(i), q, c, p, True, []) for i, (q, c, p) in enumerate(shape)]
-    )
+    """A step of `shape`'s requests, (tokens, context, is_prompt) each, for pricing. A
+    decode of q > 1 tokens verifies q - 1 drafts (only a speculating engine schedules
+    one), so it is priced as the verify step it was, not as a prompt-like chunk."""
+    return SchedulerOutput(0, [
+        ScheduledRequest(
+            str(i), q, c, p, True, [],
+            draft_token_ids=[] if p or q == 1 else list(range(q - 1)),
+        )
+        for i, (q, c, p) in enumerate(shape)
+    ])  # fmt: skip
 
 
 def _predicted(
@@ -671,10 +684,14 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path, bands: int = 0) 
         )
         samples = [x for x in recorded_steps.get(wname, []) if "shape" in x]
         basis = step_basis(cfg, meta["hardware"])
+        # (kinds from the shapes: runs recorded before verify was a kind of its own
+        # called verify steps mixed)
         steps = step_errors(
-            [(x["kind"], x["shape"], x["wall_s"], x["execute_s"]) for x in samples], cost, basis
+            [(shape_kind(x["shape"]), x["shape"], x["wall_s"], x["execute_s"]) for x in samples],
+            cost,
+            basis,
         )
-        on_device = [(x["kind"], x["shape"], x.get("device_s")) for x in samples]
+        on_device = [(shape_kind(x["shape"]), x["shape"], x.get("device_s")) for x in samples]
         results.append({
             "workload": wname, "requests": compare_requests(records, sim.requests),
             "steps": steps, "steps_device": device_errors(on_device, cost),

@@ -46,11 +46,20 @@ class StepSample:
 
     @property
     def kind(self) -> str:
-        if all(q == 1 for q, _, _ in self.requests):
-            return "decode"
-        if all(p for _, _, p in self.requests):
-            return "prefill"
-        return "mixed"
+        return shape_kind(self.requests)
+
+
+def shape_kind(requests: list[Any]) -> str:
+    """The kind of a step of `requests`, (tokens, context, is_prompt) each: decode (every
+    request one token), verify (no prompt chunk, and a decode of more tokens than one:
+    it verifies that many less one drafts), prefill (only prompt chunks), else mixed."""
+    if all(q == 1 for q, _, _ in requests):
+        return "decode"
+    if not any(p for _, _, p in requests):
+        return "verify"
+    if all(p for _, _, p in requests):
+        return "prefill"
+    return "mixed"
 
 
 @dataclass

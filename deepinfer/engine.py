@@ -255,10 +255,12 @@ class EngineCore:
         duration: float | None = None,
         *,
         overlapped: bool = False,
+        handle: StepHandle | None = None,
     ) -> list[Request]:
         """Apply a step's results, stamp times, record ended requests and the step.
         overlapped: it was launched while the step before it ran (the step log file
-        says so: its duration is then a pipelined step's)."""
+        says so: its duration is then a pipelined step's). handle: the step's launch,
+        whose device time the step log reads (`StepHandle.device_seconds`)."""
         host_t0 = time.perf_counter() if self.step_writer is not None else 0.0
         changed = self.scheduler.update_from_output(out, res)
         now = self.clock()
@@ -279,7 +281,7 @@ class EngineCore:
                 self.steps.append(record)
             if self.step_writer is not None:
                 seconds = time.perf_counter() - host_t0
-                self.step_writer.applied(out, record, seconds, overlapped)
+                self.step_writer.applied(out, record, seconds, overlapped, handle)
         self._last_step_end = now
         if self.check:
             scheduler_checks.check_invariants(self.scheduler)
@@ -601,7 +603,9 @@ class EngineCore:
         began = start if last is None else max(start, last)
         overlapped = began > start  # launched while the step before ran
         end = self.clock() if flight.ended is None else flight.ended
-        changed = self.apply_results(flight.out, res, end - min(began, end), overlapped=overlapped)
+        changed = self.apply_results(
+            flight.out, res, end - min(began, end), overlapped=overlapped, handle=flight.handle
+        )
         self._last_step_end = end
         return _Applied(changed, ok=True)
 

@@ -35,6 +35,8 @@ class StepHandle(ABC):
     # The launch ran the step's work before it returned (the device is the host's CPU),
     # though its result may be unread: the step ended when the launch returned.
     ran_in_launch: bool = False
+    # The executor times the step's device work: `device_seconds` gives it, now or later.
+    times_device: bool = False
 
     @abstractmethod
     def result(self, timeout: float | None = None) -> ModelRunnerOutput:
@@ -44,6 +46,15 @@ class StepHandle(ABC):
         """Whether the result is there already (default False: not known). True when
         the launch returned it ready: the launch did the step's work."""
         return False
+
+    def device_seconds(self, wait: bool = False) -> float | None:
+        """The device's span of the step's work in seconds (from where the device reached
+        the step's first work to where it passed its last), for the step log; None where
+        the executor does not time its device (the default: the simulator, a CPU, whose
+        step's duration is its own time) or, without `wait`, while the device has not
+        passed the step's end yet (asking then never waits for the device; a step later
+        it has, by the stream's order). With `wait` it waits for the device."""
+        return None
 
 
 class CompletedStep(StepHandle):

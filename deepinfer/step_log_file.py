@@ -20,6 +20,15 @@ its results: what a profile point times, `executor.execute`), and
                 its cost model's host price as schedule_s)
     overlapped  it was launched while the step before it ran (async scheduling), so its
                 duration is a pipelined step's, the host's work hidden behind the device's
+    device_s    (only where the executor times its device: the torch executor on CUDA)
+                the device's span of the step's work, from CUDA events around its
+                launch: unlike `duration`, it holds none of the host's work around the
+                step (under async scheduling a step's results are read after the next
+                step's launch, whose host work can then land in its duration). Absent
+                on the CPU and in a simulated log, whose durations are the steps' own.
+                The events are read without a synchronisation once the device has passed
+                them, at the latest when the next step is applied, so a step's line is
+                written then (the last one at `close`).
 
 A line that is not what it should be is an error naming the file and the line.
 """
@@ -35,6 +44,7 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 from deepinfer.config import EngineConfig
+from deepinfer.executor import StepHandle
 from deepinfer.outputs import SchedulerOutput
 from deepinfer.records import StepRecord
 
@@ -102,6 +112,8 @@ class StepLogWriter:
         self._file.write(json.dumps(header) + "\n")
         self._host_price = host_price
         self._schedule_s: dict[int, float] = {}  # step id -> its scheduling seconds
+        # The last applied step's line and handle, while its device time is not read.
+        self._pending: tuple[dict[str, Any], StepHandle] | None = None
         self.num_steps = 0
 
     def scheduled(self, out: SchedulerOutput, seconds: float) -> None:
@@ -110,9 +122,16 @@ class StepLogWriter:
             self._schedule_s[out.step_id] = seconds
 
     def applied(
-        self, out: SchedulerOutput, record: StepRecord, seconds: float, overlapped: bool
+        self,
+        out: SchedulerOutput,
+        record: StepRecord,
+        seconds: float,
+        overlapped: bool,
+        handle: StepHandle | None = None,
     ) -> None:
-        """The engine applied `out`'s results in `seconds`; `record` is its StepRecord."""
+        """The engine applied `out`'s results in `seconds`; `record` is its StepRecord;
+        `handle` its launch: where that times the device, the line waits for the step's
+        device time (written when the next step is applied, or at `close`)."""
         schedule_s = self._schedule_s.pop(out.step_id, 0.0)
         for step_id in [i for i in self._schedule_s if i < out.step_id]:  # failed steps
             del self._schedule_s[step_id]
@@ -125,11 +144,29 @@ class StepLogWriter:
             "process_s": process_s,
             "overlapped": overlapped,
         }
+        self._write_pending(wait=False)
+        if handle is not None and handle.times_device:
+            self._pending = (line, handle)
+        else:
+            self._write(line)
+
+    def _write_pending(self, wait: bool) -> None:
+        """The step waiting for its device time, with it where the device has passed the
+        step (a step later, it has: the stream runs the steps in order) or `wait`."""
+        if self._pending is None:
+            return
+        line, handle = self._pending
+        self._pending = None
+        device = handle.device_seconds(wait)
+        self._write(line if device is None else line | {"device_s": device})
+
+    def _write(self, line: dict[str, Any]) -> None:
         self._file.write(json.dumps(line) + "\n")
         self.num_steps += 1
 
     def close(self) -> None:
         if not self._file.closed:
+            self._write_pending(wait=True)  # (the run is over: waiting costs it nothing)
             self._file.close()
 
     def __enter__(self) -> StepLogWriter:
@@ -148,10 +185,17 @@ class LoggedStep(NamedTuple):
     schedule_s: float
     process_s: float
     overlapped: bool
+    device_s: float | None = None  # the device's span of its work, where the run timed it
 
     @property
     def host_s(self) -> float:
         return self.schedule_s + self.process_s
+
+    @property
+    def seconds(self) -> float:
+        """The step's own time: its device span where the log has one (no host work of
+        the steps around it), else its duration."""
+        return self.record.duration if self.device_s is None else self.device_s
 
 
 @dataclass
@@ -222,7 +266,9 @@ def _step(path: Path, n: int, obj: Any) -> LoggedStep:
     missing = [k for k in _REQUIRED if k not in obj]
     if missing:
         raise ValueError(f"{where}: the step has no {', '.join(map(repr, missing))}")
-    for key in ("duration", "schedule_s", "process_s"):
+    for key in ("duration", "schedule_s", "process_s", "device_s"):
+        if key not in obj:  # (device_s only: the others are required)
+            continue
         value = obj[key]
         if not _is_count(value, float):
             raise ValueError(f"{where}: {key} {value!r}: must be a finite number of seconds >= 0")
@@ -244,9 +290,10 @@ def _step(path: Path, n: int, obj: Any) -> LoggedStep:
                 "(+ drafts verified), count and query >= 1"
             )
     record = StepRecord(**{k: obj[k] for k in _RECORD_FIELDS if k in obj})
+    device = obj.get("device_s")
     return LoggedStep(
         n, record, groups, float(obj["schedule_s"]), float(obj["process_s"]),
-        bool(obj["overlapped"]),
+        bool(obj["overlapped"]), None if device is None else float(device),
     )  # fmt: skip
 
 

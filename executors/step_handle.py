@@ -60,6 +60,10 @@ class PendingStep(StepHandle):
         self.tokens = tokens
         self.rows = rows or {}
         self.chain = chain
+        # CUDA events on the compute stream around the launch's device work (the
+        # executor's `execute_async` records them), then their span once read.
+        self.events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._device_s: float | None = None
 
     @classmethod
     def failed(cls, error: BaseException) -> PendingStep:
@@ -91,3 +95,21 @@ class PendingStep(StepHandle):
 
     def result(self, timeout: float | None = None) -> ModelRunnerOutput:
         return self.step_result().output
+
+    @property
+    def times_device(self) -> bool:  # type: ignore[override]
+        return self.events is not None or self._device_s is not None
+
+    def device_seconds(self, wait: bool = False) -> float | None:
+        """The span between the step's events (StepHandle.device_seconds): read once the
+        end event has been passed (`query()`, which does not synchronise), or after
+        waiting for it with `wait`."""
+        if self._device_s is None and self.events is not None:
+            start, end = self.events
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                return None
+            self._device_s = max(start.elapsed_time(end), 0.0) / 1e3
+            self.events = None
+        return self._device_s

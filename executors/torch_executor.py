@@ -201,9 +201,21 @@ class TorchExecutor(Executor):
 
     def execute_async(self, out: SchedulerOutput) -> PendingStep:
         """Queues the step on the device; the handle's `result()` waits for it
-        (executors/step_handle.py: async scheduling launches the next step first)."""
+        (executors/step_handle.py: async scheduling launches the next step first). On
+        CUDA two timing events on the compute stream bracket the launch's device work,
+        the step log's device time (`PendingStep.device_seconds`); recording them does
+        not synchronise. On the CPU the launch runs the step: its duration is its time."""
+        if self.device.type != "cuda" or out.is_empty:
+            handle = self.runner.launch(out)
+            handle.ran_in_launch = self.device.type == "cpu"  # torch ran it as it was called
+            return handle
+        stream = torch.cuda.current_stream(self.device)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
         handle = self.runner.launch(out)
-        handle.ran_in_launch = self.device.type == "cpu"  # torch ran it as it was called
+        end.record(stream)
+        handle.events = (start, end)
         return handle
 
     def num_kv_blocks(self) -> int:

@@ -1,6 +1,6 @@
 """How well a profile predicts logged steps, by step kind: the profiled cost model's
-device price against each step's duration and its host price against the step's host
-seconds, as median and p90 of |relative error|.
+device price against each step's duration (its device span, where the log has one) and
+its host price against the step's host seconds, as median and p90 of |relative error|.
 
 The held-out check (`deepinfer profile --from-log LOG --held-out F`): fit on the first
 1 - F of each log's steps, predict the last F, the steps the fit never saw; the same
@@ -69,7 +69,7 @@ def step_errors(
                     priced = cost.step_time(out)
                 else:
                     priced = sum(cost.launch_cost(out))
-                real = step.record.duration
+                real = step.seconds  # (the device span where the log has one)
                 if real > 0:
                     device.setdefault(kind, []).append(abs(priced - real) / real)
                 if step.host_s > 0:

@@ -3,7 +3,9 @@ grid profile refined by them: a deployment keeps its simulator calibrated from t
 steps it already serves.
 
 A step log (deepinfer/step_log_file.py) holds every step of a run with its shape, its
-duration (the executor's time, what a profile point times) and its host seconds. Served
+duration (the executor's time, what a profile point times), its device span where the
+run timed it (`device_s`: preferred, it holds no host work of the steps around it) and
+its host seconds. Served
 steps are all different (every decode batch has its own contexts), and the profiled
 cost model fits points, so the steps are put into cells and each cell becomes one point:
 
@@ -138,6 +140,7 @@ class _Binned:
     pipelined: bool  # its duration is a pipelined step's
     price: float  # its analytic price (_Prices.of), what its time is read against
     holds_next: bool = False  # its duration holds the next step's launch (_reattribute)
+    device: bool = False  # its time is the device's span (`LoggedStep.device_s`)
 
 
 class _Prices:
@@ -186,7 +189,7 @@ def fit_from_logs(
         run: list[_Binned | None] = []
         for step in log.steps:
             kind = step_kind(step.groups)
-            if kind == "verify" or not step.record.duration > 0:
+            if kind == "verify" or not step.seconds > 0:
                 verify += kind == "verify"
                 unusable += kind != "verify"
                 run.append(None)
@@ -195,7 +198,8 @@ def fit_from_logs(
             pipelined = step.overlapped and not hw.runs_on_host
             cell = (kind, _cell_key(kind, out, one_wave))
             price = prices.of(kind, out)
-            run.append(_Binned(kind, cell, out, step.record.duration, pipelined, price))
+            timed = step.device_s is not None
+            run.append(_Binned(kind, cell, out, step.seconds, pipelined, price, device=timed))
         runs.append(run)
         binned += [b for b in run if b is not None]
     # (a simulated log's durations are its cost model's prices, split as it priced them)
@@ -220,6 +224,9 @@ def fit_from_logs(
         )
     if unusable:
         notes.append(f"{unusable} steps of zero duration left out")
+    timed = sum(b.device for b in binned)
+    if timed:
+        notes.append(f"{timed} of {len(binned)} steps timed by their device span (device_s)")
     if held:
         notes.append(
             f"{held} steps left out: the next step's launch (prompt chunks, beside them) "
@@ -258,6 +265,7 @@ def fit_from_logs(
         "logs": [str(log.path) for log in logs],
         "steps": len(binned),  # (fitted; read: these and the two below)
         "held_by_next_launch": held,
+        "device_timed": timed,
         "outliers": outliers,
         "kinds": {k: c.steps for k, c in coverage.items()},
         "not_covered": missing,
@@ -466,6 +474,8 @@ def _reattribute(runs: list[list[_Binned | None]]) -> tuple[int, float]:
                 if b is None or b.kind not in kinds or not _launch_held(b, after):
                     continue
                 assert after is not None
+                if b.device or after.device:  # (device spans hold no launch's host work)
+                    continue
                 ratio, spread = peers.get((b.cell, b.pipelined)) or peers.get(
                     (b.kind, b.pipelined), (math.inf, 1.0)
                 )

@@ -14,11 +14,20 @@ A step is priced as its target part plus the drafter's:
            from the measured grids: the plain decode surface at k = 0, one verify
            surface (measured minus the drafter) per k, linear in the step's mean k
            between them (each k as measured: fewer drafts can cost more, when
-           only 1 + K tokens a request run in graphs); past the profile's K the
-           analytic model scales the K surface. Other steps: the plain fit's physics.
+           only 1 + K tokens a request run in graphs). A surface's unmeasured nodes
+           and the steps beyond its grid are scaled by the verify physics
+           (`VerifyPhysics`), fitted on the verify points alone; past the profile's K
+           the analytic model scales the K surface. Other steps: the plain fit's
+           physics.
   drafter  a non-negative fit of `draft_s` on the analytic model's drafter parts (passes,
            pass 1 over the step's tokens, the chained passes, drafts proposed), so it
            follows the engine's K even where the profile drafted another number.
+
+The verify physics is its own fit because a verify step is not a decode step with more
+tokens: its requests' 1 + k query rows take the verify path of the decode attention
+kernel, whose time over the context grows faster than a decode step's (and no faster
+for k = 3 than for k = 1: the KV is read once a request, not once a query row), so the plain fit, fitted on decode and prompt steps,
+under-prices verify steps as batch and context grow.
 
 A profile without verify points cannot price these: `ProfiledCostModel` then warns and
 falls back to the analytic physics (fallback_target, AnalyticCostModel.drafter_seconds).
@@ -62,12 +71,21 @@ class SpeculativeSteps:
         # Drafts the profile's drafter proposed (verify surfaces exist for k = 1..this).
         self.profile_drafts = max((int(p["drafter"]) for p, _ in spec), default=0)
         self.surfaces: dict[int, StepSurface] = {}
+        # Uniform verify points: their drafts a request, step and target part's time.
+        verify = [
+            (_uniform_k(o), o, step_seconds(p, pipelined) - p["draft_s"])
+            for p, o in spec
+            if p["kind"] == "verify" and _uniform_k(o) > 0
+        ]  # fmt: skip
+        self.verify_physics = VerifyPhysics(
+            [o for _, o, _ in verify], np.array([t for _, _, t in verify]), analytic
+        )
+        # (too few verify points to fit it: the plain fit's physics scales instead)
+        self._scale = self.verify_physics if self.verify_physics.ready else physics
         for k in range(1, self.profile_drafts + 1):
-            at_k = [(p, o) for p, o in spec if p["kind"] == "verify" and _uniform_k(o) == k]
-            target = np.array(
-                [step_seconds(p, pipelined) - p["draft_s"] for p, _ in at_k], dtype=float
-            )
-            surface = StepSurface([o for _, o in at_k], target, physics, drafts=k)
+            outs_k = [o for kk, o, _ in verify if kk == k]
+            target = np.array([t for kk, _, t in verify if kk == k], dtype=float)
+            surface = StepSurface(outs_k, target, self._scale, drafts=k)
             if not surface.ready:
                 self.surfaces = {}
                 break
@@ -113,6 +131,66 @@ class SpeculativeSteps:
         lo = math.floor(mean_drafts)
         u = mean_drafts - lo
         return values[lo] if u == 0 else (1 - u) * values[lo] + u * values[lo + 1]
+
+
+class VerifyPhysics:
+    """The target time of a verify step (the drafter apart) as a non-negative combination
+    of features that follow its physics, fitted on a profile's verify points (relative
+    error, `nnls_relative`):
+
+      fixed, reqs, tokens   the step's fixed cost (a replayed graph), per-request and
+                            per-token work the groups below do not price
+      dense, experts,       the analytic model's seconds of the matmuls over the step's
+      lm_head               tokens (every request's 1 + k) and of the logits
+      kv_read               the decode attention's keys, each request's context once (its
+                            latent KV is read once for all of its query rows)
+      longest               the longest context: one wave of split-KV waits for it
+      pairs                 query rows times their context (the attention's FLOPs)
+
+    It prices the verify surfaces' unmeasured nodes and steps beyond their grids
+    (`StepSurface` scales a measured node by its ratio). Not the steps verifying more
+    drafts than the profile measured: fitted on k <= K alone, its tokens' terms say
+    little of a larger k (the analytic model's ratio scales those). With fewer verify points than features, a point whose
+    drafter took all its time, or a fit that prices a point at zero, there is none
+    (`ready` is False, every coefficient 0.0): the plain fit's physics scales instead."""
+
+    FEATURES = ("fixed", "reqs", "tokens", "dense", "experts", "lm_head", "kv_read",
+                "longest", "pairs")  # fmt: skip
+
+    def __init__(
+        self, outs: list[SchedulerOutput], times: np.ndarray, analytic: AnalyticCostModel
+    ) -> None:
+        """outs: the verify points' steps; times: their target seconds (each point's time
+        less its drafter's), [len(outs)]."""
+        self._analytic = analytic
+        times = np.asarray(times, dtype=float)
+        # (a target part at or below zero: a drafter's time as long as its step's)
+        self.ready = len(outs) >= len(self.FEATURES) and bool(np.all(times > 0))
+        self.coef = [0.0] * len(self.FEATURES)
+        if self.ready:
+            x = np.array([self.features(o) for o in outs], dtype=float)
+            coef = nnls_relative(x, times)
+            # A fit that prices a point at zero cannot scale from it.
+            self.ready = bool(np.all(x @ coef > 0))
+            if self.ready:
+                self.coef = [float(c) for c in coef]
+
+    def features(self, out: SchedulerOutput) -> list[float]:
+        """The FEATURES of `out`, in order (contexts in tokens)."""
+        tokens = kv_read = longest = pairs = 0
+        for r in out.scheduled:
+            q, c = r.num_tokens, r.num_computed_tokens
+            tokens += q
+            kv_read += c
+            pairs += q * c
+            if c > longest:
+                longest = c
+        dense, experts, _, _, lm_head = self._analytic.group_seconds(out)
+        return [1.0, float(len(out.scheduled)), float(tokens), dense, experts, lm_head,
+                float(kv_read), float(longest), float(pairs)]  # fmt: skip
+
+    def __call__(self, out: SchedulerOutput) -> float:
+        return sum(f * c for f, c in zip(self.features(out), self.coef))
 
 
 def fallback_target(analytic: AnalyticCostModel, out: SchedulerOutput, decode: float) -> float:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from deepinfer.config import EngineConfig
-from deepinfer.outputs import ScheduledRequest, SchedulerOutput
+from deepinfer.executor import StepHandle
+from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.records import StepRecord
 from deepinfer.step_log_file import StepLogWriter, read_step_log, step_groups, step_log_header
 
@@ -66,6 +67,47 @@ def test_the_writer_writes_what_the_reader_reads(tmp_path: Path) -> None:
     assert step.host_s == pytest.approx(0.003)
 
 
+class _TimedHandle(StepHandle):
+    """A launch that times its device: the span is read only once `passed` is set."""
+
+    times_device = True
+
+    def __init__(self, span: float) -> None:
+        self.span, self.passed, self.waited = span, False, False
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        return ModelRunnerOutput()
+
+    def device_seconds(self, wait: bool = False) -> float | None:
+        self.waited |= wait
+        return self.span if self.passed or wait else None
+
+
+def test_a_steps_device_span_is_written_once_read_and_absent_where_untimed(
+    tmp_path: Path,
+) -> None:
+    """A launch that times its device (the torch executor on CUDA) gives its step's line
+    the device span, read without waiting when the next step is applied (by then the
+    device has passed it; a span it has not passed is left out, never waited for) or,
+    for the last step, at close; a launch that does not time its device (the simulator,
+    a CPU) writes its line at once, with no device_s."""
+    path = tmp_path / "steps.jsonl"
+    one, two, last = _TimedHandle(0.004), _TimedHandle(0.006), _TimedHandle(0.008)
+    with StepLogWriter(path, _header()) as writer:
+        writer.applied(_out(1, [(1, 40, False, 0)]), _record(1), 0.001, True, one)
+        assert writer.num_steps == 0  # (its line waits for its span)
+        one.passed = True
+        writer.applied(_out(2, [(1, 41, False, 0)]), _record(2), 0.001, True, two)
+        assert writer.num_steps == 1
+        writer.applied(_out(3, [(1, 42, False, 0)]), _record(3), 0.001, False)
+        assert writer.num_steps == 3
+        writer.applied(_out(4, [(1, 43, False, 0)]), _record(4), 0.001, True, last)
+    log = read_step_log(path)
+    assert [s.device_s for s in log.steps] == [0.004, None, None, 0.008]
+    assert last.waited and not (one.waited or two.waited)
+    assert [s.seconds for s in log.steps] == [0.004, 0.01, 0.01, 0.008]
+
+
 def test_a_priced_host_time_replaces_the_measured_one(tmp_path: Path) -> None:
     """The simulator's host time is its cost model's price, written as the schedule's."""
     path = tmp_path / "sim.jsonl"
@@ -113,6 +155,7 @@ GOOD = json.dumps(
             "num_scheduled_reqs 'three'",
         ),
         (re.sub(r'"num_running": \d+', '"num_running": 1.5', GOOD), "num_running 1.5"),
+        (GOOD.replace('"overlapped"', '"device_s": -0.5, "overlapped"'), "device_s -0.5"),
     ],
 )
 def test_a_malformed_step_names_the_file_and_line(tmp_path: Path, line: str, says: str) -> None:

@@ -74,6 +74,23 @@ def test_the_device_price_is_compared_with_the_device_span_alone() -> None:
     assert bench.device_errors([steps[-1]], _Cost()) == {}
 
 
+def test_a_recorded_decode_of_several_tokens_is_priced_as_the_verify_step_it_was() -> None:
+    """A real step's shape holds (tokens, context, is_prompt) a request; a decode of q > 1
+    tokens verified q - 1 drafts (only a speculating engine schedules one), so it is
+    priced with them, under a kind of its own: priced without them it took the plain
+    fit's prompt-like path and read +15% on a verify-only workload."""
+    from benchmarks.replay import shape_kind
+
+    bench = _bench()
+    verify = [(4, 900, False), (4, 700, False)]
+    out = bench._step_output(verify + [(1, 50, False), (30, 0, True)])
+    assert [len(r.draft_token_ids) for r in out.scheduled] == [3, 3, 0, 0]
+    assert shape_kind(verify) == "verify"
+    assert shape_kind(verify + [(30, 0, True)]) == "mixed"
+    assert shape_kind([(1, 5, False)]) == "decode"
+    assert shape_kind([(30, 0, True), (8, 64, True)]) == "prefill"
+
+
 def test_each_kind_sums_its_real_and_priced_time() -> None:
     """Beside the per-step percentiles, a kind's total: under async scheduling a round's
     wall goes to the step it applied, so per-step errors scatter while the totals (what

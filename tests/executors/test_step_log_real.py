@@ -37,8 +37,40 @@ def test_an_llm_writes_each_step_it_applies(tmp_path: Path, tiny_models) -> None
     for step in log.steps:
         assert sum(g[0] * g[1] for g in step.groups) == step.record.num_batched_tokens
         assert step.record.duration > 0 and step.schedule_s > 0 and step.process_s > 0
-        # On the CPU the launch runs its step: none overlaps, async scheduling or not.
+        # On the CPU the launch runs its step: none overlaps, async scheduling or not;
+        # its duration is its own time, and no device span is logged beside it.
         assert not step.overlapped
+        assert step.device_s is None and step.seconds == step.record.duration
+
+
+@pytest.mark.gpu
+def test_on_cuda_each_step_logs_its_device_span_within_its_duration(
+    tmp_path: Path, tiny_models
+) -> None:
+    """On CUDA every step's line holds its device span (CUDA events around its launch's
+    work, read a step later without a synchronisation), and without async scheduling the
+    span lies inside the step's duration (launch to results read on the host)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    tiny = tiny_models["v3_plain"]
+    path = tmp_path / "steps.jsonl"
+    llm = LLM(
+        str(tiny.path), device="cuda", dtype="bfloat16", block_size=16, step_log=path,
+        async_scheduling=False,
+    )  # fmt: skip
+    llm.generate(
+        [{"prompt_token_ids": list(range(1, 1 + n))} for n in (5, 40, 300)],
+        SamplingParams(max_tokens=24, ignore_eos=True),
+        use_tqdm=False,
+    )
+    llm.shutdown()
+    steps = read_step_log(path).steps
+    assert len(steps) >= 24
+    for step in steps:
+        assert step.device_s is not None and step.device_s > 0
+        assert step.device_s <= step.record.duration + 1e-5, step
 
 
 def test_a_step_log_of_several_engines_is_refused(tmp_path: Path, tiny_models) -> None:

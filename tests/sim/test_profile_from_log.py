@@ -223,6 +223,33 @@ def test_a_decode_steps_time_held_by_the_next_launch_goes_back_to_it(tmp_path, t
     assert errors["mixed"]["device_median"] <= truth["mixed"]["device_median"] + 0.02
 
 
+def test_a_steps_device_span_is_fitted_where_the_log_has_one(tmp_path, trace, demo) -> None:
+    """A step logged with its device span (`device_s`: CUDA events around its work) is
+    fitted on that, not on its duration, which under async scheduling can hold the next
+    step's launch. Planted on a simulated log read as a real one: every decode step's
+    duration holds 3x its time of the launch after it, its span is its own time; the fit
+    is that of the same log with clean durations, to the bit, with nothing given back
+    to the next steps (fitted on their durations, the planted steps set other prices)."""
+    log = _logged(tmp_path, trace, demo, "h200", True)
+    log = replace(log, header=log.header | {"executor": "torch"})  # (as a real run's)
+    timed = replace(log, steps=[s._replace(device_s=s.record.duration) for s in log.steps])
+    planted = timed
+    for i, (s, after) in enumerate(zip(log.steps, log.steps[1:])):
+        if step_kind(s.groups) == "decode":
+            held = 3 * s.record.duration
+            planted = _with(planted, i, s.record.duration + held)
+            planted = _with(planted, i + 1, after.record.duration - held)
+    assert all(s.seconds == s.record.duration for s in log.steps)
+    clean, fit = fit_from_logs([timed], demo), fit_from_logs([planted], demo)
+    assert fit.profile["points"] == clean.profile["points"]
+    untimed = replace(planted, steps=[s._replace(device_s=None) for s in planted.steps])
+    assert fit_from_logs([untimed], demo).profile["points"] != clean.profile["points"]
+    meta = fit.profile["meta"]["from_log"]
+    assert meta["held_by_next_launch"] == 0
+    assert meta["device_timed"] == meta["steps"] > 0
+    assert "timed by their device span" in fit.summary()
+
+
 def test_the_fit_says_what_the_logged_engine_could_run_and_its_steps_never_did(
     cpu_log, demo
 ) -> None:

@@ -100,6 +100,48 @@ def test_held_out_verify_points_are_predicted_within_tolerance(path: Path) -> No
     assert max(errors) <= max_tol, errors
 
 
+GPU_VERIFY_PROFILES = [p for p in WITH_VERIFY_POINTS if not p.stem.endswith("__cpu")]
+
+
+@pytest.mark.parametrize("path", GPU_VERIFY_PROFILES, ids=lambda p: p.stem)
+def test_verify_steps_past_the_grids_longest_context_follow_the_verify_physics(
+    path: Path,
+) -> None:
+    """The verify points at the grid's longest context, left out of the fit, are priced
+    from the shorter contexts by the verify physics (a verify step's attention over its
+    context grows faster than a decode step's): median |error| <= 3.5%, none over 10%
+    (the plain fit's physics scaled them at median 4% and up to 18% short)."""
+    name, hardware = path.stem.split("__")
+    profile = load_profile(path)
+    longest = max(p["groups"][0][2] for p in profile["points"] if p["kind"] == "verify")
+    held = [p for p in profile["points"] if p["kind"] == "verify" and p["groups"][0][2] == longest]
+    fit = copy.deepcopy(profile)
+    fit["points"] = [p for p in profile["points"] if p not in held]
+    cm = ProfiledCostModel(fit, load_model_config(name), get_hardware(hardware), 3)
+    assert cm._spec.verify_physics.ready
+    errors = [
+        abs(cm.step_time(shape_output(p["groups"])) - p["median_s"]) / p["median_s"]
+        for p in held
+    ]  # fmt: skip
+    assert len(errors) >= 6
+    assert statistics.median(errors) <= 0.035, errors
+    assert max(errors) <= 0.10, errors
+
+
+def test_the_verify_physics_reads_a_requests_context_once_for_all_its_query_rows(demo) -> None:
+    """kv_read counts each request's context once whatever its drafts; pairs (the
+    attention's FLOPs) counts it once a query row; longest is the longest context."""
+    cm = ProfiledCostModel(DEMO_PROFILE, demo, get_hardware("cpu"), 2)
+    physics = cm._spec.verify_physics
+    names = physics.FEATURES
+    one = dict(zip(names, physics.features(_verify(4, 1, ctx=300))))
+    three = dict(zip(names, physics.features(_verify(4, 3, ctx=300))))
+    assert one["kv_read"] == three["kv_read"] == 4 * 300
+    assert (one["pairs"], three["pairs"]) == (4 * 2 * 300, 4 * 4 * 300)
+    assert (one["tokens"], three["tokens"]) == (8, 16)
+    assert one["longest"] == 300 and one["reqs"] == 4
+
+
 def test_more_drafts_never_cost_less_and_the_drafter_is_paid_every_step(demo) -> None:
     hw = get_hardware("cpu")
     plain = ProfiledCostModel(DEMO_PROFILE, demo, hw)
