@@ -630,13 +630,7 @@ class Scheduler:
             flight = [sr for sr in in_flight.scheduled if sr.req_id in live]
             if len(flight) != n:
                 return None
-        max_len = self.max_model_len
-        horizon = max_len
-        contexts = []
-        limits = []
-        for i, req in enumerate(running):
-            if in_flight is not None:
-                sr = flight[i]
+            for sr, req in zip(flight, running):
                 # Its one token, or the prompt chunk that completed it: a sampled token
                 # either way, applied before the run's second step is scheduled.
                 if (
@@ -646,6 +640,11 @@ class Scheduler:
                     or (sr.num_tokens != 1 and not sr.is_prompt)
                 ):
                     return None
+        max_len = self.max_model_len
+        horizon = max_len
+        contexts = []
+        limits = []
+        for req in running:
             sp = req.sampling_params
             if (
                 req.structured
@@ -656,15 +655,17 @@ class Scheduler:
                 or (not sp.ignore_eos and req.eos_token_id is not None)
             ):
                 return None
-            c, t = req.num_computed_tokens, req.num_tokens
+            outputs = len(req.output_token_ids)
+            c, t = req.num_computed_tokens, req.num_prompt_tokens + outputs  # (num_tokens)
             if req.num_output_placeholders != placeholders or t + placeholders - c != 1:
                 return None
             # The run's step s applies its (outputs + s + 1)-th token: the step that ends
             # it by length may be the run's last.
             h = max_len - t
-            if sp.max_tokens is not None:
-                h = min(h, sp.max_tokens - req.num_output_tokens)
-            horizon = min(horizon, h)
+            if sp.max_tokens is not None and sp.max_tokens - outputs < h:
+                h = sp.max_tokens - outputs
+            if h < horizon:
+                horizon = h
             contexts.append(c)
             limits.append(h)
         if horizon < 1:
