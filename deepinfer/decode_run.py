@@ -12,6 +12,7 @@ one by one would have left it (docs/design.md, "Fast-forward").
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -57,20 +58,34 @@ class DecodeRun:
         """The contexts' sum in the run's first step (step s: ctx_sum + s * num_reqs)."""
         return sum(self.contexts)
 
-    def batches(self) -> list[Batch]:
+    def batches(self) -> Iterator[Batch]:
         """The run's steps up to its horizon as stretches of one batch, in order: a
-        stretch ends where a request leaves (its limit)."""
+        stretch ends where a request leaves (its limit). Made as they are read: a run
+        cut short (an arrival) makes none past its cut."""
         horizon, limits, contexts = self.horizon, self.limits, self.contexts
         if min(limits) >= horizon:  # (most runs: one batch)
-            return [Batch(0, horizon, len(limits), max(contexts), sum(contexts))]
-        out = []
-        start = 0
+            yield Batch(0, horizon, len(limits), max(contexts), sum(contexts))
+            return
+        # By limit, the requests still in the batch at a stretch's start are a suffix:
+        # its size, longest context and sum are kept from the end.
+        by_limit = sorted(zip(limits, contexts))
+        n = len(by_limit)
+        longest = [0] * n
+        total = [0] * n
+        top = acc = 0
+        for j in range(n - 1, -1, -1):
+            c = by_limit[j][1]
+            top = c if c > top else top
+            acc += c
+            longest[j] = top
+            total[j] = acc
+        start = j = 0
         for end in sorted({h for h in limits if h < horizon} | {horizon}):
-            ctx = [c for c, h in zip(contexts, limits) if h > start]
-            n = len(ctx)
-            out.append(Batch(start, end - start, n, max(ctx) + start, sum(ctx) + n * start))
+            while by_limit[j][0] <= start:
+                j += 1
+            m = n - j
+            yield Batch(start, end - start, m, longest[j] + start, total[j] + m * start)
             start = end
-        return out
 
 
 class Batch(NamedTuple):

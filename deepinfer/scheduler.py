@@ -417,23 +417,18 @@ class Scheduler:
         if req.spec_token_ids:  # (this step verifies them, or they were not taken)
             req.spec_token_ids = []
         req.num_pending_drafts += len(drafts)
+        # Every field, positional (this runs for every request of every single step):
+        # req_id, num_tokens, num_computed_tokens, is_prompt, will_sample, new_block_ids,
+        # num_prior_blocks, block_table, token_ids, draft_token_ids (`drafts`, a list of
+        # its own: each caller makes it), sampling_params, prior_token_ids,
+        # prompt_token_ids, num_prompt_tokens, num_cached_blocks, structured.
         return ScheduledRequest(
-            req_id=req.request_id,
-            num_tokens=num_new,
-            num_computed_tokens=start,
-            is_prompt=is_prompt,
-            will_sample=will_sample,
-            new_block_ids=[b.block_id for b in blocks] if blocks else [],
-            num_prior_blocks=len(self.kv.req_blocks[req.request_id]) - len(blocks),
-            block_table=table,
-            token_ids=token_ids,
-            draft_token_ids=list(drafts),
-            sampling_params=req.sampling_params if resumed else None,
-            prior_token_ids=prior,
-            prompt_token_ids=prompt,
-            num_prompt_tokens=req.num_prompt_tokens,
-            structured=req.structured,
-        )
+            req.request_id, num_new, start, is_prompt, will_sample,
+            [b.block_id for b in blocks] if blocks else [],
+            len(self.kv.req_blocks[req.request_id]) - len(blocks),
+            table, token_ids, drafts, req.sampling_params if resumed else None,
+            prior, prompt, req.num_prompt_tokens, 0, req.structured,
+        )  # fmt: skip
 
     # ---- a step's results ------------------------------------------------------------
 
@@ -635,13 +630,7 @@ class Scheduler:
             flight = [sr for sr in in_flight.scheduled if sr.req_id in live]
             if len(flight) != n:
                 return None
-        max_len = self.max_model_len
-        horizon = max_len
-        contexts = []
-        limits = []
-        for i, req in enumerate(running):
-            if in_flight is not None:
-                sr = flight[i]
+            for sr, req in zip(flight, running):
                 # Its one token, or the prompt chunk that completed it: a sampled token
                 # either way, applied before the run's second step is scheduled.
                 if (
@@ -651,6 +640,11 @@ class Scheduler:
                     or (sr.num_tokens != 1 and not sr.is_prompt)
                 ):
                     return None
+        max_len = self.max_model_len
+        horizon = max_len
+        contexts = []
+        limits = []
+        for req in running:
             sp = req.sampling_params
             if (
                 req.structured
@@ -661,15 +655,17 @@ class Scheduler:
                 or (not sp.ignore_eos and req.eos_token_id is not None)
             ):
                 return None
-            c, t = req.num_computed_tokens, req.num_tokens
+            outputs = len(req.output_token_ids)
+            c, t = req.num_computed_tokens, req.num_prompt_tokens + outputs  # (num_tokens)
             if req.num_output_placeholders != placeholders or t + placeholders - c != 1:
                 return None
             # The run's step s applies its (outputs + s + 1)-th token: the step that ends
             # it by length may be the run's last.
             h = max_len - t
-            if sp.max_tokens is not None:
-                h = min(h, sp.max_tokens - req.num_output_tokens)
-            horizon = min(horizon, h)
+            if sp.max_tokens is not None and sp.max_tokens - outputs < h:
+                h = sp.max_tokens - outputs
+            if h < horizon:
+                horizon = h
             contexts.append(c)
             limits.append(h)
         if horizon < 1:
@@ -836,11 +832,11 @@ class Scheduler:
             )
         self._finished_since_last = set()
         self._preempted_since_last = set()
-        usages = []
         total = kv.pool.num_blocks
-        for s in range(k - 1):
-            free = ended_free[s] if s in ended_free else free - taken[s]
-            usages.append(1.0 - free / total)
+        usages = [
+            1.0 - (free := ended_free[s] if s in ended_free else free - taken[s]) / total
+            for s in range(k - 1)
+        ]
         for req, limit in zip(run.requests, limits):  # the last step's results
             if limit == k and (reason := check_stop(req, self.max_model_len)) is not None:
                 self._end(req, RequestStatus.FINISHED, reason)

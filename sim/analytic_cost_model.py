@@ -382,9 +382,14 @@ def _sums(out: SchedulerOutput) -> _StepSums:
             dec_q += q
             dec_pairs += pairs
             dec_keys += ctx + q
-        n_logits += len(r.draft_token_ids) + (1 if r.will_sample else 0)
-        n_sampling += r.will_sample
-        k = max(k, len(r.draft_token_ids))
+        d = len(r.draft_token_ids)
+        if r.will_sample:
+            n_logits += d + 1
+            n_sampling += 1
+        else:
+            n_logits += d
+        if d > k:
+            k = d
     return _StepSums(
         n_tok, n_logits, pre_q, pre_pairs, pre_keys, pre_ctx, dec_q, dec_pairs, dec_keys,
         k, n_sampling,

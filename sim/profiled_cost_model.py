@@ -104,18 +104,27 @@ def load_profile(path: str | Path) -> dict[str, Any]:
 class _Step:
     """One step as both fits of a model read it (`ProfiledCostModel._measure`): its
     batch, effective context, whether it runs eagerly, the drafts the drafter proposes
-    after it, and its features once the physics needed them."""
+    after it, what the features read of its requests (`ProfiledCostModel._head`:
+    tokens, prompts, the longest decode context or -1 without a decode), and its
+    features once the physics needed them."""
 
-    __slots__ = ("out", "n", "effective", "eager", "num_drafts", "features")
+    __slots__ = ("out", "n", "effective", "eager", "num_drafts", "head", "features")
 
     def __init__(
-        self, out: SchedulerOutput, n: float, effective: float, eager: bool, num_drafts: int
+        self,
+        out: SchedulerOutput,
+        n: float,
+        effective: float,
+        eager: bool,
+        num_drafts: int,
+        head: tuple[int, int, int],
     ) -> None:
         self.out = out
         self.n = n
         self.effective = effective
         self.eager = eager
         self.num_drafts = num_drafts
+        self.head = head
         self.features: list[float] | None = None
 
 
@@ -286,9 +295,10 @@ class ProfiledCostModel(CostModel):
     def _decode_run(self, run: DecodeRun, sequential: StepSurface | None) -> RunCosts:
         """Each of the run's batches priced by `_decode_batch`, one after another."""
         batches = run.batches()
-        if len(batches) == 1:
-            return self._decode_batch(batches[0], sequential)
-        return chain.from_iterable(self._decode_batch(b, sequential) for b in batches)
+        first = self._decode_batch(next(batches), sequential)
+        if min(run.limits) >= run.horizon:  # (one batch)
+            return first
+        return chain(first, chain.from_iterable(self._decode_batch(b, sequential) for b in batches))
 
     def _decode_batch(self, batch: Batch, sequential: StepSurface | None) -> RunCosts:
         """`_measure` then `_price` (and the sequential model's) of each step, by hand:
@@ -340,7 +350,8 @@ class ProfiledCostModel(CostModel):
         scheduled = out.scheduled
         if not scheduled:
             return None
-        tokens = longest = ctx_max = ctx_sum = 0
+        tokens = longest = ctx_max = ctx_sum = prompts = 0
+        dec_ctx = -1  # (no decode)
         eager = False
         for r in scheduled:
             q, c = r.num_tokens, r.num_computed_tokens
@@ -352,6 +363,12 @@ class ProfiledCostModel(CostModel):
             if c > ctx_max:
                 ctx_max = c
             ctx_sum += c
+            if r.is_prompt:
+                prompts += 1
+                if q == 1 and c > dec_ctx:  # (a one-token chunk decodes: absorbed path)
+                    dec_ctx = c
+            elif c > dec_ctx:
+                dec_ctx = c
         lim = self._limits
         m = _EXTRAPOLATION_MARGIN
         n = len(scheduled)
@@ -360,7 +377,7 @@ class ProfiledCostModel(CostModel):
         effective = max(1.0, float(ctx_max if n <= self._one_wave else ctx_sum / n))
         if eager and not num_drafts:  # drafts to verify: a drafter proposed them
             num_drafts = max(len(r.draft_token_ids) for r in scheduled)
-        return _Step(out, float(n), effective, eager, num_drafts)
+        return _Step(out, float(n), effective, eager, num_drafts, (tokens, prompts, dec_ctx))
 
     def _price_point(self, out: SchedulerOutput, num_drafts: int) -> float:
         step = self._measure(out, num_drafts)
@@ -411,7 +428,9 @@ class ProfiledCostModel(CostModel):
         """`_physics(step.out)`, its features computed once for both fits."""
         features = step.features
         if features is None:
-            features = step.features = self.features(step.out)
+            tokens, prompts, dec_ctx = step.head
+            head = self._head(step.eager, len(step.out.scheduled), prompts, tokens, dec_ctx)
+            features = step.features = head + self._analytic.group_seconds(step.out)
         return sum(map(mul, features, self._coef))
 
     @staticmethod
@@ -433,33 +452,38 @@ class ProfiledCostModel(CostModel):
     # --- features ----------------------------------------------------------------
 
     def features(self, out: SchedulerOutput) -> list[float]:
-        """The FEATURES of a step, in order (one pass over its requests: this runs for
-        every simulated step)."""
-        eager = has_decode = False
-        prompts = tokens = dec_ctx = 0
+        """The FEATURES of a step, in order, in one pass over its requests (the fit's
+        points, synthetic steps; a priced step reads its head from `_measure`'s pass)."""
+        eager = False
+        prompts = tokens = 0
+        dec_ctx = -1  # (no decode)
         for r in out.scheduled:
             q = r.num_tokens
             tokens += q
             if q > 1:
                 eager = True
-            if q == 1 or not r.is_prompt:  # a decode (verifying drafts or not): absorbed path
-                has_decode = True
-                if r.num_computed_tokens > dec_ctx:
-                    dec_ctx = r.num_computed_tokens
+            # a decode (verifying drafts or not): absorbed path
+            if (q == 1 or not r.is_prompt) and r.num_computed_tokens > dec_ctx:
+                dec_ctx = r.num_computed_tokens
             if r.is_prompt:
                 prompts += 1
+        head = self._head(eager, len(out.scheduled), prompts, tokens, dec_ctx)
+        return head + self._analytic.group_seconds(out)
+
+    def _head(self, eager: bool, n: int, prompts: int, tokens: int, dec_ctx: int) -> list[float]:
+        """The FEATURES before the op groups, of a step of n requests; dec_ctx: its
+        longest decode context, -1 where none decodes."""
         piecewise = eager and tokens <= self._piecewise_max
-        head = [
+        return [
             0.0 if eager else 1.0,
             1.0 if eager else 0.0,
             1.0 if eager and not piecewise else 0.0,
-            1.0 if eager and has_decode else 0.0,
-            float(len(out.scheduled)),
+            1.0 if eager and dec_ctx >= 0 else 0.0,
+            float(n),
             float(prompts),
             float(tokens),
-            float(dec_ctx),
+            float(dec_ctx if dec_ctx > 0 else 0),
         ]
-        return head + self._analytic.group_seconds(out)
 
     def _check_range(self, out: SchedulerOutput) -> None:
         lim, m = self._limits, _EXTRAPOLATION_MARGIN

@@ -27,8 +27,8 @@ def update_block_hashes(request: Request, block_size: int) -> list[int]:
     if len(hashes) < num_full:
         parent = hashes[-1] if hashes else ROOT_HASH
         extra = request.cache_salt
-        for i in range(len(hashes), num_full):
-            start = i * block_size
-            parent = hash_block(parent, request.content_key(start, start + block_size), extra)
-            hashes.append(parent)
+        content_key, append = request.content_key, hashes.append
+        for start in range(len(hashes) * block_size, num_full * block_size, block_size):
+            parent = hash((parent, content_key(start, start + block_size), extra))  # hash_block
+            append(parent)
     return hashes

@@ -148,8 +148,12 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens
         if cached or loads:
             num_computed += (len(cached) + len(loads)) * self.block_size
-        need_tokens = max(num_computed + num_new_tokens + num_lookahead_tokens, reserve_tokens)
-        num_needed = max(-(-need_tokens // self.block_size) - num_held - len(cached), 0)
+        need_tokens = num_computed + num_new_tokens + num_lookahead_tokens
+        if reserve_tokens > need_tokens:
+            need_tokens = reserve_tokens
+        num_needed = -(-need_tokens // self.block_size) - num_held - len(cached)
+        if num_needed < 0:
+            num_needed = 0
         # Hits that sit in the free list stop being allocatable once touched.
         num_free_hits = sum(1 for b in cached if b.ref_cnt == 0) if cached else 0
         if num_needed and num_needed > self.pool.num_free_blocks - num_free_hits:
