@@ -312,6 +312,8 @@ class EngineCore:
             changed = yield from self._pipelined_step()
         else:
             changed = yield from self._sync_step()
+        if self.step_writer is not None and self._in_flight is None:
+            self.step_writer.flush()  # (nothing queued behind the last step: no wait)
         if not self._grammar_rejected:
             return changed
         rejected, self._grammar_rejected = self._grammar_rejected, []

@@ -27,8 +27,9 @@ its results: what a profile point times, `executor.execute`), and
                 step's launch, whose host work can then land in its duration). Absent
                 on the CPU and in a simulated log, whose durations are the steps' own.
                 The events are read without a synchronisation once the device has passed
-                them, at the latest when the next step is applied, so a step's line is
-                written then (the last one at `close`).
+                them: at once if it has when the step is applied, else when the next step
+                is applied, or when the engine has nothing in flight (`flush`), or at
+                `close`. Fits read it for pipelined steps only (`LoggedStep.seconds`).
 
 A line that is not what it should be is an error naming the file and the line.
 """
@@ -130,8 +131,9 @@ class StepLogWriter:
         handle: StepHandle | None = None,
     ) -> None:
         """The engine applied `out`'s results in `seconds`; `record` is its StepRecord;
-        `handle` its launch: where that times the device, the line waits for the step's
-        device time (written when the next step is applied, or at `close`)."""
+        `handle` its launch: where that times the device, the line carries the step's
+        device span, and waits for it if the device has not passed the step yet (written
+        when the next step is applied, at `flush` or at `close`)."""
         schedule_s = self._schedule_s.pop(out.step_id, 0.0)
         for step_id in [i for i in self._schedule_s if i < out.step_id]:  # failed steps
             del self._schedule_s[step_id]
@@ -147,17 +149,30 @@ class StepLogWriter:
         self._write_pending(wait=False)
         if handle is not None and handle.times_device:
             self._pending = (line, handle)
+            self._write_pending(wait=False, only_if_passed=True)
         else:
             self._write(line)
 
-    def _write_pending(self, wait: bool) -> None:
-        """The step waiting for its device time, with it where the device has passed the
-        step (a step later, it has: the stream runs the steps in order) or `wait`."""
+    def flush(self) -> None:
+        """Write the step waiting for its device span, waiting for the device: the engine
+        calls it when it has nothing in flight, so an idle or stopped engine's last step
+        is on disk (the device is then at most that step's last kernels away)."""
+        self._write_pending(wait=True)
+
+    def _write_pending(self, wait: bool, only_if_passed: bool = False) -> None:
+        """The step waiting for its device span, with it where the device has passed the
+        step (a step later, it has: the stream runs the steps in order) or `wait`;
+        only_if_passed: leave it waiting while the device has not passed it."""
         if self._pending is None:
             return
         line, handle = self._pending
+        try:
+            device = handle.device_seconds(wait)
+        except Exception:  # a device that failed (a step's fault): the line without it
+            device = None
+        if device is None and only_if_passed:
+            return
         self._pending = None
-        device = handle.device_seconds(wait)
         self._write(line if device is None else line | {"device_s": device})
 
     def _write(self, line: dict[str, Any]) -> None:
@@ -166,8 +181,10 @@ class StepLogWriter:
 
     def close(self) -> None:
         if not self._file.closed:
-            self._write_pending(wait=True)  # (the run is over: waiting costs it nothing)
-            self._file.close()
+            try:
+                self._write_pending(wait=True)  # (the run is over: waiting costs it nothing)
+            finally:
+                self._file.close()
 
     def __enter__(self) -> StepLogWriter:
         return self
@@ -193,9 +210,13 @@ class LoggedStep(NamedTuple):
 
     @property
     def seconds(self) -> float:
-        """The step's own time: its device span where the log has one (no host work of
-        the steps around it), else its duration."""
-        return self.record.duration if self.device_s is None else self.device_s
+        """The step's own time, as a profile point times it: a pipelined step's device
+        span where the log has one (its duration can hold host work of the next step's
+        launch), else its duration (a step run alone: the executor's time, host work
+        included, as `executor.execute` is timed for a profile point)."""
+        if self.device_s is None or not self.overlapped:
+            return self.record.duration
+        return self.device_s
 
 
 @dataclass

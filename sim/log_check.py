@@ -69,7 +69,7 @@ def step_errors(
                     priced = cost.step_time(out)
                 else:
                     priced = sum(cost.launch_cost(out))
-                real = step.seconds  # (the device span where the log has one)
+                real = step.seconds  # (a pipelined step's device span where the log has one)
                 if real > 0:
                     device.setdefault(kind, []).append(abs(priced - real) / real)
                 if step.host_s > 0:

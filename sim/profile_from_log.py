@@ -4,7 +4,8 @@ steps it already serves.
 
 A step log (deepinfer/step_log_file.py) holds every step of a run with its shape, its
 duration (the executor's time, what a profile point times), its device span where the
-run timed it (`device_s`: preferred, it holds no host work of the steps around it) and
+run timed it (`device_s`: preferred for pipelined steps, it holds no host work of the
+next step's launch) and
 its host seconds. Served
 steps are all different (every decode batch has its own contexts), and the profiled
 cost model fits points, so the steps are put into cells and each cell becomes one point:
@@ -198,7 +199,7 @@ def fit_from_logs(
             pipelined = step.overlapped and not hw.runs_on_host
             cell = (kind, _cell_key(kind, out, one_wave))
             price = prices.of(kind, out)
-            timed = step.device_s is not None
+            timed = step.device_s is not None and step.overlapped  # (LoggedStep.seconds)
             run.append(_Binned(kind, cell, out, step.seconds, pipelined, price, device=timed))
         runs.append(run)
         binned += [b for b in run if b is not None]

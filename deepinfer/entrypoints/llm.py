@@ -135,9 +135,9 @@ class LLM:
         if isinstance(self.engine, (DataParallelEngine, DisaggregatedEngine)):
             self.engine.shutdown()
         else:
-            self.executor.shutdown()
-            if self.engine.step_writer is not None:
+            if self.engine.step_writer is not None:  # (its last span is read off the device)
                 self.engine.step_writer.close()
+            self.executor.shutdown()
 
     def generate(
         self,

@@ -13,7 +13,13 @@ from deepinfer.config import EngineConfig
 from deepinfer.executor import StepHandle
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.records import StepRecord
-from deepinfer.step_log_file import StepLogWriter, read_step_log, step_groups, step_log_header
+from deepinfer.step_log_file import (
+    LoggedStep,
+    StepLogWriter,
+    read_step_log,
+    step_groups,
+    step_log_header,
+)
 
 
 def _out(step_id: int, shapes: list[tuple[int, int, bool, int]]) -> SchedulerOutput:
@@ -106,6 +112,58 @@ def test_a_steps_device_span_is_written_once_read_and_absent_where_untimed(
     assert [s.device_s for s in log.steps] == [0.004, None, None, 0.008]
     assert last.waited and not (one.waited or two.waited)
     assert [s.seconds for s in log.steps] == [0.004, 0.01, 0.01, 0.008]
+
+
+def test_a_span_already_passed_is_written_at_once_and_flush_writes_the_waiting_one(
+    tmp_path: Path,
+) -> None:
+    """A step whose span the device has passed when it is applied is written then; one
+    it has not waits, and `flush` (the engine with nothing in flight) writes it, waiting:
+    an idle or stopped engine's last step is on disk without a close."""
+    path = tmp_path / "steps.jsonl"
+    done, waiting = _TimedHandle(0.004), _TimedHandle(0.006)
+    done.passed = True
+    writer = StepLogWriter(path, _header())
+    writer.applied(_out(1, [(1, 40, False, 0)]), _record(1), 0.001, True, done)
+    assert writer.num_steps == 1 and not done.waited
+    writer.applied(_out(2, [(1, 41, False, 0)]), _record(2), 0.001, True, waiting)
+    assert writer.num_steps == 1
+    writer.flush()
+    assert writer.num_steps == 2 and waiting.waited
+    assert [s.device_s for s in read_step_log(path).steps] == [0.004, 0.006]  # (not closed)
+    writer.flush()  # nothing waits: nothing written
+    writer.close()
+    assert len(read_step_log(path).steps) == 2
+
+
+class _FailedDevice(_TimedHandle):
+    def device_seconds(self, wait: bool = False) -> float | None:
+        if wait:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        return None
+
+
+def test_a_device_that_failed_leaves_the_line_without_its_span_and_the_file_closed(
+    tmp_path: Path,
+) -> None:
+    """The run's own error is what the caller sees, not the event's: close writes the
+    step without device_s and closes the file."""
+    path = tmp_path / "steps.jsonl"
+    writer = StepLogWriter(path, _header())
+    with pytest.raises(ValueError, match="the run's own"), writer:
+        writer.applied(_out(1, [(1, 40, False, 0)]), _record(1), 0.001, True, _FailedDevice(1))
+        raise ValueError("the run's own error")
+    assert writer._file.closed
+    assert [s.device_s for s in read_step_log(path).steps] == [None]
+
+
+def test_a_step_run_alone_is_timed_by_its_duration_a_pipelined_one_by_its_span() -> None:
+    """A profile point times `executor.execute`, host work included: a step run alone is
+    that (its duration); a pipelined step's duration can hold the next launch's host work,
+    so its device span stands for it."""
+    alone = LoggedStep(2, _record(1, 0.010), [], 0.0, 0.0, False, 0.007)
+    piped = LoggedStep(3, _record(2, 0.010), [], 0.0, 0.0, True, 0.007)
+    assert (alone.seconds, piped.seconds) == (0.010, 0.007)
 
 
 def test_a_priced_host_time_replaces_the_measured_one(tmp_path: Path) -> None:
