@@ -61,6 +61,14 @@ NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER: tuple[EngineCase, Workload] = (
     (ReqSpec("a", 0, (1, 2, 3, 4), max_tokens=100), ReqSpec("b", 0, (100,), max_tokens=100)),
 )
 
+# Three one-token prompts in a 3-token budget: in each decode step after the first,
+# a and b take two tokens and c, last in running, gets the budget's last one
+# (`_schedule_running__mutmut_8`: the running loop left while one token remains).
+LAST_DECODE_ON_THE_BUDGETS_LAST_TOKEN: tuple[EngineCase, Workload] = (
+    EngineCase(_config(max_num_batched_tokens=3, async_scheduling=False), 0.7),
+    tuple(ReqSpec(r, 0, (i + 1,), max_tokens=3) for i, r in enumerate("abc")),
+)
+
 # a's decode step fills its first block; b, arriving in that step, starts with those
 # four tokens: the block is cached by a's allocation, before b looks it up
 # (`_schedule_running__mutmut_44`: one draft counted where none was scheduled leaves

@@ -66,6 +66,20 @@ def _block_filled_by_a_decode_hit_in_the_same_step(d: Driver, trace: Trace) -> N
     _first(trace, "a's decode fills block 0 and b starts on it in that step", reached)
 
 
+def _last_decode_on_the_budgets_last_token(d: Driver, trace: Trace) -> None:
+    budget = d.case.config.max_num_batched_tokens
+
+    def reached(t: TracedStep) -> bool:
+        decodes = [sr for sr in t.out.scheduled if not sr.is_prompt]
+        return (
+            t.before.running == ["a", "b", "c"]
+            and [sr.req_id for sr in decodes] == ["a", "b", "c"]
+            and sum(sr.num_tokens for sr in t.out.scheduled) == budget
+        )
+
+    _first(trace, "a, b and c decode, c on the budget's last token", reached)
+
+
 def _prompt_logprobs_over_a_cached_prompt(d: Driver, trace: Trace) -> None:
     assert d.reqs["b"].sampling_params.prompt_logprobs, "b does not ask for prompt logprobs"
     start = _first(trace, "b admitted", lambda t: "b" in t.admissions)
@@ -123,6 +137,7 @@ def _seven_block_holders(d: Driver, trace: Trace) -> None:
 REACHES: dict[str, tuple[list[Callable[[], Checker]], Callable[[Driver, Trace], None]]] = {
     "RESTART_FILLS_WHOLE_BLOCKS": ([], _restart_fills_whole_blocks),
     "NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER": ([], _no_work_at_max_model_len_before_another),
+    "LAST_DECODE_ON_THE_BUDGETS_LAST_TOKEN": ([], _last_decode_on_the_budgets_last_token),
     "BLOCK_FILLED_BY_A_DECODE_HIT_IN_THE_SAME_STEP": (
         [],
         _block_filled_by_a_decode_hit_in_the_same_step,

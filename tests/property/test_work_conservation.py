@@ -17,6 +17,7 @@ from tests.factories import make_config
 from tests.property import checkers_work as W
 from tests.property.examples import (
     BLOCK_FILLED_BY_A_DECODE_HIT_IN_THE_SAME_STEP,
+    LAST_DECODE_ON_THE_BUDGETS_LAST_TOKEN,
     NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER,
     RESTART_FILLS_WHOLE_BLOCKS,
     USAGE_AT_THE_WATERMARK,
@@ -66,6 +67,7 @@ def test_the_head_of_waiting_starts_whenever_no_rule_holds_it_back(
 
 @scaled(0.6)
 @example(NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER)
+@example(LAST_DECODE_ON_THE_BUDGETS_LAST_TOKEN)
 @given(any_case_and_workload())
 def test_running_requests_get_their_work_and_chunks_fill_the_budget(
     cw: tuple[EngineCase, Workload],
@@ -80,7 +82,8 @@ def test_running_requests_get_their_work_and_chunks_fill_the_budget(
     `min(num_new, step.budget // 2 + 1)`; in `_continue_prefill`, a chunk capped at
     8 tokens; in `_schedule_running`, `i += 2` after scheduling a request (the next
     one skipped), drafts dropped while `req.num_computed_tokens` is odd; and, on the
-    explicit example, `i += 2` or `break` after a request with no work."""
+    explicit examples, `i += 2` or `break` after a request with no work, and the loop
+    left while one token of budget remains (`budget > 1`)."""
     case, workload = cw
     _run(case, workload, W.RUNNING, W.CHUNK)
 
