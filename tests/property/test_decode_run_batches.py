@@ -61,7 +61,7 @@ def _expanded(batches: list[Batch]) -> list[tuple[int, int, int]]:
 @at_least(300)
 @given(runs())
 def test_a_runs_batches_are_its_steps_cut_where_a_request_leaves(run: DecodeRun) -> None:
-    batches = run.batches()
+    batches = list(run.batches())
     assert _expanded(batches) == _steps(run)
     start = 0
     for b in batches:
@@ -77,7 +77,7 @@ def test_a_runs_batches_are_its_steps_cut_where_a_request_leaves(run: DecodeRun)
 def test_a_run_that_outlives_two_of_its_requests_has_three_batches() -> None:
     """Pinned: limits 2 and 5 below a horizon of 7, a third request to the end."""
     run = DecodeRun((), (10, 3, 20), (5, 2, 7), 7, 1, None, frozenset(), 0)
-    assert run.batches() == [
+    assert list(run.batches()) == [
         Batch(0, 2, 3, 20, 33),
         Batch(2, 3, 2, 22, 34),  # request 1 left: contexts 12 and 22
         Batch(5, 2, 1, 25, 25),  # request 0 left: context 25
