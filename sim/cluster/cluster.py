@@ -113,7 +113,9 @@ class Cluster:
         assert self.decode_routing is not None
         target = self.decode[self.decode_routing.decide(req, at)]
         ho.decode_instance = target.name
-        ho.kv_bytes = float(self.kv_bytes_per_token * orig.num_prompt_tokens)
+        # The executor's handover (DisaggregatedEngine): the prompt's KV but its last
+        # token's, which the decode engine computes to sample the second token.
+        ho.kv_bytes = float(self.kv_bytes_per_token * (orig.num_prompt_tokens - 1))
         self.decode_of[ho.req_id] = target
         target.deliver(at, req)
 

@@ -57,7 +57,7 @@ def test_on_cuda_each_step_logs_its_device_span_within_its_duration(
         async_scheduling=False,
     )  # fmt: skip
     llm.generate(
-        [{"prompt_token_ids": list(range(1, 1 + n))} for n in (5, 40, 300)],
+        [{"prompt_token_ids": [1 + i % 200 for i in range(n)]} for n in (5, 40, 300)],
         SamplingParams(max_tokens=24, ignore_eos=True),
         use_tqdm=False,
     )

@@ -85,7 +85,10 @@ def test_a_slow_link_delays_every_decode_by_its_transfer() -> None:
     result = simulate_cluster(reqs, cluster_from_dict(raw))
     per_token = result.meta["disaggregation"]["kv_bytes_per_token"]
     for ho in result.handovers.values():
-        assert ho.kv_arrived == pytest.approx(ho.ready + 500e-6 + 1000 * per_token / 1e9)
+        # The prompt's KV but its last token's, as the executor exports it: the decode
+        # engine computes that token in its first step.
+        assert ho.kv_bytes == 999 * per_token
+        assert ho.kv_arrived == pytest.approx(ho.ready + 500e-6 + 999 * per_token / 1e9)
     for rec in result.requests:
         assert rec.first_token is not None
         assert rec.first_token > result.handovers[rec.req_id].kv_arrived
@@ -99,7 +102,7 @@ def test_a_full_decode_instance_reserves_blocks_before_the_kv_is_sent() -> None:
     raw = _pd({"bandwidth_gb_s": 1, "latency_us": 500}, kv_transfer={"layerwise": False})
     raw["pools"][1]["engine"] = {"num_gpu_blocks": 9, "block_size": 16}  # 140 tokens of KV
     result = simulate_cluster(reqs, cluster_from_dict(raw), fast_forward=False)
-    wire = 500e-6 + 100 * result.meta["disaggregation"]["kv_bytes_per_token"] / 1e9
+    wire = 500e-6 + 99 * result.meta["disaggregation"]["kv_bytes_per_token"] / 1e9
     decode = {r.req_id: r for r in result.decode_records}
     order = sorted(result.handovers.values(), key=lambda ho: ho.reserved)
     assert [ho.req_id for ho in order] == ["r0", "r1", "r2", "r3"]
@@ -162,7 +165,7 @@ def test_layer_by_layer_the_kv_goes_while_the_prefill_runs(ranks: int) -> None:
     result = simulate_cluster(reqs, cluster_from_dict(raw))
     per_token = result.meta["disaggregation"]["kv_bytes_per_token"]
     layers = 27  # moonlight-16b-a3b
-    wire = 4000 * per_token / 5e9
+    wire = 3999 * per_token / 5e9  # (the prompt but its last token)
     for ho in result.handovers.values():
         assert ho.reserved == ho.prefill_started
         assert ho.kv_arrived == pytest.approx(
