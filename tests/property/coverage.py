@@ -40,6 +40,9 @@ LABELS = (
     "length limit inside accepted drafts",
     "stop string ended a request",
     "stop string inside accepted drafts",
+    "decode run of several steps",
+    "decode run of several steps under async scheduling",
+    "request ended inside a decode run",
 )
 
 
@@ -64,6 +67,9 @@ FLOOR = {
     "length limit inside accepted drafts": 700,
     "stop string ended a request": 300,
     "stop string inside accepted drafts": 90,
+    "decode run of several steps": 1,
+    "decode run of several steps under async scheduling": 1,
+    "request ended inside a decode run": 1,
 }
 
 

@@ -1,0 +1,385 @@
+"""A decode run leaves the engine as its single steps do: two engine cores over the same
+workload and the same clock, one advanced by decode runs wherever the scheduler offers
+one (`EngineCore.decode_run` / `advance_decode`, as the simulator drives them), the other
+taking every step on its own (`EngineCore.step`), hold equal state after every run and
+every single step (docs/design.md, "Fast-forward"):
+
+- the scheduler's: its queues in order, each request's status, computed and output
+  tokens, placeholders, block hashes, times and record, the ids the next step tells the
+  executor to drop, and `_cached_ahead` (the blocks each unapplied step cached ahead,
+  which a failed step un-caches);
+- the KV cache's: each request's block ids, the free blocks in eviction order, the
+  cached hashes and where they are, the lower tiers' blocks and slots;
+- under async scheduling, the step in flight that a run leaves: its requests' block ids
+  and prior-block counts, and the ended and preempted ids it names.
+
+The oracle is the single-step engine: every step through the scheduler's own rules,
+which the rest of this suite checks against its mirrors. `test_fast_forward.py` compares
+what `simulate` reports; this compares the state behind it, where a run that took its
+blocks in another order, or left another step in flight, shows at once.
+
+The workloads are the property driver's (stop tokens, stop strings, EOS, min_tokens,
+priorities, prefix caching, small caches that preempt, aborts) on engines with and
+without async scheduling and with host and store tiers below HBM; a run is cut where an
+arrival or an abort is due, and at random before its horizon. Requests that a token
+could end (a stop token, a stop string, EOS) are never in a run: a run ends requests by
+length only, inside the run when nothing waits (`through_finishes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from deepinfer.config import EngineConfig, EngineRole
+from deepinfer.decode_run import DecodeRun
+from deepinfer.engine import EngineCore
+from deepinfer.errors import SchedulerStalled
+from deepinfer.kv_cache.tiers import HOST, STORE, KVTiers, TierLRU
+from deepinfer.request import Request
+from sim.sim_executor import SimExecutor
+from tests.property.coverage import TRANSITIONS
+from tests.property.harness import DriverClock, make_request
+from tests.property.sim_text import TextStops
+from tests.property.strategies import (
+    EngineCase,
+    ReqSpec,
+    Workload,
+    any_case_and_workload,
+    either,
+    scaled,
+)
+
+
+class _Side:
+    """One engine of the pair, its requests and the stop strings ended from outside."""
+
+    def __init__(
+        self, case: EngineCase, tiers: tuple[int, int], clock: DriverClock, structured: bool
+    ) -> None:
+        cfg = case.config
+        host, store = tiers
+        kv_tiers = None
+        if cfg.enable_prefix_caching and (host or store):
+            kv_tiers = KVTiers(
+                TierLRU(HOST, host) if host else None, TierLRU(STORE, store) if store else None
+            )
+        self.core = EngineCore(
+            cfg, SimExecutor(cfg, cfg.num_gpu_blocks), clock=clock, kv_tiers=kv_tiers
+        )
+        self.reqs: dict[str, Request] = {}
+        self.text = TextStops()
+        self.structured = structured
+
+    def add(self, spec: ReqSpec) -> None:
+        req = make_request(spec)
+        # The 3rd, 6th, ... request is structured (the simulator prices its mask), as in
+        # the property driver's `Flavours`: a run never takes one.
+        req.structured = self.structured and len(self.reqs) % 3 == 2
+        self.reqs[spec.req_id] = req
+        self.text.track(req)
+        self.core.add_request(req)
+
+    def step(self) -> bool:
+        """One engine step, stop strings applied after it; False: the engine stalled."""
+        try:
+            changed = self.core.step()
+        except SchedulerStalled:
+            return False
+        self.text.after_update(self.core, changed)
+        return True
+
+    def advance(self, run: DecodeRun, times: list[float]) -> None:
+        self.core.advance_decode(run, times, times)
+        self.text.after_update(self.core, run.requests)
+
+
+def _state(side: _Side) -> dict[str, Any]:
+    """Everything a later step reads of the engine, by name (block objects by id)."""
+    core = side.core
+    s = core.scheduler
+    kv = s.kv
+    pool = kv.pool
+    state: dict[str, Any] = {
+        "step_id": s.step_id,
+        "running": [r.request_id for r in s.running],
+        "waiting": [r.request_id for r in s.waiting],
+        "live": sorted(s.requests),
+        "counts": (s.num_finished, s.num_aborted, s.num_rejected, s.num_preemptions),
+        "finished since the last step": sorted(s._finished_since_last),
+        "preempted since the last step": sorted(s._preempted_since_last),
+        "cached ahead": {
+            step: [b.block_id for b in blocks] for step, blocks in s._cached_ahead.items()
+        },
+        "tables": {rid: [b.block_id for b in t] for rid, t in kv.req_blocks.items()},
+        "blocks registered as cached": dict(kv._num_cached),
+        "free blocks": pool.num_free_blocks,
+        "blank blocks": pool.num_blank_blocks,
+        "free cached blocks, eviction order": list(pool._free),
+        "cached hashes": {h: b.block_id for h, b in pool._cached.items()},
+        "held blocks": [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks],
+        "evictions": pool.num_evictions,
+        "pending": ([b.block_id for b in kv._cached_ahead], kv._loads_ahead),
+        "lookups": (kv.num_lookup_tokens, kv.num_hit_tokens, dict(kv.prefix_hit_blocks)),
+        "requests": {rid: _request(r) for rid, r in side.reqs.items()},
+        "records": list(core.records),
+        "steps": list(core.steps),
+        "last step end": core._last_step_end,
+    }
+    tiers = kv.tiers
+    if tiers is not None:
+        state["tiers"] = [
+            (t.name, [(h, t.slot(h)) for h in t.hashes()], t.num_saved, t.num_loaded)
+            for t in tiers.order
+        ]
+        state["tier counts"] = (dict(tiers.saved), dict(tiers.loaded), tiers.dropped)
+        state["saves pending"] = list(tiers._saves)
+    flight = core._in_flight
+    if flight is not None:
+        out = flight.out
+        # kv_saves left out: a run's steps copy no block (only the simulator runs them),
+        # so the step a run leaves in flight lists none.
+        state["in flight"] = (
+            out.step_id,
+            out.scheduled,
+            sorted(out.finished_req_ids),
+            sorted(out.preempted_req_ids),
+            out.kv_loads,
+            out.num_proposals,
+            flight.start,
+            flight.ended,
+        )
+    return state
+
+
+def _request(r: Request) -> tuple[object, ...]:
+    t = r.times
+    return (
+        r.status,
+        r.finish_reason,
+        r.num_computed_tokens,
+        r.max_computed_tokens,
+        list(r.output_token_ids),
+        r.num_output_placeholders,
+        r.num_preemptions,
+        r.num_cached_tokens,
+        list(r.block_hashes),
+        (t.first_scheduled, t.first_token, list(t.token_times), t.finish),
+    )
+
+
+def _assert_same(single: _Side, runs: _Side, where: str) -> None:
+    a, b = _state(single), _state(runs)
+    for key in a.keys() | b.keys():
+        assert b.get(key) == a.get(key), (
+            f"{where}: {key} differs\n single steps: {a.get(key)!r}\n runs:         {b.get(key)!r}"
+        )
+
+
+class Lockstep:
+    """Drives the pair: arrivals and aborts at driver steps, then either a run on one
+    side and as many single steps on the other, or one single step on both."""
+
+    def __init__(
+        self,
+        case: EngineCase,
+        workload: Workload,
+        tiers: tuple[int, int],
+        through_finishes: bool,
+        structured: bool,
+    ) -> None:
+        self.clock = DriverClock()
+        self.single = _Side(case, tiers, self.clock, structured)
+        self.runs = _Side(case, tiers, self.clock, structured)
+        self.workload = workload
+        self.through_finishes = through_finishes
+        self.num_runs = 0
+        self.longest = 0  # steps of the longest run
+        self.ended_inside = 0  # requests a run ended before its last step
+
+    def run(self, cut: st.DataObject | None) -> Lockstep:
+        arrivals = sorted(self.workload, key=lambda s: s.arrival_step)
+        aborts = sorted(
+            (s for s in self.workload if s.abort_step is not None),
+            key=lambda s: s.abort_step,  # type: ignore[arg-type,return-value]
+        )
+        t = 0
+        sides = (self.single, self.runs)
+        while True:
+            while arrivals and arrivals[0].arrival_step <= t:
+                spec = arrivals.pop(0)
+                self.clock.now = float(t)
+                for side in sides:
+                    side.add(spec)
+            while aborts and aborts[0].abort_step <= t:  # type: ignore[operator]
+                rid = aborts.pop(0).req_id
+                for side in sides:
+                    side.core.abort(rid)
+            events = [s.arrival_step for s in arrivals] + [s.abort_step for s in aborts]
+            if not self.single.core.has_unfinished():
+                assert not self.runs.core.has_unfinished(), f"step {t}: the runs' engine has work"
+                if not arrivals:
+                    return self
+                t = arrivals[0].arrival_step
+                continue
+            self.clock.now = float(t)
+            run = self.runs.core.decode_run(self.through_finishes)
+            if run is None:
+                stepped = [side.step() for side in sides]
+                assert stepped[0] == stepped[1], f"step {t}: one engine stalled, not the other"
+                _assert_same(self.single, self.runs, f"after the single step at {t}")
+                if not stepped[0]:  # nothing moves until an arrival or an abort
+                    if not events:
+                        return self
+                    t = min(events)  # type: ignore[type-var]
+                    continue
+                t += 1
+                continue
+            k = run.horizon
+            if events:
+                k = min(k, min(events) - t)  # type: ignore[type-var, operator]
+            if cut is not None and k > 1 and cut.draw(st.booleans(), label="cut the run"):
+                k = cut.draw(st.integers(1, k - 1), label="steps taken")
+            times = [float(t + s) for s in range(k)]
+            for s in range(k):
+                self.clock.now = times[s]
+                assert self.single.step(), f"step {t + s}: a certain step of a run stalled"
+            self.runs.advance(run, times)
+            self.clock.now = times[-1]
+            self._count(run, k)
+            _assert_same(self.single, self.runs, f"after a run of {k} steps from {t}: {run}")
+            t += k
+
+    def _count(self, run: DecodeRun, k: int) -> None:
+        self.num_runs += 1
+        self.longest = max(self.longest, k)
+        ended = sum(1 for h in run.limits if h < k)
+        self.ended_inside += ended
+        c = TRANSITIONS.counts
+        if k > 1:
+            c["decode run of several steps"] += 1
+            if run.in_flight_step is not None:
+                c["decode run of several steps under async scheduling"] += 1
+        if ended:
+            c["request ended inside a decode run"] += ended
+
+
+def _stops_kept(workload: Workload, keep: str) -> Workload:
+    """The workload with its requests' stop conditions kept ("all"), kept on the first
+    request that has any ("one": the others leave room for runs beside it), or dropped
+    ("none": the lengths end every request)."""
+    if keep == "all":
+        return workload
+    plain = {"min_tokens": 0, "stop_token_ids": (), "eos_token_id": None, "ignore_eos": True}
+    out, kept = [], keep == "none"
+    for spec in workload:
+        has = spec.stop_token_ids or spec.stop or not spec.ignore_eos
+        if has and not kept:
+            kept = True
+            out.append(spec)
+        else:
+            out.append(replace(spec, stop=(), **plain))
+    return tuple(out)
+
+
+_DRIVER_CASES = (
+    any_case_and_workload(allow_spec=False, aborts=False),
+    any_case_and_workload(allow_spec=False),
+)
+
+
+@st.composite
+def _decoding_together(draw: st.DrawFn) -> tuple[EngineCase, Workload]:
+    """2 to 6 requests at once, short prompts sharing a prefix, outputs of 1 to 40 tokens,
+    in a cache that holds them all or a few blocks short of it (a run then ends where
+    its blocks run out, or a request is preempted): after the prompts they decode
+    together and end one by one, the runs' own case."""
+    bs = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    n = draw(st.integers(2, 6))
+    shared = tuple(range(1, 2 * bs + 2))
+    specs = []
+    for i in range(n):
+        head = shared[: draw(st.integers(0, len(shared)))]
+        prompt = head + (1000 + i,) * draw(st.integers(1 if not head else 0, 2 * bs))
+        specs.append(ReqSpec(f"r{i}", 0, prompt, draw(st.integers(1, 40)), draw(st.integers(0, 3))))
+    need = sum(-(-(len(sp.prompt) + sp.max_tokens) // bs) for sp in specs)
+    chunked = draw(st.booleans())
+    cfg = EngineConfig(
+        block_size=bs,
+        num_gpu_blocks=max(need + draw(st.integers(-3, 4)), -(-(4 * bs + 41) // bs)),
+        max_num_seqs=draw(st.integers(n, 8)),
+        max_num_batched_tokens=draw(st.sampled_from([n, 4 * bs + 41, 512])) if chunked else 512,
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=draw(st.booleans()),
+        async_scheduling=draw(st.sampled_from([True, True, False])),
+        role=draw(st.sampled_from([EngineRole.NORMAL, EngineRole.DECODE])),
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+    )
+    return EngineCase(cfg, 0.7), tuple(specs)
+
+
+@st.composite
+def _cases_and_workloads(draw: st.DrawFn) -> tuple[EngineCase, Workload]:
+    """The property driver's engines and workloads without speculation (no run is
+    certain under it), half without aborts (each cuts a run), or requests that decode
+    together (a third of the examples)."""
+    return either(draw, *_DRIVER_CASES, _decoding_together())  # type: ignore[return-value]
+
+
+@scaled(0.3, floor=40)
+@given(
+    _cases_and_workloads(),
+    st.sampled_from(["one", "none", "one", "none", "all"]),
+    st.tuples(st.sampled_from([0, 0, 1, 3, 20]), st.sampled_from([0, 0, 2, 20])),
+    st.sampled_from([True, True, False]),
+    st.sampled_from([False, False, False, True]),
+    st.data(),
+)
+def test_a_decode_run_leaves_the_state_its_single_steps_leave(
+    case_and_workload: tuple[EngineCase, Workload],
+    stops: str,
+    tiers: tuple[int, int],
+    through_finishes: bool,
+    structured: bool,
+    cut: st.DataObject,
+) -> None:
+    case, workload = case_and_workload
+    Lockstep(case, _stops_kept(workload, stops), tiers, through_finishes, structured).run(cut)
+
+
+def _steady(async_scheduling: bool, tiers: tuple[int, int]) -> tuple[EngineCase, Workload]:
+    """Four requests at once, no stop condition but their lengths, in a cache that holds
+    them all: after the prompts, decode runs; with nothing waiting one run goes on past
+    each finish (outputs 5, 9, 13, 17 tokens over 3-token blocks)."""
+    cfg = EngineConfig(
+        block_size=3,
+        num_gpu_blocks=40,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        async_scheduling=async_scheduling,
+        role=EngineRole.NORMAL,
+        policy="fcfs",
+    )
+    shared = tuple(range(1, 7))
+    workload = tuple(
+        ReqSpec(f"r{i}", 0, shared + (100 + i,) * (i + 1), 5 + 4 * i) for i in range(4)
+    )
+    return EngineCase(cfg, 0.7), workload
+
+
+def test_a_run_past_finishes_leaves_the_state_of_its_single_steps() -> None:
+    """The pinned case the random one must also reach: a run of several steps in which
+    requests end by length (before its last step), with and without async scheduling,
+    over a host tier and without."""
+    for async_scheduling in (False, True):
+        for tiers in ((0, 0), (3, 2)):
+            case, workload = _steady(async_scheduling, tiers)
+            pair = Lockstep(case, workload, tiers, True, False).run(None)
+            # The state it was written for: one run to the last finish, three ended inside.
+            assert pair.num_runs >= 1 and pair.longest >= 12, (pair.num_runs, pair.longest)
+            assert pair.ended_inside == 3, pair.ended_inside
