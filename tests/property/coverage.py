@@ -67,9 +67,9 @@ FLOOR = {
     "length limit inside accepted drafts": 700,
     "stop string ended a request": 300,
     "stop string inside accepted drafts": 90,
-    "decode run of several steps": 1,
-    "decode run of several steps under async scheduling": 1,
-    "request ended inside a decode run": 1,
+    "decode run of several steps": 20,
+    "decode run of several steps under async scheduling": 15,
+    "request ended inside a decode run": 18,
 }
 
 

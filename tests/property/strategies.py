@@ -258,7 +258,7 @@ def _spec(
         prompt,
         max_tokens,
         priority=draw(st.integers(0, 3)),
-        **_stops(draw, f"r{i}", len(prompt), max_tokens),
+        **stop_fields(draw, f"r{i}", len(prompt), max_tokens),
     )
 
 
@@ -275,7 +275,7 @@ def request_specs(
     return _spec(draw, case, i, arrival, chunk_len, earlier)
 
 
-def _stops(draw: st.DrawFn, req_id: str, n: int, max_tokens: int) -> dict:
+def stop_fields(draw: st.DrawFn, req_id: str, n: int, max_tokens: int) -> dict:
     """ReqSpec's stop fields: none at all (ignore_eos, the lengths decide) half the time;
     else stop token ids and EOS that SimExecutor emits at chosen output indices (some
     past max_tokens, some before min_tokens), or ids it never emits (0 and None)."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -51,6 +52,7 @@ from tests.property.strategies import (
     any_case_and_workload,
     either,
     scaled,
+    stop_fields,
 )
 
 
@@ -291,6 +293,9 @@ _DRIVER_CASES = (
 )
 
 
+_SOME = st.sampled_from([False, False, False, True])
+
+
 @st.composite
 def _decoding_together(draw: st.DrawFn) -> tuple[EngineCase, Workload]:
     """2 to 6 requests at once, short prompts sharing a prefix, outputs of 1 to 40 tokens,
@@ -304,14 +309,21 @@ def _decoding_together(draw: st.DrawFn) -> tuple[EngineCase, Workload]:
     for i in range(n):
         head = shared[: draw(st.integers(0, len(shared)))]
         prompt = head + (1000 + i,) * draw(st.integers(1 if not head else 0, 2 * bs))
-        specs.append(ReqSpec(f"r{i}", 0, prompt, draw(st.integers(1, 40)), draw(st.integers(0, 3))))
+        max_tokens, priority = draw(st.integers(1, 40)), draw(st.integers(0, 3))
+        # Now and then a request a token could end (a stop token, EOS, a stop string
+        # placed where its tokens make them): no run may take it in.
+        stops = stop_fields(draw, f"r{i}", len(prompt), max_tokens) if draw(_SOME) else {}
+        specs.append(ReqSpec(f"r{i}", 0, prompt, max_tokens, priority, **stops))
     need = sum(-(-(len(sp.prompt) + sp.max_tokens) // bs) for sp in specs)
     chunked = draw(st.booleans())
     cfg = EngineConfig(
         block_size=bs,
         num_gpu_blocks=max(need + draw(st.integers(-3, 4)), -(-(4 * bs + 41) // bs)),
         max_num_seqs=draw(st.integers(n, 8)),
-        max_num_batched_tokens=draw(st.sampled_from([n, 4 * bs + 41, 512])) if chunked else 512,
+        # n - 1: a step decodes all but one of them (no run); n: exactly all of them
+        max_num_batched_tokens=draw(st.sampled_from([n - 1, n, 4 * bs + 41, 512]))
+        if chunked
+        else 512,
         enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()),
         async_scheduling=draw(st.sampled_from([True, True, False])),
@@ -335,7 +347,7 @@ def _cases_and_workloads(draw: st.DrawFn) -> tuple[EngineCase, Workload]:
     st.sampled_from(["one", "none", "one", "none", "all"]),
     st.tuples(st.sampled_from([0, 0, 1, 3, 20]), st.sampled_from([0, 0, 2, 20])),
     st.sampled_from([True, True, False]),
-    st.sampled_from([False, False, False, True]),
+    st.booleans(),
     st.data(),
 )
 def test_a_decode_run_leaves_the_state_its_single_steps_leave(
@@ -383,3 +395,17 @@ def test_a_run_past_finishes_leaves_the_state_of_its_single_steps() -> None:
             # The state it was written for: one run to the last finish, three ended inside.
             assert pair.num_runs >= 1 and pair.longest >= 12, (pair.num_runs, pair.longest)
             assert pair.ended_inside == 3, pair.ended_inside
+
+
+def test_a_run_is_advanced_no_further_than_its_horizon() -> None:
+    """`advance_decode` takes 1 to `run.horizon` steps: more is refused, naming both."""
+    case, workload = _steady(False, (0, 0))
+    side = _Side(case, (0, 0), DriverClock(), False)
+    for spec in workload:
+        side.add(spec)
+    side.step()
+    run = side.core.scheduler.decode_run(None)
+    assert run is not None and run.horizon == 4  # r0's 4 more tokens: the state it was written for
+    for k in (0, run.horizon + 1):
+        with pytest.raises(ValueError, match=f"advance_decode: {k} steps of a run certain for 4"):
+            side.core.scheduler.advance_decode(run, k, [[1] * k] * run.num_reqs)
