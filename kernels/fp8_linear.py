@@ -119,8 +119,9 @@ def _fp8_linear_kernel(
 def _act_quant_kernel(
     x_ptr,  # [M, K]
     q_ptr,  # [M, K] e4m3
-    s_ptr,  # [K / GROUP, M] float32: the scales M-major, as cuBLAS reads 1 x GROUP scales
+    s_ptr,  # [ceil(K / GROUP), M] float32: the scales M-major, as cuBLAS reads 1 x GROUP
     M,
+    K,
     stride_xm,
     BLOCK_M: tl.constexpr,
     GROUP: tl.constexpr,
@@ -129,22 +130,28 @@ def _act_quant_kernel(
     g = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = g * GROUP + tl.arange(0, GROUP)
-    mask = (offs_m < M)[:, None]
-    a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :], mask=mask)
+    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]  # a last group may be partial
+    a = tl.load(
+        x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :], mask=mask, other=0.0
+    )
     q, scale = quantize_group(a)
-    k = tl.num_programs(1) * GROUP
-    tl.store(q_ptr + offs_m[:, None].to(tl.int64) * k + offs_k[None, :], q, mask=mask)
+    tl.store(q_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], q, mask=mask)
     tl.store(s_ptr + g * M + offs_m, scale, mask=offs_m < M)
 
 
 def act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of `group`) -> (e4m3 [M, K], scales [M, K / group] float32,
-    stored M-major): the fused kernel's rounding of each row and group, once."""
+    """x [M, K] -> (e4m3 [M, K], scales [M, ceil(K / group)] float32, stored M-major):
+    the fused kernels' rounding of each row and group (a partial last group's missing
+    columns count as zeros, as the fused kernels' masked loads read them), once."""
     m, k = x.shape
+    groups = -(-k // group)
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(k // group, m, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, 32), k // group)
-    _act_quant_kernel[grid](x, q, s, m, x.stride(0), BLOCK_M=32, GROUP=group, num_warps=4)
+    s = torch.empty(groups, m, dtype=torch.float32, device=x.device)
+    if m:
+        grid = (triton.cdiv(m, 32), groups)
+        _act_quant_kernel[grid](
+            x, q, s, m, k, x.stride(0), BLOCK_M=32, GROUP=group, num_warps=4
+        )  # fmt: skip
     return q, s.t()
 
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_linear import quantize_group
+from kernels.fp8_linear import act_quant, quantize_group
 from kernels.moe_align import moe_align
 from kernels.reference import Fp8Scales
 
@@ -49,6 +49,26 @@ CONFIGS: tuple[tuple[int, dict[str, int]], ...] = (
 # of the table).
 def moe_config(num_tokens: int) -> dict[str, int]:
     return next(dict(cfg) for max_t, cfg in CONFIGS if num_tokens <= max_t)
+
+
+# FP8 experts: BLOCK_K is the scale group (128 for DeepSeek's checkpoints), and A_FP8 = 1
+# rounds each GEMM's input rows to e4m3 once before its launch (act_quant) rather than in
+# every program's K loop, where each of the N tiles rounds the same rows again and the
+# rounding's registers sit beside the accumulators. Past a few tokens that repeated work
+# dominates; at a few tokens the two extra launches cost more than they save. Narrower
+# column tiles than bf16's: each K step's rescale holds a second [BLOCK_M, BLOCK_N]
+# float32 tile. The rows come from `benchmarks/investigations/fp8_moe_sweep.py`.
+FP8_CONFIGS: tuple[tuple[int, dict[str, int]], ...] = (
+    (4, {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 4, "A_FP8": 0}),
+    (32, {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 4, "A_FP8": 1}),
+    (128, {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "A_FP8": 1}),
+    (256, {"BLOCK_M": 32, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "A_FP8": 1}),
+    (1 << 62, {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "A_FP8": 1}),
+)  # fmt: skip
+
+
+def fp8_moe_config(num_tokens: int) -> dict[str, int]:
+    return next(dict(cfg) for max_t, cfg in FP8_CONFIGS if num_tokens <= max_t)
 
 
 @triton.jit
@@ -87,6 +107,9 @@ def _moe_gate_up_kernel(
     stride_se,
     stride_sn,
     up_scale_row,  # FP8: the first scale row of the up half (ceil(N / BLOCK_SN))
+    xs_ptr,  # A_FP8: x's scales, [T, ceil(K / BLOCK_K)] float32 at these strides
+    stride_xsr,
+    stride_xsg,
     NUM_SHARED: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -95,6 +118,7 @@ def _moe_gate_up_kernel(
     GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    A_FP8: tl.constexpr,
     BLOCK_SN: tl.constexpr,
 ):
     pid_m, pid_n = _block_ids(num_blocks_m, N, BLOCK_N, GROUP_M)
@@ -117,6 +141,7 @@ def _moe_gate_up_kernel(
             u_ptrs = g_ptrs + NUM_SHARED * N * stride_swn
     sg_ptrs = s_ptr + expert * stride_se + (offs_n // BLOCK_SN) * stride_sn  # FP8 only
     su_ptrs = sg_ptrs + up_scale_row * stride_sn
+    xs_ptrs = xs_ptr + tok * stride_xsr  # A_FP8 only
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -126,7 +151,11 @@ def _moe_gate_up_kernel(
         wg = tl.load(g_ptrs, mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
         wu = tl.load(u_ptrs, mask=w_mask, other=0.0)
         if FP8:  # e4m3 x e4m3, each K step scaled by its row's and columns' scales
-            a_q, a_s = quantize_group(a)
+            if A_FP8:  # rounded once before the launch (act_quant)
+                a_q = a
+                a_s = tl.load(xs_ptrs + (k0 // BLOCK_K) * stride_xsg, mask=row_mask, other=0.0)
+            else:
+                a_q, a_s = quantize_group(a)
             sg = tl.load(sg_ptrs + k0 // BLOCK_K, mask=n_mask, other=0.0)
             su = tl.load(su_ptrs + k0 // BLOCK_K, mask=n_mask, other=0.0)
             acc_g += tl.dot(a_q, wg) * (a_s[:, None] * sg[None, :])
@@ -164,6 +193,9 @@ def _moe_down_kernel(
     s_ptr,  # FP8: [E, ceil(N / BLOCK_SN), ceil(K / BLOCK_K)] float32
     stride_se,
     stride_sn,
+    as_ptr,  # A_FP8: act's scales, [num_pairs, ceil(K / BLOCK_K)] float32 at these strides
+    stride_asr,
+    stride_asg,
     NUM_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -171,6 +203,7 @@ def _moe_down_kernel(
     GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    A_FP8: tl.constexpr,
     BLOCK_SN: tl.constexpr,
 ):
     pid_m, pid_n = _block_ids(num_blocks_m, N, BLOCK_N, GROUP_M)
@@ -190,13 +223,18 @@ def _moe_down_kernel(
             cols = (expert - num_routed) * K + offs_k
             w_ptrs = sw_ptr + offs_n[None, :].to(tl.int64) * stride_swn + cols[:, None]
     s_ptrs = s_ptr + expert * stride_se + (offs_n // BLOCK_SN) * stride_sn  # FP8 only
+    as_ptrs = as_ptr + rows * stride_asr  # A_FP8 only
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if FP8:
-            a_q, a_s = quantize_group(a)
+            if A_FP8:
+                a_q = a
+                a_s = tl.load(as_ptrs + (k0 // BLOCK_K) * stride_asg, mask=row_mask, other=0.0)
+            else:
+                a_q, a_s = quantize_group(a)
             w_s = tl.load(s_ptrs + k0 // BLOCK_K, mask=n_mask, other=0.0)
             acc += tl.dot(a_q, w) * (a_s[:, None] * w_s[None, :])
         else:
@@ -237,8 +275,9 @@ def fused_moe(
     Weights must be contiguous in their last dim; no host synchronisation. `config`
     overrides the table's launch settings; `out` [T, H] receives the result. `shared`
     = (gate/up [2SI, H], down [H, SI]): ids E + s pick slice s of the shared MLP.
-    fp8: w13 and w2 are e4m3 with these block scales; both GEMMs quantize their input
-    rows per group of bk on the fly (as kernels/fp8_linear.py), and BLOCK_K is bk."""
+    fp8: w13 and w2 are e4m3 with these block scales; both GEMMs round their input
+    rows to e4m3 per group of bk (as kernels/fp8_linear.py: in the K loop, or once
+    before the launch where the config's A_FP8 says), and BLOCK_K is bk."""
     t, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -256,8 +295,12 @@ def fused_moe(
     assert out.shape == x.shape and out.stride(1) == 1
     if t == 0:
         return out
-    cfg = dict(moe_config(t), **(config or {}))
+    table = moe_config(t) if fp8 is None else fp8_moe_config(t)
+    cfg = dict(table, **(config or {}))
     s13, s2, block_sn = w13, w2, 1  # unread unless fp8
+    a_fp8 = bool(cfg.get("A_FP8", 0))
+    if a_fp8 and fp8 is None:
+        raise ValueError("fused_moe: A_FP8 rounds the inputs of FP8 experts; these are not")
     if fp8 is not None:
         assert shared is None, "shared experts do not ride with FP8 experts"
         s13, s2 = fp8.w13_scale, fp8.w2_scale
@@ -269,23 +312,29 @@ def fused_moe(
     num_pairs = t * k
     al = moe_align(topk_ids, num_experts + num_shared, bm)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
+    # A_FP8: each GEMM's input rows rounded to e4m3 once (act_quant) instead of in every
+    # program that reads them (each of the N tiles), the same rounding either way.
+    xa, xs = act_quant(x, bk) if a_fp8 else (x, s13)
     _moe_gate_up_kernel[(al.max_blocks * triton.cdiv(inter, bn),)](
-        x, w13, sw13, act, al.sorted_pairs, al.block_expert, al.num_padded,
+        xa, w13, sw13, act, al.sorted_pairs, al.block_expert, al.num_padded,
         num_pairs, al.max_blocks, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        xa.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         num_experts, sw13.stride(0), s13, s13.stride(0), s13.stride(1), s13.shape[1] // 2,
+        xs, xs.stride(0), xs.stride(1),
         NUM_SHARED=num_shared, TOP_K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
-        PRECISION=precision, FP8=fp8 is not None, BLOCK_SN=block_sn, **launch,
+        PRECISION=precision, FP8=fp8 is not None, A_FP8=a_fp8, BLOCK_SN=block_sn, **launch,
     )  # fmt: skip
     part = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*k, H]
     weights = topk_weights.reshape(-1).float()
+    aa, as_ = act_quant(act, bk) if a_fp8 else (act, s2)
     _moe_down_kernel[(al.max_blocks * triton.cdiv(hidden, bn),)](
-        act, w2, sw2, weights, part, al.sorted_pairs, al.block_expert, al.num_padded,
+        aa, w2, sw2, weights, part, al.sorted_pairs, al.block_expert, al.num_padded,
         num_pairs, al.max_blocks, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1),
-        num_experts, sw2.stride(0), s2, s2.stride(0), s2.stride(1), NUM_SHARED=num_shared,
+        aa.stride(0), w2.stride(0), w2.stride(1),
+        num_experts, sw2.stride(0), s2, s2.stride(0), s2.stride(1),
+        as_, as_.stride(0), as_.stride(1), NUM_SHARED=num_shared,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISION=precision,
-        FP8=fp8 is not None, BLOCK_SN=block_sn, **launch,
+        FP8=fp8 is not None, A_FP8=a_fp8, BLOCK_SN=block_sn, **launch,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(t, triton.cdiv(hidden, block))](

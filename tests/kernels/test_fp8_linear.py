@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fp8_linear import CONFIGS, CUBLAS_MIN_ROWS, act_quant, fp8_linear, fp8_linear_config
-from kernels.fused_moe import fused_moe
+from kernels.fused_moe import FP8_CONFIGS, fp8_moe_config, fused_moe
 from kernels.reference import (
     Fp8Scales,
     act_quant_ref,
@@ -106,6 +106,25 @@ def test_fp8_linear_keeps_leading_dims_and_all_zero_rows(device) -> None:
     assert rel_err(out.view(6, 64), want) < 1e-6
 
 
+def test_act_quant_rounds_a_partial_last_group_as_the_fused_kernels_read_it(device) -> None:
+    """K = 96 in groups of 64: the last group's 32 columns are rounded as a group whose
+    missing columns are zeros (the fused kernels' masked K tile)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 96, generator=gen)
+    q, s = act_quant(x.to(device), 64)
+    padded = torch.cat([x, torch.zeros(5, 32)], dim=1)
+    want_q, want_s = act_quant_ref(padded, 64)
+    assert s.shape == (5, 2) and torch.equal(s.cpu(), want_s)
+    assert torch.equal(q.cpu().view(torch.uint8), want_q[:, :96].view(torch.uint8))
+
+
+def test_a_fused_moe_refuses_rounding_inputs_of_bf16_experts() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, w13, w2, weights, ids = _moe_inputs(2, 4, 2, 128, 128, torch.float32, "cpu", gen)
+    with pytest.raises(ValueError, match="A_FP8"):
+        fused_moe(x, w13, w2, weights, ids, config={"A_FP8": 1})
+
+
 @pytest.mark.parametrize("m", [1, 37])
 def test_act_quant_rounds_as_the_fused_kernel(m, device) -> None:
     """The quantization before cuBLAS's GEMM: each row's group of 128 columns to e4m3
@@ -120,6 +139,12 @@ def test_act_quant_rounds_as_the_fused_kernel(m, device) -> None:
     assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
 
 
+def test_fp8_moe_config_table_covers_every_token_count() -> None:
+    assert fp8_moe_config(1)["BLOCK_M"] == 16 and fp8_moe_config(1)["A_FP8"] == 0
+    assert fp8_moe_config(10**9) == FP8_CONFIGS[-1][1]
+    assert [m for m, _ in FP8_CONFIGS] == sorted(m for m, _ in FP8_CONFIGS)
+
+
 def test_fp8_config_table_covers_every_row_count() -> None:
     assert fp8_linear_config(1)["BLOCK_M"] == 16
     assert fp8_linear_config(10**9) == CONFIGS[-1][1]
@@ -128,9 +153,14 @@ def test_fp8_config_table_covers_every_row_count() -> None:
 
 # (T, E, k, H, I, block, config overrides)
 MOE_CASES = [
-    (5, 4, 2, 128, 96, (32, 64), {"BLOCK_N": 32}),  # I not a multiple of bn
-    (13, 8, 3, 256, 160, (128, 128), {"BLOCK_N": 64}),
-    (40, 5, 2, 96, 64, (64, 32), {"BLOCK_M": 32, "BLOCK_N": 16, "GROUP_M": 2}),
+    # inputs rounded in each program's K loop
+    (5, 4, 2, 128, 96, (32, 64), {"BLOCK_N": 32, "A_FP8": 0}),  # I not a multiple of bn
+    (13, 8, 3, 256, 160, (128, 128), {"BLOCK_N": 64, "A_FP8": 0}),
+    (40, 5, 2, 96, 64, (64, 32), {"BLOCK_M": 32, "BLOCK_N": 16, "GROUP_M": 2, "A_FP8": 0}),
+    (2, 4, 2, 256, 128, (128, 128), None),  # the table's settings
+    # inputs rounded once before each launch; I = 96 leaves a partial group of 32
+    (5, 4, 2, 128, 96, (32, 64), {"BLOCK_N": 32, "A_FP8": 1}),
+    (40, 5, 2, 96, 64, (64, 32), {"BLOCK_M": 32, "BLOCK_N": 16, "GROUP_M": 2, "A_FP8": 1}),
 ]
 
 
@@ -205,3 +235,22 @@ def test_fp8_fused_moe_bf16_moonlight_shapes(t) -> None:
                          ids.cpu(), fp8=cpu)  # fmt: skip
     assert torch.isfinite(out).all()
     assert rel_err(out.cpu(), twin) < 8e-2  # the activations' e4m3 rounding, twice
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [8, 300, 1100])
+def test_fp8_experts_inputs_rounded_once_match_rounding_in_the_loop(t) -> None:
+    """The table's settings (A_FP8: rows rounded once before each launch) against the same
+    tiles rounding in every program's K loop: the same e4m3 values and scales meet the
+    same MMAs, so the results agree to float32 accumulation (Moonlight's experts)."""
+    gen = torch.Generator().manual_seed(t)
+    x, w13, w2, weights, ids = _moe_inputs(t, 64, 6, 2048, 1408, torch.bfloat16, "cuda", gen)
+    q13, q2, fp8 = _quantized_experts(w13.float(), w2.float(), (128, 128))
+    q13, q2 = q13.cuda(), q2.cuda()
+    cfg = fp8_moe_config(t)
+    assert cfg["A_FP8"] == 1
+    once = fused_moe(x, q13, q2, weights, ids, fp8=fp8)
+    in_loop = fused_moe(x, q13, q2, weights, ids, config=dict(cfg, A_FP8=0), fp8=fp8)
+    torch.cuda.synchronize()
+    assert torch.isfinite(once).all()
+    assert rel_err(once.float().cpu(), in_loop.float().cpu()) < 1e-2
