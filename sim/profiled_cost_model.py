@@ -78,6 +78,8 @@ FEATURES = ("graph", "piecewise", "eager", "mixed", "reqs", "prompt_reqs", "toke
             "decode_max_context", "prefill_wave", "dense", "experts", "attn_pre", "attn_dec",
             "lm_head")  # fmt: skip
 _GROUPS = FEATURES[9:]
+_DECODE_MAX_CONTEXT = FEATURES.index("decode_max_context")
+_ATTN_DEC = FEATURES.index("attn_dec")
 _EXTRAPOLATION_MARGIN = 1.1
 
 
@@ -232,6 +234,7 @@ class ProfiledCostModel(CostModel):
         self._spec = SpeculativeSteps(
             points, outs, self._analytic, self._physics, graphed,
             pipelined and bool(num_speculative_tokens),
+            num_heads=model.num_attention_heads, num_sms=sms,
         )  # fmt: skip
         self._limits = {"tokens": 1 << 62, "reqs": 1 << 62, "context": 1 << 62}
         self._warned: set[str] = set()
@@ -445,9 +448,23 @@ class ProfiledCostModel(CostModel):
                 target = fallback_target(self._analytic, out, decode())
         else:
             target = self._physics_of(step)
+            if drafts and spec.ready and spec.verify_physics.ready:
+                target += self._verify_attention_beside_chunks(step)
         if spec.ready:
             return target + spec.drafter_time(out, step.num_drafts)
         return target + self._analytic.drafter_seconds(out, step.num_drafts)
+
+    def _verify_attention_beside_chunks(self, step: _Step) -> float:
+        """What a step's decode attention costs more when its decodes verify drafts
+        beside prompt chunks (`_physics_of(step)` first: its features): the decode
+        kernel then runs its verify launch for every decode row, so their attention is
+        the verify physics' (`VerifyPhysics.attention_time`) in place of the plain fit's
+        decode terms (attn_dec, decode_max_context), which were fitted on decode steps."""
+        features, coef = step.features, self._coef
+        assert features is not None
+        plain = features[_DECODE_MAX_CONTEXT] * coef[_DECODE_MAX_CONTEXT]
+        plain += features[_ATTN_DEC] * coef[_ATTN_DEC]
+        return self._spec.verify_physics.attention_time(step.out) - plain
 
     def _physics(self, out: SchedulerOutput) -> float:
         return sum(map(mul, self.features(out), self._coef))
