@@ -81,6 +81,9 @@ def default_grid(limits: GridLimits, quick: bool = False) -> list[StepShape]:
             for p in (256, 512, 2048, 7680)
             for c in (1024, 4096)
         ]
+        # Decodes at long contexts beside a chunk (long-context traces' mixed steps): the
+        # decode attention's longest request then outweighs the chunk.
+        mixes += [(d, p, c) for d in (4, 16) for p in (512, 2048) for c in long_priors]
         shorts = [8, 32, 96]
     grid: list[StepShape] = []
     for b in batches:
@@ -106,9 +109,12 @@ def speculative_grid(num_drafts: int, limits: GridLimits, quick: bool = False) -
     else:
         batches, contexts = [1, 2, 4, 8, 16, 64, 256, 512], [256, 1024, 4096]
         chunks = [512, 4096]
+    # Verify at long contexts, at the small batches that reach them: split-KV cuts a
+    # context into fewer pieces as the batch grows, which contexts to 4,096 barely show.
+    long_contexts = [] if quick else [c for c in (16384, 65536) if c < limits.max_len]
     grid: list[StepShape] = []
     for b in batches:
-        for c in contexts:
+        for c in contexts + (long_contexts if b <= 16 else []):
             grid.append(StepShape("spec_decode", ((b, 1, c, False, 0),), drafter=True))
             for k in range(1, num_drafts + 1):
                 grid.append(StepShape("verify", ((b, 1 + k, c, False, k),), drafter=True))

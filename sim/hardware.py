@@ -31,6 +31,9 @@ class HardwareSpec:
     # The device is the host's own CPU: a launch runs the step before it returns, so async
     # scheduling overlaps nothing (the host schedules, runs, then processes, in turn).
     runs_on_host: bool = False
+    # Streaming multiprocessors: how many attention programs one wave runs at once (the
+    # profiled cost model's prefill wave); 0 on a host CPU.
+    num_sms: int = 0
 
     def peak_flops(self, dtype_bytes: int) -> float:
         """Peak matmul rate for weights of `dtype_bytes` (1: fp8 GEMMs, else bf16)."""
@@ -70,6 +73,7 @@ def get_hardware(name: str) -> HardwareSpec:
             ),
             all_to_all_latency_s=float(entry.get("all_to_all_latency_s", 0.0)),
             runs_on_host=bool(entry.get("runs_on_host", False)),
+            num_sms=int(entry.get("num_sms", 0)),
         )
     except KeyError as e:
         raise ValueError(f"{HARDWARE_FILE}: entry {key!r} lacks field {e.args[0]!r}") from None

@@ -18,6 +18,8 @@ import numpy as np
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 
 ONE_WAVE_BATCH = 256  # decode batches up to this many requests run as one wave of splits
+# Query rows a prefill attention program holds (kernels/mla_prefill.py, 16-bit tiles).
+PREFILL_QUERY_TILE = 128
 _SYNTHETIC_CACHE_SIZE = 1 << 16  # (batch, context) pairs a surface keeps the physics of
 
 

@@ -14,6 +14,12 @@ features that follow its physics:
   tokens                per-token work the groups below do not price
   decode_max_context    the longest decode context: split-KV decode attention is bound by
                         its longest request when few requests cannot fill the GPU
+  prefill_wave          prefill attention's critical path in keys: a program a (query
+                        tile, request, head) reads its chunk's cached prefix and the rows
+                        up to its own, so while the programs fit one wave of SMs the step
+                        waits for the longest chunk's keys (a short chunk after a long
+                        prefix pays for the whole prefix), beyond it for the programs'
+                        keys shared by the SMs (0 on a host CPU: no waves)
   dense ... lm_head     the analytic model's seconds per op group (max of FLOPs over the
                         matmul rate and bytes over the bandwidth: weights, experts touched,
                         prefill and decode attention, logits)
@@ -59,6 +65,7 @@ from sim.cost_model import CostModel, RunCosts
 from sim.hardware import HardwareSpec
 from sim.profile_fit import (
     ONE_WAVE_BATCH,
+    PREFILL_QUERY_TILE,
     StepSurface,
     nnls_relative,
     shape_output,
@@ -68,8 +75,11 @@ from sim.profiled_speculation import SpeculativeSteps, fallback_target
 
 PROFILES_DIR = Path(__file__).parent / "data" / "profiles"
 FEATURES = ("graph", "piecewise", "eager", "mixed", "reqs", "prompt_reqs", "tokens",
-            "decode_max_context", "dense", "experts", "attn_pre", "attn_dec", "lm_head")  # fmt: skip
-_GROUPS = FEATURES[8:]
+            "decode_max_context", "prefill_wave", "dense", "experts", "attn_pre", "attn_dec",
+            "lm_head")  # fmt: skip
+_GROUPS = FEATURES[9:]
+_DECODE_MAX_CONTEXT = FEATURES.index("decode_max_context")
+_ATTN_DEC = FEATURES.index("attn_dec")
 _EXTRAPOLATION_MARGIN = 1.1
 
 
@@ -117,7 +127,7 @@ class _Step:
         effective: float,
         eager: bool,
         num_drafts: int,
-        head: tuple[int, int, int],
+        head: tuple[int, int, int, float],
     ) -> None:
         self.out = out
         self.n = n
@@ -185,6 +195,14 @@ class ProfiledCostModel(CostModel):
         # longest request (StepSurface); the CPU's attention runs requests of similar
         # length together (kernels/reference.py): its batch costs its contexts' sum.
         self._one_wave = 0 if hardware.runs_on_host else ONE_WAVE_BATCH
+        # Prefill attention (`prefill_wave`) runs a program per (query tile, request,
+        # head), one an SM at a time; past one wave the programs' keys (heads x pairs /
+        # tile) shared by the SMs set its time: this share of `chunk_pairs` (twice the
+        # pairs). The CPU's reference attention has no waves: the pairs (attn_pre) alone.
+        sms = 0 if hardware.runs_on_host else hardware.num_sms
+        self._wave_share = (
+            model.num_attention_heads / (2 * PREFILL_QUERY_TILE * sms) if sms else 0.0
+        )
         pipelined = overlaps and self.prices_pipelining
         self.pipelined = pipelined  # async steps priced from their pipelined times
         # A step launched on an idle device costs its sequential time (`idle_launch_time`):
@@ -216,6 +234,7 @@ class ProfiledCostModel(CostModel):
         self._spec = SpeculativeSteps(
             points, outs, self._analytic, self._physics, graphed,
             pipelined and bool(num_speculative_tokens),
+            num_heads=model.num_attention_heads, num_sms=sms,
         )  # fmt: skip
         self._limits = {"tokens": 1 << 62, "reqs": 1 << 62, "context": 1 << 62}
         self._warned: set[str] = set()
@@ -350,7 +369,7 @@ class ProfiledCostModel(CostModel):
         scheduled = out.scheduled
         if not scheduled:
             return None
-        tokens = longest = ctx_max = ctx_sum = prompts = 0
+        tokens = longest = ctx_max = ctx_sum = prompts = span = chunk_pairs = 0
         dec_ctx = -1  # (no decode)
         eager = False
         for r in scheduled:
@@ -365,8 +384,13 @@ class ProfiledCostModel(CostModel):
             ctx_sum += c
             if r.is_prompt:
                 prompts += 1
-                if q == 1 and c > dec_ctx:  # (a one-token chunk decodes: absorbed path)
-                    dec_ctx = c
+                if q == 1:
+                    if c > dec_ctx:  # (a one-token chunk decodes: absorbed path)
+                        dec_ctx = c
+                else:
+                    chunk_pairs += q * (2 * c + q)
+                    if c + q > span:
+                        span = c + q
             elif c > dec_ctx:
                 dec_ctx = c
         lim = self._limits
@@ -377,7 +401,14 @@ class ProfiledCostModel(CostModel):
         effective = max(1.0, float(ctx_max if n <= self._one_wave else ctx_sum / n))
         if eager and not num_drafts:  # drafts to verify: a drafter proposed them
             num_drafts = max(len(r.draft_token_ids) for r in scheduled)
-        return _Step(out, float(n), effective, eager, num_drafts, (tokens, prompts, dec_ctx))
+        return _Step(
+            out,
+            float(n),
+            effective,
+            eager,
+            num_drafts,
+            (tokens, prompts, dec_ctx, self._wave_keys(span, chunk_pairs)),
+        )
 
     def _price_point(self, out: SchedulerOutput, num_drafts: int) -> float:
         step = self._measure(out, num_drafts)
@@ -417,9 +448,23 @@ class ProfiledCostModel(CostModel):
                 target = fallback_target(self._analytic, out, decode())
         else:
             target = self._physics_of(step)
+            if drafts and spec.ready and spec.verify_physics.ready:
+                target += self._verify_attention_beside_chunks(step)
         if spec.ready:
             return target + spec.drafter_time(out, step.num_drafts)
         return target + self._analytic.drafter_seconds(out, step.num_drafts)
+
+    def _verify_attention_beside_chunks(self, step: _Step) -> float:
+        """What a step's decode attention costs more when its decodes verify drafts
+        beside prompt chunks (`_physics_of(step)` first: its features): the decode
+        kernel then runs its verify launch for every decode row, so their attention is
+        the verify physics' (`VerifyPhysics.attention_time`) in place of the plain fit's
+        decode terms (attn_dec, decode_max_context), which were fitted on decode steps."""
+        features, coef = step.features, self._coef
+        assert features is not None
+        plain = features[_DECODE_MAX_CONTEXT] * coef[_DECODE_MAX_CONTEXT]
+        plain += features[_ATTN_DEC] * coef[_ATTN_DEC]
+        return self._spec.verify_physics.attention_time(step.out) - plain
 
     def _physics(self, out: SchedulerOutput) -> float:
         return sum(map(mul, self.features(out), self._coef))
@@ -428,8 +473,8 @@ class ProfiledCostModel(CostModel):
         """`_physics(step.out)`, its features computed once for both fits."""
         features = step.features
         if features is None:
-            tokens, prompts, dec_ctx = step.head
-            head = self._head(step.eager, len(step.out.scheduled), prompts, tokens, dec_ctx)
+            tokens, prompts, dec_ctx, wave = step.head
+            head = self._head(step.eager, len(step.out.scheduled), prompts, tokens, dec_ctx, wave)
             features = step.features = head + self._analytic.group_seconds(step.out)
         return sum(map(mul, features, self._coef))
 
@@ -455,22 +500,37 @@ class ProfiledCostModel(CostModel):
         """The FEATURES of a step, in order, in one pass over its requests (the fit's
         points, synthetic steps; a priced step reads its head from `_measure`'s pass)."""
         eager = False
-        prompts = tokens = 0
+        prompts = tokens = span = chunk_pairs = 0
         dec_ctx = -1  # (no decode)
         for r in out.scheduled:
-            q = r.num_tokens
+            q, c = r.num_tokens, r.num_computed_tokens
             tokens += q
             if q > 1:
                 eager = True
             # a decode (verifying drafts or not): absorbed path
-            if (q == 1 or not r.is_prompt) and r.num_computed_tokens > dec_ctx:
-                dec_ctx = r.num_computed_tokens
+            if (q == 1 or not r.is_prompt) and c > dec_ctx:
+                dec_ctx = c
             if r.is_prompt:
                 prompts += 1
-        head = self._head(eager, len(out.scheduled), prompts, tokens, dec_ctx)
+                if q > 1:
+                    chunk_pairs += q * (2 * c + q)
+                    if c + q > span:
+                        span = c + q
+        wave = self._wave_keys(span, chunk_pairs)
+        head = self._head(eager, len(out.scheduled), prompts, tokens, dec_ctx, wave)
         return head + self._analytic.group_seconds(out)
 
-    def _head(self, eager: bool, n: int, prompts: int, tokens: int, dec_ctx: int) -> list[float]:
+    def _wave_keys(self, span: int, chunk_pairs: int) -> float:
+        """The `prefill_wave` feature of prompt chunks whose longest reaches `span` keys
+        (its cached prefix and itself) and whose (query row, key) pairs sum to
+        `chunk_pairs` / 2 (each chunk's q * (2 * context + q): causal, so a row sees
+        its prefix and the rows before it)."""
+        share = self._wave_share
+        return max(float(span), chunk_pairs * share) if share else 0.0
+
+    def _head(
+        self, eager: bool, n: int, prompts: int, tokens: int, dec_ctx: int, wave: float
+    ) -> list[float]:
         """The FEATURES before the op groups, of a step of n requests; dec_ctx: its
         longest decode context, -1 where none decodes."""
         piecewise = eager and tokens <= self._piecewise_max
@@ -483,6 +543,7 @@ class ProfiledCostModel(CostModel):
             float(prompts),
             float(tokens),
             float(dec_ctx if dec_ctx > 0 else 0),
+            wave,
         ]
 
     def _check_range(self, out: SchedulerOutput) -> None:

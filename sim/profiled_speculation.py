@@ -18,7 +18,8 @@ A step is priced as its target part plus the drafter's:
            and the steps beyond its grid are scaled by the verify physics
            (`VerifyPhysics`), fitted on the verify points alone; past the profile's K
            the analytic model scales the K surface. Other steps: the plain fit's
-           physics.
+           physics, the attention of decodes verifying beside prompt chunks the
+           verify physics' (`VerifyPhysics.attention_time`: they take the verify launch).
   drafter  a non-negative fit of `draft_s` on the analytic model's drafter parts (passes,
            pass 1 over the step's tokens, the chained passes, drafts proposed), so it
            follows the engine's K even where the profile drafted another number.
@@ -58,13 +59,18 @@ class SpeculativeSteps:
         physics: Callable[[SchedulerOutput], float],
         graphed: bool = True,
         pipelined: bool = False,
+        *,
+        num_heads: int = 0,
+        num_sms: int = 0,
     ) -> None:
         """graphed: the profile's engine ran CUDA graphs, which hold only verify steps of
         1 + K tokens a request (so fewer drafts may cost more); else (eager, the CPU)
         the surfaces are kept non-decreasing in k against measurement noise.
         pipelined (async scheduling): verify steps chain on the step in flight, so their
         surfaces are fitted to the points' pipelined times (the runner's host work hidden)
-        less the drafter's."""
+        less the drafter's. num_heads, num_sms: the model's attention heads and the GPU's
+        SMs, which set the splits of a verify step's attention (`VerifyPhysics`; 0 SMs:
+        a host CPU, no splits)."""
         self._analytic = analytic
         self._monotone = not graphed
         spec = [(p, o) for p, o in zip(points, outs) if p.get("drafter")]
@@ -78,7 +84,11 @@ class SpeculativeSteps:
             if p["kind"] == "verify" and _uniform_k(o) > 0
         ]  # fmt: skip
         self.verify_physics = VerifyPhysics(
-            [o for _, o, _ in verify], np.array([t for _, _, t in verify]), analytic
+            [o for _, o, _ in verify],
+            np.array([t for _, _, t in verify]),
+            analytic,
+            num_heads=num_heads,
+            num_sms=num_sms,
         )
         # (too few verify points to fit it: the plain fit's physics scales instead)
         self._scale = self.verify_physics if self.verify_physics.ready else physics
@@ -133,6 +143,9 @@ class SpeculativeSteps:
         return values[lo] if u == 0 else (1 - u) * values[lo] + u * values[lo + 1]
 
 
+_MAX_SPLITS = 64  # kernels/mla_decode.py MAX_SPLITS
+
+
 class VerifyPhysics:
     """The target time of a verify step (the drafter apart) as a non-negative combination
     of features that follow its physics, fitted on a profile's verify points (relative
@@ -144,7 +157,11 @@ class VerifyPhysics:
       lm_head               tokens (every request's 1 + k) and of the logits
       kv_read               the decode attention's keys, each request's context once (its
                             latent KV is read once for all of its query rows)
-      longest               the longest context: one wave of split-KV waits for it
+      longest_piece         the longest context over the pieces split-KV cuts it into: one
+                            wave of the decode attention kernel waits for its longest
+                            piece, and the pieces a request gets fall as the batch grows
+                            (SMs over the programs, a program a request's query rows and
+                            a block of heads, at most 64: kernels/mla_decode.py)
       pairs                 query rows times their context (the attention's FLOPs)
 
     It prices the verify surfaces' unmeasured nodes and steps beyond their grids
@@ -155,14 +172,27 @@ class VerifyPhysics:
     (`ready` is False, every coefficient 0.0): the plain fit's physics scales instead."""
 
     FEATURES = ("fixed", "reqs", "tokens", "dense", "experts", "lm_head", "kv_read",
-                "longest", "pairs")  # fmt: skip
+                "longest_piece", "pairs")  # fmt: skip
 
     def __init__(
-        self, outs: list[SchedulerOutput], times: np.ndarray, analytic: AnalyticCostModel
+        self,
+        outs: list[SchedulerOutput],
+        times: np.ndarray,
+        analytic: AnalyticCostModel,
+        *,
+        num_heads: int = 0,
+        num_sms: int = 0,
     ) -> None:
         """outs: the verify points' steps; times: their target seconds (each point's time
-        less its drafter's), [len(outs)]."""
+        less its drafter's), [len(outs)]; num_heads, num_sms: the model's attention
+        heads and the GPU's SMs (0: a host CPU, whose attention splits no context)."""
         self._analytic = analytic
+        self._num_sms = num_sms
+        # The decode kernel's verify launch (kernels/mla_decode.py `default_config`, a
+        # multi-query step): up to 16 heads, one block of them and 4 query rows of a
+        # request a program; more heads, blocks of 64 and a row a program.
+        self._rows_per_program = 4 if num_heads <= 16 else 1
+        self._head_blocks = 1 if num_heads <= 16 else -(-num_heads // 64)
         times = np.asarray(times, dtype=float)
         # (a target part at or below zero: a drafter's time as long as its step's)
         self.ready = len(outs) >= len(self.FEATURES) and bool(np.all(times > 0))
@@ -177,17 +207,44 @@ class VerifyPhysics:
 
     def features(self, out: SchedulerOutput) -> list[float]:
         """The FEATURES of `out`, in order (contexts in tokens)."""
-        tokens = kv_read = longest = pairs = 0
+        tokens = kv_read = longest = pairs = programs = 0
+        rows = self._rows_per_program
         for r in out.scheduled:
             q, c = r.num_tokens, r.num_computed_tokens
             tokens += q
             kv_read += c
             pairs += q * c
+            programs += -(-q // rows)
             if c > longest:
                 longest = c
         dense, experts, _, _, lm_head = self._analytic.group_seconds(out)
         return [1.0, float(len(out.scheduled)), float(tokens), dense, experts, lm_head,
-                float(kv_read), float(longest), float(pairs)]  # fmt: skip
+                float(kv_read), longest / self.splits(programs), float(pairs)]  # fmt: skip
+
+    def attention_time(self, out: SchedulerOutput) -> float:
+        """The attention terms alone (kv_read, longest_piece, pairs) of `out`'s decode
+        rows, verifying or not (a step's prompt chunks left out: their attention is the
+        prefill kernel's)."""
+        kv_read = longest = pairs = programs = 0
+        rows = self._rows_per_program
+        for r in out.scheduled:
+            q, c = r.num_tokens, r.num_computed_tokens
+            if r.is_prompt and q > 1:
+                continue
+            kv_read += c
+            pairs += q * c
+            programs += -(-q // rows)
+            if c > longest:
+                longest = c
+        *_, c_kv, c_longest, c_pairs = self.coef
+        return c_kv * kv_read + c_longest * longest / self.splits(programs) + c_pairs * pairs
+
+    def splits(self, programs: int) -> int:
+        """The pieces split-KV cuts each context into beside `programs` busy programs
+        (one wave of the verify launch's one program an SM, at most 64; 1 on a CPU)."""
+        if not self._num_sms:
+            return 1
+        return max(1, min(self._num_sms // max(programs * self._head_blocks, 1), _MAX_SPLITS))
 
     def __call__(self, out: SchedulerOutput) -> float:
         return sum(f * c for f, c in zip(self.features(out), self.coef))

@@ -272,3 +272,27 @@ def _shifted(surface: StepSurface) -> StepSurface:
     other._log_contexts = [x + 0.25 for x in surface._log_contexts]
     other._grid = [[2 * g for g in row] for row in surface._grid]
     return other
+
+
+def test_a_short_chunk_waits_for_its_whole_cached_prefix_in_one_wave() -> None:
+    """Prefill attention runs a program a (128 query rows, request, head): while a step's
+    chunks fill one wave of the GPU's SMs, it waits for its longest program, which reads
+    the chunk's whole cached prefix whatever its query count; past a wave the keys of
+    every program, shared by the SMs, set it. So 3,072 more cached tokens cost a 16-token
+    chunk about what they cost a 512-token one, and the CPU's attention has no waves."""
+    from sim.profiled_cost_model import FEATURES
+
+    wave = FEATURES.index("prefill_wave")
+    path = PROFILES_DIR / "deepseek-v2-lite__h100.json"
+    spec = load_model_config("deepseek-v2-lite")
+    cm = ProfiledCostModel(path, spec, get_hardware("h100"))
+
+    def chunk(q: int, ctx: int) -> float:
+        return cm.step_time(shape_output([[1, q, ctx, True]]))
+
+    assert cm.features(shape_output([[1, 16, 4096, True]]))[wave] == 4112
+    assert cm.features(shape_output([[1, 8192, 4096, True]]))[wave] > 8192 + 4096
+    short, long = chunk(16, 4096) - chunk(16, 1024), chunk(512, 4096) - chunk(512, 1024)
+    assert 0.8 < short / long < 1.25
+    cpu = ProfiledCostModel(path, spec, get_hardware("cpu"))
+    assert cpu.features(shape_output([[1, 16, 4096, True]]))[wave] == 0.0

@@ -9,6 +9,7 @@ import statistics
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from deepinfer.config import EngineConfig
@@ -19,6 +20,7 @@ from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
 from sim.hardware import get_hardware
 from sim.profiled_cost_model import PROFILES_DIR, ProfiledCostModel, load_profile, shape_output
+from sim.profiled_speculation import VerifyPhysics
 from sim.traces import TraceRequest
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "executors" / "demo" / "deepinfer-demo"
@@ -130,7 +132,8 @@ def test_verify_steps_past_the_grids_longest_context_follow_the_verify_physics(
 
 def test_the_verify_physics_reads_a_requests_context_once_for_all_its_query_rows(demo) -> None:
     """kv_read counts each request's context once whatever its drafts; pairs (the
-    attention's FLOPs) counts it once a query row; longest is the longest context."""
+    attention's FLOPs) counts it once a query row; longest_piece is the longest context
+    (on a CPU: its attention splits no context)."""
     cm = ProfiledCostModel(DEMO_PROFILE, demo, get_hardware("cpu"), 2)
     physics = cm._spec.verify_physics
     names = physics.FEATURES
@@ -139,7 +142,23 @@ def test_the_verify_physics_reads_a_requests_context_once_for_all_its_query_rows
     assert one["kv_read"] == three["kv_read"] == 4 * 300
     assert (one["pairs"], three["pairs"]) == (4 * 2 * 300, 4 * 4 * 300)
     assert (one["tokens"], three["tokens"]) == (8, 16)
-    assert one["longest"] == 300 and one["reqs"] == 4
+    assert one["longest_piece"] == 300 and one["reqs"] == 4
+
+
+def test_a_verify_step_waits_for_its_longest_piece_of_split_kv() -> None:
+    """The decode kernel's verify launch runs a program a request (16 heads, up to 4
+    query rows) and cuts each context into as many pieces as fill one wave of SMs, at
+    most 64: a batch of 1 or 2 waits for 1/64 of its longest context, a batch of 4 for
+    1/33, of 132 and more for all of it. Prompt chunks beside it take no part."""
+    spec = load_model_config("deepseek-v2-lite")
+    analytic = AnalyticCostModel(spec, get_hardware("h100"), load_cost_coefficients())
+    physics = VerifyPhysics([], np.zeros(0), analytic, num_heads=16, num_sms=132)
+    piece = physics.FEATURES.index("longest_piece")
+    ctx = 66_000
+    for batch, pieces in ((1, 64), (2, 64), (4, 33), (16, 8), (132, 1), (256, 1)):
+        assert physics.features(_verify(batch, 3, ctx=ctx))[piece] == ctx / pieces
+    wide = VerifyPhysics([], np.zeros(0), analytic, num_heads=128, num_sms=132)
+    assert wide.splits(1) == 64 and wide.splits(4) == 16  # two programs a row: 128 heads
 
 
 def test_more_drafts_never_cost_less_and_the_drafter_is_paid_every_step(demo) -> None:
@@ -265,3 +284,22 @@ def test_a_graphed_profile_prices_each_number_of_drafts_as_measured() -> None:
         predicted = model.step_time(shape_output([[1, 1 + k, c, False, k]]))
         measured_k = points[k, c]
         assert abs(predicted - measured_k) < 0.1 * measured_k, (k, c, predicted, measured_k)
+
+
+def test_decodes_verifying_beside_a_prompt_chunk_pay_the_verify_attention() -> None:
+    """A step with a prompt chunk runs eagerly and its decodes verifying drafts take the
+    decode kernel's verify launch, which reads long contexts slower than a decode step
+    (fewer pieces a request): their attention is the verify physics', not the plain
+    fit's decode terms. So 30 requests verifying at 80k tokens add to an 8k chunk about
+    what their attention costs in a verify step of their own."""
+    spec = load_model_config("deepseek-v2-lite").replace(num_nextn_predict_layers=1)
+    cm = ProfiledCostModel(PROFILES_DIR / "deepseek-v2-lite__h100.json", spec,
+                           get_hardware("h100"), 3)  # fmt: skip
+    verify = [[30, 4, 80_000, False, 3]]
+    chunk = [[1, 8000, 4000, True]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (beyond the grid's verify contexts)
+        both = cm.step_time(shape_output(verify + chunk))
+        alone = cm.step_time(shape_output(chunk))
+        attention = cm._spec.verify_physics.attention_time(shape_output(verify))
+    assert both - alone > 0.8 * attention > 0
