@@ -63,10 +63,14 @@ def experts(e: int, h: int, i: int) -> tuple[torch.Tensor, torch.Tensor, Fp8Scal
     w2 = torch.randn(e, h, i, dtype=torch.bfloat16, device="cuda") / i**0.5
 
     def blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # One expert at a time: a float32 copy of all of DeepSeek-V3's would not fit.
         n, k = w.shape[-2:]
-        g = w.float().view(e, n // 128, 128, k // 128, 128)
-        s = g.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
-        q = (g / s[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, n, k)
+        q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+        s = torch.empty(e, n // 128, k // 128, device=w.device)
+        for x in range(e):
+            g = w[x].float().view(n // 128, 128, k // 128, 128)
+            s[x] = g.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+            q[x] = (g / s[x][:, None, :, None]).to(torch.float8_e4m3fn).view(n, k)
         return q, s
 
     q13, s13 = blocks(w13)
