@@ -11,8 +11,7 @@ from __future__ import annotations
 import gc
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,31 +47,20 @@ class SimResult:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-@contextmanager
-def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off meanwhile (as it was after). Building a trace's
-    requests and running the event loop make objects that either live to the end or die
-    by reference count (next to none ends in a cycle): the passes their number
-    triggers, each over every object alive, would free next to nothing."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
-
-
 def build_requests(trace: Trace, vocab_size: int) -> list[Request]:
     """Engine requests for a trace: synthetic prompts that share content where
     the trace's prefix blocks say so; each stops after its trace output_len. A
     `structured` request carries no schema (no tokens here): its grammar masks are
     priced by the cost model's host time. Requests of one output length share their
-    SamplingParams, validated once (nothing changes a request's params). Every object
-    made here stays alive: the garbage collector pauses meanwhile."""
+    SamplingParams, validated once (nothing changes a request's params).
+
+    The garbage collector pauses meanwhile: every object made here stays alive, so the
+    passes that their growing number triggers (each over all of them) would free nothing."""
     out = []
     params_of: dict[int, SamplingParams] = {}  # output_len -> its requests' params
-    with collector_paused():
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
         for i, tr in enumerate(trace.requests):
             params = params_of.get(tr.output_len)
             if params is None:
@@ -86,6 +74,9 @@ def build_requests(trace: Trace, vocab_size: int) -> list[Request]:
                     structured=tr.structured,
                 )
             )  # fmt: skip
+    finally:
+        if collecting:
+            gc.enable()
     return out
 
 
@@ -223,8 +214,7 @@ def simulate(
         )  # fmt: skip
     )
     try:
-        with collector_paused():
-            env.run()
+        env.run()
     finally:
         if writer is not None:
             writer.close()
@@ -292,8 +282,7 @@ def _simulate_ranks(
     env.process(
         serve_data_parallel(env, group, arrivals, Clock(), cost, rounds, stats, on_progress)
     )
-    with collector_paused():
-        env.run()
+    env.run()
     cores, steps = group.cores, group.steps
     records = _in_trace_order(requests, cores)
     meta = _meta(trace, spec, hw, engine, cost_meta, num_blocks, cores, mask_s)

@@ -36,7 +36,7 @@ from sim.hardware import get_hardware
 from sim.kv_capacity import engine_kv_blocks, kv_bytes_per_token
 from sim.kv_tiers import kv_tiers_meta
 from sim.sim_executor import SimExecutor
-from sim.simulator import build_requests, collector_paused
+from sim.simulator import build_requests
 from sim.traces import Trace, TraceRequest
 
 
@@ -156,8 +156,7 @@ def simulate_cluster(
                 )
             env.process(_then_ended(hub, inst, loop))
     hub.entry_running = len(hub.entry)
-    with collector_paused():
-        env.run()
+    env.run()
     _check_drained(hub)
     records = merge_records(requests, hub)
     steps = {inst.name: inst.core.steps for inst in hub.entry + hub.decode}
