@@ -188,10 +188,12 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         req_id = request.request_id
+        start = self._num_cached[req_id]
+        if num_tokens // self.block_size <= start:  # (most calls: no block filled)
+            return
         known = request.num_tokens
         num_full = (num_tokens if num_tokens < known else known) // self.block_size
-        start = self._num_cached[req_id]
-        if num_full <= start:  # (most calls: no block filled)
+        if num_full <= start:
             return
         hashes = update_block_hashes(request, self.block_size)
         blocks = self.req_blocks[req_id]
@@ -228,8 +230,12 @@ class KVCacheManager:
         """Register blocks that became full once sampled tokens were appended: up to the
         newest token, whose KV the next step writes (under async scheduling the computed
         count already covers that step, which may still fail)."""
-        if request.request_id in self.req_blocks:
-            computed, last = request.num_computed_tokens, request.num_tokens - 1
+        req_id = request.request_id
+        if req_id in self.req_blocks:
+            computed = request.num_computed_tokens
+            if computed // self.block_size <= self._num_cached[req_id]:
+                return  # (most calls: no block filled; `_cache_full_blocks` would return)
+            last = request.num_tokens - 1
             self._cache_full_blocks(request, computed if computed < last else last, False)
 
     def trim(self, request: Request, num_tokens: int) -> None:

@@ -70,6 +70,16 @@ def test_itl_flattens_every_gap_of_every_request() -> None:
     assert s["itl_ms_max"] == pytest.approx(400)
 
 
+def test_itl_never_spans_two_requests() -> None:
+    """No gap from one request's last token to the next one's first, nor across a
+    finished request without token times (a record built by hand) or with one."""
+    empty = RequestRecord("e", "finished", 0.0, 10, 1, 0.0, 0.05, 0.05, [])
+    one = finished("one", 2.0, [2.9])
+    s = summarize([one, A, empty, one, B, one])
+    assert s["itl_ms_mean"] == pytest.approx(1000 / 6)
+    assert (s["itl_ms_min"], s["itl_ms_max"]) == pytest.approx((100, 400))
+
+
 def test_tpot_counts_tokens_while_itl_counts_timestamps() -> None:
     """With speculative decoding a step emits several tokens: one timestamp, many tokens."""
     r = finished("s", 0.0, [0.1, 0.3, 0.5], num_output_tokens=5)
