@@ -195,6 +195,7 @@ def main() -> None:
     p.add_argument(
         "--async-scheduling", action="store_true", help="launch step N+1 while step N runs"
     )
+    p.add_argument("--quantization", default=None, help="fp8: the weights quantized at load time")
     args = p.parse_args()
     dev = torch.device("cuda")
     batches = [int(x) for x in args.batches.split(",") if x]
@@ -203,7 +204,11 @@ def main() -> None:
     # blocks some requests would wait or be preempted and the step would not be batch B.
     cfg = sweep_config(
         max([*batches, 256]), args.context, args.decode_steps + 1, max([*prefills, 1])
-    ).replace(batch_invariant=args.batch_invariant, async_scheduling=args.async_scheduling)
+    ).replace(
+        batch_invariant=args.batch_invariant,
+        async_scheduling=args.async_scheduling,
+        quantization=args.quantization,
+    )
     ex, _, spec = build(args.model, dev, cfg, with_hf=False)
     for n in prefills:
         prompts = random_prompts(max(n // 1024, 1), min(n, 1024), spec.vocab_size, n)
