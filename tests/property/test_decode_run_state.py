@@ -303,6 +303,10 @@ class Lockstep:
         self.longest = 0  # steps of the longest run
         self.ended_inside = 0  # requests a run ended before its last step
         self.ended_before_last = 0  # ... in the turn before it, under async scheduling
+        self.asked = 0  # decode runs asked for with requests running and a step in flight
+        self.two_after_end = 0  # async runs of two steps whose first drops an ended request
+        # runs whose batch is the whole token budget: alone, beside a waiting request
+        self.full_budget = [0, 0]
 
     def run(self, cut: st.DataObject | None) -> Lockstep:
         arrivals = sorted(self.workload, key=lambda s: s.arrival_step)
@@ -333,6 +337,7 @@ class Lockstep:
                 continue
             self.clock.now = float(t)
             rule = _rule_horizon(self.runs.core, self.through_finishes)
+            self.asked += bool(self.runs.core.scheduler.running and self.runs.core._in_flight)
             run = self.runs.core.decode_run(self.through_finishes)
             assert (run and run.horizon) == rule, (
                 f"step {t}: the rule makes {rule} steps certain, the scheduler offers {run}"
@@ -379,6 +384,11 @@ class Lockstep:
 
     def _count(self, run: DecodeRun, k: int) -> None:
         self.num_runs += 1
+        core = self.runs.core
+        if k == 2 and run.in_flight_step is not None and run.dropped_req_ids:
+            self.two_after_end += 1
+        if run.num_reqs == core.config.max_num_batched_tokens:
+            self.full_budget[bool(core.scheduler.waiting)] += 1
         self.longest = max(self.longest, k)
         ended = sum(1 for h in run.limits if h < k)
         self.ended_inside += ended
@@ -455,7 +465,8 @@ def _decoding_together(draw: st.DrawFn) -> tuple[EngineCase, Workload]:
         enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()),
         async_scheduling=draw(st.sampled_from([True, True, False])),
-        role=draw(st.sampled_from([EngineRole.NORMAL, EngineRole.DECODE])),
+        # (a prefill engine: never a run, its requests end at their first token)
+        role=draw(st.sampled_from([EngineRole.NORMAL, EngineRole.DECODE, EngineRole.PREFILL])),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
     )
     return EngineCase(cfg, 0.7), tuple(specs)
@@ -506,7 +517,7 @@ def _cases_and_workloads(draw: st.DrawFn) -> tuple[EngineCase, Workload]:
     return either(draw, *_DRIVER_CASES, _decoding_together())  # type: ignore[return-value]
 
 
-@scaled(0.3, floor=40)
+@scaled(0.6, floor=80)
 @given(
     _cases_and_workloads(),
     st.sampled_from(["one", "none", "one", "none", "all"]),
@@ -599,6 +610,43 @@ def test_an_end_in_the_turn_before_an_async_runs_last_step_is_named_by_the_step_
         pair.num_runs,
         pair.ended_before_last,
     )
+
+
+def test_an_async_run_of_two_steps_leaves_in_flight_a_step_that_drops_nobody() -> None:
+    """The pinned case of a two-step run under async scheduling right after a finish
+    (runs end at each finish: outputs 5, 7, 9, 11): its first step tells the executor
+    to drop the ended request, the step it leaves in flight names no one."""
+    case, workload = _steady(True, (0, 0))
+    workload = tuple(replace(s, max_tokens=m) for s, m in zip(workload, (5, 7, 9, 11)))
+    pair = Lockstep(case, workload, (0, 0), False, False).run(None)
+    # The state it was written for: such runs (after r0's end, r1's and r2's).
+    assert pair.two_after_end >= 1, pair.two_after_end
+
+
+def test_a_prefill_engine_runs_single_steps() -> None:
+    """The pinned case of a prefill engine under async scheduling, its prompts chunked
+    (a 4-token budget): the step in flight samples a running request's first token,
+    after which it hands the request over (ends it), so no run is certain
+    (docs/design.md: a prefill engine runs single steps)."""
+    case, workload = _steady(True, (0, 0))
+    cfg = replace(case.config, role=EngineRole.PREFILL, max_num_batched_tokens=4)
+    pair = Lockstep(EngineCase(cfg, 0.7), workload, (0, 0), True, False).run(None)
+    # The state it was written for: asked with requests running and a step in flight.
+    assert pair.asked >= 1 and pair.num_runs == 0, (pair.asked, pair.num_runs)
+
+
+def test_a_batch_of_the_whole_token_budget_runs_beside_a_waiting_request() -> None:
+    """The pinned case of a batch exactly the token budget: with a fifth request waiting
+    (no token left to start it, so a run is certain) and after it, alone (the budget
+    holds every request of the run)."""
+    for async_scheduling in (False, True):
+        case, workload = _steady(async_scheduling, (0, 0))
+        case = EngineCase(replace(case.config, max_num_batched_tokens=4), 0.7)
+        workload = tuple(replace(s, max_tokens=20 + 4 * i) for i, s in enumerate(workload))
+        workload += (ReqSpec("r4", 14, (1, 2, 3), 9),)  # once the others decode
+        pair = Lockstep(case, workload, (0, 0), True, False).run(None)
+        # The state it was written for: runs of four, alone and beside r4 waiting.
+        assert min(pair.full_budget) >= 1, pair.full_budget
 
 
 def test_a_run_is_advanced_no_further_than_its_horizon() -> None:
