@@ -304,7 +304,8 @@ class Lockstep:
         self.ended_inside = 0  # requests a run ended before its last step
         self.ended_before_last = 0  # ... in the turn before it, under async scheduling
         self.asked = 0  # decode runs asked for with requests running and a step in flight
-        self.two_after_end = 0  # async runs of two steps whose first drops an ended request
+        self.two_after_end = 0  # async runs of two steps right after a request ended
+        self._ended: set[str] = set()  # the workload's requests ended, as of the last step
         # runs whose batch is the whole token budget: alone, beside a waiting request
         self.full_budget = [0, 0]
 
@@ -336,6 +337,8 @@ class Lockstep:
                 t = arrivals[0].arrival_step
                 continue
             self.clock.now = float(t)
+            ended = {rid for rid, r in self.single.reqs.items() if r.is_finished}
+            just_ended, self._ended = bool(ended - self._ended), ended
             rule = _rule_horizon(self.runs.core, self.through_finishes)
             self.asked += bool(self.runs.core.scheduler.running and self.runs.core._in_flight)
             run = self.runs.core.decode_run(self.through_finishes)
@@ -364,7 +367,7 @@ class Lockstep:
                 assert self.single.step(), f"step {t + s}: a certain step of a run stalled"
             self.runs.advance(run, times)
             self.clock.now = times[-1]
-            self._count(run, k)
+            self._count(run, k, just_ended)
             _assert_same(self.single, self.runs, f"after a run of {k} steps from {t}: {run}")
             t += k
 
@@ -382,10 +385,10 @@ class Lockstep:
                     if rid in side.core.scheduler.requests:  # (not aborted meanwhile)
                         side.core.kv_arrived(rid)
 
-    def _count(self, run: DecodeRun, k: int) -> None:
+    def _count(self, run: DecodeRun, k: int, just_ended: bool) -> None:
         self.num_runs += 1
         core = self.runs.core
-        if k == 2 and run.in_flight_step is not None and run.dropped_req_ids:
+        if k == 2 and run.in_flight_step is not None and just_ended:
             self.two_after_end += 1
         if run.num_reqs == core.config.max_num_batched_tokens:
             self.full_budget[bool(core.scheduler.waiting)] += 1
