@@ -43,6 +43,8 @@ LABELS = (
     "decode run of several steps",
     "decode run of several steps under async scheduling",
     "request ended inside a decode run",
+    "request ended in the turn before an async run's last step",
+    "decode run beside a request awaiting its KV",
 )
 
 
@@ -70,6 +72,8 @@ FLOOR = {
     "decode run of several steps": 20,
     "decode run of several steps under async scheduling": 15,
     "request ended inside a decode run": 18,
+    "request ended in the turn before an async run's last step": 1,
+    "decode run beside a request awaiting its KV": 3,
 }
 
 

@@ -23,7 +23,16 @@ priorities, prefix caching, small caches that preempt, aborts) on engines with a
 without async scheduling and with host and store tiers below HBM; a run is cut where an
 arrival or an abort is due, and at random before its horizon. Requests that a token
 could end (a stop token, a stop string, EOS) are never in a run: a run ends requests by
-length only, inside the run when nothing waits (`through_finishes`).
+length only, inside the run when nothing waits (`through_finishes`). A decode engine's
+requests may await their prompt's KV, which arrives some driver steps after their blocks
+are reserved (an event that cuts a run, as an arrival does).
+
+Before each run is asked for, the number of steps the rule of docs/design.md makes
+certain is restated from the engine's state (`_rule_horizon`: the queues, each request's
+tokens and stop conditions, the step in flight, the free blocks counted step by step)
+and must equal the scheduler's horizon: a run refused or cut short where the rule allows
+it leaves the same state (only fewer steps are skipped), so the lockstep alone would not
+see it.
 """
 
 from __future__ import annotations
@@ -40,11 +49,11 @@ from deepinfer.decode_run import DecodeRun
 from deepinfer.engine import EngineCore
 from deepinfer.errors import SchedulerStalled
 from deepinfer.kv_cache.tiers import HOST, STORE, KVTiers, TierLRU
-from deepinfer.request import Request
+from deepinfer.request import Request, RequestStatus
 from sim.sim_executor import SimExecutor
 from tests.property.coverage import TRANSITIONS
 from tests.property.harness import DriverClock, make_request
-from tests.property.sim_text import TextStops
+from tests.property.sim_text import TextStops, sim_text
 from tests.property.strategies import (
     EngineCase,
     ReqSpec,
@@ -52,6 +61,7 @@ from tests.property.strategies import (
     any_case_and_workload,
     either,
     scaled,
+    sim_token,
     stop_fields,
 )
 
@@ -76,8 +86,9 @@ class _Side:
         self.text = TextStops()
         self.structured = structured
 
-    def add(self, spec: ReqSpec) -> None:
+    def add(self, spec: ReqSpec, awaits_kv: bool = False) -> None:
         req = make_request(spec)
+        req.awaiting_kv = awaits_kv  # (a decode engine's: its prompt's KV is sent to it)
         # The 3rd, 6th, ... request is structured (the simulator prices its mask), as in
         # the property driver's `Flavours`: a run never takes one.
         req.structured = self.structured and len(self.reqs) % 3 == 2
@@ -173,6 +184,91 @@ def _request(r: Request) -> tuple[object, ...]:
     )
 
 
+def _rule_horizon(core: EngineCore, through_finishes: bool) -> int | None:
+    """The steps from here that docs/design.md's "Fast-forward" rule makes certain, or
+    None where it offers no run: restated from the requests, the queues and the free
+    blocks (the engine's state, which the lockstep checks against the single steps), one
+    step at a time, not from the scheduler's horizon."""
+    cfg = core.config
+    s = core.scheduler
+    flight = core._in_flight
+    if cfg.async_scheduling:  # the step in flight must be one of the run's
+        if flight is None or flight.ended is not None:
+            return None
+    elif flight is not None:
+        return None
+    running = list(s.running)
+    n = len(running)
+    if (
+        not n
+        or n > cfg.max_num_batched_tokens  # the token budget holds them all
+        or cfg.num_speculative_tokens
+        or cfg.role is EngineRole.PREFILL
+        or s.emit_token_ids
+        or core._compiling
+        or core._grammar_rejected
+    ):
+        return None
+    queued = list(s.waiting)
+    # A request awaiting its KV is passed over; any other in progress (a chunked
+    # prefill between chunks) is scheduled.
+    if any(r.status is RequestStatus.PREFILLING and not r.awaiting_kv for r in queued):
+        return None
+    in_progress = sum(r.status is RequestStatus.PREFILLING for r in queued)
+    others = [r for r in queued if r.status is not RequestStatus.PREFILLING]
+    may_start = (
+        n < cfg.max_num_batched_tokens  # a token of the budget left for a start
+        and n + in_progress < cfg.max_num_seqs
+        and not (cfg.role is EngineRole.NORMAL and s.kv.usage > cfg.prefill_watermark)
+    )
+    if others and may_start:
+        return None
+    placeholders = 1 if cfg.async_scheduling else 0
+    if flight is not None:  # the requests it schedules that still live: the running ones
+        live = [sr for sr in flight.out.scheduled if sr.req_id in s.requests]
+        if [sr.req_id for sr in live] != [r.request_id for r in running]:
+            return None
+        for sr in live:  # each samples one token: a decode, or a prompt's last chunk
+            if not sr.will_sample or sr.draft_token_ids or not (sr.num_tokens == 1 or sr.is_prompt):
+                return None
+    limits = []
+    for r in running:
+        sp = r.sampling_params
+        if r.structured or sp.stop or sp.stop_token_ids:
+            return None
+        if not sp.ignore_eos and r.eos_token_id is not None:
+            return None  # a token could end it
+        known = r.num_prompt_tokens + len(r.output_token_ids)
+        if r.num_output_placeholders != placeholders:
+            return None
+        if known + placeholders != r.num_computed_tokens + 1:
+            return None  # not decoding: its known tokens one past its computed ones
+        limit = s.max_model_len - known
+        if sp.max_tokens is not None:
+            limit = min(limit, sp.max_tokens - len(r.output_token_ids))
+        limits.append(limit)
+    horizon = max(limits) if through_finishes and not queued else min(limits)
+    if horizon < 1:
+        return None
+    # Step j writes each request's position computed + j: a new block at each first slot
+    # past the blocks it holds. The step that needs one more block than are free (blank
+    # ones only beside a shared store) is not certain.
+    pool, bs = s.kv.pool, s.block_size
+    free = pool.num_free_blocks
+    if s.kv.tiers is not None and s.kv.tiers.store is not None:
+        free = pool.num_blank_blocks
+    taken = 0
+    for j in range(horizon):
+        for r, limit in zip(running, limits):
+            pos = r.num_computed_tokens + j
+            held = len(s.kv.req_blocks[r.request_id]) * bs
+            if j < limit and pos >= held and (pos - held) % bs == 0:
+                taken += 1
+        if taken > free:
+            return j if j >= 1 else None
+    return horizon
+
+
 def _assert_same(single: _Side, runs: _Side, where: str) -> None:
     a, b = _state(single), _state(runs)
     for key in a.keys() | b.keys():
@@ -192,15 +288,26 @@ class Lockstep:
         tiers: tuple[int, int],
         through_finishes: bool,
         structured: bool,
+        kv_delays: dict[str, int] | None = None,
     ) -> None:
         self.clock = DriverClock()
         self.single = _Side(case, tiers, self.clock, structured)
         self.runs = _Side(case, tiers, self.clock, structured)
         self.workload = workload
         self.through_finishes = through_finishes
+        # Requests that await their prompt's KV: it arrives this many driver steps after
+        # their blocks are reserved (an event, as an arrival: it cuts a run).
+        self.kv_delays = kv_delays or {}
+        self.kv_due: dict[str, int] = {}
         self.num_runs = 0
         self.longest = 0  # steps of the longest run
         self.ended_inside = 0  # requests a run ended before its last step
+        self.ended_before_last = 0  # ... in the turn before it, under async scheduling
+        self.asked = 0  # decode runs asked for with requests running and a step in flight
+        self.two_after_end = 0  # async runs of two steps right after a request ended
+        self._ended: set[str] = set()  # the workload's requests ended, as of the last step
+        # runs whose batch is the whole token budget: alone, beside a waiting request
+        self.full_budget = [0, 0]
 
     def run(self, cut: st.DataObject | None) -> Lockstep:
         arrivals = sorted(self.workload, key=lambda s: s.arrival_step)
@@ -215,12 +322,14 @@ class Lockstep:
                 spec = arrivals.pop(0)
                 self.clock.now = float(t)
                 for side in sides:
-                    side.add(spec)
+                    side.add(spec, spec.req_id in self.kv_delays)
             while aborts and aborts[0].abort_step <= t:  # type: ignore[operator]
                 rid = aborts.pop(0).req_id
                 for side in sides:
                     side.core.abort(rid)
+            self._kv_arrivals(t)
             events = [s.arrival_step for s in arrivals] + [s.abort_step for s in aborts]
+            events += self.kv_due.values()
             if not self.single.core.has_unfinished():
                 assert not self.runs.core.has_unfinished(), f"step {t}: the runs' engine has work"
                 if not arrivals:
@@ -228,7 +337,14 @@ class Lockstep:
                 t = arrivals[0].arrival_step
                 continue
             self.clock.now = float(t)
+            ended = {rid for rid, r in self.single.reqs.items() if r.is_finished}
+            just_ended, self._ended = bool(ended - self._ended), ended
+            rule = _rule_horizon(self.runs.core, self.through_finishes)
+            self.asked += bool(self.runs.core.scheduler.running and self.runs.core._in_flight)
             run = self.runs.core.decode_run(self.through_finishes)
+            assert (run and run.horizon) == rule, (
+                f"step {t}: the rule makes {rule} steps certain, the scheduler offers {run}"
+            )
             if run is None:
                 stepped = [side.step() for side in sides]
                 assert stepped[0] == stepped[1], f"step {t}: one engine stalled, not the other"
@@ -251,12 +367,31 @@ class Lockstep:
                 assert self.single.step(), f"step {t + s}: a certain step of a run stalled"
             self.runs.advance(run, times)
             self.clock.now = times[-1]
-            self._count(run, k)
+            self._count(run, k, just_ended)
             _assert_same(self.single, self.runs, f"after a run of {k} steps from {t}: {run}")
             t += k
 
-    def _count(self, run: DecodeRun, k: int) -> None:
+    def _kv_arrivals(self, t: int) -> None:
+        """The KV of each request reserved since the last step is due its delay from
+        now; the KVs due by `t` arrive (on both engines)."""
+        reserved = [rid for rid, _ in self.single.core.take_kv_reserved()]
+        assert [rid for rid, _ in self.runs.core.take_kv_reserved()] == reserved, t
+        for rid in reserved:
+            self.kv_due[rid] = t + self.kv_delays[rid]
+        for rid, due in list(self.kv_due.items()):
+            if due <= t:
+                del self.kv_due[rid]
+                for side in (self.single, self.runs):
+                    if rid in side.core.scheduler.requests:  # (not aborted meanwhile)
+                        side.core.kv_arrived(rid)
+
+    def _count(self, run: DecodeRun, k: int, just_ended: bool) -> None:
         self.num_runs += 1
+        core = self.runs.core
+        if k == 2 and run.in_flight_step is not None and just_ended:
+            self.two_after_end += 1
+        if run.num_reqs == core.config.max_num_batched_tokens:
+            self.full_budget[bool(core.scheduler.waiting)] += 1
         self.longest = max(self.longest, k)
         ended = sum(1 for h in run.limits if h < k)
         self.ended_inside += ended
@@ -267,6 +402,12 @@ class Lockstep:
                 c["decode run of several steps under async scheduling"] += 1
         if ended:
             c["request ended inside a decode run"] += ended
+        if run.in_flight_step is not None and any(h == k - 1 for h in run.limits):
+            # its end is named by the step the run leaves in flight
+            self.ended_before_last += 1
+            c["request ended in the turn before an async run's last step"] += 1
+        if self.runs.core.scheduler.num_awaiting_kv:
+            c["decode run beside a request awaiting its KV"] += 1
 
 
 def _stops_kept(workload: Workload, keep: str) -> Workload:
@@ -327,8 +468,46 @@ def _decoding_together(draw: st.DrawFn) -> tuple[EngineCase, Workload]:
         enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()),
         async_scheduling=draw(st.sampled_from([True, True, False])),
-        role=draw(st.sampled_from([EngineRole.NORMAL, EngineRole.DECODE])),
+        # (a prefill engine: never a run, its requests end at their first token)
+        role=draw(st.sampled_from([EngineRole.NORMAL, EngineRole.DECODE, EngineRole.PREFILL])),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
+    )
+    return EngineCase(cfg, 0.7), tuple(specs)
+
+
+@st.composite
+def _one_stops_inside(draw: st.DrawFn) -> tuple[EngineCase, Workload]:
+    """Requests decoding together beside one that a token ends at a drawn output, inside
+    the others' run: by a stop string alone, by EOS it does not ignore, or by a stop
+    token. A run that took it in would end it by length only, past that output."""
+    bs = draw(st.sampled_from([1, 2, 4, 16]))
+    n = draw(st.integers(1, 4))
+    # EOS ignored, or none to end on: neither keeps a request out of a run.
+    eos = st.sampled_from([{}, {"eos_token_id": 0}, {"ignore_eos": False}])
+    specs = [
+        ReqSpec(f"r{i}", 0, (1000 + i,) * draw(st.integers(1, 2 * bs)), 40, **draw(eos))
+        for i in range(n)
+    ]
+    rid, prompt = "s", (7,) * draw(st.integers(1, 2 * bs))
+    at = draw(st.integers(1, 30))  # the output index whose token ends it
+    token = sim_token(rid, len(prompt) + at)
+    kind = draw(st.sampled_from(["stop string", "eos", "stop token"]))
+    fields: dict[str, Any] = {
+        "stop string": {"stop": (sim_text(token),)},
+        "eos": {"eos_token_id": token, "ignore_eos": False},
+        "stop token": {"stop_token_ids": (token,)},
+    }[kind]
+    specs.insert(draw(st.integers(0, n)), ReqSpec(rid, 0, prompt, 40, **fields))
+    cfg = EngineConfig(
+        block_size=bs,
+        num_gpu_blocks=-(-(n + 1) * (2 * bs + 41) // bs) + 1,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=draw(st.booleans()),
+        async_scheduling=draw(st.booleans()),
+        role=EngineRole.NORMAL,
+        policy="fcfs",
     )
     return EngineCase(cfg, 0.7), tuple(specs)
 
@@ -341,7 +520,7 @@ def _cases_and_workloads(draw: st.DrawFn) -> tuple[EngineCase, Workload]:
     return either(draw, *_DRIVER_CASES, _decoding_together())  # type: ignore[return-value]
 
 
-@scaled(0.3, floor=40)
+@scaled(0.6, floor=80)
 @given(
     _cases_and_workloads(),
     st.sampled_from(["one", "none", "one", "none", "all"]),
@@ -359,7 +538,30 @@ def test_a_decode_run_leaves_the_state_its_single_steps_leave(
     cut: st.DataObject,
 ) -> None:
     case, workload = case_and_workload
-    Lockstep(case, _stops_kept(workload, stops), tiers, through_finishes, structured).run(cut)
+    kv_delays = {}
+    if case.config.role is EngineRole.DECODE:  # some await their prompt's KV
+        for spec in workload:
+            delay = cut.draw(st.sampled_from([None, None, 0, 1, 4]), label="KV arrives after")
+            if delay is not None:
+                kv_delays[spec.req_id] = delay
+    workload = _stops_kept(workload, stops)
+    Lockstep(case, workload, tiers, through_finishes, structured, kv_delays).run(cut)
+
+
+@scaled(0.1, floor=20)
+@given(_one_stops_inside(), st.booleans())
+def test_a_request_a_token_ends_is_never_in_a_run(
+    case_and_workload: tuple[EngineCase, Workload], through_finishes: bool
+) -> None:
+    case, workload = case_and_workload
+    pair = Lockstep(case, workload, (0, 0), through_finishes, False).run(None)
+    # The state it was written for: the others ran while the one stopped ("s" ended
+    # before its max_tokens, by its token).
+    stopped = pair.single.reqs["s"]
+    assert len(stopped.output_token_ids) < 40 and pair.num_runs >= 1, (
+        stopped.output_token_ids,
+        pair.num_runs,
+    )
 
 
 def _steady(async_scheduling: bool, tiers: tuple[int, int]) -> tuple[EngineCase, Workload]:
@@ -395,6 +597,59 @@ def test_a_run_past_finishes_leaves_the_state_of_its_single_steps() -> None:
             # The state it was written for: one run to the last finish, three ended inside.
             assert pair.num_runs >= 1 and pair.longest >= 12, (pair.num_runs, pair.longest)
             assert pair.ended_inside == 3, pair.ended_inside
+
+
+def test_an_end_in_the_turn_before_an_async_runs_last_step_is_named_by_the_step_in_flight() -> None:
+    """The pinned case of a request that ends in the turn before a run's last step under
+    async scheduling: the step the run leaves in flight was scheduled after that turn,
+    so it tells the executor to drop the request (outputs 5, 6, 8, 9: r0 ends one step
+    before r1, r2 one before r3, the run's last)."""
+    case, workload = _steady(True, (0, 0))
+    workload = tuple(replace(s, max_tokens=m) for s, m in zip(workload, (5, 6, 8, 9)))
+    pair = Lockstep(case, workload, (0, 0), True, False).run(None)
+    # The state it was written for: one run to the last finish, r2 ending in the turn
+    # before its last step.
+    assert pair.num_runs == 1 and pair.ended_before_last == 1, (
+        pair.num_runs,
+        pair.ended_before_last,
+    )
+
+
+def test_an_async_run_of_two_steps_leaves_in_flight_a_step_that_drops_nobody() -> None:
+    """The pinned case of a two-step run under async scheduling right after a finish
+    (runs end at each finish: outputs 5, 7, 9, 11): its first step tells the executor
+    to drop the ended request, the step it leaves in flight names no one."""
+    case, workload = _steady(True, (0, 0))
+    workload = tuple(replace(s, max_tokens=m) for s, m in zip(workload, (5, 7, 9, 11)))
+    pair = Lockstep(case, workload, (0, 0), False, False).run(None)
+    # The state it was written for: such runs (after r0's end, r1's and r2's).
+    assert pair.two_after_end >= 1, pair.two_after_end
+
+
+def test_a_prefill_engine_runs_single_steps() -> None:
+    """The pinned case of a prefill engine under async scheduling, its prompts chunked
+    (a 4-token budget): the step in flight samples a running request's first token,
+    after which it hands the request over (ends it), so no run is certain
+    (docs/design.md: a prefill engine runs single steps)."""
+    case, workload = _steady(True, (0, 0))
+    cfg = replace(case.config, role=EngineRole.PREFILL, max_num_batched_tokens=4)
+    pair = Lockstep(EngineCase(cfg, 0.7), workload, (0, 0), True, False).run(None)
+    # The state it was written for: asked with requests running and a step in flight.
+    assert pair.asked >= 1 and pair.num_runs == 0, (pair.asked, pair.num_runs)
+
+
+def test_a_batch_of_the_whole_token_budget_runs_beside_a_waiting_request() -> None:
+    """The pinned case of a batch exactly the token budget: with a fifth request waiting
+    (no token left to start it, so a run is certain) and after it, alone (the budget
+    holds every request of the run)."""
+    for async_scheduling in (False, True):
+        case, workload = _steady(async_scheduling, (0, 0))
+        case = EngineCase(replace(case.config, max_num_batched_tokens=4), 0.7)
+        workload = tuple(replace(s, max_tokens=20 + 4 * i) for i, s in enumerate(workload))
+        workload += (ReqSpec("r4", 14, (1, 2, 3), 9),)  # once the others decode
+        pair = Lockstep(case, workload, (0, 0), True, False).run(None)
+        # The state it was written for: runs of four, alone and beside r4 waiting.
+        assert min(pair.full_budget) >= 1, pair.full_budget
 
 
 def test_a_run_is_advanced_no_further_than_its_horizon() -> None:
