@@ -83,8 +83,9 @@ def _block_ids(num_blocks_m, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 # Per-step sizes are runtime arguments Triton must not specialise on (value 1, divisible
-# by 16), or a new value would compile a new kernel in the middle of serving.
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
+# by 16), or a new value would compile a new kernel in the middle of serving: the pair
+# counts, and the scale strides of A_FP8's inputs (T and T * top-k).
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m", "stride_xsg"])
 def _moe_gate_up_kernel(
     x_ptr,  # [T, K]
     w_ptr,  # [E, 2N, K]
@@ -171,7 +172,7 @@ def _moe_gate_up_kernel(
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m", "stride_asg"])
 def _moe_down_kernel(
     act_ptr,  # [num_pairs, K]
     w_ptr,  # [E, N, K]
@@ -291,6 +292,8 @@ def fused_moe(
         num_shared = sw13.shape[0] // two_i
         assert sw13.shape == (num_shared * two_i, hidden) and sw13.stride(1) == 1
         assert sw2.shape == (hidden, num_shared * inter) and sw2.stride(1) == 1
+    if fp8 is None and (config or {}).get("A_FP8"):
+        raise ValueError("fused_moe: A_FP8 rounds the inputs of FP8 experts; these are not")
     out = torch.empty_like(x) if out is None else out
     assert out.shape == x.shape and out.stride(1) == 1
     if t == 0:
@@ -299,8 +302,6 @@ def fused_moe(
     cfg = dict(table, **(config or {}))
     s13, s2, block_sn = w13, w2, 1  # unread unless fp8
     a_fp8 = bool(cfg.get("A_FP8", 0))
-    if a_fp8 and fp8 is None:
-        raise ValueError("fused_moe: A_FP8 rounds the inputs of FP8 experts; these are not")
     if fp8 is not None:
         assert shared is None, "shared experts do not ride with FP8 experts"
         s13, s2 = fp8.w13_scale, fp8.w2_scale

@@ -60,6 +60,7 @@ def get_hardware(name: str) -> HardwareSpec:
     if key not in table:
         raise ValueError(f"unknown hardware {name!r}; known: {', '.join(known_hardware())}")
     entry = table[key]
+    on_host = bool(entry.get("runs_on_host", False))
     try:
         return HardwareSpec(
             name=key,
@@ -72,8 +73,10 @@ def get_hardware(name: str) -> HardwareSpec:
                 float(entry["nvlink_bandwidth"]) if "nvlink_bandwidth" in entry else None
             ),
             all_to_all_latency_s=float(entry.get("all_to_all_latency_s", 0.0)),
-            runs_on_host=bool(entry.get("runs_on_host", False)),
-            num_sms=int(entry.get("num_sms", 0)),
+            runs_on_host=on_host,
+            # A GPU's SMs set its kernels' waves (prefill and split-KV attention); a
+            # host CPU has none.
+            num_sms=int(entry.get("num_sms", 0)) if on_host else int(entry["num_sms"]),
         )
     except KeyError as e:
         raise ValueError(f"{HARDWARE_FILE}: entry {key!r} lacks field {e.args[0]!r}") from None

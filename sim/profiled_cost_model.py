@@ -195,6 +195,10 @@ class ProfiledCostModel(CostModel):
         # longest request (StepSurface); the CPU's attention runs requests of similar
         # length together (kernels/reference.py): its batch costs its contexts' sum.
         self._one_wave = 0 if hardware.runs_on_host else ONE_WAVE_BATCH
+        # A GPU's decodes verifying beside prompt chunks take the decode kernel's verify
+        # launch (`_verify_attention_beside_chunks`); the CPU's reference attention has no
+        # such launch, and the plain fit prices them.
+        self._verify_launch = not hardware.runs_on_host
         # Prefill attention (`prefill_wave`) runs a program per (query tile, request,
         # head), one an SM at a time; past one wave the programs' keys (heads x pairs /
         # tile) shared by the SMs set its time: this share of `chunk_pairs` (twice the
@@ -448,7 +452,7 @@ class ProfiledCostModel(CostModel):
                 target = fallback_target(self._analytic, out, decode())
         else:
             target = self._physics_of(step)
-            if drafts and spec.ready and spec.verify_physics.ready:
+            if drafts and self._verify_launch and spec.ready and spec.verify_physics.ready:
                 target += self._verify_attention_beside_chunks(step)
         if spec.ready:
             return target + spec.drafter_time(out, step.num_drafts)

@@ -63,6 +63,19 @@ def test_hardware_presets_carry_spec_sheet_figures() -> None:
     assert all(get_hardware(n).source for n in known_hardware())
 
 
+def test_a_gpu_entry_without_its_sm_count_is_named(monkeypatch) -> None:
+    """A GPU's SMs set its kernels' waves: an entry that lacks them is refused by name
+    rather than priced as a host CPU (which has none)."""
+    import sim.hardware as hardware
+
+    table = hardware._table()
+    gpu = {k: v for k, v in table["h100"].items() if k != "num_sms"}
+    monkeypatch.setattr(hardware, "_table", lambda: {**table, "h100": gpu})
+    with pytest.raises(ValueError, match="'h100' lacks field 'num_sms'"):
+        get_hardware("h100")
+    assert get_hardware("cpu").num_sms == 0
+
+
 def test_unknown_hardware_lists_known_names() -> None:
     with pytest.raises(ValueError, match="h200"):
         get_hardware("tpu-v9")

@@ -303,3 +303,15 @@ def test_decodes_verifying_beside_a_prompt_chunk_pay_the_verify_attention() -> N
         alone = cm.step_time(shape_output(chunk))
         attention = cm._spec.verify_physics.attention_time(shape_output(verify))
     assert both - alone > 0.8 * attention > 0
+
+
+def test_on_a_host_cpu_decodes_beside_a_prompt_chunk_keep_the_plain_fit(demo) -> None:
+    """The CPU's reference attention has no verify launch: a speculating step with a
+    prompt chunk is priced by the plain fit's physics and the drafter, as before the
+    verify launch's correction existed."""
+    cm = ProfiledCostModel(DEMO_PROFILE, demo, get_hardware("cpu"), 2)
+    assert cm._spec.ready and cm._spec.verify_physics.ready
+    out = shape_output([[4, 3, 300, False, 2], [1, 64, 100, True]])
+    step = cm._measure(out, 0)
+    want = cm._physics_of(step) + cm._spec.drafter_time(out, step.num_drafts)
+    assert cm.step_time(out) == want
