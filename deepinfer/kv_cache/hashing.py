@@ -9,15 +9,9 @@ with their default hash.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 from deepinfer.request import Request
 
 ROOT_HASH = 0x9E3779B97F4A7C15  # parent of a sequence's first block
-
-
-def hash_block(parent: int, content: Hashable, extra: Hashable = None) -> int:
-    return hash((parent, content, extra))
 
 
 def update_block_hashes(request: Request, block_size: int) -> list[int]:
@@ -29,6 +23,7 @@ def update_block_hashes(request: Request, block_size: int) -> list[int]:
         extra = request.cache_salt
         content_key, append = request.content_key, hashes.append
         for start in range(len(hashes) * block_size, num_full * block_size, block_size):
-            parent = hash((parent, content_key(start, start + block_size), extra))  # hash_block
+            # a block's hash: (its parent's hash, its tokens, the request's extra keys)
+            parent = hash((parent, content_key(start, start + block_size), extra))
             append(parent)
     return hashes
