@@ -155,3 +155,22 @@ SEVEN_BLOCK_HOLDERS: tuple[EngineCase, Workload] = (
     ),  # fmt: skip
     tuple(ReqSpec(f"r{i}", 0, tuple(range(100 * i + 1, 100 * i + 2 + i)), 3) for i in range(7)),
 )
+
+
+# Speculation with every draft accepted, a 4-block cache: b (2 prompt tokens) verifies two
+# drafts whose acceptance fills its block 0 (known to be full only after the step, so
+# its scheduling could not cache it ahead), then a's next verify preempts b, which
+# restarts on that cached block (`cache_computed__mutmut_1`, `_2`, `_4`: caching less or
+# nothing after a step's results).
+ACCEPTED_DRAFTS_FILL_A_BLOCK_THEN_PREEMPTED: tuple[EngineCase, Workload] = (
+    EngineCase(
+        _config(
+            num_gpu_blocks=4,
+            async_scheduling=False,
+            num_speculative_tokens=2,
+            enable_mtp_varlen=False,
+        ),
+        1.0,
+    ),
+    (ReqSpec("a", 0, (1,), max_tokens=6), ReqSpec("b", 0, (100, 101), max_tokens=6)),
+)

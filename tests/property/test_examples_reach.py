@@ -129,6 +129,24 @@ def _chunked_prompt_beside_a_waiting_one(d: Driver, trace: Trace) -> None:
     assert t.admissions["b"].hits == 1, "b did not start on a's cached first block"
 
 
+def _accepted_drafts_fill_a_block_then_preempted(d: Driver, trace: Trace) -> None:
+    bs = d.case.config.block_size
+
+    def fills(t: TracedStep) -> bool:  # b's block 0 full only once its drafts pass
+        b = t.scheduled("b")
+        return (
+            b is not None
+            and bool(b.draft_token_ids)
+            and b.num_computed_tokens + 1 < bs <= b.num_computed_tokens + b.num_tokens
+        )
+
+    verify = _first(trace, "b's verify fills block 0 with drafts", fills)
+    nxt = _first(trace, "the step after it", lambda t: t.step == verify.step + 1)
+    assert "b" in nxt.out.preempted_req_ids, "b was not preempted right after its verify"
+    back = _first(trace, "b restarts", lambda t: "b" in t.admissions and t.step > nxt.step)
+    assert back.admissions["b"].hits == 1, "b's restart did not start on its block 0"
+
+
 def _seven_block_holders(d: Driver, trace: Trace) -> None:
     _first(trace, "seven requests holding blocks", lambda t: len(t.before.tables) == 7)
 
@@ -148,6 +166,10 @@ REACHES: dict[str, tuple[list[Callable[[], Checker]], Callable[[Driver, Trace], 
     "PREFIX_HIT_OF_TWO_BLOCKS": ([], _prefix_hit_of_two_blocks),
     "CHUNKED_PROMPT_BESIDE_A_WAITING_ONE": ([], _chunked_prompt_beside_a_waiting_one),
     "SEVEN_BLOCK_HOLDERS": ([], _seven_block_holders),
+    "ACCEPTED_DRAFTS_FILL_A_BLOCK_THEN_PREEMPTED": (
+        [],
+        _accepted_drafts_fill_a_block_then_preempted,
+    ),
 }
 
 

@@ -8,10 +8,11 @@ block registered for it, dropped when that block is handed out fresh.
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given
 
 from deepinfer.config import EngineConfig
 from tests.property.checkers_kv import BlockSafety, PrefixCache
+from tests.property.examples import ACCEPTED_DRAFTS_FILL_A_BLOCK_THEN_PREEMPTED
 from tests.property.harness import Checker, Driver
 from tests.property.mirror import KVMirror
 from tests.property.strategies import (
@@ -67,6 +68,7 @@ class _SharedContent(Checker):
 
 @scaled(1.0)
 @given(CACHING)
+@example(ACCEPTED_DRAFTS_FILL_A_BLOCK_THEN_PREEMPTED)
 def test_prefix_hits_equal_the_reference_dict_model(cw: tuple[EngineCase, Workload]) -> None:
     """Each (re)admitted request reuses exactly the blocks a plain dict finds for its
     leading full blocks (exact token prefixes, registered when computed, first block
