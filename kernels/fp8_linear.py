@@ -19,7 +19,9 @@ kernel with the same rounding (`act_quant`) and cuBLAS multiplies: the per-K-ste
 rescale of the fused kernel above runs on the CUDA cores, cuBLAS's on the matrix
 pipeline's side. A few rows stream the weight, where the fused kernel's narrow tiles do
 better. A row's result then depends on how many rows share the GEMM (which kernel ran):
-batch-invariant callers keep the fused kernel (`allow_cublas=False`).
+batch-invariant callers keep the fused kernel (`allow_cublas=False`). Some cuBLAS builds
+refuse a row count that is not a multiple of 16 (CUBLAS_STATUS_NOT_SUPPORTED from the
+heuristic); there the quantized rows are padded with zero rows up to one.
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ def fp8_linear_config(num_rows: int) -> dict[str, int]:
 
 # Rows from which cuBLAS's block-scaled GEMM takes over (where the device has it).
 CUBLAS_MIN_ROWS = 17
-# Per device index: whether cuBLAS ran a block-scaled GEMM of an odd row count once.
-_cublas_block_scaled: dict[int, bool] = {}
+# The row multiple that builds refusing odd row counts take.
+CUBLAS_PADDED_ROWS = 16
+# Per device index: the row multiple cuBLAS's block-scaled GEMM takes there (1: any
+# count; CUBLAS_PADDED_ROWS: padded), or 0 where it refuses both.
+_cublas_row_multiple: dict[int, int] = {}
 
 
 @triton.jit
@@ -119,10 +124,11 @@ def _fp8_linear_kernel(
 def _act_quant_kernel(
     x_ptr,  # [M, K]
     q_ptr,  # [M, K] e4m3
-    s_ptr,  # [ceil(K / GROUP), M] float32: the scales M-major, as cuBLAS reads 1 x GROUP
+    s_ptr,  # [ceil(K / GROUP), stride_sg] float32: the scales M-major, as cuBLAS reads 1 x GROUP
     M,
     K,
     stride_xm,
+    stride_sg,
     BLOCK_M: tl.constexpr,
     GROUP: tl.constexpr,
 ):
@@ -136,61 +142,80 @@ def _act_quant_kernel(
     )
     q, scale = quantize_group(a)
     tl.store(q_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], q, mask=mask)
-    tl.store(s_ptr + g * M + offs_m, scale, mask=offs_m < M)
+    tl.store(s_ptr + g * stride_sg + offs_m, scale, mask=offs_m < M)
 
 
-def act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], scales [M, ceil(K / group)] float32, stored M-major):
+def act_quant(
+    x: torch.Tensor, group: int, rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [R, K], scales [R, ceil(K / group)] float32, stored M-major):
     the fused kernels' rounding of each row and group (a partial last group's missing
-    columns count as zeros, as the fused kernels' masked loads read them), once."""
+    columns count as zeros, as the fused kernels' masked loads read them), once.
+    R = rows (default M): rows past M are zeros with scale 1, for a GEMM that takes
+    only some row counts."""
     m, k = x.shape
+    r = m if rows is None else rows
+    assert r >= m
     groups = -(-k // group)
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(groups, m, dtype=torch.float32, device=x.device)
+    q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(groups, r, dtype=torch.float32, device=x.device)
+    if r > m:
+        q[m:].zero_()
+        s[:, m:].fill_(1.0)
     if m:
         grid = (triton.cdiv(m, 32), groups)
         _act_quant_kernel[grid](
-            x, q, s, m, k, x.stride(0), BLOCK_M=32, GROUP=group, num_warps=4
+            x, q, s, m, k, x.stride(0), s.stride(0), BLOCK_M=32, GROUP=group, num_warps=4
         )  # fmt: skip
     return q, s.t()
 
 
-def _cublas_takes(x: torch.Tensor, n: int, k: int, block: tuple[int, int]) -> bool:
-    """Whether cuBLAS's block-scaled GEMM takes these shapes on x's device: 128 x 128
-    blocks, whole blocks, a bf16 / fp16 x, and a device where it ran once (checked at
-    the first call outside a CUDA graph capture: until then the fused kernel runs)."""
+def _cublas_takes(x: torch.Tensor, n: int, k: int, block: tuple[int, int]) -> int:
+    """The row multiple at which cuBLAS's block-scaled GEMM takes these shapes on x's
+    device, or 0 where it does not: 128 x 128 blocks, whole blocks, a bf16 / fp16 x, and
+    a device where it ran once (checked at the first call outside a CUDA graph capture:
+    until then the fused kernel runs)."""
     if block != (128, 128) or n % 128 or k % 128 or x.dtype not in (torch.bfloat16, torch.float16):
-        return False
+        return 0
     if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
-        return False
+        return 0
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if index not in _cublas_block_scaled:
+    if index not in _cublas_row_multiple:
         if torch.cuda.is_current_stream_capturing():
-            return False
-        _cublas_block_scaled[index] = _cublas_runs(x.device, x.dtype)
-    return _cublas_block_scaled[index]
+            return 0
+        _cublas_row_multiple[index] = _cublas_row_multiple_on(x.device, x.dtype)
+    return _cublas_row_multiple[index]
 
 
-def _cublas_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Run one small block-scaled GEMM of an odd row count: False if cuBLAS refuses."""
+def _cublas_row_multiple_on(device: torch.device, dtype: torch.dtype) -> int:
+    """Run one small block-scaled GEMM of an odd row count, then padded: the first row
+    multiple cuBLAS takes (1 or CUBLAS_PADDED_ROWS), or 0 if it refuses both."""
     x = torch.ones(CUBLAS_MIN_ROWS, 128, dtype=dtype, device=device)
     w = torch.ones(128, 128, dtype=torch.float8_e4m3fn, device=device)
     s = torch.ones(1, 1, dtype=torch.float32, device=device)
-    try:
-        _cublas_fp8_linear(x, w, s, None)
-    except (RuntimeError, TypeError, ValueError):
-        return False
-    return True
+    for multiple in (1, CUBLAS_PADDED_ROWS):
+        try:
+            _cublas_fp8_linear(x, w, s, None, multiple)
+        except (RuntimeError, TypeError, ValueError):
+            continue
+        return multiple
+    return 0
 
 
 def _cublas_fp8_linear(
-    x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None,
+    row_multiple: int,
 ) -> torch.Tensor:
-    """x2 [M, K] -> [M, N] by torch._scaled_mm: x quantized per 1 x 128 (act_quant), the
-    weight's 128 x 128 scales read as its transpose's (the weight [N, K] row-major is
-    the column-major [K, N] operand)."""
-    q, s = act_quant(x2, 128)
+    """x2 [M, K] -> [M, N] by torch._scaled_mm: x quantized per 1 x 128 (act_quant, its
+    rows padded up to a multiple of row_multiple), the weight's 128 x 128 scales read as
+    its transpose's (the weight [N, K] row-major is the column-major [K, N] operand)."""
+    m = x2.shape[0]
+    q, s = act_quant(x2, 128, -(-m // row_multiple) * row_multiple)
     out = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale_inv.t(), out_dtype=x2.dtype)
+    out = out[:m]
     return out if bias is None else out + bias
 
 
@@ -219,8 +244,10 @@ def fp8_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if allow_cublas and config is None and m >= CUBLAS_MIN_ROWS and _cublas_takes(x2, n, k, block):
-        return _cublas_fp8_linear(x2, weight, scale_inv, bias).view(*lead, n)
+    if allow_cublas and config is None and m >= CUBLAS_MIN_ROWS:
+        multiple = _cublas_takes(x2, n, k, block)
+        if multiple:
+            return _cublas_fp8_linear(x2, weight, scale_inv, bias, multiple).view(*lead, n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)

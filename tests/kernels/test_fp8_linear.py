@@ -14,7 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_linear import CONFIGS, CUBLAS_MIN_ROWS, act_quant, fp8_linear, fp8_linear_config
+from kernels.fp8_linear import (
+    CONFIGS,
+    CUBLAS_MIN_ROWS,
+    CUBLAS_PADDED_ROWS,
+    _cublas_takes,
+    act_quant,
+    fp8_linear,
+    fp8_linear_config,
+)
 from kernels.fused_moe import FP8_CONFIGS, fp8_moe_config, fused_moe
 from kernels.reference import (
     Fp8Scales,
@@ -139,6 +147,19 @@ def test_act_quant_rounds_as_the_fused_kernel(m, device) -> None:
     assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
 
 
+def test_act_quant_pads_rows_with_zeros_of_scale_one(device) -> None:
+    """rows > M (a cuBLAS build that takes only multiples of 16 rows): the first M rows
+    are act_quant's own, the rest zeros with scale 1, scales still M-major."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(37, 256, generator=gen)
+    q, s = act_quant(x.to(device), 128, 48)
+    want_q, want_s = act_quant_ref(x, 128)
+    assert q.shape == (48, 256) and s.shape == (48, 2) and s.stride() == (1, 48)
+    assert torch.equal(s[:37].cpu(), want_s) and torch.equal(s[37:].cpu(), torch.ones(11, 2))
+    assert torch.equal(q[:37].cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert not q[37:].cpu().view(torch.uint8).any()
+
+
 def test_fp8_moe_config_table_covers_every_token_count() -> None:
     assert fp8_moe_config(1)["BLOCK_M"] == 16 and fp8_moe_config(1)["A_FP8"] == 0
     assert fp8_moe_config(10**9) == FP8_CONFIGS[-1][1]
@@ -219,6 +240,17 @@ def test_fp8_linear_past_a_few_rows_matches_the_fused_kernel(m, bias) -> None:
     fused = fp8_linear(x, q, s, b, (128, 128), allow_cublas=False)
     torch.cuda.synchronize()
     assert rel_err(out.float().cpu(), fused.float().cpu()) < 1e-2
+
+
+@pytest.mark.gpu
+def test_hopper_multiplies_past_a_few_rows_in_cublas() -> None:
+    """On an sm_90 GPU the block-scaled GEMM of cuBLAS takes every row count from
+    CUBLAS_MIN_ROWS on, padded where its build refuses odd counts: a prefill's
+    projections must not fall back to the fused kernel, several times slower there."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("cuBLAS's block-scaled FP8 GEMM is Hopper's")
+    x = torch.randn(CUBLAS_MIN_ROWS, 256, device="cuda", dtype=torch.bfloat16)
+    assert _cublas_takes(x, 256, 256, (128, 128)) in (1, CUBLAS_PADDED_ROWS)
 
 
 @pytest.mark.gpu
