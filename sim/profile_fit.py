@@ -18,9 +18,40 @@ import numpy as np
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 
 ONE_WAVE_BATCH = 256  # decode batches up to this many requests run as one wave of splits
+# The decode attention kernel's launch (kernels/mla_decode.py): at most this many pieces a
+# context, and its resident programs an SM (up to 16 heads: one block of 16 heads a
+# program, two programs an SM; more heads: blocks of 64, one an SM).
+DECODE_MAX_SPLITS = 64
+# The batch sizes the real runner captures decode graphs at (executors/cuda_graphs.py
+# `default_capture_sizes`, up to 256; past it steps of 64): a decode step replays the
+# smallest one that holds its batch, padded with one-token rows.
+_GRAPH_BATCHES = [1, 2, 4, *range(8, 65, 8), *range(96, 257, 32)]
 # Query rows a prefill attention program holds (kernels/mla_prefill.py, 16-bit tiles).
 PREFILL_QUERY_TILE = 128
 _SYNTHETIC_CACHE_SIZE = 1 << 16  # (batch, context) pairs a surface keeps the physics of
+
+
+def graph_batch(num_reqs: int) -> int:
+    """The rows of the CUDA graph a pure-decode step of `num_reqs` requests replays: the
+    smallest captured size that holds them (an engine whose max_num_seqs is not a captured
+    size captures it too: a batch just under it pads to it, past 132 rows the same split
+    count, DECODE_MAX_SPLITS's launch gives one piece a context either way)."""
+    i = bisect.bisect_left(_GRAPH_BATCHES, num_reqs)
+    if i < len(_GRAPH_BATCHES):
+        return _GRAPH_BATCHES[i]
+    return -(-num_reqs // 64) * 64
+
+
+def decode_splits(rows: int, num_heads: int, num_sms: int) -> int:
+    """The pieces split-KV decode attention cuts each context into for a batch of `rows`
+    query rows (kernels/mla_decode.py `choose_num_splits` with `default_config`): as many
+    as fill one wave of resident programs, at most DECODE_MAX_SPLITS (its floor of 64
+    keys a piece is the graph's block table width, never binding)."""
+    if num_heads <= 16:
+        head_blocks, slots = 1, 2 * num_sms
+    else:
+        head_blocks, slots = -(-num_heads // 64), num_sms
+    return max(1, min(slots // max(rows * head_blocks, 1), DECODE_MAX_SPLITS))
 
 
 def step_seconds(point: dict[str, Any], pipelined: bool) -> float:

@@ -34,6 +34,15 @@ monotone in both directions and interpolated in log space over the batch and the
 context; outside the grid, the fit's physics scales the nearest grid value. The fit
 and this surface use the profile's plain points (no drafter after the step).
 
+The grid's batches are uniform: every request at one context. A GPU's decode batch
+that fits one wave of split-KV attention (ONE_WAVE_BATCH) cuts each context into the
+same number of pieces (`decode_splits` of the graph's padded rows), all running at
+once: its uniform part costs what a uniform batch at the mean context costs, and the
+longest request's pieces then run on alone for their keys past the mean, at the rate of
+a piece with the GPU to itself (the batch-1 row's time a key, times its pieces). So a
+batch of one 87k-token request beside short ones is priced near what the long request's
+pieces take, not as if every request held 87k tokens.
+
 A speculating engine (num_speculative_tokens K > 0) runs the MTP drafter after every
 step and verifies drafts: its steps are priced from the profile's speculative points
 (sim/profiled_speculation.py: per-k verify surfaces and a fit of the drafter's time),
@@ -67,6 +76,8 @@ from sim.profile_fit import (
     ONE_WAVE_BATCH,
     PREFILL_QUERY_TILE,
     StepSurface,
+    decode_splits,
+    graph_batch,
     nnls_relative,
     shape_output,
     step_seconds,
@@ -113,18 +124,19 @@ def load_profile(path: str | Path) -> dict[str, Any]:
 
 class _Step:
     """One step as both fits of a model read it (`ProfiledCostModel._measure`): its
-    batch, effective context, whether it runs eagerly, the drafts the drafter proposes
+    batch, effective context (and its mean context), whether it runs eagerly, the drafts the drafter proposes
     after it, what the features read of its requests (`ProfiledCostModel._head`:
     tokens, prompts, the longest decode context or -1 without a decode), and its
     features once the physics needed them."""
 
-    __slots__ = ("out", "n", "effective", "eager", "num_drafts", "head", "features")
+    __slots__ = ("out", "n", "effective", "mean", "eager", "num_drafts", "head", "features")
 
     def __init__(
         self,
         out: SchedulerOutput,
         n: float,
         effective: float,
+        mean: float,
         eager: bool,
         num_drafts: int,
         head: tuple[int, int, int, float],
@@ -132,6 +144,7 @@ class _Step:
         self.out = out
         self.n = n
         self.effective = effective
+        self.mean = mean
         self.eager = eager
         self.num_drafts = num_drafts
         self.head = head
@@ -232,6 +245,8 @@ class ProfiledCostModel(CostModel):
         self._coef = [float(c) for c in self.coef]  # plain floats: the per-step path
         graph = [i for i in plain if not self._eager(outs[i])]
         self._decode = StepSurface([outs[i] for i in graph], y[graph], self._physics)
+        self._heads, self._sms = model.num_attention_heads, sms
+        self._piece_key_s = self._solo_piece_key_seconds()
         # Without CUDA graphs (a CPU profile) every k runs the same eager path.
         graphed = self.meta.get("hardware") != "cpu"
         # (the verify points hold pipelined times where a speculating engine needs them)
@@ -310,12 +325,12 @@ class ProfiledCostModel(CostModel):
             return None
         sequential = None
         if self.pipelined:
-            sequential = self._sequential_model()._decode
-            if not sequential.ready:
+            sequential = self._sequential_model()
+            if not sequential._decode.ready:
                 return None
         return self._decode_run(run, sequential)
 
-    def _decode_run(self, run: DecodeRun, sequential: StepSurface | None) -> RunCosts:
+    def _decode_run(self, run: DecodeRun, sequential: ProfiledCostModel | None) -> RunCosts:
         """Each of the run's batches priced by `_decode_batch`, one after another."""
         batches = run.batches()
         first = self._decode_batch(next(batches), sequential)
@@ -323,10 +338,11 @@ class ProfiledCostModel(CostModel):
             return first
         return chain(first, chain.from_iterable(self._decode_batch(b, sequential) for b in batches))
 
-    def _decode_batch(self, batch: Batch, sequential: StepSurface | None) -> RunCosts:
+    def _decode_batch(self, batch: Batch, sequential: ProfiledCostModel | None) -> RunCosts:
         """`_measure` then `_price` (and the sequential model's) of each step, by hand:
-        step s's effective context is the longest one plus s (one wave) or the contexts'
-        mean, (ctx_sum + n * s) / n, each at least 1.0."""
+        step s's contexts' mean is (ctx_sum + n * s) / n, its longest ctx_max + s, each
+        at least 1.0; one wave prices the mean and the longest's pieces past it
+        (`_plain_decode`)."""
         n, ctx_max, ctx_sum, horizon = (
             batch.num_reqs, batch.ctx_max, batch.ctx_sum, batch.num_steps
         )  # fmt: skip
@@ -336,19 +352,45 @@ class ProfiledCostModel(CostModel):
         lim, m = self._limits, _EXTRAPOLATION_MARGIN
         beyond = n > lim["tokens"] * m or n > lim["reqs"] * m
         longest_limit = lim["context"] * m
-        if one_wave and ctx_max >= 1:  # (each at least 1.0 already)
-            contexts: Iterable[float] = map(float, range(ctx_max, ctx_max + horizon))
-        elif not one_wave and ctx_sum >= n:
-            contexts = map(truediv, range(ctx_sum, ctx_sum + n * horizon, n), repeat(n))
+        if one_wave:
+            costs = self._one_wave_run(n, ctx_max, ctx_sum, horizon, cpu, sequential)
         else:
-            contexts = (
-                max(1.0, float(ctx_max + s if one_wave else (ctx_sum + n * s) / n))
-                for s in range(horizon)
-            )
-        costs = self._decode.run_costs(float(n), contexts, cpu, sequential)
+            beside = None if sequential is None else sequential._decode
+            costs = self._decode.run_costs(float(n), _means(n, ctx_sum, horizon), cpu, beside)
         if beyond or ctx_max + horizon > longest_limit:  # a step may warn: each checks
             return self._warning_range(costs, n, ctx_max, beyond, longest_limit)
         return costs
+
+    def _one_wave_run(
+        self,
+        n: int,
+        ctx_max: int,
+        ctx_sum: int,
+        horizon: int,
+        cpu: float,
+        sequential: ProfiledCostModel | None,
+    ) -> RunCosts:
+        """A one-wave batch's steps: the surface at each step's mean (`run_costs`, one
+        pass a model) plus the longest request's pieces past it, both models' floats
+        in `_plain_decode`'s order."""
+        splits = decode_splits(graph_batch(n), self._heads, self._sms)
+        key_s = self._piece_key_s
+        means = _means(n, ctx_sum, horizon)
+        priced = self._decode.run_costs(float(n), means, cpu, None)
+        if sequential is None:
+            for s, (_, at_mean, _) in enumerate(priced):
+                longest = max(1.0, float(ctx_max + s))
+                mean = max(1.0, (ctx_sum + n * s) / n)
+                yield cpu, at_mean + key_s * (longest - mean) / splits, 0.0
+            return
+        seq_key_s = sequential._piece_key_s
+        seq_priced = sequential._decode.run_costs(float(n), _means(n, ctx_sum, horizon), cpu, None)
+        for s, ((_, at_mean, _), (_, seq_at_mean, _)) in enumerate(zip(priced, seq_priced)):
+            longest = max(1.0, float(ctx_max + s))
+            mean = max(1.0, (ctx_sum + n * s) / n)
+            price = at_mean + key_s * (longest - mean) / splits
+            extra = seq_at_mean + seq_key_s * (longest - mean) / splits - price
+            yield cpu, price, extra if extra > 0.0 else 0.0
 
     def _warning_range(
         self, costs: RunCosts, n: int, ctx_max: int, beyond: bool, longest_limit: float
@@ -402,13 +444,15 @@ class ProfiledCostModel(CostModel):
         n = len(scheduled)
         if tokens > lim["tokens"] * m or n > lim["reqs"] * m or longest > lim["context"] * m:
             self._warn_range(tokens, n, longest)
-        effective = max(1.0, float(ctx_max if n <= self._one_wave else ctx_sum / n))
+        mean = max(1.0, ctx_sum / n)
+        effective = max(1.0, float(ctx_max)) if n <= self._one_wave else mean
         if eager and not num_drafts:  # drafts to verify: a drafter proposed them
             num_drafts = max(len(r.draft_token_ids) for r in scheduled)
         return _Step(
             out,
             float(n),
             effective,
+            mean,
             eager,
             num_drafts,
             (tokens, prompts, dec_ctx, self._wave_keys(span, chunk_pairs)),
@@ -422,8 +466,36 @@ class ProfiledCostModel(CostModel):
         if step.num_drafts:
             return self._price_speculative(step)
         if not step.eager and self._decode.ready:
-            return self._decode.predict_at(step.n, step.effective)
+            return self._plain_decode(step.n, step.effective, step.mean)
         return self._physics_of(step)
+
+    def _plain_decode(self, n: float, effective: float, mean: float) -> float:
+        """A pure-decode step of n requests (the surface's effective context, their mean
+        context): one wave of split-KV, the mean's uniform batch and the longest
+        request's pieces past it (`_longest_pieces`); past a wave, the surface alone."""
+        if n > self._one_wave:
+            return self._decode.predict_at(n, effective)
+        return self._decode.predict_at(n, mean) + self._longest_pieces(n, effective, mean)
+
+    def _longest_pieces(self, n: float, longest: float, mean: float) -> float:
+        """Seconds the longest request's pieces run on alone after a one-wave decode
+        batch's uniform part (its keys past the mean, over the pieces each context is cut
+        into for the graph's padded rows)."""
+        splits = decode_splits(graph_batch(int(n)), self._heads, self._sms)
+        return self._piece_key_s * (longest - mean) / splits
+
+    def _solo_piece_key_seconds(self) -> float:
+        """Seconds a decode attention piece takes a key of its context with the GPU to
+        itself: the surface's smallest batch (one request: its pieces alone on the SMs),
+        its time over its contexts, a key of each of its pieces. 0.0 without a surface or
+        waves (a CPU's batch costs its contexts' sum: the surface's mean context)."""
+        surface = self._decode
+        if not surface.ready or not self._one_wave:
+            return 0.0
+        row, contexts = surface.grid[0], surface.contexts
+        per_key = (row[-1] - row[0]) / (contexts[-1] - contexts[0])
+        batch = graph_batch(int(surface.batches[0]))
+        return float(per_key) * decode_splits(batch, self._heads, self._sms)
 
     def _price_speculative(self, step: _Step) -> float:
         """A speculating engine's step: the target part (verify surfaces for uniform
@@ -594,3 +666,11 @@ class ProfiledCostModel(CostModel):
                     f"extrapolates beyond the profile (largest measured: {limit})",
                     stacklevel=4,
                 )
+
+
+def _means(n: int, ctx_sum: int, horizon: int) -> Iterable[float]:
+    """The contexts' mean of each step of a decode batch (n requests, `ctx_sum` keys at
+    its first step, one more a request a step), at least 1.0, as `_measure` computes it."""
+    if ctx_sum >= n:
+        return map(truediv, range(ctx_sum, ctx_sum + n * horizon, n), repeat(n))
+    return (max(1.0, (ctx_sum + n * s) / n) for s in range(horizon))

@@ -67,23 +67,31 @@ def test_monotone_in_tokens_context_and_batch(path) -> None:
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_a_decode_step_waits_for_its_longest_request_past_the_grid_too(path) -> None:
-    """While the batch fits one wave of split-KV programs, a decode step takes as long as
-    the longest request's pieces: one request past the grid's longest context beside
-    short ones costs at least what the grid measured for all of them at that context
-    (DeepSeek-V2-Lite on the Mooncake trace: 36 requests, one at 87k, took 38 ms; the
-    extrapolation by the batch's mean context said 13 ms)."""
+    """While the batch fits one wave of split-KV programs, every context is cut into the
+    same pieces and a decode step waits for the longest request's: one request past the
+    grid's longest context beside short ones costs the uniform batch at their mean
+    context and its pieces' keys past the mean at a lone piece's rate, more the longer
+    it is, never as if every request held its context (DeepSeek-V2-Lite on the Mooncake
+    trace, H100: 32 requests, one at 87k, took 34 ms; a uniform batch at 87k, 40 ms)."""
+    from sim.profile_fit import decode_splits, graph_batch
+
     cm = _model(path)
     top = int(cm._decode.contexts[-1])
+    heads = load_model_config(path.name.split("__")[0]).num_attention_heads
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for batch in (8, 36, 120):
-            at_edge = cm.step_time(shape_output([[batch, 1, top, False]]))
-            times = [
-                cm.step_time(shape_output([[batch - 1, 1, 2000, False], [1, 1, c, False]]))
-                for c in (top, top * 4 // 3, top * 2)
-            ]
+            times = []
+            for c in (top, top * 4 // 3, top * 2):
+                mean = ((batch - 1) * 2000 + c) / batch
+                at_mean = cm._decode.predict_at(batch, mean)
+                pieces = decode_splits(graph_batch(batch), heads, 132)
+                alone = cm._piece_key_s * (c - mean) / pieces
+                step = shape_output([[batch - 1, 1, 2000, False], [1, 1, c, False]])
+                times.append(cm.step_time(step))
+                assert times[-1] == pytest.approx(at_mean + alone, rel=1e-12)
+                assert at_mean < times[-1] < cm.step_time(shape_output([[batch, 1, c, False]]))
             assert _nondecreasing(times)
-            assert times[1] >= at_edge, (batch, times, at_edge)
 
 
 def test_warns_once_when_a_step_is_beyond_the_profile() -> None:
@@ -117,11 +125,13 @@ def test_host_time_grows_with_the_requests_of_a_step() -> None:
     assert 0 < small < big < 0.02
 
 
-def test_a_ragged_decode_batch_costs_its_longest_context_on_a_gpu_its_mean_on_the_cpu() -> None:
-    """A decode batch that fits one wave of a GPU's split-KV attention waits for its
-    longest request; the CPU's attention runs requests of similar length together
-    (kernels/reference.py), so there the batch costs what a batch at its mean context
-    does (one 1,500-token request beside 15 of 100 tokens)."""
+def test_a_ragged_decode_batch_waits_for_its_longest_pieces_on_a_gpu_not_on_the_cpu() -> None:
+    """A decode batch that fits one wave of a GPU's split-KV attention costs a batch at
+    its mean context and then waits for its longest request's pieces (its keys past the
+    mean, at a lone piece's rate: never as if every request held the longest context);
+    the CPU's attention runs requests of similar length together (kernels/reference.py),
+    so there the batch costs what a batch at its mean context does (one 1,500-token
+    request beside 15 of 100 tokens)."""
     from executors.demo import demo_model_path
 
     path = PROFILES_DIR / "deepinfer-demo__cpu.json"
@@ -134,8 +144,12 @@ def test_a_ragged_decode_batch_costs_its_longest_context_on_a_gpu_its_mean_on_th
         path, spec, dataclasses.replace(get_hardware("cpu"), runs_on_host=False)
     )
     assert cpu.step_time(ragged) == pytest.approx(cpu.step_time(mean), rel=0.02)
-    assert gpu_like.step_time(ragged) == pytest.approx(gpu_like.step_time(longest), rel=0.02)
-    assert cpu.step_time(ragged) < 0.8 * gpu_like.step_time(ragged)
+    assert cpu._piece_key_s == 0.0
+    at_mean = gpu_like._decode.predict_at(16, (1500 + 15 * 100) / 16)
+    alone = gpu_like._piece_key_s * (1500 - (1500 + 15 * 100) / 16)  # (no SMs: one piece)
+    assert gpu_like._piece_key_s > 0
+    assert gpu_like.step_time(ragged) == pytest.approx(at_mean + alone, rel=1e-12)
+    assert cpu.step_time(ragged) < gpu_like.step_time(ragged) < gpu_like.step_time(longest)
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
@@ -264,6 +278,31 @@ def test_a_decode_runs_prices_are_its_steps_to_the_bit(path) -> None:
                 more = 0.0 if beside is None else beside.predict_at(batch, c) - priced
                 want.append((0.5, priced, max(0.0, more)))
             assert list(surface.run_costs(batch, contexts, 0.5, beside)) == want
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_ragged_decode_runs_prices_are_its_steps_to_the_bit(async_scheduling) -> None:
+    """The fast-forward prices a ragged batch's steps (one wave: the mean's surface and
+    the longest request's pieces past it; past a wave: the mean) exactly as `cpu_time`
+    and `launch_cost` price each step, pipelined or not."""
+    from deepinfer.decode_run import Batch
+
+    path = PROFILES_DIR / "deepseek-v2-lite__h100.json"
+    cm = ProfiledCostModel(
+        path, load_model_config("deepseek-v2-lite"), get_hardware("h100"),
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    sequential = cm._sequential_model() if cm.pipelined else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for groups in ([[5, 300], [1, 87000]], [[30, 0], [1, 9000]], [[300, 100], [2, 5000]]):
+            n = sum(count for count, _ in groups)
+            ctx_max = max(ctx for _, ctx in groups)
+            ctx_sum = sum(count * ctx for count, ctx in groups)
+            got = list(cm._decode_batch(Batch(0, 12, n, ctx_max, ctx_sum), sequential))
+            for s, priced in enumerate(got):
+                out = shape_output([[count, 1, ctx + s, False] for count, ctx in groups])
+                assert priced == (cm.cpu_time(out), *cm.launch_cost(out))
 
 
 def _shifted(surface: StepSurface) -> StepSurface:
