@@ -39,7 +39,7 @@ import math
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ from deepinfer.step_log_file import LoggedStep, StepLogFile, read_step_log, step
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
 from sim.hardware import get_hardware
-from sim.profile_fit import ONE_WAVE_BATCH, shape_output
+from sim.profile_fit import ONE_WAVE_BATCH, decode_splits, graph_batch, shape_output
 
 KINDS = ("decode", "prefill", "mixed")
 # Header meta fields two logs (or a log and its base) must agree on: each changes the
@@ -146,12 +146,11 @@ class _Binned:
 
 class _Prices:
     """The analytic price a step's time is read against: a decode step's is that of the
-    uniform step at its (batch, effective context), the surface's coordinates, kept per
-    pair (a log repeats them); another step's is its own shape's."""
+    uniform step at its (batch, mean context), the surface's coordinates, kept per pair
+    (a log repeats them); another step's is its own shape's."""
 
-    def __init__(self, analytic: AnalyticCostModel, one_wave: int) -> None:
+    def __init__(self, analytic: AnalyticCostModel) -> None:
         self.analytic = analytic
-        self.one_wave = one_wave
         self._uniform: dict[tuple[int, int], float] = {}  # (batch, context) -> seconds
 
     def uniform(self, batch: int, context: float) -> float:
@@ -162,8 +161,40 @@ class _Prices:
 
     def of(self, kind: str, out: SchedulerOutput) -> float:
         if kind == "decode":
-            return self.uniform(len(out.scheduled), _effective(out, self.one_wave))
+            return self.uniform(len(out.scheduled), _mean_context(out))
         return self.analytic.step_time(out)
+
+
+def _without_tails(
+    binned: list[_Binned], prices: _Prices, num_heads: int, num_sms: int
+) -> list[_Binned]:
+    """`binned` with each one-wave ragged decode step's time less the time its longest
+    request's pieces run on past the mean (the profiled cost model's `_longest_pieces`,
+    which it adds back to the surface at the mean). The per-key rate of one request's
+    pieces is the slope of the logs' batch-1 decode times over their contexts (the
+    analytic batch-1 row's where they hold fewer than two contexts)."""
+    ones = [
+        (float(b.out.scheduled[0].num_computed_tokens), b.seconds)
+        for b in binned
+        if b.kind == "decode" and len(b.out.scheduled) == 1
+    ]
+    if len({c for c, _ in ones}) >= 2:
+        slope = float(np.polyfit([c for c, _ in ones], [t for _, t in ones], 1)[0])
+    else:
+        slope = (prices.uniform(1, 2048) - prices.uniform(1, 1024)) / 1024
+    key_s = max(slope, 0.0) * decode_splits(graph_batch(1), num_heads, num_sms)
+    kept = []
+    for b in binned:
+        n = len(b.out.scheduled)
+        if b.kind == "decode" and n <= ONE_WAVE_BATCH:
+            longest = float(max(r.num_computed_tokens for r in b.out.scheduled))
+            mean = _mean_context(b.out)
+            if longest > mean:
+                tail = key_s * (longest - mean) / decode_splits(graph_batch(n), num_heads, num_sms)
+                # (a tail the rate over-states must not make a step free)
+                b = replace(b, seconds=max(b.seconds - tail, 0.1 * b.seconds))
+        kept.append(b)
+    return kept
 
 
 def fit_from_logs(
@@ -181,8 +212,7 @@ def fit_from_logs(
     if base is not None:
         _check_base(base, logs[0], model)
     analytic = AnalyticCostModel(model, hw, load_cost_coefficients())
-    one_wave = 0 if hw.runs_on_host else ONE_WAVE_BATCH
-    prices = _Prices(analytic, one_wave)
+    prices = _Prices(analytic)
     binned: list[_Binned] = []
     runs: list[list[_Binned | None]] = []  # each log's steps in order (None: left out)
     verify = unusable = 0
@@ -197,7 +227,7 @@ def fit_from_logs(
                 continue
             out = shape_output(step.groups)
             pipelined = step.overlapped and not hw.runs_on_host
-            cell = (kind, _cell_key(kind, out, one_wave))
+            cell = (kind, _cell_key(kind, out))
             price = prices.of(kind, out)
             timed = step.device_s is not None and step.overlapped  # (LoggedStep.seconds)
             run.append(_Binned(kind, cell, out, step.seconds, pipelined, price, device=timed))
@@ -207,6 +237,8 @@ def fit_from_logs(
     real = [run for run, log in zip(runs, logs) if log.header.get("executor") != "sim"]
     held, moved = _reattribute(real)
     binned = [b for b in binned if not b.holds_next]
+    if not hw.runs_on_host:  # (a CPU's decode costs its contexts' sum: the mean's)
+        binned = _without_tails(binned, prices, model.num_attention_heads, hw.num_sms)
     binned, outliers = _without_outliers(binned)
     points, ratios = _points(binned, prices)
     fills = _fill_times(points, ratios, any(b.pipelined for b in binned))
@@ -283,7 +315,7 @@ def fit_from_logs(
         meta["from_log"] = from_log
         profile = {"version": 1, "model": model.name, "meta": meta, "points": points, "host": host}
     else:
-        profile = _refine(base, points, host, binned, one_wave, from_log)
+        profile = _refine(base, points, host, binned, from_log)
     return LogFit(profile, coverage, missing, notes)
 
 
@@ -349,10 +381,10 @@ def _check_base(base: dict[str, Any], log: StepLogFile, model: ModelConfig) -> N
             )
 
 
-def _cell_key(kind: str, out: SchedulerOutput, one_wave: int) -> tuple[int, ...]:
+def _cell_key(kind: str, out: SchedulerOutput) -> tuple[int, ...]:
     reqs = out.scheduled
     if kind == "decode":
-        return (bucket(len(reqs)), bucket(_effective(out, one_wave)))
+        return (bucket(len(reqs)), bucket(_mean_context(out)))
     prompts = [r for r in reqs if r.is_prompt and r.num_tokens > 1]
     decodes = [r for r in reqs if not (r.is_prompt and r.num_tokens > 1)]
     prompt_tokens = sum(r.num_tokens for r in prompts)
@@ -363,10 +395,11 @@ def _cell_key(kind: str, out: SchedulerOutput, one_wave: int) -> tuple[int, ...]
     return (bucket(len(decodes)), bucket(prompt_tokens), bucket(prompt_ctx), bucket(decode_ctx))
 
 
-def _effective(out: SchedulerOutput, one_wave: int) -> float:
-    """The decode surface's context of a step (StepSurface._coords)."""
+def _mean_context(out: SchedulerOutput) -> float:
+    """The decode surface's context of a step: its requests' mean (the profiled cost
+    model reads the surface there and prices a one-wave batch's longest request apart)."""
     ctx = [r.num_computed_tokens for r in out.scheduled]
-    return max(1.0, float(max(ctx) if len(ctx) <= one_wave else sum(ctx) / len(ctx)))
+    return max(1.0, sum(ctx) / len(ctx))
 
 
 def _points(
@@ -380,10 +413,9 @@ def _points(
     for b in binned:
         cells[b.cell].append(b)
     # Decode: one batch per batch bucket and one context per context bucket (a grid).
-    one_wave = prices.one_wave
     decode = [b for b in binned if b.kind == "decode"]
     batch_of = _medians((b.cell[1][0], len(b.out.scheduled)) for b in decode)
-    context_of = _medians((b.cell[1][1], _effective(b.out, one_wave)) for b in decode)
+    context_of = _medians((b.cell[1][1], _mean_context(b.out)) for b in decode)
     points = []
     per_price: dict[tuple[str, bool], list[float]] = defaultdict(list)
     for cell, members in sorted(cells.items()):
@@ -709,7 +741,6 @@ def _refine(
     points: list[dict[str, Any]],
     host: list[dict[str, Any]],
     binned: list[_Binned],
-    one_wave: int,
     from_log: dict[str, Any],
 ) -> dict[str, Any]:
     """`base` with the logged cells in place of its points in the same cells, and the
@@ -722,7 +753,7 @@ def _refine(
             continue
         out = shape_output(p["groups"])
         kind = step_kind(p["groups"])
-        if (kind, _cell_key(kind, out, one_wave)) not in logged:
+        if (kind, _cell_key(kind, out)) not in logged:
             kept.append(p)
     host_cells = {(bucket(h["num_reqs"]), bucket(h["num_tokens"])) for h in host}
     base_host = [

@@ -486,16 +486,20 @@ class ProfiledCostModel(CostModel):
 
     def _solo_piece_key_seconds(self) -> float:
         """Seconds a decode attention piece takes a key of its context with the GPU to
-        itself: the surface's smallest batch (one request: its pieces alone on the SMs),
-        its time over its contexts, a key of each of its pieces. 0.0 without a surface or
-        waves (a CPU's batch costs its contexts' sum: the surface's mean context)."""
+        itself: one request's decode (its pieces alone on the SMs), its time over the
+        surface's contexts, a key of each of its pieces. A grid whose smallest batch is
+        more than one (a log-fitted one: batches are bucket medians) reads the batch-1
+        row the surface extrapolates by its physics, not a contended row. 0.0 without a
+        surface or waves (a CPU's batch costs its contexts' sum: the surface's mean
+        context)."""
         surface = self._decode
         if not surface.ready or not self._one_wave:
             return 0.0
-        row, contexts = surface.grid[0], surface.contexts
-        per_key = (row[-1] - row[0]) / (contexts[-1] - contexts[0])
-        batch = graph_batch(int(surface.batches[0]))
-        return float(per_key) * decode_splits(batch, self._heads, self._sms)
+        lo, hi = float(surface.contexts[0]), float(surface.contexts[-1])
+        with warnings.catch_warnings():  # (a batch below the grid: nothing to warn about)
+            warnings.simplefilter("ignore")
+            per_key = (surface.predict_at(1.0, hi) - surface.predict_at(1.0, lo)) / (hi - lo)
+        return per_key * decode_splits(graph_batch(1), self._heads, self._sms)
 
     def _price_speculative(self, step: _Step) -> float:
         """A speculating engine's step: the target part (verify surfaces for uniform

@@ -118,6 +118,31 @@ def test_a_fit_from_the_log_recovers_the_profile_on_held_out_steps(
     assert "decode" in table and "device p50/p90 | host p50/p90" in table
 
 
+def test_ragged_one_wave_decode_steps_come_back_from_their_log(tmp_path) -> None:
+    """A GPU decode batch of one long request beside short ones is priced at its mean
+    context plus the long request's pieces running on: the fit must file such a step's
+    time at its mean without those pieces, or the cost model counts them twice (its
+    prices of the same steps then fall short by about a quarter)."""
+    model = load_model_config("deepseek-v2-lite")
+    base = load_trace(ROOT / "traces" / "mooncake_conversation_small.jsonl")
+    trace = Trace(base.name, base.source, base.requests[:120])
+    path = tmp_path / "v2lite.jsonl"
+    profile = PROFILES_DIR / "deepseek-v2-lite__h100.json"
+    simulate(trace, model, "h100", EngineConfig(async_scheduling=False), profile=profile,
+             step_log=path)  # fmt: skip
+    log = read_step_log(path)
+    cost = ProfiledCostModel(fit_from_logs([log], model).profile, model, get_hardware("h100"))
+    ragged = []
+    for step in log.steps:
+        if step_kind(step.groups) == "decode":
+            ctx = [g[2] for g in step.groups for _ in range(g[0])]
+            if max(ctx) > 4 * sum(ctx) / len(ctx):
+                priced = cost.step_time(shape_output(step.groups))
+                ragged.append(abs(priced / step.record.duration - 1))
+    assert len(ragged) > 100  # (the slice's long prompts beside short ones)
+    assert float(np.median(ragged)) < 0.03 and max(ragged) < 0.10
+
+
 def test_the_fitted_profile_is_one_the_simulator_loads(tmp_path, cpu_log, trace, demo) -> None:
     fit = fit_from_logs([cpu_log], demo)
     path = tmp_path / "from_log.json"

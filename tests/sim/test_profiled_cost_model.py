@@ -152,6 +152,25 @@ def test_a_ragged_decode_batch_waits_for_its_longest_pieces_on_a_gpu_not_on_the_
     assert cpu.step_time(ragged) < gpu_like.step_time(ragged) < gpu_like.step_time(longest)
 
 
+@pytest.mark.parametrize("name", ["deepseek-v2-lite__h100", "moonlight-16b-a3b__h100"])
+def test_a_lone_pieces_rate_is_one_requests_without_a_batch_1_row(name: str) -> None:
+    """A grid without batches 1 and 2 (a log-fitted one: batches are bucket medians)
+    takes a lone piece's per-key rate from the batch-1 row its physics extrapolates, not
+    from its smallest row, where four requests' pieces share the GPU (1.7-2.8x the
+    rate of the whole grid's batch-1 row at these shapes)."""
+    model, hw = name.split("__")
+    data = json.loads((PROFILES_DIR / f"{name}.json").read_text())
+    full = ProfiledCostModel(data, load_model_config(model), get_hardware(hw))
+    points = [p for p in data["points"] if not (p["kind"] == "decode" and p["num_reqs"] <= 2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fewer = ProfiledCostModel(
+            dict(data, points=points), load_model_config(model), get_hardware(hw)
+        )
+    assert fewer._decode.batches[0] == 4
+    assert 0.6 < fewer._piece_key_s / full._piece_key_s < 1.7
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_async_scheduling_never_prices_a_step_above_its_sequential_time(path) -> None:
     """Launching a step while the one before runs only hides host work: at every point
