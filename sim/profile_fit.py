@@ -33,9 +33,10 @@ _SYNTHETIC_CACHE_SIZE = 1 << 16  # (batch, context) pairs a surface keeps the ph
 
 def graph_batch(num_reqs: int) -> int:
     """The rows of the CUDA graph a pure-decode step of `num_reqs` requests replays: the
-    smallest captured size that holds them (an engine whose max_num_seqs is not a captured
-    size captures it too: a batch just under it pads to it, past 132 rows the same split
-    count, DECODE_MAX_SPLITS's launch gives one piece a context either way)."""
+    smallest size the runner captures for an engine of max_num_seqs 256 (the profiles'
+    and the default) that holds them. An engine whose max_num_seqs is not a captured
+    size also captures that size and none above it, so its batches just under it pad
+    less than this says (the cost model is not told max_num_seqs)."""
     i = bisect.bisect_left(_GRAPH_BATCHES, num_reqs)
     if i < len(_GRAPH_BATCHES):
         return _GRAPH_BATCHES[i]

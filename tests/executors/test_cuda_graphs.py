@@ -167,3 +167,14 @@ def test_graph_decode_generates_what_eager_decode_generates(
             assert got == hf_greedy(tiny, p, sp.max_tokens)
     else:  # bf16: rounding may flip a near-tie late in a sequence; the starts agree
         assert all(g[:4] == e[:4] for g, e in zip(outs[False], outs[True]))
+
+
+def test_the_simulators_graph_rows_are_the_runners_capture_sizes() -> None:
+    """sim/profile_fit.py `graph_batch` restates the capture sizes of an engine of
+    max_num_seqs 256 (the simulator cannot import executors): the smallest one holding
+    a batch, the rows a decode step replays."""
+    from sim.profile_fit import graph_batch
+
+    sizes = default_capture_sizes(256)
+    for n in range(1, 257):
+        assert graph_batch(n) == min(s for s in sizes if s >= n), n

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
-from kernels.mla_decode import choose_num_splits, mla_decode
+from kernels.mla_decode import choose_num_splits, default_config, mla_decode
 from kernels.reference import mla_decode_ref
 from tests.kernels.utils import make_mla_case, rel_err
 
@@ -144,3 +145,18 @@ def test_cpu_reference_groups_ragged_requests_and_computes_what_one_call_does(
     even = make_mla_case([1] * 6, [700] * 6, 8, 64, 16, 16, torch.float64, torch.device("cpu"), gen)
     mla_decode_ref(*even.clean_args())
     assert calls == [6]
+
+
+@pytest.mark.parametrize("heads", [8, 16, 20, 32, 64, 128])
+@pytest.mark.parametrize("sms", [78, 132])
+def test_the_simulators_split_count_is_the_launchs(heads, sms) -> None:
+    """sim/profile_fit.py `decode_splits` restates this launch's split count (the
+    simulator cannot import kernels): the pieces of a context for each batch of rows."""
+    from sim.profile_fit import decode_splits
+
+    cfg = default_config(heads, multi_query=False)
+    block_h = max(16, min(cfg["BLOCK_H"], triton.next_power_of_2(heads)))
+    for rows in range(1, 400):
+        programs = triton.cdiv(rows, cfg["QG"]) * triton.cdiv(heads, block_h)
+        launch = choose_num_splits(programs, 1 << 20, sms, cfg["ctas_per_sm"])
+        assert decode_splits(rows, heads, sms) == launch, rows
