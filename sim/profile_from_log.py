@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -50,8 +51,9 @@ from deepinfer.outputs import SchedulerOutput
 from deepinfer.step_log_file import LoggedStep, StepLogFile, read_step_log, step_groups
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
-from sim.hardware import get_hardware
+from sim.hardware import HardwareSpec, get_hardware
 from sim.profile_fit import ONE_WAVE_BATCH, decode_splits, graph_batch, shape_output
+from sim.profiled_cost_model import ProfiledCostModel
 
 KINDS = ("decode", "prefill", "mixed")
 # Header meta fields two logs (or a log and its base) must agree on: each changes the
@@ -165,24 +167,43 @@ class _Prices:
         return self.analytic.step_time(out)
 
 
-def _without_tails(
-    binned: list[_Binned], prices: _Prices, num_heads: int, num_sms: int
-) -> list[_Binned]:
-    """`binned` with each one-wave ragged decode step's time less the time its longest
-    request's pieces run on past the mean (the profiled cost model's `_longest_pieces`,
-    which it adds back to the surface at the mean). The per-key rate of one request's
-    pieces is the slope of the logs' batch-1 decode times over their contexts (the
-    analytic batch-1 row's where they hold fewer than two contexts)."""
+def _piece_key_seconds(
+    logged: list[_Binned],
+    prices: _Prices,
+    base: dict[str, Any] | None,
+    model: ModelConfig,
+    hw: HardwareSpec,
+) -> float:
+    """A lone decode piece's seconds a key of its context (the profiled cost model's
+    `_piece_key_s`): the slope of the logs' batch-1 decode times over their contexts
+    where those span at least a doubling, else the base profile's, else the analytic
+    batch-1 row's (which the H100 grids measure 2-3x higher: a tail then comes out
+    short, the same in the fit and in the prices)."""
     ones = [
         (float(b.out.scheduled[0].num_computed_tokens), b.seconds)
-        for b in binned
+        for b in logged
         if b.kind == "decode" and len(b.out.scheduled) == 1
     ]
-    if len({c for c, _ in ones}) >= 2:
-        slope = float(np.polyfit([c for c, _ in ones], [t for _, t in ones], 1)[0])
-    else:
-        slope = (prices.uniform(1, 2048) - prices.uniform(1, 1024)) / 1024
-    key_s = max(slope, 0.0) * decode_splits(graph_batch(1), num_heads, num_sms)
+    pieces = decode_splits(graph_batch(1), model.num_attention_heads, hw.num_sms)
+    contexts = [c for c, _ in ones]
+    if contexts and max(contexts) >= 2 * min(contexts):
+        slope = float(np.polyfit(contexts, [t for _, t in ones], 1)[0])
+        return max(slope, 0.0) * pieces
+    if base is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return ProfiledCostModel(base, model, hw)._piece_key_s
+    slope = (prices.uniform(1, 2048) - prices.uniform(1, 1024)) / 1024
+    return max(slope, 0.0) * pieces
+
+
+def _without_tails(
+    binned: list[_Binned], key_s: float, num_heads: int, num_sms: int
+) -> list[_Binned]:
+    """`binned` with each one-wave ragged decode step's time less the time its longest
+    request's pieces run on past the mean at `key_s` seconds a key of a lone piece (the
+    profiled cost model's `_longest_pieces`, which it adds back to the surface at the
+    mean)."""
     kept = []
     for b in binned:
         n = len(b.out.scheduled)
@@ -237,8 +258,10 @@ def fit_from_logs(
     real = [run for run, log in zip(runs, logs) if log.header.get("executor") != "sim"]
     held, moved = _reattribute(real)
     binned = [b for b in binned if not b.holds_next]
+    key_s = None
     if not hw.runs_on_host:  # (a CPU's decode costs its contexts' sum: the mean's)
-        binned = _without_tails(binned, prices, model.num_attention_heads, hw.num_sms)
+        key_s = _piece_key_seconds(binned, prices, base, model, hw)
+        binned = _without_tails(binned, key_s, model.num_attention_heads, hw.num_sms)
     binned, outliers = _without_outliers(binned)
     points, ratios = _points(binned, prices)
     fills = _fill_times(points, ratios, any(b.pipelined for b in binned))
@@ -304,18 +327,20 @@ def fit_from_logs(
         "not_covered": missing,
         **fills,
     }
+    if base is None and needed:
+        raise ValueError(
+            "the logs lack steps the cost model needs: "
+            + "; ".join(needed)
+            + " (pass --base PROFILE to take them from a grid profile)"
+        )
     if base is None:
-        if needed:
-            raise ValueError(
-                "the logs lack steps the cost model needs: "
-                + "; ".join(needed)
-                + " (pass --base PROFILE to take them from a grid profile)"
-            )
         meta = _meta(header, logs[0])
         meta["from_log"] = from_log
         profile = {"version": 1, "model": model.name, "meta": meta, "points": points, "host": host}
     else:
         profile = _refine(base, points, host, binned, from_log)
+    if key_s is not None:  # (the rate the tails were taken off at: the prices add them)
+        profile["meta"]["decode_piece_key_s"] = key_s
     return LogFit(profile, coverage, missing, notes)
 
 

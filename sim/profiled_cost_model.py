@@ -246,7 +246,9 @@ class ProfiledCostModel(CostModel):
         graph = [i for i in plain if not self._eager(outs[i])]
         self._decode = StepSurface([outs[i] for i in graph], y[graph], self._physics)
         self._heads, self._sms = model.num_attention_heads, sms
-        self._piece_key_s = self._solo_piece_key_seconds()
+        # A log-fitted profile carries the rate its fit took the tails off at.
+        rate = self.meta.get("decode_piece_key_s")
+        self._piece_key_s = self._solo_piece_key_seconds() if rate is None else float(rate)
         # Without CUDA graphs (a CPU profile) every k runs the same eager path.
         graphed = self.meta.get("hardware") != "cpu"
         # (the verify points hold pipelined times where a speculating engine needs them)
