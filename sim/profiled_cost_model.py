@@ -81,6 +81,7 @@ from sim.profile_fit import (
     nnls_relative,
     shape_output,
     step_seconds,
+    token_bucket,
 )
 from sim.profiled_speculation import SpeculativeSteps, fallback_target
 
@@ -557,7 +558,8 @@ class ProfiledCostModel(CostModel):
         if features is None:
             tokens, prompts, dec_ctx, wave = step.head
             head = self._head(step.eager, len(step.out.scheduled), prompts, tokens, dec_ctx, wave)
-            features = step.features = head + self._analytic.group_seconds(step.out)
+            groups = self._analytic.group_seconds(step.out, self._graph_tokens(step.eager, tokens))
+            features = step.features = head + groups
         return sum(map(mul, features, self._coef))
 
     @staticmethod
@@ -600,7 +602,15 @@ class ProfiledCostModel(CostModel):
                         span = c + q
         wave = self._wave_keys(span, chunk_pairs)
         head = self._head(eager, len(out.scheduled), prompts, tokens, dec_ctx, wave)
-        return head + self._analytic.group_seconds(out)
+        return head + self._analytic.group_seconds(out, self._graph_tokens(eager, tokens))
+
+    def _graph_tokens(self, eager: bool, tokens: int) -> int:
+        """The rows a non-decode step's projections and experts run over: its piecewise
+        graph's token bucket (`token_bucket`) up to the profile's piecewise_max_tokens,
+        its own tokens past it (eager) and for pure decode (priced by the surface)."""
+        if not eager or tokens > self._piecewise_max:
+            return 0
+        return token_bucket(tokens, self._piecewise_max)
 
     def _wave_keys(self, span: int, chunk_pairs: int) -> float:
         """The `prefill_wave` feature of prompt chunks whose longest reaches `span` keys
