@@ -106,6 +106,11 @@ class AnalyticCostModel(CostModel):
         self._dense_act_bytes_per_tok = ab * (
             layers * attn_io + dense_layers * mlp_io + moe_layers * shared_io
         )
+        # A piecewise graph's pad rows run every projection but kv_b (its W_UK / W_UV and
+        # the prefill form's up-projection run in attention, on the step's own rows).
+        kvb_params = layers * m.kv_b_params
+        self._pad_flops_per_tok = self._dense_flops_per_tok - 2.0 * kvb_params
+        self._pad_act_bytes_per_tok = self._dense_act_bytes_per_tok - ab * layers * kvb_io
         # Cached context up-projected by kv_b in the prefill form: per context token.
         self._ctx_upproj_flops = 2.0 * layers * m.kv_b_params
         self._ctx_upproj_bytes = float(layers * (ab * kvb_io + m.kv_dtype_bytes * m.kv_entry_dim))
@@ -250,7 +255,7 @@ class AnalyticCostModel(CostModel):
         an output each); graph_tokens as in `group_seconds`."""
         (n_tok, n_logits, pre_q, pre_pairs, pre_keys, pre_ctx, dec_q, dec_pairs, dec_keys,
          k, n_sampling) = sums  # fmt: skip
-        rows = graph_tokens if graph_tokens > n_tok else n_tok  # (pad rows: matmul work)
+        pad = graph_tokens - n_tok if graph_tokens > n_tok else 0  # a piecewise graph's pad rows
         if n_tok == 0:
             if detail is not None:
                 detail["overhead"] = GroupCost(0.0, 0.0, 0.0)
@@ -259,10 +264,15 @@ class AnalyticCostModel(CostModel):
         bw = self._bw
         total = self._fixed
 
-        f = rows * self._dense_flops_per_tok + pre_ctx * self._ctx_upproj_flops
+        f = (
+            n_tok * self._dense_flops_per_tok
+            + pad * self._pad_flops_per_tok
+            + pre_ctx * self._ctx_upproj_flops
+        )
         b = (
             self._dense_weight_bytes
-            + rows * self._dense_act_bytes_per_tok
+            + n_tok * self._dense_act_bytes_per_tok
+            + pad * self._pad_act_bytes_per_tok
             + pre_ctx * self._ctx_upproj_bytes
         )
         t = max(f / self._mm_rate, b / bw)
@@ -274,6 +284,7 @@ class AnalyticCostModel(CostModel):
 
         if self._has_moe:
             distinct = expected_distinct_experts(n_tok, self._num_experts, self._top_k)
+            rows = n_tok + pad
             f = rows * self._expert_flops_per_tok
             b = distinct * self._expert_bytes_each + rows * self._expert_act_bytes_per_tok
             t = max(f / self._moe_rate, b / self._moe_bw)
