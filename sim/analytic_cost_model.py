@@ -106,6 +106,11 @@ class AnalyticCostModel(CostModel):
         self._dense_act_bytes_per_tok = ab * (
             layers * attn_io + dense_layers * mlp_io + moe_layers * shared_io
         )
+        # A piecewise graph's pad rows run every projection but kv_b (its W_UK / W_UV and
+        # the prefill form's up-projection run in attention, on the step's own rows).
+        kvb_params = layers * m.kv_b_params
+        self._pad_flops_per_tok = self._dense_flops_per_tok - 2.0 * kvb_params
+        self._pad_act_bytes_per_tok = self._dense_act_bytes_per_tok - ab * layers * kvb_io
         # Cached context up-projected by kv_b in the prefill form: per context token.
         self._ctx_upproj_flops = 2.0 * layers * m.kv_b_params
         self._ctx_upproj_bytes = float(layers * (ab * kvb_io + m.kv_dtype_bytes * m.kv_entry_dim))
@@ -196,11 +201,13 @@ class AnalyticCostModel(CostModel):
 
     # --- pricing ------------------------------------------------------------
 
-    def group_seconds(self, out: SchedulerOutput) -> list[float]:
+    def group_seconds(self, out: SchedulerOutput, graph_tokens: int = 0) -> list[float]:
         """Seconds of dense, experts, attn_pre, attn_dec, lm_head (0.0 where absent): the
-        profiled cost model's features, without building the breakdown's records."""
+        profiled cost model's features, without building the breakdown's records.
+        graph_tokens: the rows a piecewise CUDA graph runs the step's projections and
+        experts over (its token bucket: the step's tokens padded), 0 for the step's own."""
         sink = [0.0] * 5
-        self._price(out, None, sink)
+        self._price_sums(_sums(out), out.num_proposals, None, sink, graph_tokens=graph_tokens)
         return sink
 
     def target_time(self, out: SchedulerOutput) -> float:
@@ -242,11 +249,13 @@ class AnalyticCostModel(CostModel):
         sink: list[float] | None = None,
         drafts: int | None = None,
         mtp_sink: list[float] | None = None,
+        graph_tokens: int = 0,
     ) -> float:
         """`_price` of a step from its sums (a decode run prices its steps' sums without
-        an output each)."""
+        an output each); graph_tokens as in `group_seconds`."""
         (n_tok, n_logits, pre_q, pre_pairs, pre_keys, pre_ctx, dec_q, dec_pairs, dec_keys,
          k, n_sampling) = sums  # fmt: skip
+        pad = graph_tokens - n_tok if graph_tokens > n_tok else 0  # a piecewise graph's pad rows
         if n_tok == 0:
             if detail is not None:
                 detail["overhead"] = GroupCost(0.0, 0.0, 0.0)
@@ -255,10 +264,15 @@ class AnalyticCostModel(CostModel):
         bw = self._bw
         total = self._fixed
 
-        f = n_tok * self._dense_flops_per_tok + pre_ctx * self._ctx_upproj_flops
+        f = (
+            n_tok * self._dense_flops_per_tok
+            + pad * self._pad_flops_per_tok
+            + pre_ctx * self._ctx_upproj_flops
+        )
         b = (
             self._dense_weight_bytes
             + n_tok * self._dense_act_bytes_per_tok
+            + pad * self._pad_act_bytes_per_tok
             + pre_ctx * self._ctx_upproj_bytes
         )
         t = max(f / self._mm_rate, b / bw)
@@ -270,8 +284,9 @@ class AnalyticCostModel(CostModel):
 
         if self._has_moe:
             distinct = expected_distinct_experts(n_tok, self._num_experts, self._top_k)
-            f = n_tok * self._expert_flops_per_tok
-            b = distinct * self._expert_bytes_each + n_tok * self._expert_act_bytes_per_tok
+            rows = n_tok + pad
+            f = rows * self._expert_flops_per_tok
+            b = distinct * self._expert_bytes_each + rows * self._expert_act_bytes_per_tok
             t = max(f / self._moe_rate, b / self._moe_bw)
             total += t
             if detail is not None:

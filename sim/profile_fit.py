@@ -26,6 +26,10 @@ DECODE_MAX_SPLITS = 64
 # `default_capture_sizes`, up to 256; past it steps of 64): a decode step replays the
 # smallest one that holds its batch, padded with one-token rows.
 _GRAPH_BATCHES = [1, 2, 4, *range(8, 65, 8), *range(96, 257, 32)]
+# The token buckets piecewise graphs are captured at (executors/piecewise_graphs.py
+# `default_token_buckets`, up to their top: min(max_num_batched_tokens, 8192)).
+_TOKEN_BUCKETS = [16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
+                  *range(2048, 8193, 512)]  # fmt: skip
 # Query rows a prefill attention program holds (kernels/mla_prefill.py, 16-bit tiles).
 PREFILL_QUERY_TILE = 128
 _SYNTHETIC_CACHE_SIZE = 1 << 16  # (batch, context) pairs a surface keeps the physics of
@@ -41,6 +45,18 @@ def graph_batch(num_reqs: int) -> int:
     if i < len(_GRAPH_BATCHES):
         return _GRAPH_BATCHES[i]
     return -(-num_reqs // 64) * 64
+
+
+def token_bucket(tokens: int, top: int) -> int:
+    """The rows of the piecewise CUDA graph a non-decode step of `tokens` tokens replays
+    (executors/piecewise_graphs.py `default_token_buckets`, up to `top`): the smallest
+    bucket that holds them, the projections and experts run over its padded rows."""
+    for size in _TOKEN_BUCKETS:
+        if size >= top:
+            return top
+        if size >= tokens:
+            return size
+    return top
 
 
 def decode_splits(rows: int, num_heads: int, num_sms: int) -> int:

@@ -81,6 +81,7 @@ from sim.profile_fit import (
     nnls_relative,
     shape_output,
     step_seconds,
+    token_bucket,
 )
 from sim.profiled_speculation import SpeculativeSteps, fallback_target
 
@@ -139,7 +140,7 @@ class _Step:
         mean: float,
         eager: bool,
         num_drafts: int,
-        head: tuple[int, int, int, float],
+        head: tuple[int, int, int, float, int],
     ) -> None:
         self.out = out
         self.n = n
@@ -457,8 +458,9 @@ class ProfiledCostModel(CostModel):
             mean,
             eager,
             num_drafts,
-            (tokens, prompts, dec_ctx, self._wave_keys(span, chunk_pairs)),
-        )
+            (tokens, prompts, dec_ctx, self._wave_keys(span, chunk_pairs),
+             self._graph_tokens(tokens, span > 0)),
+        )  # fmt: skip
 
     def _price_point(self, out: SchedulerOutput, num_drafts: int) -> float:
         step = self._measure(out, num_drafts)
@@ -555,9 +557,9 @@ class ProfiledCostModel(CostModel):
         """`_physics(step.out)`, its features computed once for both fits."""
         features = step.features
         if features is None:
-            tokens, prompts, dec_ctx, wave = step.head
+            tokens, prompts, dec_ctx, wave, rows = step.head
             head = self._head(step.eager, len(step.out.scheduled), prompts, tokens, dec_ctx, wave)
-            features = step.features = head + self._analytic.group_seconds(step.out)
+            features = step.features = head + self._analytic.group_seconds(step.out, rows)
         return sum(map(mul, features, self._coef))
 
     @staticmethod
@@ -600,7 +602,17 @@ class ProfiledCostModel(CostModel):
                         span = c + q
         wave = self._wave_keys(span, chunk_pairs)
         head = self._head(eager, len(out.scheduled), prompts, tokens, dec_ctx, wave)
-        return head + self._analytic.group_seconds(out)
+        return head + self._analytic.group_seconds(out, self._graph_tokens(tokens, span > 0))
+
+    def _graph_tokens(self, tokens: int, chunked: bool) -> int:
+        """The rows a step's projections and experts run over where it carries a prompt
+        chunk (`chunked`): its piecewise graph's token bucket (`token_bucket`) up to the
+        profile's piecewise_max_tokens, its own tokens past it (eager); 0 (its own) for
+        a step without a chunk, which replays a decode or verify graph padded by
+        requests, not tokens."""
+        if not chunked or tokens > self._piecewise_max:
+            return 0
+        return token_bucket(tokens, self._piecewise_max)
 
     def _wave_keys(self, span: int, chunk_pairs: int) -> float:
         """The `prefill_wave` feature of prompt chunks whose longest reaches `span` keys

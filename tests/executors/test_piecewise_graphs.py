@@ -91,3 +91,16 @@ def test_piecewise_graphs_generate_what_eager_steps_generate(
         assert eager or len(calls) > 3
         llm.executor.shutdown()
     assert outs[False] == outs[True]
+
+
+@pytest.mark.parametrize("max_tokens", [1024, 4096, 8192, 16384])
+def test_the_simulators_token_bucket_is_the_runners(max_tokens) -> None:
+    """sim/profile_fit.py `token_bucket` restates the runner's buckets (the simulator
+    cannot import executors): the rows a step of each token count replays, up to the top
+    bucket (a profile's piecewise_max_tokens)."""
+    from sim.profile_fit import token_bucket
+
+    buckets = default_token_buckets(max_tokens)
+    for tokens in range(1, buckets[-1] + 1):
+        want = min(b for b in buckets if b >= tokens)
+        assert token_bucket(tokens, buckets[-1]) == want, tokens
