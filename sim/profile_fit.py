@@ -202,16 +202,27 @@ class StepSurface:
         return cached
 
     def run_costs(
-        self, b: float, contexts: Iterable[float], host: float, beside: StepSurface | None
+        self,
+        b: float,
+        contexts: Iterable[float],
+        host: float,
+        beside: StepSurface | None,
+        tail: tuple[int, float, float, int] | None = None,
     ) -> Iterator[tuple[float, float, float]]:
         """A decode run's steps priced on this surface (the cost model's RunCosts): for
         each c of `contexts`, (`host`, `predict_at(b, c)`, how much more
-        `beside.predict_at(b, c)` is, at least 0.0; 0.0 without `beside`). For a run of
+        `beside.predict_at(b, c)` is, at least 0.0; 0.0 without `beside`). tail =
+        (ctx_max, key_s, beside_key_s, splits): each price also adds its longest
+        request's pieces past c (the contexts' mean), `key_s * (longest - c) / splits`
+        with longest = max(1.0, ctx_max + s) at step s (the profiled cost model's
+        `_plain_decode`), and the beside price its own at beside_key_s. For a run of
         steps of one batch: inside the grid the batch's interpolation weights are
         computed once, a context's cell is looked up again only when it leaves the one
         before, both surfaces share the weights where their grids have the same nodes,
-        and every float operation is `_interpolate`'s in its order (the same results to
-        the bit)."""
+        and every float operation is `_interpolate`'s and `_plain_decode`'s in their
+        order (the same results to the bit)."""
+        top, key_s, beside_key_s, splits = (0, 0.0, 0.0, 1) if tail is None else tail
+        longest = float(top) - 1.0  # (the step before the first's)
         b_lo, b_hi, c_lo, c_hi = self._bounds
         xb, xc = self._log_batches, self._log_contexts
         shared = beside is None or (
@@ -221,7 +232,9 @@ class StepSurface:
         )
         if not b_lo <= b <= b_hi or not shared:
             for c in contexts:
-                yield host, *self._priced_beside(b, c, beside)
+                longest += 1.0
+                far = longest if longest > 1.0 else 1.0
+                yield host, *self._priced_beside(b, c, beside, far, key_s, beside_key_s, splits)
             return
         lb = math.log2(b)
         i = min(max(bisect.bisect_left(xb, lb) - 1, 0), len(xb) - 2)
@@ -235,8 +248,10 @@ class StepSurface:
         # whose clamped bisect gives it.
         lo = hi = x0 = dx = g00 = g10 = g01 = g11 = h00 = h10 = h01 = h11 = 0.0
         for c in contexts:
+            longest += 1.0
+            far = longest if longest > 1.0 else 1.0
             if c < c_lo or c > c_hi:
-                yield host, *self._priced_beside(b, c, beside)
+                yield host, *self._priced_beside(b, c, beside, far, key_s, beside_key_s, splits)
                 continue
             lc = log2(c)
             if not lo < lc <= hi:
@@ -250,15 +265,32 @@ class StepSurface:
             w = 1 - v
             aw, uw, av, uv = a * w, u * w, a * v, u * v
             priced = aw * g00 + uw * g10 + av * g01 + uv * g11
+            if tail is not None:
+                priced = priced + key_s * (far - c) / splits
             if beside is None:
                 yield host, priced, 0.0
             else:
-                extra = aw * h00 + uw * h10 + av * h01 + uv * h11 - priced
+                other = aw * h00 + uw * h10 + av * h01 + uv * h11
+                if tail is not None:
+                    other = other + beside_key_s * (far - c) / splits
+                extra = other - priced
                 yield host, priced, extra if extra > 0.0 else 0.0
 
-    def _priced_beside(self, b: float, c: float, beside: StepSurface | None) -> tuple[float, float]:
-        priced = self.predict_at(b, c)
-        extra = 0.0 if beside is None else beside.predict_at(b, c) - priced
+    def _priced_beside(
+        self,
+        b: float,
+        c: float,
+        beside: StepSurface | None,
+        longest: float = 0.0,
+        key_s: float = 0.0,
+        beside_key_s: float = 0.0,
+        splits: int = 1,
+    ) -> tuple[float, float]:
+        """`run_costs`' step at context c off its fast path (each tail 0.0 at key_s 0.0)."""
+        priced = self.predict_at(b, c) + key_s * (longest - c) / splits
+        if beside is None:
+            return priced, 0.0
+        extra = beside.predict_at(b, c) + beside_key_s * (longest - c) / splits - priced
         return priced, extra if extra > 0.0 else 0.0
 
     def _interpolate(self, b: float, c: float) -> float:

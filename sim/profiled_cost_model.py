@@ -373,27 +373,14 @@ class ProfiledCostModel(CostModel):
         cpu: float,
         sequential: ProfiledCostModel | None,
     ) -> RunCosts:
-        """A one-wave batch's steps: the surface at each step's mean (`run_costs`, one
-        pass a model) plus the longest request's pieces past it, both models' floats
-        in `_plain_decode`'s order."""
+        """A one-wave batch's steps: the surface at each step's mean plus the longest
+        request's pieces past it (`_plain_decode`), both models in one pass
+        (`StepSurface.run_costs` with their tails)."""
         splits = decode_splits(graph_batch(n), self._heads, self._sms)
-        key_s = self._piece_key_s
-        means = _means(n, ctx_sum, horizon)
-        priced = self._decode.run_costs(float(n), means, cpu, None)
-        if sequential is None:
-            for s, (_, at_mean, _) in enumerate(priced):
-                longest = max(1.0, float(ctx_max + s))
-                mean = max(1.0, (ctx_sum + n * s) / n)
-                yield cpu, at_mean + key_s * (longest - mean) / splits, 0.0
-            return
-        seq_key_s = sequential._piece_key_s
-        seq_priced = sequential._decode.run_costs(float(n), _means(n, ctx_sum, horizon), cpu, None)
-        for s, ((_, at_mean, _), (_, seq_at_mean, _)) in enumerate(zip(priced, seq_priced)):
-            longest = max(1.0, float(ctx_max + s))
-            mean = max(1.0, (ctx_sum + n * s) / n)
-            price = at_mean + key_s * (longest - mean) / splits
-            extra = seq_at_mean + seq_key_s * (longest - mean) / splits - price
-            yield cpu, price, extra if extra > 0.0 else 0.0
+        beside = None if sequential is None else sequential._decode
+        seq_key_s = 0.0 if sequential is None else sequential._piece_key_s
+        tail = (ctx_max, self._piece_key_s, seq_key_s, splits)
+        return self._decode.run_costs(float(n), _means(n, ctx_sum, horizon), cpu, beside, tail)
 
     def _warning_range(
         self, costs: RunCosts, n: int, ctx_max: int, beyond: bool, longest_limit: float
