@@ -275,6 +275,7 @@ class ProfiledCostModel(CostModel):
         # The launch's host seconds of steps that replay no graph (module docstring).
         launched = [i for i in plain if self._eager(outs[i]) and "launch_s" in points[i]]
         self._launch: list[float] | None = None
+        self._verify_graphs = bool(self.meta.get("verify_graphs"))
         if launched:
             lx = np.array([_launch_features(self.features(outs[i])) for i in launched])
             ly = np.array([points[i]["launch_s"] for i in launched], dtype=float)
@@ -585,22 +586,25 @@ class ProfiledCostModel(CostModel):
 
     def launch_host_time(self, out: SchedulerOutput) -> float:
         """The launch's host seconds of a step that replays no graph, from the points'
-        `launch_s` (module docstring); 0.0 for a pure-decode step (a replayed graph) and
-        where the profile timed no launch."""
+        `launch_s` (module docstring); 0.0 for a replayed graph (a pure-decode step; a
+        verify step without prompt chunks where the profile's meta says `verify_graphs`)
+        and where the profile timed no launch."""
         coef = self._launch
         if coef is None:
             return 0.0
-        eager = beside = False
+        eager = chunks = beside = False
         tokens = 0
         for r in out.scheduled:
             q = r.num_tokens
             tokens += q
             if q > 1:
                 eager = True
+                if r.is_prompt:
+                    chunks = True
             if q == 1 or not r.is_prompt:  # a decode (verifying drafts or not)
                 beside = True
-        if not eager:
-            return 0.0
+        if not eager or (not chunks and self._verify_graphs):
+            return 0.0  # a replayed graph: decode, or verify where the profile graphs it
         head = self._head(True, len(out.scheduled), 0, tokens, 0 if beside else -1, 0.0)
         return sum(map(mul, _launch_features(head), coef))
 
