@@ -19,9 +19,7 @@ p90_s over its timed runs (reps); kernel variants compiled while it ran; and for
 followed by the drafter, `drafter` (drafts it proposes) and `draft_s` (its median
 seconds, inside median_s); `pipelined_s`, seconds a step with each launched before the
 one before it is read (async scheduling), for every point but prompt chunks followed
-by the drafter (priced by the plain fit); with it `launch_s`, the median host seconds of
-those launches (`execute_async` until it returns: inputs built, kernels queued): what
-the host cannot do meanwhile, such as read the step before's results.
+by the drafter (priced by the plain fit).
 
 A shape's requests and how they advance: executors/profile_session.py. Where the numbers
 come from (device, versions, commit): executors/profile_env.py.
@@ -186,7 +184,6 @@ class _Runs:
     times: list[float] = field(default_factory=list)
     drafting: list[float] = field(default_factory=list)
     pipelined: list[float] = field(default_factory=list)  # per round (no prompt beside drafts)
-    launches: list[float] = field(default_factory=list)  # host seconds of each pipelined launch
     compiled: int = 0
 
     def point(self, shape: StepShape, drafter: Any) -> dict[str, Any]:
@@ -208,7 +205,6 @@ class _Runs:
             point["draft_s"] = statistics.median(self.drafting)
         if self.pipelined:
             point["pipelined_s"] = statistics.median(self.pipelined)
-            point["launch_s"] = statistics.median(self.launches)
         return point
 
 
@@ -235,32 +231,27 @@ def _run_shape(
             got.drafting.append(timed.seconds)
         session.advance(res)
     if timed is None and not any(session.drafts.values()):
-        got.pipelined.append(_pipelined(executor, session, reps, got.launches))
+        got.pipelined.append(_pipelined(executor, session, reps))
     elif timed is not None and not any(g[3] for g in shape.groups):
         # (the timer's synchronisations would end the overlap)
         with drafted_by(executor.runner, timed.inner):
-            got.pipelined.append(_pipelined(executor, session, reps, got.launches))
+            got.pipelined.append(_pipelined(executor, session, reps))
     executor.execute(session.finish())
     got.compiled += total_compiled() - compiled
 
 
-def _pipelined(executor: Any, session: StepSession, reps: int, launches: list[float]) -> float:
+def _pipelined(executor: Any, session: StepSession, reps: int) -> float:
     """Seconds per step with each step launched before the one before it is read (async
     scheduling, ModelRunner.launch): the runner's host work overlaps the device's, so
     this is the longer of the two. The median of `reps` gaps between consecutive results
     once the pipeline is full, each with the next step launched in it: one stall (a
     collection, another tenant's burst) moves it little, where a mean over the run would
     carry it into the point. On a CPU each launch does its step's work, so a gap is one
-    step there. `launches` receives the host seconds of each launch with a step in flight
-    (until `execute_async` returns): the engine reads the step in flight's results only
-    after it, so a launch longer than that step's device time holds them."""
+    step there."""
     in_flight = executor.execute_async(session.next_step(pipelined=True))
     stamps: list[float] = []
     for _ in range(reps + 1):
-        step = session.next_step(pipelined=True)
-        t0 = time.perf_counter()
-        launched = executor.execute_async(step)
-        launches.append(time.perf_counter() - t0)
+        launched = executor.execute_async(session.next_step(pipelined=True))
         session.settle(in_flight.result())
         stamps.append(time.perf_counter())  # a result read with the next step queued
         in_flight = launched

@@ -67,16 +67,6 @@ class CostModel(ABC):
         Default: the step costs the same whatever runs before it (0.0 more)."""
         return self.step_time(out), 0.0
 
-    def launch_host_time(self, out: SchedulerOutput) -> float:
-        """Host seconds the launch of `out` keeps the host before it returns (its inputs
-        built, its kernels queued one by one: a piecewise or eager step; a replayed CUDA
-        graph is one call). The device runs the step's kernels as they come, so this is
-        inside `step_time`'s span; but the host reads no result meanwhile, so under
-        async scheduling the step in flight's results wait for it. A model that prices
-        decode runs gives a pure-decode step none (a run's steps are replayed graphs).
-        Default 0.0: the launch returns at once."""
-        return 0.0
-
     def decode_run_costs(self, run: DecodeRun) -> RunCosts | None:
         """The run's steps priced one after another without a SchedulerOutput each: for
         step s (every request decoding one token at its context + s), exactly the floats
@@ -95,14 +85,14 @@ class CostModel(ABC):
 
 def prices_decode_runs(cost: CostModel) -> bool:
     """Whether `cost.decode_run_costs` is the model's own account of its steps: a subclass
-    that overrides `step_time`, `cpu_time`, `launch_cost` or `launch_host_time` below the class that defines
+    that overrides `step_time`, `cpu_time` or `launch_cost` below the class that defines
     `decode_run_costs` would have its runs priced by the parent's formula, so it gets
     single steps (and so does a model that defines no run pricing)."""
     cls = type(cost)
     owner = _definer(cls, "decode_run_costs")
     if owner is CostModel:
         return False
-    hooks = ("step_time", "cpu_time", "launch_cost", "launch_host_time")
+    hooks = ("step_time", "cpu_time", "launch_cost")
     return all(issubclass(owner, _definer(cls, hook)) for hook in hooks)
 
 

@@ -193,8 +193,7 @@ def serve_engine(
                         timeline.launched(out.step_id, masks, priced, 0.0)
                     else:
                         priced, idle = cost.launch_cost(out)
-                        held = cost.launch_host_time(out)
-                        timeline.launched(out.step_id, masks, priced + loading, idle, held)
+                        timeline.launched(out.step_id, masks, priced + loading, idle)
                 else:
                     timeline.awaited(out.step_id)
         arrivals.stepped(clock.now)
@@ -254,22 +253,18 @@ class Timeline:
         if host_free > now:
             clock.now += host_free - now
 
-    def launched(
-        self, step_id: int, masks: float, priced: float, idle: float, held: float = 0.0
-    ) -> None:
+    def launched(self, step_id: int, masks: float, priced: float, idle: float) -> None:
         """A step launched, its device seconds `priced` (`idle` more on an idle device),
         its grammar masks host work beside it. Its host part (what a pipelined step
         hides) runs from its launch: the device starts it once that is done and the step
-        before has ended. `held`: host seconds until the launch returns
-        (`CostModel.launch_host_time`), inside the step's device span, but the host reads
-        no result before it (under async scheduling, the step in flight's). On the
-        host's CPU the launch runs the step: the host is busy until it ends."""
+        before has ended. On the host's CPU the launch runs the step: the host is busy
+        until it ends."""
         now = self.clock.now
         start = self.host_free if self.host_free > now else now
         if self.on_host:
             self.host_free = self.device_free = start + masks + priced
         else:
-            self.host_free = start + held + masks
+            self.host_free = start + masks
             ready = start + idle
             self.device_free = (self.device_free if self.device_free > ready else ready) + priced
         self.ready_at[step_id] = max(self.device_free, self.host_free)

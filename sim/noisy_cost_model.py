@@ -67,9 +67,6 @@ class NoisyCostModel(CostModel):
     def cpu_time(self, out: SchedulerOutput) -> float:
         return self.inner.cpu_time(out) * self._host
 
-    def launch_host_time(self, out: SchedulerOutput) -> float:
-        return self.inner.launch_host_time(out) * self._host
-
     def launch_cost(self, out: SchedulerOutput) -> tuple[float, float]:
         priced, idle = self.inner.launch_cost(out)
         if not priced and not idle:

@@ -49,12 +49,7 @@ step and verifies drafts: its steps are priced from the profile's speculative po
 or, for a profile without them, by physics with a warning that names the profile.
 
 The core's host time around a step (schedule, output processing) is fitted from the
-profile's host samples as a + b * requests + c * tokens. The launch of a step that is no
-replayed graph (a piecewise or eager step) keeps the host too, building its inputs and
-queuing its kernels one by one: the points' `launch_s` (measured with a step in flight)
-fit it as fixed costs (piecewise, eager past the piecewise range, decodes beside chunks)
-plus per request and per token (`launch_host_time`); a profile measured before the
-profiler timed launches prices none.
+profile's host samples as a + b * requests + c * tokens.
 """
 
 from __future__ import annotations
@@ -273,14 +268,6 @@ class ProfiledCostModel(CostModel):
         err = np.abs(pred - y) / y
         self.fit = FitReport(float(np.median(err)), float(np.quantile(err, 0.9)), float(err.max()))
         self.point_errors = ((pred - y) / y).tolist()
-        # The launch's host seconds of steps that replay no graph (module docstring).
-        launched = [i for i in plain if self._eager(outs[i]) and "launch_s" in points[i]]
-        self._launch: list[float] | None = None
-        self._verify_graphs = bool(self.meta.get("verify_graphs"))
-        if launched:
-            lx = np.array([_launch_features(self.features(outs[i])) for i in launched])
-            ly = np.array([points[i]["launch_s"] for i in launched], dtype=float)
-            self._launch = [float(c) for c in nnls_relative(lx, ly)]
         host = data["host"]
         hx = np.array([[1.0, h["num_reqs"], h["num_tokens"]] for h in host], dtype=float)
         hy = np.array([h["schedule_s"] + h["process_s"] for h in host], dtype=float)
@@ -573,30 +560,6 @@ class ProfiledCostModel(CostModel):
         a, b, c = self._host
         return a + b * len(out.scheduled) + c * out.num_batched_tokens
 
-    def launch_host_time(self, out: SchedulerOutput) -> float:
-        """The launch's host seconds of a step that replays no graph, from the points'
-        `launch_s` (module docstring); 0.0 for a replayed graph (a pure-decode step; a
-        verify step without prompt chunks where the profile's meta says `verify_graphs`)
-        and where the profile timed no launch."""
-        coef = self._launch
-        if coef is None:
-            return 0.0
-        eager = chunks = beside = False
-        tokens = 0
-        for r in out.scheduled:
-            q = r.num_tokens
-            tokens += q
-            if q > 1:
-                eager = True
-                if r.is_prompt:
-                    chunks = True
-            if q == 1 or not r.is_prompt:  # a decode (verifying drafts or not)
-                beside = True
-        if not eager or (not chunks and self._verify_graphs):
-            return 0.0  # a replayed graph: decode, or verify where the profile graphs it
-        head = self._head(True, len(out.scheduled), 0, tokens, 0 if beside else -1, 0.0)
-        return sum(map(mul, _launch_features(head), coef))
-
     @property
     def grammar_mask_per_token_s(self) -> float:
         """The profile's steps had no grammars: their masks cost what the coefficients say."""
@@ -708,13 +671,6 @@ class ProfiledCostModel(CostModel):
                     f"extrapolates beyond the profile (largest measured: {limit})",
                     stacklevel=4,
                 )
-
-
-def _launch_features(features: list[float]) -> list[float]:
-    """What a launch's host time reads of a non-graph step's FEATURES: piecewise (1: any
-    such step), eager (past the piecewise range), mixed (decodes beside chunks: the
-    absorbed path's launches), requests and tokens (its inputs built on the host)."""
-    return [features[1], features[2], features[3], features[4], features[6]]
 
 
 def _means(n: int, ctx_sum: int, horizon: int) -> Iterable[float]:

@@ -125,7 +125,7 @@ class WallClockPacer:
         if self.on_host:  # the launch runs the step: the host is busy until it ends
             self._host_free = self._device_free = start + masks + self.cost.step_time(out)
         else:
-            self._host_free = start + self.cost.launch_host_time(out) + masks
+            self._host_free = start + masks
             priced, idle = self.cost.launch_cost(out)
             self._device_free = max(self._device_free, start + idle) + priced
         self._ready_at[out.step_id] = max(self._device_free, self._host_free)

@@ -112,10 +112,8 @@ def test_a_plain_profile_steps_decodes_forward_as_the_scheduler_does(tmp_path: P
     assert all(p["reps"] == 6 and p["p10_s"] <= p["median_s"] for p in profile["points"])
     # Each point also ran pipelined (async scheduling: launched before the step before
     # it is read): on the CPU, where nothing overlaps, about as long as one by one.
-    # The host seconds of its launches too: on the CPU a launch runs its step.
     for p in profile["points"]:
         assert 0.3 * p["median_s"] < p["pipelined_s"] < 3 * p["median_s"], p
-        assert 0 < p["launch_s"] < 3 * p["median_s"], p
 
 
 def test_async_scheduling_prices_plain_steps_from_the_pipelined_times(tmp_path: Path) -> None:

@@ -354,32 +354,3 @@ def test_a_short_chunk_waits_for_its_whole_cached_prefix_in_one_wave() -> None:
     assert 0.8 < short / long < 1.25
     cpu = ProfiledCostModel(path, spec, get_hardware("cpu"))
     assert cpu.features(shape_output([[1, 16, 4096, True]]))[wave] == 0.0
-
-
-def test_the_launch_of_a_step_without_a_graph_holds_the_host_for_the_points_launch_times() -> None:
-    """A profile whose points time their launches (`launch_s`) prices the host's part of
-    a piecewise step's launch from them (fixed, per request, per token); a replayed
-    decode or verify graph holds none, and neither does any step of a profile without
-    them."""
-    from deepinfer.outputs import ScheduledRequest, SchedulerOutput
-
-    path = PROFILES_DIR / "moonlight-16b-a3b__h100.json"
-    profile = json.loads(path.read_text())
-    spec, hw = load_model_config("moonlight-16b-a3b"), get_hardware("h100")
-    mixed = shape_output([[4, 1, 1024, False], [1, 500, 0, True]])
-    decode = shape_output([[8, 1, 1024, False]])
-    assert ProfiledCostModel(profile, spec, hw).launch_host_time(mixed) == 0.0
-    timed = copy.deepcopy(profile)
-    for p in timed["points"]:
-        if not p.get("drafter") and any(g[1] > 1 for g in p["groups"]):
-            p["launch_s"] = 0.012 + 1e-6 * p["num_tokens"]
-    cm = ProfiledCostModel(timed, spec, hw, async_scheduling=True)
-    assert cm.launch_host_time(mixed) == pytest.approx(0.012 + 504e-6, rel=0.02)
-    assert cm.launch_host_time(decode) == 0.0
-    verify = SchedulerOutput(
-        0, [ScheduledRequest("v", 4, 1024, False, True, [], draft_token_ids=[7, 7, 7])]
-    )
-    assert cm.launch_host_time(verify) == 0.0  # this profile replays verify graphs
-    assert cm.step_time(mixed) == ProfiledCostModel(
-        profile, spec, hw, async_scheduling=True
-    ).step_time(mixed)

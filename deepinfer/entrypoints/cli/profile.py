@@ -152,14 +152,9 @@ def run_profile(args: argparse.Namespace) -> int:
             executor, grid, reps=args.reps, seed=cfg.seed, on_point=lambda _: bar.update(1),
             rounds=args.rounds,
         )  # fmt: skip
-    # The core's host work of a plain engine, which is what the cost model's host fit
-    # prices: a scheduler set to speculate reserves lookahead slots and reads drafts on
-    # every step, work a plain engine's steps do not do.
-    plain = cfg.replace(num_speculative_tokens=0, enable_mtp_varlen=False)
-    with drafter_detached(executor.runner):
+    with drafter_detached(executor.runner):  # the core's host work of a plain engine
         host = profile_host(
-            EngineCore(plain, executor, model_max_len=executor.max_model_len),
-            num_requests=24 if args.quick else 96, seed=cfg.seed,
+            engine, num_requests=24 if args.quick else 96, seed=cfg.seed,
             decode_batch=min(cfg.max_num_seqs, 32 if args.quick else 512),
         )  # fmt: skip
     warm = executor.warmup
