@@ -192,10 +192,10 @@ def _copy(
 
 def _one_at_a_time(
     role: str, requests: list[tuple[str, tuple[int, ...], int, int | None]]
-) -> tuple[EngineCore, dict[str, SchedulerOutput]]:
+) -> tuple[EngineCore, dict[str, Request], dict[str, SchedulerOutput]]:
     """Each of `requests` (id, prompt, max_tokens, prompt logprobs) run alone, in turn,
-    on a 4-block HBM of 4-token blocks over an 8-block host tier; returns the engine and
-    the step that started each request."""
+    on a 4-block HBM of 4-token blocks over an 8-block host tier; returns the engine, the
+    requests and the step that started each."""
     cfg = make_config(block_size=4, num_gpu_blocks=4, max_num_seqs=1, role=role,
                       max_num_batched_tokens=16, enable_prefix_caching=True)  # fmt: skip
     engine = EngineCore(cfg, SimExecutor(cfg, 4), clock=StepClock(),
@@ -209,28 +209,32 @@ def _one_at_a_time(
         return out
 
     engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    reqs: dict[str, Request] = {}
     for rid, prompt, max_tokens, logprobs in requests:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=logprobs)
-        assert engine.add_request(Request(rid, list(prompt), sp)) is None
+        reqs[rid] = Request(rid, list(prompt), sp)
+        assert engine.add_request(reqs[rid]) is None
         while engine.has_unfinished():
             engine.step()
-    return engine, starts
+    return engine, reqs, starts
 
 
 def test_a_start_loads_its_prefix_from_the_host_tier_unless_it_wants_prompt_logprobs() -> None:
     """The scheduler's side of the loads (docs/design.md: a starting request takes exactly
     the prefix hit the cache holds for it, none when it asks for prompt logprobs): a start
-    counts the blocks it loads from a lower tier as computed and computes only the rest;
+    counts the blocks it loads from a lower tier as computed, cached (the request's cached
+    tokens, the executor's blocks with content) and hit, and computes only the rest;
     one that asks for prompt logprobs loads nothing and computes its whole prompt, and its
     start is no prefix lookup (hits by tier count only starts that take hits).
 
     Pinned (`_one_at_a_time`): `a` (9 tokens, two full blocks) runs; `b` (13 tokens)
     evicts both of its full blocks into the host tier; `d` asks for `a`'s prompt with
     prompt logprobs; `b2` evicts them again; `c` asks for `a`'s prompt and loads both.
-    (Kills `Scheduler._start__mutmut_15`, `d`'s start counted as a lookup, and `_28`, the
-    loads subtracted from `c`'s hit.)"""
+    (Kills `Scheduler._start__mutmut_15`, `d`'s start counted as a lookup; `_28`, `_78`,
+    `_95`, the loads subtracted from `c`'s hit, and `_94`, `_56`, its cached blocks or
+    loads not passed on.)"""
     a = tuple(range(1, 10))
-    engine, starts = _one_at_a_time(
+    engine, reqs, starts = _one_at_a_time(
         "normal",
         [("a", a, 1, None), ("b", tuple(range(100, 113)), 1, None), ("d", a, 1, 1),
          ("b2", tuple(range(200, 213)), 1, None), ("c", a, 1, None)],
@@ -242,6 +246,7 @@ def test_a_start_loads_its_prefix_from_the_host_tier_unless_it_wants_prompt_logp
     loads = starts["c"].kv_loads
     assert [ld.block_id for ld in loads] == (c.block_table or [])[:2], (loads, c)
     assert (c.num_computed_tokens, c.num_tokens, len(c.block_table or [])) == (8, 1, 3), c
+    assert (c.num_cached_blocks, reqs["c"].num_cached_tokens) == (2, 8), c
     kv = engine.scheduler.kv
     assert kv.num_prefix_blocks_looked_up == 2 + 3 + 3 + 2, "d's start is no lookup"
     assert kv.prefix_hit_blocks == {HBM: 0, HOST: 2, STORE: 0}
@@ -256,11 +261,12 @@ def test_a_decode_engine_loads_nothing_for_a_prompt_whose_kv_arrives() -> None:
     blocks are cached; `b` (13 tokens) evicts them into the host tier; `c` brings `a`'s
     prompt. (Kills `Scheduler._start__mutmut_19`: `c` loads the host's copies.)"""
     a = tuple(range(1, 10))
-    engine, starts = _one_at_a_time(
+    engine, reqs, starts = _one_at_a_time(
         "decode", [("a", a, 4, None), ("b", tuple(range(100, 113)), 1, None), ("c", a, 1, None)]
     )
     assert len(starts["b"].kv_saves) == 3, "pinned: b evicts a's three blocks to the host"
     (c,) = starts["c"].scheduled
     assert (c.num_computed_tokens, c.num_cached_blocks, starts["c"].kv_loads) == (8, 0, ()), c
+    assert reqs["c"].num_cached_tokens == 0, "the KV brought is no cache hit"
     kv = engine.scheduler.kv
     assert (kv.num_prefix_blocks_looked_up, kv.prefix_hit_blocks[HOST]) == (0, 0)
