@@ -232,7 +232,7 @@ def test_a_start_loads_its_prefix_from_the_host_tier_unless_it_wants_prompt_logp
     prompt logprobs; `b2` evicts them again; `c` asks for `a`'s prompt and loads both.
     (Kills `Scheduler._start__mutmut_15`, `d`'s start counted as a lookup; `_28`, `_78`,
     `_95`, the loads subtracted from `c`'s hit, and `_94`, `_56`, its cached blocks or
-    loads not passed on.)"""
+    loads not passed on; `KVCacheManager.__init__` `_23` to `_33`, counters not from 0.)"""
     a = tuple(range(1, 10))
     engine, reqs, starts = _one_at_a_time(
         "normal",
@@ -250,6 +250,8 @@ def test_a_start_loads_its_prefix_from_the_host_tier_unless_it_wants_prompt_logp
     kv = engine.scheduler.kv
     assert kv.num_prefix_blocks_looked_up == 2 + 3 + 3 + 2, "d's start is no lookup"
     assert kv.prefix_hit_blocks == {HBM: 0, HOST: 2, STORE: 0}
+    # HBM lookups: every prompt but d's, and none hit there
+    assert (kv.num_lookup_tokens, kv.num_hit_tokens) == (9 + 13 + 13 + 9, 0)
 
 
 def test_a_decode_engine_loads_nothing_for_a_prompt_whose_kv_arrives() -> None:
