@@ -223,21 +223,27 @@ def test_a_start_loads_its_prefix_from_the_host_tier_unless_it_wants_prompt_logp
     """The scheduler's side of the loads (docs/design.md: a starting request takes exactly
     the prefix hit the cache holds for it, none when it asks for prompt logprobs): a start
     counts the blocks it loads from a lower tier as computed, cached (the request's cached
-    tokens, the executor's blocks with content) and hit, and computes only the rest;
-    one that asks for prompt logprobs loads nothing and computes its whole prompt, and its
-    start is no prefix lookup (hits by tier count only starts that take hits).
+    tokens, the executor's blocks with content) and hit, and computes only the rest, at
+    least its last token; one that asks for prompt logprobs loads nothing and computes
+    its whole prompt, and its start is no prefix lookup (hits by tier count only starts
+    that take hits; HBM lookups count every prompt looked up and the tokens hit).
 
     Pinned (`_one_at_a_time`): `a` (9 tokens, two full blocks) runs; `b` (13 tokens)
     evicts both of its full blocks into the host tier; `d` asks for `a`'s prompt with
-    prompt logprobs; `b2` evicts them again; `c` asks for `a`'s prompt and loads both.
-    (Kills `Scheduler._start__mutmut_15`, `d`'s start counted as a lookup; `_28`, `_78`,
-    `_95`, the loads subtracted from `c`'s hit, and `_94`, `_56`, its cached blocks or
-    loads not passed on; `KVCacheManager.__init__` `_23` to `_33`, counters not from 0.)"""
+    prompt logprobs; `b2` evicts them again; `c` asks for `a`'s prompt and loads both;
+    `b3` evicts them again; `g`, `a`'s first 8 tokens, loads one (its last token is
+    computed); `e` and `f` hit both in HBM. (Kills `Scheduler._start__mutmut_15`, `d`'s
+    start counted as a lookup; `_28`, `_78`, `_95`, the loads subtracted from `c`'s hit,
+    and `_94`, `_56`, its cached blocks or loads not passed on; `KVCacheManager.__init__`
+    `_23` to `_33`, counters not from 0; `find_cached_prefix` `_17` to `_21`, counters
+    not summed; `find_tier_hits` `_4` to `_7`, `g`'s limit.)"""
     a = tuple(range(1, 10))
     engine, reqs, starts = _one_at_a_time(
         "normal",
         [("a", a, 1, None), ("b", tuple(range(100, 113)), 1, None), ("d", a, 1, 1),
-         ("b2", tuple(range(200, 213)), 1, None), ("c", a, 1, None)],
+         ("b2", tuple(range(200, 213)), 1, None), ("c", a, 1, None),
+         ("b3", tuple(range(300, 313)), 1, None), ("g", a[:8], 1, None),
+         ("e", a, 1, None), ("f", a, 1, None)],
     )  # fmt: skip
     assert len(starts["b"].kv_saves) == 2, "pinned: b evicts a's two full blocks to the host"
     (d,) = starts["d"].scheduled
@@ -247,11 +253,17 @@ def test_a_start_loads_its_prefix_from_the_host_tier_unless_it_wants_prompt_logp
     assert [ld.block_id for ld in loads] == (c.block_table or [])[:2], (loads, c)
     assert (c.num_computed_tokens, c.num_tokens, len(c.block_table or [])) == (8, 1, 3), c
     assert (c.num_cached_blocks, reqs["c"].num_cached_tokens) == (2, 8), c
+    (g,) = starts["g"].scheduled
+    assert (g.num_computed_tokens, g.num_tokens, len(starts["g"].kv_loads)) == (4, 4, 1), g
+    for rid in "ef":
+        (sr,) = starts[rid].scheduled
+        assert (sr.num_computed_tokens, sr.num_tokens, starts[rid].kv_loads) == (8, 1, ()), sr
     kv = engine.scheduler.kv
-    assert kv.num_prefix_blocks_looked_up == 2 + 3 + 3 + 2, "d's start is no lookup"
-    assert kv.prefix_hit_blocks == {HBM: 0, HOST: 2, STORE: 0}
-    # HBM lookups: every prompt but d's, and none hit there
-    assert (kv.num_lookup_tokens, kv.num_hit_tokens) == (9 + 13 + 13 + 9, 0)
+    looked_up = 2 + 3 + 3 + 2 + 3 + 1 + 2 + 2  # (n - 1) // 4 blocks a start, d's none
+    assert kv.num_prefix_blocks_looked_up == looked_up, "d's start is no lookup"
+    assert kv.prefix_hit_blocks == {HBM: 2 + 2, HOST: 2 + 1, STORE: 0}
+    # HBM lookups: every prompt but d's; e and f hit two blocks each
+    assert (kv.num_lookup_tokens, kv.num_hit_tokens) == (9 + 13 + 13 + 9 + 13 + 8 + 9 + 9, 16)
 
 
 def test_a_decode_engine_loads_nothing_for_a_prompt_whose_kv_arrives() -> None:
