@@ -153,7 +153,7 @@ class ExecutorHandoff(QueueChecker):
     ) -> None:
         req = d.reqs[sr.req_id]
         want: tuple = None, None, None  # an executor that needs no token ids gets none
-        if d.sched.emit_token_ids:
+        if d.executor.needs_token_ids:
             tokens = d.tokens(sr.req_id)
             start = sr.num_computed_tokens
             real = [t for t in sr.draft_token_ids if t != DRAFT_PLACEHOLDER]
@@ -170,5 +170,5 @@ class ExecutorHandoff(QueueChecker):
                 out,
                 sr,
                 f"token_ids / prior_token_ids / prompt_token_ids {ids}, want {want} "
-                f"(executor needs token ids: {d.sched.emit_token_ids})",
+                f"(executor needs token ids: {d.executor.needs_token_ids})",
             )

@@ -44,21 +44,35 @@ RESTART_FILLS_WHOLE_BLOCKS: tuple[EngineCase, Workload] = (
     (ReqSpec("a", 0, (1, 2), max_tokens=4), ReqSpec("b", 0, tuple(range(100, 105)), 4)),
 )
 
-# Async scheduling with a draft always accepted: a's step in flight reaches
-# max_model_len, so the next step gives a no token (its work is 0) while b, after it
-# in running, still has work (`_schedule_running__mutmut_33`, `_37`, `_38`: a
-# zero-token request scheduled, b skipped, the loop left).
+
+def _one_draft_always_accepted(**overrides: object) -> EngineCase:
+    """Async scheduling with one draft a step, always accepted: each running request's
+    known tokens grow by two a step."""
+    cfg = _config(async_scheduling=True, num_speculative_tokens=1, enable_mtp_varlen=False,
+                  **overrides)  # fmt: skip
+    return EngineCase(cfg, 1.0)
+
+
+# a's step in flight reaches max_model_len, so the next step gives a no token (its work
+# is 0) while b, after it in running, still has work (`_schedule_running__mutmut_33`,
+# `_37`, `_38`: a zero-token request scheduled, b skipped, the loop left).
 NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER: tuple[EngineCase, Workload] = (
-    EngineCase(
-        _config(
-            max_model_len=8,
-            async_scheduling=True,
-            num_speculative_tokens=1,
-            enable_mtp_varlen=False,
-        ),
-        1.0,
-    ),  # fmt: skip
+    _one_draft_always_accepted(max_model_len=8),
     (ReqSpec("a", 0, (1, 2, 3, 4), max_tokens=100), ReqSpec("b", 0, (100,), max_tokens=100)),
+)
+
+# As above with the request that reaches max_model_len third in running: a and b, ahead
+# of c, are scheduled, then c has no work (`_schedule_running__mutmut_47`: after a request
+# with no work the loop goes back to the second, scheduling b again in that step). c's
+# 20-token prompt, chunked by the 8-token budget, puts it 6 tokens from the limit while a
+# and b are still 9 away: the budget then ends that loop before b's work does.
+NO_WORK_AT_MAX_MODEL_LEN_THIRD_IN_RUNNING: tuple[EngineCase, Workload] = (
+    _one_draft_always_accepted(max_model_len=22, max_num_batched_tokens=8),
+    (
+        ReqSpec("a", 0, (1,), max_tokens=100),
+        ReqSpec("b", 0, (50,), max_tokens=100),
+        ReqSpec("c", 0, tuple(range(100, 120)), max_tokens=100),
+    ),
 )
 
 # Three one-token prompts in a 3-token budget: in each decode step after the first,

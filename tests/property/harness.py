@@ -110,7 +110,12 @@ class Driver:
     its steps counted."""
 
     def __init__(
-        self, case: EngineCase, workload: Workload, checkers: list[Checker], text: bool = True
+        self,
+        case: EngineCase,
+        workload: Workload,
+        checkers: list[Checker],
+        text: bool = True,
+        needs_token_ids: bool = False,
     ) -> None:
         cfg = case.config
         self.case, self.workload, self.checkers = case, workload, checkers
@@ -119,6 +124,9 @@ class Driver:
         self.text = text
         self.text_stops = TextStops()
         self.executor = SimExecutor(cfg, cfg.num_gpu_blocks, acceptance_rate=case.acceptance_rate)
+        # needs_token_ids: the executor declares, as a real model's does, that it reads the
+        # token ids (the engine passes that on to the scheduler it builds).
+        self.executor.needs_token_ids = needs_token_ids
         self.time = DriverClock()
         self.engine = EngineCore(cfg, self.executor, clock=self.time, check_invariants=False)
         self.sched = self.engine.scheduler

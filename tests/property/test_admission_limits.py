@@ -126,6 +126,7 @@ _EACH_LIMIT = (
     ReqSpec("long", 0, tuple(range(1, 21)), 2),
     ReqSpec("empty", 0, (), 2),
     ReqSpec("vocab", 0, (1, 50, 51), 2),
+    ReqSpec("zero", 0, (0, 1, 2), 2),  # token id 0 is in every vocabulary
     ReqSpec("huge", 0, tuple(1 + i % 49 for i in range(70)), 2),
 )
 
@@ -148,7 +149,7 @@ def test_the_models_length_and_the_executors_vocabulary_limit_admission_with_rea
 
     Caught: `EngineCore.__init____mutmut_9` / `_11` (the model's length, the
     executor's vocabulary not passed on), `rejection_reason__mutmut_29` (a token equal
-    to the vocabulary size admitted), `_15` (the blocks needed miscounted),
+    to the vocabulary size admitted), `_27` / `_28` (token id 0 refused), `_15` (the blocks needed miscounted),
     `_effective_max_model_len__mutmut_33` (a warning when the setting equals the cap),
     `_22` (the model's cap warned of when the user set the limit), `_23` .. `_28`
     (malformed warnings), `Scheduler.add_request__mutmut_2` (the duplicate unnamed)."""

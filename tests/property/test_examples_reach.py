@@ -55,6 +55,21 @@ def _no_work_at_max_model_len_before_another(d: Driver, trace: Trace) -> None:
     _first(trace, "a at max_model_len in flight, skipped; b after it scheduled", reached)
 
 
+def _no_work_at_max_model_len_third_in_running(d: Driver, trace: Trace) -> None:
+    limit = d.case.config.max_model_len
+    assert limit is not None
+
+    def reached(t: TracedStep) -> bool:
+        return (
+            t.in_flight
+            and t.before.running == ["a", "b", "c"]
+            and t.before.state["c"].computed >= limit  # c's step in flight reaches it
+            and t.order() == ["a", "b"]
+        )
+
+    _first(trace, "c at max_model_len in flight, after a and b, which are scheduled", reached)
+
+
 def _block_filled_by_a_decode_hit_in_the_same_step(d: Driver, trace: Trace) -> None:
     bs = d.case.config.block_size
 
@@ -155,6 +170,7 @@ def _seven_block_holders(d: Driver, trace: Trace) -> None:
 REACHES: dict[str, tuple[list[Callable[[], Checker]], Callable[[Driver, Trace], None]]] = {
     "RESTART_FILLS_WHOLE_BLOCKS": ([], _restart_fills_whole_blocks),
     "NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER": ([], _no_work_at_max_model_len_before_another),
+    "NO_WORK_AT_MAX_MODEL_LEN_THIRD_IN_RUNNING": ([], _no_work_at_max_model_len_third_in_running),
     "LAST_DECODE_ON_THE_BUDGETS_LAST_TOKEN": ([], _last_decode_on_the_budgets_last_token),
     "BLOCK_FILLED_BY_A_DECODE_HIT_IN_THE_SAME_STEP": (
         [],

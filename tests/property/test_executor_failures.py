@@ -29,17 +29,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from deepinfer.engine import EngineCore
 from deepinfer.errors import RequestFailed
 from deepinfer.executor import Executor, StepHandle
+from deepinfer.kv_cache.manager import cdiv
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import FinishReason, Request, RequestStatus
 from deepinfer.scheduler_checks import diagnose_stall
 from sim.sim_executor import SimExecutor
-from tests.factories import StepClock, make_config
+from tests.factories import StepClock, make_config, make_engine
 from tests.property.harness import (
     CORE_CHECKS,
     admissible,
@@ -330,7 +331,13 @@ class MidChunkFailure(_OverSim):
         return _Raises(raise_)
 
 
+# Pinned: r3's first chunk (1 of its 2 tokens) fails beside three decodes; its restart
+# fits the budget whole, so a restart that kept a stale computed count takes a block more.
+_RESTART_EXAMPLE = (4, 2, [1, 2], "sync, launch")
+
+
 @scaled(0.3)
+@example(*_RESTART_EXAMPLE)
 @given(
     st.integers(4, 12),  # token budget
     st.sampled_from([2, 4]),  # block size
@@ -357,9 +364,10 @@ def test_a_failed_step_restarts_its_mid_chunk_prompts_and_skips_requests_ended_m
     before the failure was handled. No block the failed step would have filled stays in
     the prefix cache (they were cached when it was scheduled). Broken copies that fail
     it: fail_step keeping those blocks cached (found by this test: a requeued prompt hit
-    its own unwritten blocks), restarting the prompt at token 1, leaving it out of the
-    next step's preempted set, or stopping at a request that ended meanwhile (`break`
-    for `continue`: when it comes first)."""
+    its own unwritten blocks), restarting the prompt at token 1 (its restart's allocation
+    adds that token to the prompt's and takes a block more: the pinned example), leaving
+    it out of the next step's preempted set, or stopping at a request that ended
+    meanwhile (`break` for `continue`: when it comes first)."""
     lengths = [1, 2, *lengths]  # two short prompts decode beside the longer ones' chunks
     async_, at_launch, abort = mode.startswith("async"), "launch" in mode, "abort" in mode
     cfg = make_config(block_size=block, num_gpu_blocks=64, max_num_seqs=8,
@@ -390,6 +398,7 @@ def test_a_failed_step_restarts_its_mid_chunk_prompts_and_skips_requests_ended_m
     else:
         raise AssertionError(f"unfinished\n{diagnose_stall(engine.scheduler)}")
     if ex.failed is None:
+        assert (budget, block, lengths[2:], mode) != _RESTART_EXAMPLE, "pinned: no failure"
         return  # no step had a prompt mid-chunk beside another request
     note("a step with a prompt mid-chunk failed")
     before = {sr.req_id: sr.num_computed_tokens for sr in ex.failed.scheduled}
@@ -406,6 +415,13 @@ def test_a_failed_step_restarts_its_mid_chunk_prompts_and_skips_requests_ended_m
         assert 0 <= hit <= written and hit % block == 0, (
             f"{rid}: {redone} of its {n} prompt tokens computed after the failure, "
             f"{written} were in blocks written before it"
+        )
+        # Its restart is a start (docs/design.md, "Starting a waiting request"): one
+        # allocation of its whole prompt's blocks, hits included, and not one more.
+        table = next(sr.block_table for o in ex.after for sr in o.scheduled
+                     if sr.req_id == rid and sr.block_table is not None)  # fmt: skip
+        assert len(table) == cdiv(n, block), (
+            f"{rid}: restarted with {len(table)} blocks of {block} for its {n} prompt tokens"
         )
     for spec in specs:
         req = reqs[spec.req_id]
@@ -428,3 +444,31 @@ def test_a_failed_step_restarts_its_mid_chunk_prompts_and_skips_requests_ended_m
             assert hits <= valid, f"{spec.req_id}: {hits} cached blocks, {valid} written"
     pool = engine.scheduler.kv.pool
     assert pool.num_free_blocks == pool.num_blocks, "idle, yet blocks are held"
+
+
+def test_an_interrupt_forgets_the_blocks_its_unapplied_step_cached() -> None:
+    """Ctrl-C with a step in flight (async scheduling), cleaned up as LLM.generate does:
+    that step's results are never applied, so the prompt block it filled (cached when it
+    was scheduled) holds nothing written. The prefix cache forgets it: the same prompt
+    submitted again hits only the block of the step that was applied. Pinned: a 12-token
+    prompt in chunks of 4 over blocks of 4, prefix caching on; one step() applies the
+    first chunk with the second in flight. (Kills `forget_unapplied_steps__mutmut_1`,
+    which raises on any block to forget, and a cleanup that forgets nothing: a hit of 8.)"""
+    engine = make_engine(block_size=4, num_gpu_blocks=16, max_num_seqs=2,
+                         max_num_batched_tokens=4, async_scheduling=True,
+                         enable_prefix_caching=True)  # fmt: skip
+    prompt = tuple(range(1, 13))
+    first = make_request(ReqSpec("r0", 0, prompt, 2))
+    engine.add_request(first)
+    engine.step()
+    assert engine._in_flight is not None and first.num_computed_tokens == 8, (
+        f"pinned: the second chunk in flight, not {first.num_computed_tokens} computed"
+    )
+    _interrupt(engine)
+    again = make_request(ReqSpec("r1", 0, prompt, 2))
+    engine.add_request(again)
+    engine.step()
+    assert again.num_cached_tokens == 4, (
+        f"the same prompt after the interrupt hit {again.num_cached_tokens} tokens: "
+        "only the applied step's block (4) holds its content"
+    )

@@ -20,8 +20,7 @@ from tests.property.strategies import EngineCase, Workload, any_case_and_workloa
 
 
 def _run(case: EngineCase, workload: Workload, emit: bool, flavours: bool) -> Driver:
-    d = Driver(case, workload, [])
-    d.sched.emit_token_ids = emit  # as EngineCore sets it from executor.needs_token_ids
+    d = Driver(case, workload, [], needs_token_ids=emit)
     d.checkers = ([Flavours()] if flavours else []) + [ExecutorHandoff()]
     return d.run()
 

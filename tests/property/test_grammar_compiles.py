@@ -156,7 +156,6 @@ def test_a_request_waits_for_its_grammar_and_a_failed_compile_rejects_it_alone(
         _check_refused_by_an_executor_without_grammars(cfg, specs)
         return
     engine = EngineCore(cfg, ex, clock=StepClock(), check_invariants=CORE_CHECKS)
-    engine.scheduler.emit_token_ids = True
     reqs: dict[str, Request] = {}
     refused: dict[str, str] = {}
     for rid, schema in specs:
@@ -243,7 +242,6 @@ def _check_refused_by_an_executor_without_grammars(
     cfg: object, specs: list[tuple[str, str | None]]
 ) -> None:
     engine = EngineCore(cfg, TokensOnly(64), clock=StepClock(), check_invariants=CORE_CHECKS)  # type: ignore[arg-type]
-    engine.scheduler.emit_token_ids = True
     want = "SamplingParams.so_args: the TokensOnly executor does not support structured outputs"
     reqs = {}
     for rid, schema in specs:

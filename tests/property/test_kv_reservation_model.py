@@ -182,3 +182,19 @@ def test_a_decode_engine_reserves_for_kv_on_its_way_by_its_rules() -> None:
         ReservationMachine,
         settings=settings(scaled(0.2), stateful_step_count=40, deadline=None),
     )
+
+
+def test_only_a_decode_engine_takes_a_request_awaiting_its_kv() -> None:
+    """Only a decode engine imports a prompt's KV (docs/design.md, "Roles"): an engine of
+    another role refuses a request awaiting one, naming the request and its own role,
+    and neither queues nor counts it. (Kills `Scheduler.add_request__mutmut_5`, the
+    refusal without its message.)"""
+    for role in ("normal", "prefill"):
+        engine = make_engine(role=role, block_size=BS, num_gpu_blocks=8)
+        req = make_request("r0", 5, max_tokens=2)
+        req.awaiting_kv = True
+        with pytest.raises(ValueError) as refused:
+            engine.add_request(req)
+        assert "'r0'" in str(refused.value) and repr(role) in str(refused.value), refused.value
+        sched = engine.scheduler
+        assert (sched.num_submitted, len(sched.waiting), engine.has_unfinished()) == (0, 0, False)

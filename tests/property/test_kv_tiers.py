@@ -20,11 +20,14 @@ from __future__ import annotations
 from hypothesis import event, given
 from hypothesis import strategies as st
 
+from deepinfer.engine import EngineCore
 from deepinfer.kv_cache.manager import KVCacheManager
-from deepinfer.kv_cache.tiers import HOST, STORE, KVTiers, TierLRU, step_copies
-from deepinfer.outputs import KVLoad, KVSave
+from deepinfer.kv_cache.tiers import HBM, HOST, STORE, KVTiers, TierLRU, step_copies
+from deepinfer.outputs import KVLoad, KVSave, SchedulerOutput
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
+from sim.sim_executor import SimExecutor
+from tests.factories import StepClock, make_config
 from tests.property.strategies import scaled
 
 # An op: ("start", prefix chunks, own tail tokens, held on, joins the step before) or
@@ -185,3 +188,99 @@ def _copy(
         slots[saves[j].slot] = saves[j].block_hash
     for x in loads:
         hbm[x.block_id] = x.block_hash
+
+
+def _one_at_a_time(
+    role: str, requests: list[tuple[str, tuple[int, ...], int, int | None]]
+) -> tuple[EngineCore, dict[str, Request], dict[str, SchedulerOutput]]:
+    """Each of `requests` (id, prompt, max_tokens, prompt logprobs) run alone, in turn,
+    on a 4-block HBM of 4-token blocks over an 8-block host tier; returns the engine, the
+    requests and the step that started each."""
+    cfg = make_config(block_size=4, num_gpu_blocks=4, max_num_seqs=1, role=role,
+                      max_num_batched_tokens=16, enable_prefix_caching=True)  # fmt: skip
+    engine = EngineCore(cfg, SimExecutor(cfg, 4), clock=StepClock(),
+                        kv_tiers=KVTiers(TierLRU(HOST, 8)))  # fmt: skip
+    starts: dict[str, SchedulerOutput] = {}
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> SchedulerOutput:
+        out = schedule()
+        starts.update((sr.req_id, out) for sr in out.scheduled if sr.block_table is not None)
+        return out
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    reqs: dict[str, Request] = {}
+    for rid, prompt, max_tokens, logprobs in requests:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=logprobs)
+        reqs[rid] = Request(rid, list(prompt), sp)
+        assert engine.add_request(reqs[rid]) is None
+        while engine.has_unfinished():
+            engine.step()
+    return engine, reqs, starts
+
+
+def test_a_start_loads_its_prefix_from_the_host_tier_unless_it_wants_prompt_logprobs() -> None:
+    """The scheduler's side of the loads (docs/design.md: a starting request takes exactly
+    the prefix hit the cache holds for it, none when it asks for prompt logprobs): a start
+    counts the blocks it loads from a lower tier as computed, cached (the request's cached
+    tokens, the executor's blocks with content) and hit, and computes only the rest, at
+    least its last token; one that asks for prompt logprobs loads nothing and computes
+    its whole prompt, and its start is no prefix lookup (hits by tier count only starts
+    that take hits; HBM lookups count every prompt looked up and the tokens hit).
+
+    Pinned (`_one_at_a_time`): `a` (9 tokens, two full blocks) runs; `b` (13 tokens)
+    evicts both of its full blocks into the host tier; `d` asks for `a`'s prompt with
+    prompt logprobs; `b2` evicts them again; `c` asks for `a`'s prompt and loads both;
+    `b3` evicts them again; `g`, `a`'s first 8 tokens, loads one (its last token is
+    computed); `e` and `f` hit both in HBM. (Kills `Scheduler._start__mutmut_15`, `d`'s
+    start counted as a lookup; `_28`, `_78`, `_95`, the loads subtracted from `c`'s hit,
+    and `_94`, `_56`, its cached blocks or loads not passed on; `KVCacheManager.__init__`
+    `_23` to `_33`, counters not from 0; `find_cached_prefix` `_17` to `_21`, counters
+    not summed; `find_tier_hits` `_4` to `_7`, `g`'s limit.)"""
+    a = tuple(range(1, 10))
+    engine, reqs, starts = _one_at_a_time(
+        "normal",
+        [("a", a, 1, None), ("b", tuple(range(100, 113)), 1, None), ("d", a, 1, 1),
+         ("b2", tuple(range(200, 213)), 1, None), ("c", a, 1, None),
+         ("b3", tuple(range(300, 313)), 1, None), ("g", a[:8], 1, None),
+         ("e", a, 1, None), ("f", a, 1, None)],
+    )  # fmt: skip
+    assert len(starts["b"].kv_saves) == 2, "pinned: b evicts a's two full blocks to the host"
+    (d,) = starts["d"].scheduled
+    assert (d.num_computed_tokens, d.num_tokens, starts["d"].kv_loads) == (0, 9, ()), d
+    (c,) = starts["c"].scheduled
+    loads = starts["c"].kv_loads
+    assert [ld.block_id for ld in loads] == (c.block_table or [])[:2], (loads, c)
+    assert (c.num_computed_tokens, c.num_tokens, len(c.block_table or [])) == (8, 1, 3), c
+    assert (c.num_cached_blocks, reqs["c"].num_cached_tokens) == (2, 8), c
+    (g,) = starts["g"].scheduled
+    assert (g.num_computed_tokens, g.num_tokens, len(starts["g"].kv_loads)) == (4, 4, 1), g
+    for rid in "ef":
+        (sr,) = starts[rid].scheduled
+        assert (sr.num_computed_tokens, sr.num_tokens, starts[rid].kv_loads) == (8, 1, ()), sr
+    kv = engine.scheduler.kv
+    looked_up = 2 + 3 + 3 + 2 + 3 + 1 + 2 + 2  # (n - 1) // 4 blocks a start, d's none
+    assert kv.num_prefix_blocks_looked_up == looked_up, "d's start is no lookup"
+    assert kv.prefix_hit_blocks == {HBM: 2 + 2, HOST: 2 + 1, STORE: 0}
+    # HBM lookups: every prompt but d's; e and f hit two blocks each
+    assert (kv.num_lookup_tokens, kv.num_hit_tokens) == (9 + 13 + 13 + 9 + 13 + 8 + 9 + 9, 16)
+
+
+def test_a_decode_engine_loads_nothing_for_a_prompt_whose_kv_arrives() -> None:
+    """A decode engine's request brings its prompt's KV (docs/design.md, "Roles"): the
+    blocks past its own HBM hits are filled from that KV, so a lower tier holding its
+    prefix is not read, and its start is no prefix lookup.
+
+    Pinned (`_one_at_a_time`, role decode): `a` (9 tokens) decodes until its prompt's
+    blocks are cached; `b` (13 tokens) evicts them into the host tier; `c` brings `a`'s
+    prompt. (Kills `Scheduler._start__mutmut_19`: `c` loads the host's copies.)"""
+    a = tuple(range(1, 10))
+    engine, reqs, starts = _one_at_a_time(
+        "decode", [("a", a, 4, None), ("b", tuple(range(100, 113)), 1, None), ("c", a, 1, None)]
+    )
+    assert len(starts["b"].kv_saves) == 3, "pinned: b evicts a's three blocks to the host"
+    (c,) = starts["c"].scheduled
+    assert (c.num_computed_tokens, c.num_cached_blocks, starts["c"].kv_loads) == (8, 0, ()), c
+    assert reqs["c"].num_cached_tokens == 0, "the KV brought is no cache hit"
+    kv = engine.scheduler.kv
+    assert (kv.num_prefix_blocks_looked_up, kv.prefix_hit_blocks[HOST]) == (0, 0)

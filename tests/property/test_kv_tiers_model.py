@@ -30,6 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.kv_cache.tiers import HOST, STORE, KVTiers, TierLRU, step_copies
 from deepinfer.outputs import KVLoad, KVSave
 from tests.property.harness import note
@@ -182,7 +183,9 @@ test_tiers_follow_their_rules = TiersMachine.TestCase
 
 
 def test_tiers_refuse_what_they_cannot_be() -> None:
-    """A tier of an unknown name or no capacity, tiers of none or misnamed, refused by name."""
+    """A tier of an unknown name or no capacity, tiers of none or misnamed, refused by name;
+    so are tiers under a KV manager without prefix caching (they hold prefix-cache
+    blocks), which is on by default."""
     with pytest.raises(ValueError, match=r"tier 'hbm': expected one of \('host', 'store'\)"):
         TierLRU("hbm", 2)
     with pytest.raises(ValueError, match="tier store: capacity 0 blocks: must be >= 1"):
@@ -194,6 +197,11 @@ def test_tiers_refuse_what_they_cannot_be() -> None:
         KVTiers(TierLRU(STORE, 1))
     with pytest.raises(ValueError, match="KVTiers: store tier named 'host'"):
         KVTiers(None, TierLRU(HOST, 1))
+    tiers = KVTiers(TierLRU(HOST, 1))
+    need = "^KV tiers below HBM hold prefix-cache blocks: they need prefix caching on$"
+    with pytest.raises(ValueError, match=need):
+        KVCacheManager(4, 4, enable_caching=False, tiers=tiers)
+    assert KVCacheManager(4, 4, tiers=tiers).enable_caching
 
 
 _TIER = st.sampled_from([HOST, STORE])

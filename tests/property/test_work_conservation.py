@@ -19,6 +19,7 @@ from tests.property.examples import (
     BLOCK_FILLED_BY_A_DECODE_HIT_IN_THE_SAME_STEP,
     LAST_DECODE_ON_THE_BUDGETS_LAST_TOKEN,
     NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER,
+    NO_WORK_AT_MAX_MODEL_LEN_THIRD_IN_RUNNING,
     RESTART_FILLS_WHOLE_BLOCKS,
     USAGE_AT_THE_WATERMARK,
 )
@@ -67,6 +68,7 @@ def test_the_head_of_waiting_starts_whenever_no_rule_holds_it_back(
 
 @scaled(0.6)
 @example(NO_WORK_AT_MAX_MODEL_LEN_BEFORE_ANOTHER)
+@example(NO_WORK_AT_MAX_MODEL_LEN_THIRD_IN_RUNNING)
 @example(LAST_DECODE_ON_THE_BUDGETS_LAST_TOKEN)
 @given(any_case_and_workload())
 def test_running_requests_get_their_work_and_chunks_fill_the_budget(
@@ -82,8 +84,8 @@ def test_running_requests_get_their_work_and_chunks_fill_the_budget(
     `min(num_new, step.budget // 2 + 1)`; in `_continue_prefill`, a chunk capped at
     8 tokens; in `_schedule_running`, `i += 2` after scheduling a request (the next
     one skipped), drafts dropped while `req.num_computed_tokens` is odd; and, on the
-    explicit examples, `i += 2` or `break` after a request with no work, and the loop
-    left while one token of budget remains (`budget > 1`)."""
+    explicit examples, `i += 2`, `i = 1` or `break` after a request with no work, and
+    the loop left while one token of budget remains (`budget > 1`)."""
     case, workload = cw
     _run(case, workload, W.RUNNING, W.CHUNK)
 
