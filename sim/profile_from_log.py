@@ -177,8 +177,8 @@ def _piece_key_seconds(
     """A lone decode piece's seconds a key of its context (the profiled cost model's
     `_piece_key_s`): the slope of the logs' batch-1 decode times over their contexts
     where those span at least a doubling, else the base profile's, else the analytic
-    batch-1 row's (which the H100 grids measure 2-3x higher: a tail then comes out
-    short, the same in the fit and in the prices)."""
+    batch-1 row's (a guess: a tail it under-states comes out short, the same in the fit
+    and in the prices, which store and read this one rate)."""
     ones = [
         (float(b.out.scheduled[0].num_computed_tokens), b.seconds)
         for b in logged
@@ -327,13 +327,13 @@ def fit_from_logs(
         "not_covered": missing,
         **fills,
     }
-    if base is None and needed:
-        raise ValueError(
-            "the logs lack steps the cost model needs: "
-            + "; ".join(needed)
-            + " (pass --base PROFILE to take them from a grid profile)"
-        )
     if base is None:
+        if needed:
+            raise ValueError(
+                "the logs lack steps the cost model needs: "
+                + "; ".join(needed)
+                + " (pass --base PROFILE to take them from a grid profile)"
+            )
         meta = _meta(header, logs[0])
         meta["from_log"] = from_log
         profile = {"version": 1, "model": model.name, "meta": meta, "points": points, "host": host}
