@@ -296,6 +296,8 @@ def run_workload(
         cfg.num_speculative_tokens,
         batch_invariant=cfg.batch_invariant,
         async_scheduling=cfg.async_scheduling,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
     )
     real = reals[0]
     samples: list[dict[str, Any]] = []
@@ -681,6 +683,8 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path, bands: int = 0) 
             cfg.num_speculative_tokens,
             batch_invariant=cfg.batch_invariant,
             async_scheduling=cfg.async_scheduling,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
         )
         samples = [x for x in recorded_steps.get(wname, []) if "shape" in x]
         basis = step_basis(cfg, meta["hardware"])

@@ -45,6 +45,8 @@ def resolve_cost_model(
     num_speculative_tokens: int = 0,
     batch_invariant: bool = False,
     async_scheduling: bool = False,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
 ) -> tuple[CostModel, dict[str, Any]]:
     """The cost model and what the report says of it: its name, whether it is calibrated
     on the real executor, and the profile it fitted.
@@ -58,10 +60,14 @@ def resolve_cost_model(
     batch_invariant: the engine's mode; a cost model that cannot price it is refused
     (`check_mode`). async_scheduling: the engine launches a step while the one before
     runs (the profiled model then prices steps from the profile's pipelined times).
+    max_num_seqs, max_num_batched_tokens: the engine's limits, which choose the graphs its
+    runner captures (the profiled model prices a step at the rows its graph pads it to).
     """
+    limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
     cost, meta = _resolve(
-        spec, model, hardware, profile, batch_invariant, num_speculative_tokens, async_scheduling
-    )
+        spec, model, hardware, profile, batch_invariant, num_speculative_tokens,
+        async_scheduling, limits,
+    )  # fmt: skip
     check_mode(cost, batch_invariant, model.name, hardware.name)
     return cost, meta
 
@@ -97,7 +103,8 @@ def _resolve(
     profile: str | Path | None,
     batch_invariant: bool,
     num_speculative_tokens: int,
-    async_scheduling: bool = False,
+    async_scheduling: bool,
+    limits: dict[str, int],
 ) -> tuple[CostModel, dict[str, Any]]:
     if spec is None:
         found = find_profile(profile_key(model), hardware.name, batch_invariant)
@@ -118,8 +125,9 @@ def _resolve(
                     "cost model 'analytic'"
                 )
             cost = ProfiledCostModel(
-                path, model, hardware, num_speculative_tokens, async_scheduling=async_scheduling
-            )
+                path, model, hardware, num_speculative_tokens,
+                async_scheduling=async_scheduling, **limits,
+            )  # fmt: skip
             meta: dict[str, Any] = {
                 "cost_model": "profiled",
                 "calibrated": True,
@@ -177,6 +185,8 @@ def engine_cost_model(
         engine.num_speculative_tokens,
         batch_invariant=engine.batch_invariant,
         async_scheduling=bool(engine.async_scheduling),
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
     )
     measured = cost.meta.get("quantization") if isinstance(cost, ProfiledCostModel) else None
     if isinstance(cost, ProfiledCostModel) and measured != model.quant_method:

@@ -271,8 +271,13 @@ def _check_fold(
     plain_held = [i for i in held if not points[i].get("drafter")]
     spec_held = [i for i in held if points[i].get("drafter")]
     fitted = dict(profile, points=rest, host=rest_host)
+    engine = profile["meta"].get("engine", {})  # the points' runner's graphs
+    limits = {
+        "max_num_seqs": int(engine.get("max_num_seqs") or 256),
+        "max_num_batched_tokens": int(engine.get("max_num_batched_tokens") or 8192),
+    }
     if plain_held or held_host:
-        cost = ProfiledCostModel(fitted, model, hardware, 0)
+        cost = ProfiledCostModel(fitted, model, hardware, 0, **limits)
         for i in plain_held:
             priced = cost.step_time(shape_output(points[i]["groups"]))
             _add(errors, kinds[i], i, priced, step_seconds(points[i], pipelined=False))
@@ -281,7 +286,7 @@ def _check_fold(
             priced = cost.cpu_time(_host_shape(h["num_reqs"], h["num_tokens"]))
             _add(errors, "host", i, priced, h["schedule_s"] + h["process_s"])
     if spec_held:
-        cost = ProfiledCostModel(fitted, model, hardware, drafts)
+        cost = ProfiledCostModel(fitted, model, hardware, drafts, **limits)
         for i in spec_held:
             priced = cost.step_time(shape_output(points[i]["groups"]))
             _add(errors, kinds[i], i, priced, step_seconds(points[i], pipelined=False))

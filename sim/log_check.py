@@ -57,9 +57,13 @@ def step_errors(
         hw = get_hardware(log.header["hardware"])
         with warnings.catch_warnings():  # (range warnings: the table says how it went)
             warnings.simplefilter("ignore")
+            engine = log.engine
             cost = ProfiledCostModel(
-                profile, model, hw, async_scheduling=bool(log.engine.get("async_scheduling"))
-            )
+                profile, model, hw,
+                async_scheduling=bool(engine.get("async_scheduling")),
+                max_num_seqs=int(engine.get("max_num_seqs") or 256),
+                max_num_batched_tokens=int(engine.get("max_num_batched_tokens") or 8192),
+            )  # fmt: skip
             for step in log.steps:
                 kind = step_kind(step.groups)
                 if kind not in KINDS:

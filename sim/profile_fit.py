@@ -23,11 +23,12 @@ ONE_WAVE_BATCH = 256  # decode batches up to this many requests run as one wave 
 # program, two programs an SM; more heads: blocks of 64, one an SM).
 DECODE_MAX_SPLITS = 64
 # The batch sizes the real runner captures decode graphs at (executors/cuda_graphs.py
-# `default_capture_sizes`, up to 256; past it steps of 64): a decode step replays the
-# smallest one that holds its batch, padded with one-token rows.
+# `default_capture_sizes`): a decode step replays the smallest one that holds its batch,
+# padded with one-token rows.
 _GRAPH_BATCHES = [1, 2, 4, *range(8, 65, 8), *range(96, 257, 32)]
 # The token buckets piecewise graphs are captured at (executors/piecewise_graphs.py
-# `default_token_buckets`, up to their top: min(max_num_batched_tokens, 8192)).
+# `default_token_buckets`, up to their top: min(max_num_batched_tokens, PIECEWISE_LIMIT)).
+PIECEWISE_LIMIT = 8192
 _TOKEN_BUCKETS = [16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
                   *range(2048, 8193, 512)]  # fmt: skip
 # Query rows a prefill attention program holds (kernels/mla_prefill.py, 16-bit tiles).
@@ -35,16 +36,23 @@ PREFILL_QUERY_TILE = 128
 _SYNTHETIC_CACHE_SIZE = 1 << 16  # (batch, context) pairs a surface keeps the physics of
 
 
-def graph_batch(num_reqs: int) -> int:
-    """The rows of the CUDA graph a pure-decode step of `num_reqs` requests replays: the
-    smallest size the runner captures for an engine of max_num_seqs 256 (the profiles'
-    and the default) that holds them. An engine whose max_num_seqs is not a captured
-    size also captures that size and none above it, so its batches just under it pad
-    less than this says (the cost model is not told max_num_seqs)."""
+def graph_batch(num_reqs: int, max_num_seqs: int = 256) -> int:
+    """The rows of the CUDA graph a pure-decode step of `num_reqs` requests replays on an
+    engine of `max_num_seqs`: the smallest size its runner captures that holds them
+    (sizes below max_num_seqs, then max_num_seqs itself; past 256 steps of 64)."""
+    if num_reqs >= max_num_seqs:
+        return max_num_seqs if num_reqs == max_num_seqs else -(-num_reqs // 64) * 64
     i = bisect.bisect_left(_GRAPH_BATCHES, num_reqs)
-    if i < len(_GRAPH_BATCHES):
-        return _GRAPH_BATCHES[i]
-    return -(-num_reqs // 64) * 64
+    size = _GRAPH_BATCHES[i] if i < len(_GRAPH_BATCHES) else -(-num_reqs // 64) * 64
+    return size if size < max_num_seqs else max_num_seqs
+
+
+def decode_rows(num_reqs: int, max_num_seqs: int, one_wave: int) -> int:
+    """The decode surface's batch coordinate of a pure-decode step of `num_reqs`
+    requests: the rows of the graph it replays (`graph_batch`) while it fits one wave of
+    split-KV (`one_wave`: ONE_WAVE_BATCH on a GPU, 0 on a CPU, which replays no graph),
+    its requests past it (the padding rows' attention pieces are empty)."""
+    return graph_batch(num_reqs, max_num_seqs) if num_reqs <= one_wave else num_reqs
 
 
 def token_bucket(tokens: int, top: int) -> int:

@@ -52,7 +52,13 @@ from deepinfer.step_log_file import LoggedStep, StepLogFile, read_step_log, step
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
 from sim.hardware import HardwareSpec, get_hardware
-from sim.profile_fit import ONE_WAVE_BATCH, decode_splits, graph_batch, shape_output
+from sim.profile_fit import (
+    ONE_WAVE_BATCH,
+    decode_rows,
+    decode_splits,
+    graph_batch,
+    shape_output,
+)
 from sim.profiled_cost_model import ProfiledCostModel
 
 KINDS = ("decode", "prefill", "mixed")
@@ -144,6 +150,7 @@ class _Binned:
     price: float  # its analytic price (_Prices.of), what its time is read against
     holds_next: bool = False  # its duration holds the next step's launch (_reattribute)
     device: bool = False  # its time is the device's span (`LoggedStep.device_s`)
+    rows: int = 0  # a decode step's surface batch: its graph's rows (`decode_rows`)
 
 
 class _Prices:
@@ -161,9 +168,10 @@ class _Prices:
             self._uniform[key] = self.analytic.step_time(shape_output([[batch, 1, key[1], False]]))
         return self._uniform[key]
 
-    def of(self, kind: str, out: SchedulerOutput) -> float:
+    def of(self, kind: str, out: SchedulerOutput, rows: int) -> float:
+        """rows: a decode step's surface batch (`decode_rows`)."""
         if kind == "decode":
-            return self.uniform(len(out.scheduled), _mean_context(out))
+            return self.uniform(rows, _mean_context(out))
         return self.analytic.step_time(out)
 
 
@@ -207,11 +215,11 @@ def _without_tails(
     kept = []
     for b in binned:
         n = len(b.out.scheduled)
-        if b.kind == "decode" and n <= ONE_WAVE_BATCH:
+        if b.kind == "decode" and n <= ONE_WAVE_BATCH:  # (then b.rows: its graph's)
             longest = float(max(r.num_computed_tokens for r in b.out.scheduled))
             mean = _mean_context(b.out)
             if longest > mean:
-                tail = key_s * (longest - mean) / decode_splits(graph_batch(n), num_heads, num_sms)
+                tail = key_s * (longest - mean) / decode_splits(b.rows, num_heads, num_sms)
                 # (a tail the rate over-states must not make a step free)
                 b = replace(b, seconds=max(b.seconds - tail, 0.1 * b.seconds))
         kept.append(b)
@@ -237,8 +245,10 @@ def fit_from_logs(
     binned: list[_Binned] = []
     runs: list[list[_Binned | None]] = []  # each log's steps in order (None: left out)
     verify = unusable = 0
+    one_wave = 0 if hw.runs_on_host else ONE_WAVE_BATCH
     for log in logs:
         run: list[_Binned | None] = []
+        max_num_seqs = int(log.engine.get("max_num_seqs") or 256)
         for step in log.steps:
             kind = step_kind(step.groups)
             if kind == "verify" or not step.seconds > 0:
@@ -248,10 +258,13 @@ def fit_from_logs(
                 continue
             out = shape_output(step.groups)
             pipelined = step.overlapped and not hw.runs_on_host
-            cell = (kind, _cell_key(kind, out))
-            price = prices.of(kind, out)
+            rows = decode_rows(len(out.scheduled), max_num_seqs, one_wave)
+            cell = (kind, _cell_key(kind, out, rows))
+            price = prices.of(kind, out, rows)
             timed = step.device_s is not None and step.overlapped  # (LoggedStep.seconds)
-            run.append(_Binned(kind, cell, out, step.seconds, pipelined, price, device=timed))
+            run.append(
+                _Binned(kind, cell, out, step.seconds, pipelined, price, device=timed, rows=rows)
+            )
         runs.append(run)
         binned += [b for b in run if b is not None]
     # (a simulated log's durations are its cost model's prices, split as it priced them)
@@ -406,10 +419,11 @@ def _check_base(base: dict[str, Any], log: StepLogFile, model: ModelConfig) -> N
             )
 
 
-def _cell_key(kind: str, out: SchedulerOutput) -> tuple[int, ...]:
+def _cell_key(kind: str, out: SchedulerOutput, rows: int) -> tuple[int, ...]:
+    """rows: a decode step's surface batch (`decode_rows`)."""
     reqs = out.scheduled
     if kind == "decode":
-        return (bucket(len(reqs)), bucket(_mean_context(out)))
+        return (bucket(rows), bucket(_mean_context(out)))
     prompts = [r for r in reqs if r.is_prompt and r.num_tokens > 1]
     decodes = [r for r in reqs if not (r.is_prompt and r.num_tokens > 1)]
     prompt_tokens = sum(r.num_tokens for r in prompts)
@@ -439,7 +453,7 @@ def _points(
         cells[b.cell].append(b)
     # Decode: one batch per batch bucket and one context per context bucket (a grid).
     decode = [b for b in binned if b.kind == "decode"]
-    batch_of = _medians((b.cell[1][0], len(b.out.scheduled)) for b in decode)
+    batch_of = _medians((b.cell[1][0], b.rows) for b in decode)
     context_of = _medians((b.cell[1][1], _mean_context(b.out)) for b in decode)
     points = []
     per_price: dict[tuple[str, bool], list[float]] = defaultdict(list)
@@ -778,7 +792,8 @@ def _refine(
             continue
         out = shape_output(p["groups"])
         kind = step_kind(p["groups"])
-        if (kind, _cell_key(kind, out)) not in logged:
+        # (its decode points: uniform batches of graph rows, the surface's batches)
+        if (kind, _cell_key(kind, out, len(out.scheduled))) not in logged:
             kept.append(p)
     host_cells = {(bucket(h["num_reqs"]), bucket(h["num_tokens"])) for h in host}
     base_host = [

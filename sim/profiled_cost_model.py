@@ -74,8 +74,10 @@ from sim.cost_model import CostModel, RunCosts
 from sim.hardware import HardwareSpec
 from sim.profile_fit import (
     ONE_WAVE_BATCH,
+    PIECEWISE_LIMIT,
     PREFILL_QUERY_TILE,
     StepSurface,
+    decode_rows,
     decode_splits,
     graph_batch,
     nnls_relative,
@@ -172,6 +174,8 @@ class ProfiledCostModel(CostModel):
         num_speculative_tokens: int = 0,
         *,
         async_scheduling: bool = False,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
     ) -> None:
         """num_speculative_tokens: the drafts the simulated engine's MTP drafter proposes
         after every step (0: it does not speculate; a step that verifies drafts then
@@ -181,7 +185,11 @@ class ProfiledCostModel(CostModel):
         each point's steps launched back to back), where it has them for every point the
         engine overlaps (when it speculates, the verify points too: its verify steps
         chain on the step in flight), unless the device is the host
-        (`HardwareSpec.runs_on_host`)."""
+        (`HardwareSpec.runs_on_host`). max_num_seqs, max_num_batched_tokens: the
+        simulated engine's limits, which choose the graphs its runner captures (decode
+        graphs up to max_num_seqs rows, piecewise token buckets up to the token budget):
+        a step is priced at the rows of the graph it replays (the profile's points were
+        measured at their own engine's, in its meta)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be >= 0")
         data = profile if isinstance(profile, dict) else load_profile(profile)
@@ -189,7 +197,9 @@ class ProfiledCostModel(CostModel):
         self.meta = data["meta"]
         self.num_speculative_tokens = num_speculative_tokens
         # A profile without this key ran every non-decode step eagerly (0: no piecewise).
+        # The fit reads the points as they ran; the engine's own top replaces it below.
         self._piecewise_max = int(self.meta.get("piecewise_max_tokens", 0))
+        self._max_num_seqs = max_num_seqs
         self._analytic = AnalyticCostModel(model, hardware, load_cost_coefficients())
         points = data["points"]
         outs = [shape_output(p["groups"]) for p in points]
@@ -227,6 +237,10 @@ class ProfiledCostModel(CostModel):
         # the same fit on the points' medians, made when first needed.
         self._sequential: ProfiledCostModel | None = None
         self._sequential_args = (data, model, hardware, num_speculative_tokens)
+        self._limits_args = {
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+        }
         if overlaps and not pipelined:
             warnings.warn(
                 f"async_scheduling: profile {self.profile_name} has no pipelined step times "
@@ -280,6 +294,8 @@ class ProfiledCostModel(CostModel):
                            for r in o.scheduled),
         }  # fmt: skip
         self._warned = set()
+        if self._piecewise_max:  # the buckets this engine's runner captures
+            self._piecewise_max = min(max_num_batched_tokens, PIECEWISE_LIMIT)
         if num_speculative_tokens and not self._spec.ready:
             self._warn_no_verify_points(num_speculative_tokens, stacklevel=3)
 
@@ -316,7 +332,7 @@ class ProfiledCostModel(CostModel):
         if self._sequential is None:
             with warnings.catch_warnings():  # (the pipelined fit warned already)
                 warnings.simplefilter("ignore")
-                self._sequential = ProfiledCostModel(*self._sequential_args)
+                self._sequential = ProfiledCostModel(*self._sequential_args, **self._limits_args)
             self._sequential._warned = self._warned  # one warning a range, not two
         return self._sequential
 
@@ -376,11 +392,13 @@ class ProfiledCostModel(CostModel):
         """A one-wave batch's steps: the surface at each step's mean plus the longest
         request's pieces past it (`_plain_decode`), both models in one pass
         (`StepSurface.run_costs` with their tails)."""
-        splits = decode_splits(graph_batch(n), self._heads, self._sms)
+        rows = decode_rows(n, self._max_num_seqs, self._one_wave)
+        splits = decode_splits(rows, self._heads, self._sms)
         beside = None if sequential is None else sequential._decode
         seq_key_s = 0.0 if sequential is None else sequential._piece_key_s
         tail = (ctx_max, self._piece_key_s, seq_key_s, splits)
-        return self._decode.run_costs(float(n), _means(n, ctx_sum, horizon), cpu, beside, tail)
+        means = _means(n, ctx_sum, horizon)
+        return self._decode.run_costs(float(rows), means, cpu, beside, tail)
 
     def _warning_range(
         self, costs: RunCosts, n: int, ctx_max: int, beyond: bool, longest_limit: float
@@ -462,17 +480,25 @@ class ProfiledCostModel(CostModel):
 
     def _plain_decode(self, n: float, effective: float, mean: float) -> float:
         """A pure-decode step of n requests (the surface's effective context, their mean
-        context): one wave of split-KV, the mean's uniform batch and the longest
-        request's pieces past it (`_longest_pieces`); past a wave, the surface alone."""
+        context): one wave of split-KV, the uniform batch of the graph it replays at the
+        mean, and the longest request's pieces past it (`_longest_pieces`); past a wave,
+        the surface alone.
+
+        One wave is priced at the graph's rows, not the requests': its padding rows go
+        through the projections and experts like any, and the attention cuts each
+        context into the pieces chosen for all the rows, so a batch waits for its
+        requests' pieces as long as the graph's uniform batch does. Past a wave the
+        padding rows' pieces are empty and the requests' keys set the time."""
         if n > self._one_wave:
             return self._decode.predict_at(n, effective)
-        return self._decode.predict_at(n, mean) + self._longest_pieces(n, effective, mean)
+        rows = decode_rows(int(n), self._max_num_seqs, self._one_wave)
+        return self._decode.predict_at(rows, mean) + self._longest_pieces(rows, effective, mean)
 
-    def _longest_pieces(self, n: float, longest: float, mean: float) -> float:
+    def _longest_pieces(self, rows: int, longest: float, mean: float) -> float:
         """Seconds the longest request's pieces run on alone after a one-wave decode
         batch's uniform part (its keys past the mean, over the pieces each context is cut
-        into for the graph's padded rows)."""
-        splits = decode_splits(graph_batch(int(n)), self._heads, self._sms)
+        into for the graph's `rows`)."""
+        splits = decode_splits(rows, self._heads, self._sms)
         return self._piece_key_s * (longest - mean) / splits
 
     def _solo_piece_key_seconds(self) -> float:

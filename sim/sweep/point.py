@@ -70,6 +70,8 @@ def run_point(task: PointTask, ctx: SweepContext) -> dict[str, Any]:
             cfg.cost_model,
             engine.num_speculative_tokens,
             engine.async_scheduling,
+            engine.max_num_seqs,
+            engine.max_num_batched_tokens,
         )
     except Exception as e:  # e.g. cost_model 'profiled' where no profile exists
         return row | {"status": "invalid", "meets_slo": False, "reason": _one_line(e)}
@@ -194,6 +196,8 @@ def _cost_model(
     name: str | None,
     num_speculative_tokens: int,
     async_scheduling: bool = False,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
 ) -> tuple[Any, dict[str, Any]]:
     """Resolved once per worker process: fitting a profile costs more than a short run,
     and a cost model is pure (the same step always costs the same)."""
@@ -206,4 +210,6 @@ def _cost_model(
         get_hardware(hardware),
         num_speculative_tokens=num_speculative_tokens,
         async_scheduling=async_scheduling,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
     )

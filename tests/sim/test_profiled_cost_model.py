@@ -84,8 +84,9 @@ def test_a_decode_step_waits_for_its_longest_request_past_the_grid_too(path) -> 
             times = []
             for c in (top, top * 4 // 3, top * 2):
                 mean = ((batch - 1) * 2000 + c) / batch
-                at_mean = cm._decode.predict_at(batch, mean)
-                pieces = decode_splits(graph_batch(batch), heads, 132)
+                rows = graph_batch(batch)  # (the graph's rows: the batch padded)
+                at_mean = cm._decode.predict_at(rows, mean)
+                pieces = decode_splits(rows, heads, 132)
                 alone = cm._piece_key_s * (c - mean) / pieces
                 step = shape_output([[batch - 1, 1, 2000, False], [1, 1, c, False]])
                 times.append(cm.step_time(step))
@@ -354,3 +355,41 @@ def test_a_short_chunk_waits_for_its_whole_cached_prefix_in_one_wave() -> None:
     assert 0.8 < short / long < 1.25
     cpu = ProfiledCostModel(path, spec, get_hardware("cpu"))
     assert cpu.features(shape_output([[1, 16, 4096, True]]))[wave] == 0.0
+
+
+def _engine_model(path, **limits) -> ProfiledCostModel:
+    model = load_model_config(path.name.split("__")[0])
+    return ProfiledCostModel(path, model, get_hardware(path.name.split("__")[1][:-5]), **limits)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_a_decode_batch_is_priced_at_the_graph_it_replays(path) -> None:
+    """A pure-decode step replays the smallest captured graph that holds its batch,
+    padded with one-token rows: while the batch fits one wave of split-KV it costs the
+    graph's uniform batch (the padding rows go through the experts, and every context is
+    cut into the pieces chosen for all the rows), whatever its requests; an engine whose
+    max_num_seqs is the batch captures a graph of exactly it. Past one wave the padding
+    rows' pieces are empty, and the requests set the price."""
+
+    def at(cm: ProfiledCostModel, n: int) -> float:
+        return cm.step_time(shape_output([[n, 1, 2000, False]]))
+
+    cm = _engine_model(path)
+    assert at(cm, 9) == at(cm, 12) == at(cm, 16) < at(cm, 17)
+    assert at(cm, 97) == at(cm, 128)
+    small = _engine_model(path, max_num_seqs=12)
+    assert at(small, 12) == pytest.approx(small._decode.predict_at(12, 2000), rel=1e-12)
+    assert at(small, 12) < at(cm, 12)
+    wide = _engine_model(path, max_num_seqs=512)
+    assert at(wide, 300) < at(wide, 320)  # (past a wave: 300 requests in the 320 graph)
+
+
+@pytest.mark.parametrize("path", SHIPPED[:1], ids=lambda p: p.stem)
+def test_a_prompt_chunk_pads_to_the_engines_own_top_token_bucket(path) -> None:
+    """Piecewise graphs are captured at token buckets up to the engine's token budget: a
+    chunk of 900 tokens under a budget of 1,000 replays the 1,000-token graph (the top),
+    under the default 8,192 the 1,024-token one; a chunk of 700, the 768 one in both."""
+    default, tight = _engine_model(path), _engine_model(path, max_num_batched_tokens=1000)
+    nine, seven = shape_output([[1, 900, 0, True]]), shape_output([[1, 700, 0, True]])
+    assert tight.step_time(nine) < default.step_time(nine)
+    assert tight.step_time(seven) == default.step_time(seven)
