@@ -83,7 +83,7 @@ def test_a_recomputed_request_splits_at_its_prompt_end_in_the_mode(pow2_model) -
 
 _INTERPRETED = """
 import sys
-import tests.kernels.conftest  # TRITON_INTERPRET=1 and the interpreter's scalar patch
+import tests.kernels.conftest  # TRITON_INTERPRET=1 and the interpreter's patches
 import torch
 from pathlib import Path
 from tests.executors.batch_invariant_model import TARGET, runner_scenarios

@@ -54,9 +54,42 @@ def _patch_interpreter_fp8_rounding() -> None:
     interpreter._convert_float = patched
 
 
+def _patch_interpreter_dot() -> None:
+    """The interpreter's tl.dot is np.matmul, whose BLAS may reduce a row of the tile
+    differently by where the row lies in it (OpenBLAS's Haswell GEMM kernel, which AMD
+    Zen CPUs also take, does): a row's bits would then follow the batch. On the GPU an
+    MMA computes each output element from its own row and column alone, which
+    batch-invariant mode relies on (kernels/batch_invariant.py). Float dots here do the
+    same: the products, then one sum over K per element, in one order for every row."""
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "_deepinfer_patched", False):
+        return
+
+    def operand(x):  # noqa: ANN001, ANN202 (a TensorHandle -> its numpy array)
+        if x.dtype.is_floating() and x.dtype.primitive_bitwidth == 8:  # as Triton's dot
+            return interpreter._convert_float(x.data, x.dtype, tl.float16, None).view(np.float16)
+        return x.data
+
+    def patched(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
+        acc = d.data.dtype
+        if acc not in (np.float32, np.float64):  # integer dots are exact in any order
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        # [..., M, K, 1] * [..., 1, K, N] -> [..., M, K, N], summed over K
+        products = operand(a).astype(acc)[..., :, :, None] * operand(b).astype(acc)[..., None, :, :]
+        return interpreter.TensorHandle(products.sum(axis=-2) + d.data, d.dtype.scalar)
+
+    patched._deepinfer_patched = True  # type: ignore[attr-defined]
+    builder.create_dot = patched
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_scalars()
     _patch_interpreter_fp8_rounding()
+    _patch_interpreter_dot()
 
 
 @pytest.fixture

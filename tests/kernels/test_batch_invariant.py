@@ -59,6 +59,19 @@ def test_matmul_equals_torch(device) -> None:
     assert bi.linear(x[:0], w).shape == (0, 33)
 
 
+def test_a_row_keeps_its_bits_wherever_it_lies_in_the_tile(device) -> None:
+    """Row-invariance at a float32 shape small enough for the interpreter: rows moved
+    within their 16-row tiles give the same bits. There it holds only if tl.dot reduces
+    every row of a tile alike, as an MMA does (conftest's interpreter patch)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 128, generator=gen).to(device)
+    w = torch.randn(48, 128, generator=gen).to(device)
+    full = bi.linear(x, w)
+    for rows in [torch.arange(5, 40), *subsets(40, seed=1)]:
+        rows = rows.to(device)
+        assert_rows_equal("linear 128->48, float32", bi.linear(x[rows], w), full[rows])
+
+
 @pytest.mark.parametrize("k", [100, 1100])  # one K segment; three, the last one short
 def test_split_and_chained_launches_reduce_k_in_the_same_order(device, k) -> None:
     """The same tile config launched as split-K (segment sums, then the chaining kernel)
