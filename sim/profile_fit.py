@@ -47,12 +47,20 @@ def graph_batch(num_reqs: int, max_num_seqs: int = 256) -> int:
     return size if size < max_num_seqs else max_num_seqs
 
 
-def decode_rows(num_reqs: int, max_num_seqs: int, one_wave: int) -> int:
-    """The decode surface's batch coordinate of a pure-decode step of `num_reqs`
-    requests: the rows of the graph it replays (`graph_batch`) while it fits one wave of
-    split-KV (`one_wave`: ONE_WAVE_BATCH on a GPU, 0 on a CPU, which replays no graph),
-    its requests past it (the padding rows' attention pieces are empty)."""
-    return graph_batch(num_reqs, max_num_seqs) if num_reqs <= one_wave else num_reqs
+def one_wave_decode(
+    num_reqs: int, max_num_seqs: int, num_heads: int, num_sms: int
+) -> tuple[int, int]:
+    """How a pure-decode step of `num_reqs` requests that fits one wave of split-KV runs in
+    the graph it replays (`graph_batch`): (the decode surface's batch, the pieces the
+    attention cuts each context into, those chosen for the graph's rows).
+
+    The graph's padding rows are alike (one token, no context): the projections read
+    their weights once for all rows, and the experts see the padding as one token, so
+    the step costs the surface's batch of its requests and one row more (none where the
+    graph is its own size), not the graph's whole batch."""
+    rows = graph_batch(num_reqs, max_num_seqs)
+    batch = num_reqs + 1 if rows > num_reqs else num_reqs
+    return batch, decode_splits(rows, num_heads, num_sms)
 
 
 def token_bucket(tokens: int, top: int) -> int:
@@ -220,10 +228,11 @@ class StepSurface:
         """A decode run's steps priced on this surface (the cost model's RunCosts): for
         each c of `contexts`, (`host`, `predict_at(b, c)`, how much more
         `beside.predict_at(b, c)` is, at least 0.0; 0.0 without `beside`). tail =
-        (ctx_max, key_s, beside_key_s, splits): each price also adds its longest
-        request's pieces past c (the contexts' mean), `key_s * (longest - c) / splits`
-        with longest = max(1.0, ctx_max + s) at step s (the profiled cost model's
-        `_plain_decode`), and the beside price its own at beside_key_s. For a run of
+        (ctx_max, key_s, beside_key_s, splits) of a one-wave batch (`one_wave_decode`):
+        each price also adds its longest request's pieces past c (the contexts' mean),
+        `key_s * (longest - c) / splits` with longest = max(1.0, ctx_max + s) at step s
+        (the profiled cost model's `_plain_decode`), and the beside price its own at
+        beside_key_s. For a run of
         steps of one batch: inside the grid the batch's interpolation weights are
         computed once, a context's cell is looked up again only when it leaves the one
         before, both surfaces share the weights where their grids have the same nodes,

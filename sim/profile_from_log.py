@@ -54,9 +54,9 @@ from sim.cost_coefficients import load_cost_coefficients
 from sim.hardware import HardwareSpec, get_hardware
 from sim.profile_fit import (
     ONE_WAVE_BATCH,
-    decode_rows,
     decode_splits,
     graph_batch,
+    one_wave_decode,
     shape_output,
 )
 from sim.profiled_cost_model import ProfiledCostModel
@@ -150,7 +150,8 @@ class _Binned:
     price: float  # its analytic price (_Prices.of), what its time is read against
     holds_next: bool = False  # its duration holds the next step's launch (_reattribute)
     device: bool = False  # its time is the device's span (`LoggedStep.device_s`)
-    rows: int = 0  # a decode step's surface batch: its graph's rows (`decode_rows`)
+    batch: int = 0  # a decode step's surface batch (`one_wave_decode`; past a wave, its own)
+    pieces: int = 0  # a one-wave decode step on a GPU: its pieces a context, else 0
 
 
 class _Prices:
@@ -168,10 +169,10 @@ class _Prices:
             self._uniform[key] = self.analytic.step_time(shape_output([[batch, 1, key[1], False]]))
         return self._uniform[key]
 
-    def of(self, kind: str, out: SchedulerOutput, rows: int) -> float:
-        """rows: a decode step's surface batch (`decode_rows`)."""
+    def of(self, kind: str, out: SchedulerOutput, batch: int) -> float:
+        """batch: a decode step's surface batch (`one_wave_decode`)."""
         if kind == "decode":
-            return self.uniform(rows, _mean_context(out))
+            return self.uniform(batch, _mean_context(out))
         return self.analytic.step_time(out)
 
 
@@ -205,21 +206,18 @@ def _piece_key_seconds(
     return max(slope, 0.0) * pieces
 
 
-def _without_tails(
-    binned: list[_Binned], key_s: float, num_heads: int, num_sms: int
-) -> list[_Binned]:
+def _without_tails(binned: list[_Binned], key_s: float) -> list[_Binned]:
     """`binned` with each one-wave ragged decode step's time less the time its longest
     request's pieces run on past the mean at `key_s` seconds a key of a lone piece (the
     profiled cost model's `_longest_pieces`, which it adds back to the surface at the
     mean)."""
     kept = []
     for b in binned:
-        n = len(b.out.scheduled)
-        if b.kind == "decode" and n <= ONE_WAVE_BATCH:  # (then b.rows: its graph's)
+        if b.pieces:
             longest = float(max(r.num_computed_tokens for r in b.out.scheduled))
             mean = _mean_context(b.out)
             if longest > mean:
-                tail = key_s * (longest - mean) / decode_splits(b.rows, num_heads, num_sms)
+                tail = key_s * (longest - mean) / b.pieces
                 # (a tail the rate over-states must not make a step free)
                 b = replace(b, seconds=max(b.seconds - tail, 0.1 * b.seconds))
         kept.append(b)
@@ -245,7 +243,8 @@ def fit_from_logs(
     binned: list[_Binned] = []
     runs: list[list[_Binned | None]] = []  # each log's steps in order (None: left out)
     verify = unusable = 0
-    one_wave = 0 if hw.runs_on_host else ONE_WAVE_BATCH
+    one_wave = 0 if hw.runs_on_host else ONE_WAVE_BATCH  # (a CPU replays no graph)
+    heads = model.num_attention_heads
     for log in logs:
         run: list[_Binned | None] = []
         max_num_seqs = int(log.engine.get("max_num_seqs") or 256)
@@ -258,13 +257,14 @@ def fit_from_logs(
                 continue
             out = shape_output(step.groups)
             pipelined = step.overlapped and not hw.runs_on_host
-            rows = decode_rows(len(out.scheduled), max_num_seqs, one_wave)
-            cell = (kind, _cell_key(kind, out, rows))
-            price = prices.of(kind, out, rows)
+            batch, pieces = len(out.scheduled), 0
+            if kind == "decode" and batch <= one_wave:
+                batch, pieces = one_wave_decode(batch, max_num_seqs, heads, hw.num_sms)
+            cell = (kind, _cell_key(kind, out, batch))
+            price = prices.of(kind, out, batch)
             timed = step.device_s is not None and step.overlapped  # (LoggedStep.seconds)
-            run.append(
-                _Binned(kind, cell, out, step.seconds, pipelined, price, device=timed, rows=rows)
-            )
+            run.append(_Binned(kind, cell, out, step.seconds, pipelined, price, device=timed,
+                               batch=batch, pieces=pieces))  # fmt: skip
         runs.append(run)
         binned += [b for b in run if b is not None]
     # (a simulated log's durations are its cost model's prices, split as it priced them)
@@ -274,7 +274,7 @@ def fit_from_logs(
     key_s = None
     if not hw.runs_on_host:  # (a CPU's decode costs its contexts' sum: the mean's)
         key_s = _piece_key_seconds(binned, prices, base, model, hw)
-        binned = _without_tails(binned, key_s, model.num_attention_heads, hw.num_sms)
+        binned = _without_tails(binned, key_s)
     binned, outliers = _without_outliers(binned)
     points, ratios = _points(binned, prices)
     fills = _fill_times(points, ratios, any(b.pipelined for b in binned))
@@ -419,11 +419,11 @@ def _check_base(base: dict[str, Any], log: StepLogFile, model: ModelConfig) -> N
             )
 
 
-def _cell_key(kind: str, out: SchedulerOutput, rows: int) -> tuple[int, ...]:
-    """rows: a decode step's surface batch (`decode_rows`)."""
+def _cell_key(kind: str, out: SchedulerOutput, batch: int) -> tuple[int, ...]:
+    """batch: a decode step's surface batch (`one_wave_decode`)."""
     reqs = out.scheduled
     if kind == "decode":
-        return (bucket(rows), bucket(_mean_context(out)))
+        return (bucket(batch), bucket(_mean_context(out)))
     prompts = [r for r in reqs if r.is_prompt and r.num_tokens > 1]
     decodes = [r for r in reqs if not (r.is_prompt and r.num_tokens > 1)]
     prompt_tokens = sum(r.num_tokens for r in prompts)
@@ -453,7 +453,7 @@ def _points(
         cells[b.cell].append(b)
     # Decode: one batch per batch bucket and one context per context bucket (a grid).
     decode = [b for b in binned if b.kind == "decode"]
-    batch_of = _medians((b.cell[1][0], b.rows) for b in decode)
+    batch_of = _medians((b.cell[1][0], b.batch) for b in decode)
     context_of = _medians((b.cell[1][1], _mean_context(b.out)) for b in decode)
     points = []
     per_price: dict[tuple[str, bool], list[float]] = defaultdict(list)
@@ -792,7 +792,7 @@ def _refine(
             continue
         out = shape_output(p["groups"])
         kind = step_kind(p["groups"])
-        # (its decode points: uniform batches of graph rows, the surface's batches)
+        # (its decode points: uniform batches of the surface's batch)
         if (kind, _cell_key(kind, out, len(out.scheduled))) not in logged:
             kept.append(p)
     host_cells = {(bucket(h["num_reqs"]), bucket(h["num_tokens"])) for h in host}

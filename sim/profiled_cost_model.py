@@ -77,10 +77,10 @@ from sim.profile_fit import (
     PIECEWISE_LIMIT,
     PREFILL_QUERY_TILE,
     StepSurface,
-    decode_rows,
     decode_splits,
     graph_batch,
     nnls_relative,
+    one_wave_decode,
     shape_output,
     step_seconds,
     token_bucket,
@@ -392,13 +392,12 @@ class ProfiledCostModel(CostModel):
         """A one-wave batch's steps: the surface at each step's mean plus the longest
         request's pieces past it (`_plain_decode`), both models in one pass
         (`StepSurface.run_costs` with their tails)."""
-        rows = decode_rows(n, self._max_num_seqs, self._one_wave)
-        splits = decode_splits(rows, self._heads, self._sms)
+        batch, splits = one_wave_decode(n, self._max_num_seqs, self._heads, self._sms)
         beside = None if sequential is None else sequential._decode
         seq_key_s = 0.0 if sequential is None else sequential._piece_key_s
         tail = (ctx_max, self._piece_key_s, seq_key_s, splits)
         means = _means(n, ctx_sum, horizon)
-        return self._decode.run_costs(float(rows), means, cpu, beside, tail)
+        return self._decode.run_costs(float(batch), means, cpu, beside, tail)
 
     def _warning_range(
         self, costs: RunCosts, n: int, ctx_max: int, beyond: bool, longest_limit: float
@@ -480,25 +479,19 @@ class ProfiledCostModel(CostModel):
 
     def _plain_decode(self, n: float, effective: float, mean: float) -> float:
         """A pure-decode step of n requests (the surface's effective context, their mean
-        context): one wave of split-KV, the uniform batch of the graph it replays at the
-        mean, and the longest request's pieces past it (`_longest_pieces`); past a wave,
-        the surface alone.
-
-        One wave is priced at the graph's rows, not the requests': its padding rows go
-        through the projections and experts like any, and the attention cuts each
-        context into the pieces chosen for all the rows, so a batch waits for its
-        requests' pieces as long as the graph's uniform batch does. Past a wave the
-        padding rows' pieces are empty and the requests' keys set the time."""
+        context): one wave of split-KV, the surface's uniform batch at the mean (its
+        requests and, where the graph pads them, one row more: `one_wave_decode`) and
+        the longest request's pieces past it (`_longest_pieces`); past a wave, the
+        surface alone (the padding rows' pieces are empty: the requests set the time)."""
         if n > self._one_wave:
             return self._decode.predict_at(n, effective)
-        rows = decode_rows(int(n), self._max_num_seqs, self._one_wave)
-        return self._decode.predict_at(rows, mean) + self._longest_pieces(rows, effective, mean)
+        batch, splits = one_wave_decode(int(n), self._max_num_seqs, self._heads, self._sms)
+        return self._decode.predict_at(batch, mean) + self._longest_pieces(splits, effective, mean)
 
-    def _longest_pieces(self, rows: int, longest: float, mean: float) -> float:
+    def _longest_pieces(self, splits: int, longest: float, mean: float) -> float:
         """Seconds the longest request's pieces run on alone after a one-wave decode
-        batch's uniform part (its keys past the mean, over the pieces each context is cut
-        into for the graph's `rows`)."""
-        splits = decode_splits(rows, self._heads, self._sms)
+        batch's uniform part (its keys past the mean, over the `splits` pieces each
+        context is cut into for the graph's rows)."""
         return self._piece_key_s * (longest - mean) / splits
 
     def _solo_piece_key_seconds(self) -> float:

@@ -13,7 +13,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.model_config import load_model_config
 from sim import simulate
 from sim.hardware import get_hardware
-from sim.profile_fit import StepSurface
+from sim.profile_fit import StepSurface, graph_batch
 from sim.profiled_cost_model import PROFILES_DIR, ProfiledCostModel, shape_output
 from sim.traces import TraceRequest
 
@@ -73,7 +73,7 @@ def test_a_decode_step_waits_for_its_longest_request_past_the_grid_too(path) -> 
     context and its pieces' keys past the mean at a lone piece's rate, more the longer
     it is, never as if every request held its context (DeepSeek-V2-Lite on the Mooncake
     trace, H100: 32 requests, one at 87k, took 34 ms; a uniform batch at 87k, 40 ms)."""
-    from sim.profile_fit import decode_splits, graph_batch
+    from sim.profile_fit import one_wave_decode
 
     cm = _model(path)
     top = int(cm._decode.contexts[-1])
@@ -84,9 +84,8 @@ def test_a_decode_step_waits_for_its_longest_request_past_the_grid_too(path) -> 
             times = []
             for c in (top, top * 4 // 3, top * 2):
                 mean = ((batch - 1) * 2000 + c) / batch
-                rows = graph_batch(batch)  # (the graph's rows: the batch padded)
-                at_mean = cm._decode.predict_at(rows, mean)
-                pieces = decode_splits(rows, heads, 132)
+                surface, pieces = one_wave_decode(batch, 256, heads, 132)
+                at_mean = cm._decode.predict_at(surface, mean)
                 alone = cm._piece_key_s * (c - mean) / pieces
                 step = shape_output([[batch - 1, 1, 2000, False], [1, 1, c, False]])
                 times.append(cm.step_time(step))
@@ -363,25 +362,29 @@ def _engine_model(path, **limits) -> ProfiledCostModel:
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
-def test_a_decode_batch_is_priced_at_the_graph_it_replays(path) -> None:
+def test_a_decode_batch_is_priced_in_the_graph_it_replays(path) -> None:
     """A pure-decode step replays the smallest captured graph that holds its batch,
-    padded with one-token rows: while the batch fits one wave of split-KV it costs the
-    graph's uniform batch (the padding rows go through the experts, and every context is
-    cut into the pieces chosen for all the rows), whatever its requests; an engine whose
-    max_num_seqs is the batch captures a graph of exactly it. Past one wave the padding
-    rows' pieces are empty, and the requests set the price."""
+    padded with rows alike (one token, no context). While it fits one wave of split-KV
+    the padding rows cost one row more of the surface (the projections read their
+    weights once for all rows, the experts see the padding as one token), not the
+    graph's whole batch; a batch the engine captured as it is (max_num_seqs 12) costs
+    the surface there. Past one wave the padding rows' pieces are empty and the
+    requests set the price."""
 
     def at(cm: ProfiledCostModel, n: int) -> float:
         return cm.step_time(shape_output([[n, 1, 2000, False]]))
 
     cm = _engine_model(path)
-    assert at(cm, 9) == at(cm, 12) == at(cm, 16) < at(cm, 17)
-    assert at(cm, 97) == at(cm, 128)
+    for n in (8, 16):  # (graphs of their own size)
+        assert at(cm, n) == pytest.approx(cm._decode.predict_at(n, 2000), rel=1e-12)
+    for n in (9, 12, 97):  # (in the graphs of 16, 16 and 128 rows)
+        assert at(cm, n) == pytest.approx(cm._decode.predict_at(n + 1, 2000), rel=1e-12)
+        assert at(cm, n) < at(cm, graph_batch(n))
     small = _engine_model(path, max_num_seqs=12)
     assert at(small, 12) == pytest.approx(small._decode.predict_at(12, 2000), rel=1e-12)
     assert at(small, 12) < at(cm, 12)
     wide = _engine_model(path, max_num_seqs=512)
-    assert at(wide, 300) < at(wide, 320)  # (past a wave: 300 requests in the 320 graph)
+    assert at(wide, 300) == pytest.approx(wide._decode.predict_at(300, 2000), rel=1e-12)
 
 
 @pytest.mark.parametrize("path", SHIPPED[:1], ids=lambda p: p.stem)
