@@ -12,8 +12,11 @@ features that follow its physics:
                         that also carries decodes (the absorbed attention path's launches)
   reqs, prompt_reqs     per-request host work (inputs, block tables, sampler state)
   tokens                per-token work the groups below do not price
-  decode_max_context    the longest decode context: split-KV decode attention is bound by
-                        its longest request when few requests cannot fill the GPU
+  decode_max_context    the keys of the longest decode context's piece: split-KV decode
+                        attention cuts each context into as many pieces as fill one wave
+                        of programs for the step's decode rows (`decode_splits`), and is
+                        bound by its longest request's piece when few requests cannot
+                        fill the GPU (a host CPU: the whole context, no pieces)
   prefill_wave          prefill attention's critical path in keys: a program a (query
                         tile, request, head) reads its chunk's cached prefix and the rows
                         up to its own, so while the programs fit one wave of SMs the step
@@ -41,7 +44,9 @@ once: its uniform part costs what a uniform batch at the mean context costs, and
 longest request's pieces then run on alone for their keys past the mean, at the rate of
 a piece with the GPU to itself (the batch-1 row's time a key, times its pieces). So a
 batch of one 87k-token request beside short ones is priced near what the long request's
-pieces take, not as if every request held 87k tokens.
+pieces take, not as if every request held 87k tokens. A batch the graph pads (its
+padding rows alike: one token, no context) reads the surface at its requests and one row
+more (`one_wave_decode`), the engine's capture sizes told by its max_num_seqs.
 
 A speculating engine (num_speculative_tokens K > 0) runs the MTP drafter after every
 step and verifies drafts: its steps are priced from the profile's speculative points
@@ -231,6 +236,7 @@ class ProfiledCostModel(CostModel):
         self._wave_share = (
             model.num_attention_heads / (2 * PREFILL_QUERY_TILE * sms) if sms else 0.0
         )
+        self._heads, self._sms = model.num_attention_heads, sms  # (the features need them)
         pipelined = overlaps and self.prices_pipelining
         self.pipelined = pipelined  # async steps priced from their pipelined times
         # A step launched on an idle device costs its sequential time (`idle_launch_time`):
@@ -260,7 +266,6 @@ class ProfiledCostModel(CostModel):
         self._coef = [float(c) for c in self.coef]  # plain floats: the per-step path
         graph = [i for i in plain if not self._eager(outs[i])]
         self._decode = StepSurface([outs[i] for i in graph], y[graph], self._physics)
-        self._heads, self._sms = model.num_attention_heads, sms
         # A log-fitted profile carries the rate its fit took the tails off at.
         rate = self.meta.get("decode_piece_key_s")
         self._piece_key_s = self._solo_piece_key_seconds() if rate is None else float(rate)
@@ -422,7 +427,7 @@ class ProfiledCostModel(CostModel):
         scheduled = out.scheduled
         if not scheduled:
             return None
-        tokens = longest = ctx_max = ctx_sum = prompts = span = chunk_pairs = 0
+        tokens = longest = ctx_max = ctx_sum = prompts = span = chunk_pairs = decodes = 0
         dec_ctx = -1  # (no decode)
         eager = False
         for r in scheduled:
@@ -437,15 +442,18 @@ class ProfiledCostModel(CostModel):
             ctx_sum += c
             if r.is_prompt:
                 prompts += 1
-                if q == 1:
-                    if c > dec_ctx:  # (a one-token chunk decodes: absorbed path)
+                if q == 1:  # (a one-token chunk decodes: absorbed path)
+                    decodes += 1
+                    if c > dec_ctx:
                         dec_ctx = c
                 else:
                     chunk_pairs += q * (2 * c + q)
                     if c + q > span:
                         span = c + q
-            elif c > dec_ctx:
-                dec_ctx = c
+            else:
+                decodes += 1
+                if c > dec_ctx:
+                    dec_ctx = c
         lim = self._limits
         m = _EXTRAPOLATION_MARGIN
         n = len(scheduled)
@@ -462,8 +470,8 @@ class ProfiledCostModel(CostModel):
             mean,
             eager,
             num_drafts,
-            (tokens, prompts, dec_ctx, self._wave_keys(span, chunk_pairs),
-             self._graph_tokens(tokens, span > 0)),
+            (tokens, prompts, self._decode_piece(dec_ctx, decodes),
+             self._wave_keys(span, chunk_pairs), self._graph_tokens(tokens, span > 0)),
         )  # fmt: skip
 
     def _price_point(self, out: SchedulerOutput, num_drafts: int) -> float:
@@ -563,8 +571,8 @@ class ProfiledCostModel(CostModel):
         """`_physics(step.out)`, its features computed once for both fits."""
         features = step.features
         if features is None:
-            tokens, prompts, dec_ctx, wave, rows = step.head
-            head = self._head(step.eager, len(step.out.scheduled), prompts, tokens, dec_ctx, wave)
+            tokens, prompts, piece, wave, rows = step.head
+            head = self._head(step.eager, len(step.out.scheduled), prompts, tokens, piece, wave)
             features = step.features = head + self._analytic.group_seconds(step.out, rows)
         return sum(map(mul, features, self._coef))
 
@@ -590,16 +598,17 @@ class ProfiledCostModel(CostModel):
         """The FEATURES of a step, in order, in one pass over its requests (the fit's
         points, synthetic steps; a priced step reads its head from `_measure`'s pass)."""
         eager = False
-        prompts = tokens = span = chunk_pairs = 0
+        prompts = tokens = span = chunk_pairs = decodes = 0
         dec_ctx = -1  # (no decode)
         for r in out.scheduled:
             q, c = r.num_tokens, r.num_computed_tokens
             tokens += q
             if q > 1:
                 eager = True
-            # a decode (verifying drafts or not): absorbed path
-            if (q == 1 or not r.is_prompt) and c > dec_ctx:
-                dec_ctx = c
+            if q == 1 or not r.is_prompt:  # a decode (verifying drafts or not): absorbed path
+                decodes += 1
+                if c > dec_ctx:
+                    dec_ctx = c
             if r.is_prompt:
                 prompts += 1
                 if q > 1:
@@ -607,7 +616,8 @@ class ProfiledCostModel(CostModel):
                     if c + q > span:
                         span = c + q
         wave = self._wave_keys(span, chunk_pairs)
-        head = self._head(eager, len(out.scheduled), prompts, tokens, dec_ctx, wave)
+        piece = self._decode_piece(dec_ctx, decodes)
+        head = self._head(eager, len(out.scheduled), prompts, tokens, piece, wave)
         return head + self._analytic.group_seconds(out, self._graph_tokens(tokens, span > 0))
 
     def _graph_tokens(self, tokens: int, chunked: bool) -> int:
@@ -628,21 +638,29 @@ class ProfiledCostModel(CostModel):
         share = self._wave_share
         return max(float(span), chunk_pairs * share) if share else 0.0
 
+    def _decode_piece(self, dec_ctx: int, decodes: int) -> float:
+        """The keys of the longest decode context's piece (`decode_max_context`): that
+        context over the pieces split-KV cuts each into for `decodes` rows (on a host
+        CPU, no pieces: the context); -1 where none decodes."""
+        if dec_ctx < 0 or not self._sms:
+            return float(dec_ctx)
+        return dec_ctx / decode_splits(decodes, self._heads, self._sms)
+
     def _head(
-        self, eager: bool, n: int, prompts: int, tokens: int, dec_ctx: int, wave: float
+        self, eager: bool, n: int, prompts: int, tokens: int, piece: float, wave: float
     ) -> list[float]:
-        """The FEATURES before the op groups, of a step of n requests; dec_ctx: its
-        longest decode context, -1 where none decodes."""
+        """The FEATURES before the op groups, of a step of n requests; piece: the keys of
+        its longest decode context's piece (`_decode_piece`), -1 where none decodes."""
         piecewise = eager and tokens <= self._piecewise_max
         return [
             0.0 if eager else 1.0,
             1.0 if eager else 0.0,
             1.0 if eager and not piecewise else 0.0,
-            1.0 if eager and dec_ctx >= 0 else 0.0,
+            1.0 if eager and piece >= 0 else 0.0,
             float(n),
             float(prompts),
             float(tokens),
-            float(dec_ctx if dec_ctx > 0 else 0),
+            piece if piece > 0 else 0.0,
             wave,
         ]
 
