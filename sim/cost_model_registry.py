@@ -61,7 +61,8 @@ def resolve_cost_model(
     (`check_mode`). async_scheduling: the engine launches a step while the one before
     runs (the profiled model then prices steps from the profile's pipelined times).
     max_num_seqs, max_num_batched_tokens: the engine's limits, which choose the graphs its
-    runner captures (the profiled model prices a step at the rows its graph pads it to).
+    runner captures (the profiled model prices a decode step in the graph that holds it,
+    a prompt chunk at its token bucket).
     """
     limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
     cost, meta = _resolve(

@@ -279,7 +279,7 @@ def _check_fold(
     if plain_held or held_host:
         cost = ProfiledCostModel(fitted, model, hardware, 0, **limits)
         for i in plain_held:
-            priced = cost.step_time(shape_output(points[i]["groups"]))
+            priced = cost.price_point(shape_output(points[i]["groups"]))
             _add(errors, kinds[i], i, priced, step_seconds(points[i], pipelined=False))
         for i in held_host:
             h = host[i]
@@ -288,7 +288,7 @@ def _check_fold(
     if spec_held:
         cost = ProfiledCostModel(fitted, model, hardware, drafts, **limits)
         for i in spec_held:
-            priced = cost.step_time(shape_output(points[i]["groups"]))
+            priced = cost.price_point(shape_output(points[i]["groups"]), drafts)
             _add(errors, kinds[i], i, priced, step_seconds(points[i], pipelined=False))
 
 

@@ -51,14 +51,15 @@ def one_wave_decode(
     num_reqs: int, max_num_seqs: int, num_heads: int, num_sms: int
 ) -> tuple[int, int]:
     """How a pure-decode step of `num_reqs` requests that fits one wave of split-KV runs in
-    the graph it replays (`graph_batch`): (the decode surface's batch, the pieces the
-    attention cuts each context into, those chosen for the graph's rows).
+    the graph it replays (`graph_batch`; max_num_seqs 0: a runner without graphs, whose
+    rows are its requests): (the decode surface's batch, the pieces the attention cuts
+    each context into, those chosen for the graph's rows).
 
     The graph's padding rows are alike (one token, no context): the projections read
     their weights once for all rows, and the experts see the padding as one token, so
     the step costs the surface's batch of its requests and one row more (none where the
     graph is its own size), not the graph's whole batch."""
-    rows = graph_batch(num_reqs, max_num_seqs)
+    rows = graph_batch(num_reqs, max_num_seqs) if max_num_seqs else num_reqs
     batch = num_reqs + 1 if rows > num_reqs else num_reqs
     return batch, decode_splits(rows, num_heads, num_sms)
 
@@ -79,7 +80,9 @@ def decode_splits(rows: int, num_heads: int, num_sms: int) -> int:
     """The pieces split-KV decode attention cuts each context into for a batch of `rows`
     query rows (kernels/mla_decode.py `choose_num_splits` with `default_config`): as many
     as fill one wave of resident programs, at most DECODE_MAX_SPLITS (its floor of 64
-    keys a piece is the graph's block table width, never binding)."""
+    keys a piece never binds in a graph, whose block table is the graph's width; an
+    eager step's table is as wide as its longest request, where the floor can bind for
+    short contexts: not modelled)."""
     if num_heads <= 16:
         head_blocks, slots = 1, 2 * num_sms
     else:
@@ -195,7 +198,20 @@ class StepSurface:
         bc = b_lo if b < b_lo else b_hi if b > b_hi else b
         cc = c_lo if c < c_lo else c_hi if c > c_hi else c
         value = self._interpolate(bc, cc)
-        if (bc, cc) != (b, c):
+        if bc == b and c < c_lo:
+            # Below the grid's contexts, inside its batches: the physics' ratio at the two
+            # batch nodes around b, interpolated as the grid is (the physics cuts contexts
+            # into the pieces of each graph size, which the grid's batches between nodes
+            # do not step through: its ratio read at b itself would fall at a graph's edge).
+            xb = self._log_batches
+            lb = math.log2(b)
+            i = min(max(bisect.bisect_left(xb, lb) - 1, 0), len(xb) - 2)
+            u = (lb - xb[i]) / (xb[i + 1] - xb[i])
+            lo, hi = float(self.batches[i]), float(self.batches[i + 1])
+            below = self._synthetic_physics(lo, c) / self._synthetic_physics(lo, cc)
+            above = self._synthetic_physics(hi, c) / self._synthetic_physics(hi, cc)
+            value *= (1 - u) * below + u * above
+        elif (bc, cc) != (b, c):
             # Beyond the grid: the physics of the excess, at the same effective context
             # the grid is indexed by. The step's own shape would price the mean context
             # and undo the longest request's wait (one wave: the step waits for it).

@@ -247,7 +247,9 @@ def fit_from_logs(
     heads = model.num_attention_heads
     for log in logs:
         run: list[_Binned | None] = []
-        max_num_seqs = int(log.engine.get("max_num_seqs") or 256)
+        # (the graphs its runner captured; 0: it ran without graphs)
+        graphs = log.header["meta"].get("cuda_graphs", True)
+        max_num_seqs = int(log.engine.get("max_num_seqs") or 256) if graphs else 0
         for step in log.steps:
             kind = step_kind(step.groups)
             if kind == "verify" or not step.seconds > 0:

@@ -6,8 +6,8 @@ features that follow its physics:
 
   graph, piecewise,     fixed costs of a step replayed as a CUDA graph (pure decode), of
   eager, mixed          any other step (a prompt chunk or a multi-token query: piecewise
-                        graphs), the extra of one run eagerly (past the profile's
-                        `piecewise_max_tokens`: never cheaper than in graphs, even where
+                        graphs), the extra of one run eagerly (past the top token
+                        bucket, the engine's budget: never cheaper than in graphs, even where
                         the profile measured no eager step), and of a non-decode step
                         that also carries decodes (the absorbed attention path's launches)
   reqs, prompt_reqs     per-request host work (inputs, block tables, sampler state)
@@ -193,8 +193,9 @@ class ProfiledCostModel(CostModel):
         (`HardwareSpec.runs_on_host`). max_num_seqs, max_num_batched_tokens: the
         simulated engine's limits, which choose the graphs its runner captures (decode
         graphs up to max_num_seqs rows, piecewise token buckets up to the token budget):
-        a step is priced at the rows of the graph it replays (the profile's points were
-        measured at their own engine's, in its meta)."""
+        a decode step is priced in the graph that holds it (`one_wave_decode`), a prompt
+        chunk at its bucket; the fit reads the profile's points with their own runner's
+        limits and graphs (its meta)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be >= 0")
         data = profile if isinstance(profile, dict) else load_profile(profile)
@@ -202,9 +203,12 @@ class ProfiledCostModel(CostModel):
         self.meta = data["meta"]
         self.num_speculative_tokens = num_speculative_tokens
         # A profile without this key ran every non-decode step eagerly (0: no piecewise).
-        # The fit reads the points as they ran; the engine's own top replaces it below.
+        # The fit reads the points as their runner ran them (its piecewise top, capture
+        # sizes, graphs or none); the engine's own replace them after it.
         self._piecewise_max = int(self.meta.get("piecewise_max_tokens", 0))
-        self._max_num_seqs = max_num_seqs
+        graphs = bool(self.meta.get("cuda_graphs", True))
+        measured_seqs = int(self.meta.get("engine", {}).get("max_num_seqs") or 256)
+        self._max_num_seqs = measured_seqs if graphs else 0  # (0: no decode graphs)
         self._analytic = AnalyticCostModel(model, hardware, load_cost_coefficients())
         points = data["points"]
         outs = [shape_output(p["groups"]) for p in points]
@@ -282,7 +286,7 @@ class ProfiledCostModel(CostModel):
         with warnings.catch_warnings():  # its own points: nothing to warn about
             warnings.simplefilter("ignore")
             pred = np.array(
-                [self._price_point(o, int(p.get("drafter", 0))) for p, o in zip(points, outs)]
+                [self.price_point(o, int(p.get("drafter", 0))) for p, o in zip(points, outs)]
             )
         err = np.abs(pred - y) / y
         self.fit = FitReport(float(np.median(err)), float(np.quantile(err, 0.9)), float(err.max()))
@@ -301,6 +305,8 @@ class ProfiledCostModel(CostModel):
         self._warned = set()
         if self._piecewise_max:  # the buckets this engine's runner captures
             self._piecewise_max = min(max_num_batched_tokens, PIECEWISE_LIMIT)
+        if graphs:  # and its decode graphs
+            self._max_num_seqs = max_num_seqs
         if num_speculative_tokens and not self._spec.ready:
             self._warn_no_verify_points(num_speculative_tokens, stacklevel=3)
 
@@ -470,13 +476,27 @@ class ProfiledCostModel(CostModel):
             mean,
             eager,
             num_drafts,
-            (tokens, prompts, self._decode_piece(dec_ctx, decodes),
+            (tokens, prompts, self._decode_piece(dec_ctx, decodes, eager),
              self._wave_keys(span, chunk_pairs), self._graph_tokens(tokens, span > 0)),
         )  # fmt: skip
 
-    def _price_point(self, out: SchedulerOutput, num_drafts: int) -> float:
+    def price_point(self, out: SchedulerOutput, num_drafts: int = 0) -> float:
+        """A profile point's price (`num_drafts`: its drafter's). A decode point's batch is
+        already the surface's coordinate (a grid point's graph is its own size; a
+        log-fitted point's batch is its steps' requests and one row more where their
+        graph padded them), so it is read there, not padded again as an engine's step."""
         step = self._measure(out, num_drafts)
-        return 0.0 if step is None else self._price(step)
+        if step is None:
+            return 0.0
+        if step.num_drafts or step.eager or not self._decode.ready or step.n > self._one_wave:
+            return self._price(step)
+        rows = int(step.n)
+        splits = decode_splits(
+            graph_batch(rows, self._max_num_seqs or rows), self._heads, self._sms
+        )
+        return self._decode.predict_at(rows, step.mean) + self._longest_pieces(
+            splits, step.effective, step.mean
+        )
 
     def _price(self, step: _Step) -> float:
         if step.num_drafts:
@@ -616,7 +636,7 @@ class ProfiledCostModel(CostModel):
                     if c + q > span:
                         span = c + q
         wave = self._wave_keys(span, chunk_pairs)
-        piece = self._decode_piece(dec_ctx, decodes)
+        piece = self._decode_piece(dec_ctx, decodes, eager)
         head = self._head(eager, len(out.scheduled), prompts, tokens, piece, wave)
         return head + self._analytic.group_seconds(out, self._graph_tokens(tokens, span > 0))
 
@@ -638,13 +658,17 @@ class ProfiledCostModel(CostModel):
         share = self._wave_share
         return max(float(span), chunk_pairs * share) if share else 0.0
 
-    def _decode_piece(self, dec_ctx: int, decodes: int) -> float:
+    def _decode_piece(self, dec_ctx: int, decodes: int, eager: bool) -> float:
         """The keys of the longest decode context's piece (`decode_max_context`): that
-        context over the pieces split-KV cuts each into for `decodes` rows (on a host
-        CPU, no pieces: the context); -1 where none decodes."""
+        context over the pieces split-KV cuts each into for the step's decode rows (its
+        `decodes`, or a pure-decode step's graph's rows; on a host CPU, no pieces: the
+        context); -1 where none decodes."""
         if dec_ctx < 0 or not self._sms:
             return float(dec_ctx)
-        return dec_ctx / decode_splits(decodes, self._heads, self._sms)
+        rows = decodes
+        if not eager and self._max_num_seqs:
+            rows = graph_batch(decodes, self._max_num_seqs)
+        return dec_ctx / decode_splits(rows, self._heads, self._sms)
 
     def _head(
         self, eager: bool, n: int, prompts: int, tokens: int, piece: float, wave: float

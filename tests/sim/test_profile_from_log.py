@@ -155,6 +155,11 @@ def test_ragged_one_wave_decode_steps_come_back_from_their_log(tmp_path) -> None
     batches = {p["num_reqs"] for p in fit.profile["points"] if p["kind"] == "decode"}
     assert len(batches) > 3 and batches <= surface, (batches, surface)
     assert any(graph_batch(b - 1) > b - 1 for b in batches)  # (a padded batch among them)
+    # Its own decode points are read at their batch, not padded again as a step would be.
+    own = [
+        abs(e) for e, p in zip(cost.point_errors, fit.profile["points"]) if p["kind"] == "decode"
+    ]
+    assert float(np.median(own)) < 1e-9, own
 
 
 def test_the_fitted_profile_is_one_the_simulator_loads(tmp_path, cpu_log, trace, demo) -> None:

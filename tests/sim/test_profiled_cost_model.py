@@ -398,3 +398,29 @@ def test_a_prompt_chunk_pads_to_the_engines_own_top_token_bucket(path) -> None:
     nine, seven = shape_output([[1, 900, 0, True]]), shape_output([[1, 700, 0, True]])
     assert tight.step_time(nine) < default.step_time(nine)
     assert tight.step_time(seven) == default.step_time(seven)
+
+
+@pytest.mark.parametrize("path", SHIPPED[:2], ids=lambda p: p.stem)
+def test_the_fit_reads_its_points_with_their_own_runners_limits(path) -> None:
+    """The engine's limits choose how its steps are priced, never how the profile's
+    points are fitted: the fit and its report are the same for any engine."""
+    base, small = _engine_model(path), _engine_model(path, max_num_seqs=12)
+    assert small.fit == base.fit and small.point_errors == base.point_errors
+    assert small._coef == base._coef
+
+
+@pytest.mark.parametrize("path", SHIPPED[:2], ids=lambda p: p.stem)
+def test_a_decodes_piece_is_cut_for_the_rows_that_run(path) -> None:
+    """decode_max_context is the keys of the longest decode's split-KV piece: a pure-decode
+    step's pieces are chosen for its graph's rows (9 requests in the 16-row graph), a
+    step's decodes beside a prompt chunk for those decode rows themselves."""
+    from sim.profile_fit import decode_splits
+    from sim.profiled_cost_model import FEATURES
+
+    cm = _engine_model(path)
+    at = FEATURES.index("decode_max_context")
+    heads, sms = cm._heads, cm._sms
+    graph = cm.features(shape_output([[9, 1, 100_000, False]]))[at]
+    assert graph == pytest.approx(100_000 / decode_splits(16, heads, sms))
+    mixed = cm.features(shape_output([[9, 1, 100_000, False], [1, 512, 0, True]]))[at]
+    assert mixed == pytest.approx(100_000 / decode_splits(9, heads, sms))
