@@ -248,12 +248,11 @@ class StepSurface:
         each price also adds its longest request's pieces past c (the contexts' mean),
         `key_s * (longest - c) / splits` with longest = max(1.0, ctx_max + s) at step s
         (the profiled cost model's `_plain_decode`), and the beside price its own at
-        beside_key_s. For a run of
-        steps of one batch: inside the grid the batch's interpolation weights are
-        computed once, a context's cell is looked up again only when it leaves the one
-        before, both surfaces share the weights where their grids have the same nodes,
-        and every float operation is `_interpolate`'s and `_plain_decode`'s in their
-        order (the same results to the bit)."""
+        beside_key_s. For a run of steps of one batch: inside the grid the batch's
+        interpolation weights are computed once, a context's cell is looked up again
+        only when it leaves the one before, both surfaces share the weights where their
+        grids have the same nodes, and every float operation is `_interpolate`'s and
+        `_plain_decode`'s in their order (the same results to the bit)."""
         top, key_s, beside_key_s, splits = (0, 0.0, 0.0, 1) if tail is None else tail
         longest = float(top) - 1.0  # (the step before the first's)
         b_lo, b_hi, c_lo, c_hi = self._bounds
