@@ -40,11 +40,9 @@ def graph_batch(num_reqs: int, max_num_seqs: int = 256) -> int:
     """The rows of the CUDA graph a pure-decode step of `num_reqs` requests replays on an
     engine of `max_num_seqs`: the smallest size its runner captures that holds them
     (sizes below max_num_seqs, then max_num_seqs itself; past 256 steps of 64)."""
-    if num_reqs >= max_num_seqs:
-        return max_num_seqs if num_reqs == max_num_seqs else -(-num_reqs // 64) * 64
     i = bisect.bisect_left(_GRAPH_BATCHES, num_reqs)
     size = _GRAPH_BATCHES[i] if i < len(_GRAPH_BATCHES) else -(-num_reqs // 64) * 64
-    return size if size < max_num_seqs else max_num_seqs
+    return min(size, max_num_seqs) if num_reqs <= max_num_seqs else size
 
 
 def one_wave_decode(
@@ -203,10 +201,7 @@ class StepSurface:
             # batch nodes around b, interpolated as the grid is (the physics cuts contexts
             # into the pieces of each graph size, which the grid's batches between nodes
             # do not step through: its ratio read at b itself would fall at a graph's edge).
-            xb = self._log_batches
-            lb = math.log2(b)
-            i = min(max(bisect.bisect_left(xb, lb) - 1, 0), len(xb) - 2)
-            u = (lb - xb[i]) / (xb[i + 1] - xb[i])
+            i, u = self._batch_cell(b)
             lo, hi = float(self.batches[i]), float(self.batches[i + 1])
             below = self._synthetic_physics(lo, c) / self._synthetic_physics(lo, cc)
             above = self._synthetic_physics(hi, c) / self._synthetic_physics(hi, cc)
@@ -268,9 +263,7 @@ class StepSurface:
                 far = longest if longest > 1.0 else 1.0
                 yield host, *self._priced_beside(b, c, beside, far, key_s, beside_key_s, splits)
             return
-        lb = math.log2(b)
-        i = min(max(bisect.bisect_left(xb, lb) - 1, 0), len(xb) - 2)
-        u = (lb - xb[i]) / (xb[i + 1] - xb[i])
+        i, u = self._batch_cell(b)
         a = 1 - u
         row0, row1 = self._grid[i], self._grid[i + 1]
         other0, other1 = (row0, row1) if beside is None else (beside._grid[i], beside._grid[i + 1])
@@ -325,12 +318,19 @@ class StepSurface:
         extra = beside.predict_at(b, c) + beside_key_s * (longest - c) / splits - priced
         return priced, extra if extra > 0.0 else 0.0
 
-    def _interpolate(self, b: float, c: float) -> float:
-        xb, xc = self._log_batches, self._log_contexts
-        lb, lc = math.log2(b), math.log2(c)
+    def _batch_cell(self, b: float) -> tuple[int, float]:
+        """The grid's batch cell holding b (clamped to the first or last) and b's weight
+        on its upper node, in log2 batch."""
+        xb = self._log_batches
+        lb = math.log2(b)
         i = min(max(bisect.bisect_left(xb, lb) - 1, 0), len(xb) - 2)
+        return i, (lb - xb[i]) / (xb[i + 1] - xb[i])
+
+    def _interpolate(self, b: float, c: float) -> float:
+        xc = self._log_contexts
+        lc = math.log2(c)
+        i, u = self._batch_cell(b)
         j = min(max(bisect.bisect_left(xc, lc) - 1, 0), len(xc) - 2)
-        u = (lb - xb[i]) / (xb[i + 1] - xb[i])
         v = (lc - xc[j]) / (xc[j + 1] - xc[j])
         g = self._grid
         return (

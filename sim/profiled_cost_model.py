@@ -488,15 +488,9 @@ class ProfiledCostModel(CostModel):
         step = self._measure(out, num_drafts)
         if step is None:
             return 0.0
-        if step.num_drafts or step.eager or not self._decode.ready or step.n > self._one_wave:
+        if step.num_drafts or step.eager or not self._decode.ready:
             return self._price(step)
-        rows = int(step.n)
-        splits = decode_splits(
-            graph_batch(rows, self._max_num_seqs or rows), self._heads, self._sms
-        )
-        return self._decode.predict_at(rows, step.mean) + self._longest_pieces(
-            splits, step.effective, step.mean
-        )
+        return self._plain_decode(step.n, step.effective, step.mean, padded=False)
 
     def _price(self, step: _Step) -> float:
         if step.num_drafts:
@@ -505,15 +499,18 @@ class ProfiledCostModel(CostModel):
             return self._plain_decode(step.n, step.effective, step.mean)
         return self._physics_of(step)
 
-    def _plain_decode(self, n: float, effective: float, mean: float) -> float:
+    def _plain_decode(self, n: float, effective: float, mean: float, padded: bool = True) -> float:
         """A pure-decode step of n requests (the surface's effective context, their mean
         context): one wave of split-KV, the surface's uniform batch at the mean (its
         requests and, where the graph pads them, one row more: `one_wave_decode`) and
         the longest request's pieces past it (`_longest_pieces`); past a wave, the
-        surface alone (the padding rows' pieces are empty: the requests set the time)."""
+        surface alone (the padding rows' pieces are empty: the requests set the time).
+        padded False: n is already the surface's batch (a profile point's, its graph's
+        own size)."""
         if n > self._one_wave:
             return self._decode.predict_at(n, effective)
-        batch, splits = one_wave_decode(int(n), self._max_num_seqs, self._heads, self._sms)
+        seqs = self._max_num_seqs if padded else 0  # (0: the rows as they are)
+        batch, splits = one_wave_decode(int(n), seqs, self._heads, self._sms)
         return self._decode.predict_at(batch, mean) + self._longest_pieces(splits, effective, mean)
 
     def _longest_pieces(self, splits: int, longest: float, mean: float) -> float:
