@@ -56,6 +56,12 @@ def api_key() -> str | None:
     return os.environ.get("DEEPINFER_API_KEY") or None
 
 
+def cache_dir() -> str | None:
+    """DEEPINFER_CACHE_DIR: where the simulator keeps its memo of profile fits
+    (sim/fit_cache.py); None: under XDG_CACHE_HOME, else ~/.cache."""
+    return os.environ.get("DEEPINFER_CACHE_DIR") or None
+
+
 def prefill_watermark() -> float:
     """GPU_CACHE_PREFILL_WATERMARK: KV usage above which no new prompt starts."""
     return _float("GPU_CACHE_PREFILL_WATERMARK", 0.9)

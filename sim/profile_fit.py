@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
+from sim.fit_cache import memo_solve
 
 ONE_WAVE_BATCH = 256  # decode batches up to this many requests run as one wave of splits
 # The decode attention kernel's launch (kernels/mla_decode.py): at most this many pieces a
@@ -101,7 +102,7 @@ def step_seconds(point: dict[str, Any], pipelined: bool) -> float:
 def shape_output(groups: list[list[Any]]) -> SchedulerOutput:
     """A SchedulerOutput of a profile point's shape: [count, query, context, is_prompt]
     and, for verify requests, the drafts each verifies (the last of its query tokens)."""
-    scheduled = []
+    scheduled: list[ScheduledRequest] = []
     for count, q, ctx, is_prompt, *rest in groups:
         drafts = list(range(int(rest[0]))) if rest else []
         for i in range(int(count)):
@@ -353,12 +354,19 @@ def monotone(values: np.ndarray, axis: int) -> np.ndarray:
 
 def nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative coefficients minimising the squared relative error of x @ c to y.
-    Columns are scaled to unit norm first so that their units do not matter."""
-    from scipy.optimize import nnls
+    Columns are scaled to unit norm first so that their units do not matter. The result
+    is memoised on disk (sim/fit_cache.py)."""
+    import scipy  # (its version only: the solver's module is imported on a miss)
 
-    w = 1.0 / y
-    xw = x * w[:, None]
-    scale = np.linalg.norm(xw, axis=0)
-    scale[scale == 0] = 1.0
-    coef, _ = nnls(xw / scale, y * w, maxiter=50 * x.shape[1])
-    return coef / scale
+    def solve() -> np.ndarray:
+        from scipy.optimize import nnls
+
+        w = 1.0 / y
+        xw = x * w[:, None]
+        scale = np.linalg.norm(xw, axis=0)
+        scale[scale == 0] = 1.0
+        coef, _ = nnls(xw / scale, y * w, maxiter=50 * x.shape[1])
+        result: np.ndarray = coef / scale
+        return result
+
+    return memo_solve("nnls_relative", (x, y), f"{scipy.__version__} {np.__version__}", solve)
