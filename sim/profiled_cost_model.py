@@ -251,6 +251,7 @@ class ProfiledCostModel(CostModel):
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
         }
+        self._async_scheduling = async_scheduling
         if overlaps and not pipelined:
             warnings.warn(
                 f"async_scheduling: profile {self.profile_name} has no pipelined step times "
@@ -309,6 +310,30 @@ class ProfiledCostModel(CostModel):
             self._max_num_seqs = max_num_seqs
         if num_speculative_tokens and not self._spec.ready:
             self._warn_no_verify_points(num_speculative_tokens, stacklevel=3)
+
+    def for_engine(
+        self,
+        num_speculative_tokens: int,
+        async_scheduling: bool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> ProfiledCostModel:
+        """This model where it was built for an engine of these settings, else its
+        profile fitted again for them: a model built for other drafts, scheduling or
+        limits would price another engine's steps (other verify steps, sequential times
+        for pipelined ones, other graphs and token buckets)."""
+        built = (
+            self.num_speculative_tokens, self._async_scheduling,
+            self._limits_args["max_num_seqs"], self._limits_args["max_num_batched_tokens"],
+        )  # fmt: skip
+        wanted = (num_speculative_tokens, async_scheduling, max_num_seqs, max_num_batched_tokens)
+        if built == wanted:
+            return self
+        data, model, hardware, _ = self._sequential_args
+        return ProfiledCostModel(
+            data, model, hardware, num_speculative_tokens, async_scheduling=async_scheduling,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        )  # fmt: skip
 
     @property
     def prices_speculation(self) -> bool:

@@ -32,13 +32,15 @@ PREFIX_BLOCK = 16  # tokens of one shared prefix block of the generated traces
 
 
 @cache
-def _profiled(async_scheduling: bool) -> CostModel:
-    """The shipped H200 profile's model (fitted once: it takes a few hundred ms)."""
+def _profiled(async_scheduling: bool, max_num_seqs: int, max_num_batched_tokens: int) -> CostModel:
+    """The shipped H200 profile's model for an engine of these settings (fitted once
+    each: simulate would fit a model built for other settings again)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cost, _ = resolve_cost_model(
             "profiled", load_model_config(MODEL), get_hardware("h200"),
-            async_scheduling=async_scheduling,
+            async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
         )  # fmt: skip
     return cost
 
@@ -87,7 +89,9 @@ def engines(draw: st.DrawFn) -> EngineConfig:
 
 def _cost(name: str, engine: EngineConfig) -> CostModel | str:
     if name == "profiled":
-        return _profiled(bool(engine.async_scheduling))
+        return _profiled(
+            bool(engine.async_scheduling), engine.max_num_seqs, engine.max_num_batched_tokens
+        )
     if name == "unit":
         return UnitCostModel(0.002, 0.0003)
     return name

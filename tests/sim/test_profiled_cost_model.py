@@ -424,3 +424,27 @@ def test_a_decodes_piece_is_cut_for_the_rows_that_run(path) -> None:
     assert graph == pytest.approx(100_000 / decode_splits(16, heads, sms))
     mixed = cm.features(shape_output([[9, 1, 100_000, False], [1, 512, 0, True]]))[at]
     assert mixed == pytest.approx(100_000 / decode_splits(9, heads, sms))
+
+
+def test_a_model_built_for_another_engine_prices_the_engine_it_is_given_to() -> None:
+    """A ProfiledCostModel passed to simulate prices that engine's steps: built with the
+    defaults (sync, 256 sequences, 8192 tokens) and given to an async engine of other
+    limits, it runs as the model simulate fits for that engine; built for the engine, it
+    is used as it is."""
+    path = PROFILES_DIR / "moonlight-16b-a3b__h200.json"
+    spec, hw = load_model_config("moonlight-16b-a3b"), get_hardware("h200")
+    built = ProfiledCostModel(path, spec, hw)
+    cfg = EngineConfig(async_scheduling=True, max_num_seqs=24, max_num_batched_tokens=2048)
+    reqs = [TraceRequest(f"r{i}", 0.01 * i, 300 + 97 * i, 40 + 7 * i) for i in range(40)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        given = simulate(reqs, spec, "h200", cfg, cost_model=built)
+        fitted = simulate(reqs, spec, "h200", cfg, cost_model="profiled")
+        as_built = simulate(reqs, spec, "h200", EngineConfig(), cost_model=built)
+        default = simulate(reqs, spec, "h200", EngineConfig(), cost_model="profiled")
+    assert given.summary == fitted.summary and given.requests == fitted.requests
+    assert as_built.summary == default.summary
+    assert given.summary["duration_s"] != as_built.summary["duration_s"]
+    assert built.for_engine(0, False, 256, 8192) is built
+    again = built.for_engine(0, True, 24, 2048)
+    assert again is not built and again.pipelined and again._max_num_seqs == 24
