@@ -18,8 +18,14 @@ groups, 128 x 128 weight blocks, torch._scaled_mm), x is quantized once by a sma
 kernel with the same rounding (`act_quant`) and cuBLAS multiplies: the per-K-step
 rescale of the fused kernel above runs on the CUDA cores, cuBLAS's on the matrix
 pipeline's side. A few rows stream the weight, where the fused kernel's narrow tiles do
-better. A row's result then depends on how many rows share the GEMM (which kernel ran):
-batch-invariant callers keep the fused kernel (`allow_cublas=False`). Some cuBLAS builds
+better. Up to GEMV_MAX_ROWS rows (decode at small batches) the matrix units have nothing to
+do: the weight must stream at memory speed, and the fused kernel's 16-row tiles and
+serial K loop (one memory latency a group) leave it latency-bound. There a GEMV-shaped
+kernel gives each program a few weight rows and loads many groups of K at once: the
+same rounding of x per group, the e4m3 products summed in float32 on the CUDA cores,
+scaled per group as above. A row's result then
+depends on how many rows share the GEMM (which kernel ran): batch-invariant callers
+keep the fused kernel (`allow_cublas=False`). Some cuBLAS builds
 refuse a row count that is not a multiple of 16 (CUBLAS_STATUS_NOT_SUPPORTED from the
 heuristic); there the quantized rows are padded with zero rows up to one.
 """
@@ -45,6 +51,14 @@ def fp8_linear_config(num_rows: int) -> dict[str, int]:
     return next(dict(cfg) for max_m, cfg in CONFIGS if num_rows <= max_m)
 
 
+# Rows up to which the GEMV-shaped kernel runs (each program recomputes the rounding of
+# all of them: past a few, the matrix units' tiles win).
+GEMV_MAX_ROWS = 4
+# A GEMV program's tile: weight rows, and groups of K loaded at once (enough programs
+# to spread a narrow projection's weight over the SMs, and a chunk's bytes in flight).
+GEMV_BLOCK_N = 4
+GEMV_GROUPS = 16
+GEMV_WARPS = 4
 # Rows from which cuBLAS's block-scaled GEMM takes over (where the device has it).
 CUBLAS_MIN_ROWS = 17
 # The row multiple that builds refusing odd row counts take.
@@ -118,6 +132,57 @@ def _fp8_linear_kernel(
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,  # [M, K] bf16 / fp16 / fp32
+    w_ptr,  # [N, K] e4m3
+    s_ptr,  # [ceil(N / BLOCK_SN), ceil(K / BLOCK_K)] float32
+    b_ptr,  # [N] or unread
+    out_ptr,  # [M, N] in x's dtype
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    M: tl.constexpr,  # the rows, at most GEMV_MAX_ROWS: one compiled kernel per count
+    HAS_BIAS: tl.constexpr,
+    BLOCK_SN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # the scale group bk
+    GROUPS: tl.constexpr,  # groups of K a chunk: one load of [BLOCK_N, GROUPS, BLOCK_K]
+):
+    """out[m, n] for BLOCK_N weight rows n and every row m. A chunk of GROUPS groups of K
+    is loaded at once (all its bytes in flight together: a serial K loop of one group a
+    step waits out the memory latency each step); x's groups are rounded as the fused
+    kernel rounds them, the e4m3 products summed per group in float32 on the CUDA cores,
+    then scaled by the group's two scales."""
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_g = tl.arange(0, GROUPS)  # [G]
+    cols = offs_g[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [G, BK]
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn + cols[None, :, :]
+    s_rows = s_ptr + (offs_n // BLOCK_SN)[:, None] * stride_sn + offs_g[None, :]  # [BN, G]
+    chunk = GROUPS * BLOCK_K
+    for m in tl.static_range(M):
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for c in range(0, tl.cdiv(K, chunk)):
+            k_mask = cols < K - c * chunk  # [G, BK]
+            g_mask = offs_g * BLOCK_K < K - c * chunk  # [G]
+            a = tl.load(x_ptr + m * stride_xm + c * chunk + cols, mask=k_mask, other=0.0)
+            a_q, a_s = quantize_group(a)  # [G, BK], [G]
+            w = tl.load(
+                w_rows + c * chunk, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0.0
+            )  # [BN, G, BK]
+            w_s = tl.load(s_rows + c * GROUPS, mask=n_mask[:, None] & g_mask[None, :], other=0.0)
+            part = tl.sum(w.to(tl.float32) * a_q.to(tl.float32)[None, :, :], axis=2)  # [BN, G]
+            acc += tl.sum(part * (w_s * a_s[None, :]), axis=1)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -232,8 +297,9 @@ def fp8_linear(
     [ceil(N / bn), ceil(K / bk)] float32, bias [N] or None -> [..., N] in x.dtype.
     block = (bn, bk); bk must be a power of two >= 16 (it is the K tile). No host
     synchronisation. `config` overrides the table's tiles (benchmarks, tests; it also
-    keeps the fused kernel). allow_cublas: from CUBLAS_MIN_ROWS rows on, cuBLAS's
-    block-scaled GEMM where it takes the shapes (`_cublas_takes`)."""
+    keeps the fused kernel). allow_cublas: up to GEMV_MAX_ROWS rows the GEMV-shaped
+    kernel, from CUBLAS_MIN_ROWS rows on cuBLAS's block-scaled GEMM where it takes the
+    shapes (`_cublas_takes`); False: the fused kernel at every row count."""
     n, k = weight.shape
     bn, bk = block
     assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
@@ -250,6 +316,14 @@ def fp8_linear(
             return _cublas_fp8_linear(x2, weight, scale_inv, bias, multiple).view(*lead, n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
+        return out.view(*lead, n)
+    if allow_cublas and config is None and m <= GEMV_MAX_ROWS:
+        _fp8_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
+            x2, weight, scale_inv, bias if bias is not None else scale_inv, out,
+            n, k, x2.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
+            M=m, HAS_BIAS=bias is not None, BLOCK_SN=bn, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=bk,
+            GROUPS=GEMV_GROUPS, num_warps=GEMV_WARPS, num_stages=2,
+        )  # fmt: skip
         return out.view(*lead, n)
     cfg = dict(fp8_linear_config(m), **(config or {}))
     bm, bnn = cfg["BLOCK_M"], cfg["BLOCK_N"]

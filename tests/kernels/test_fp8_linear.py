@@ -18,6 +18,7 @@ from kernels.fp8_linear import (
     CONFIGS,
     CUBLAS_MIN_ROWS,
     CUBLAS_PADDED_ROWS,
+    GEMV_MAX_ROWS,
     _cublas_takes,
     act_quant,
     fp8_linear,
@@ -100,6 +101,24 @@ def test_fp8_linear_matches_twin_on_rounded_activations(m, n, k, block, cfg, bia
     assert torch.isfinite(out).all(), "unwritten output"
     assert rel_err(out.cpu(), want) < 1e-6
     assert rel_err(out.cpu(), fp8_linear_ref(x.double(), q, s, b64, block)) < 5e-2
+
+
+@pytest.mark.parametrize("m", [1, 2, GEMV_MAX_ROWS])
+def test_a_few_rows_take_the_gemv_kernel_with_the_fused_kernels_rounding(m, device) -> None:
+    """Up to GEMV_MAX_ROWS rows the GEMV-shaped kernel runs (partial blocks in N and K,
+    a bias): the fused kernel's result up to the float32 summation order; the fused
+    kernel stays where the caller asks for one kernel at every row count."""
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 200, generator=gen)
+    q, s = quantize_blocks(torch.randn(300, 200, generator=gen) / 200**0.5, (128, 128))
+    b = torch.randn(300, generator=gen)
+    args = (x.to(device), q.to(device), s.to(device), b.to(device), (128, 128))
+    gemv = fp8_linear(*args)
+    fused = fp8_linear(*args, allow_cublas=False)
+    want = fp8_linear_ref(_rounded(x, 128), q, s, b.double(), (128, 128))
+    assert torch.isfinite(gemv).all(), "unwritten output"
+    assert rel_err(gemv.cpu(), want) < 1e-6 and rel_err(fused.cpu(), want) < 1e-6
+    assert rel_err(gemv.cpu(), fused.cpu()) < 1e-6
 
 
 def test_fp8_linear_keeps_leading_dims_and_all_zero_rows(device) -> None:
