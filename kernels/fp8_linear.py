@@ -18,16 +18,16 @@ groups, 128 x 128 weight blocks, torch._scaled_mm), x is quantized once by a sma
 kernel with the same rounding (`act_quant`) and cuBLAS multiplies: the per-K-step
 rescale of the fused kernel above runs on the CUDA cores, cuBLAS's on the matrix
 pipeline's side. A few rows stream the weight, where the fused kernel's narrow tiles do
-better. Up to GEMV_MAX_ROWS rows (decode at small batches) the matrix units have nothing to
-do: the weight must stream at memory speed, and the fused kernel's 16-row tiles and
-serial K loop (one memory latency a group) leave it latency-bound. There a GEMV-shaped
-kernel gives each program a few weight rows and loads many groups of K at once: the
-same rounding of x per group, the e4m3 products summed in float32 on the CUDA cores,
-scaled per group as above. A row's result then
-depends on how many rows share the GEMM (which kernel ran): batch-invariant callers
-keep the fused kernel (`allow_cublas=False`). Some cuBLAS builds
-refuse a row count that is not a multiple of 16 (CUBLAS_STATUS_NOT_SUPPORTED from the
-heuristic); there the quantized rows are padded with zero rows up to one.
+better. At GEMV_MAX_ROWS rows (decode at batch 1) the matrix units have nothing to do:
+the weight must stream at memory speed, and the fused kernel's 16-row tiles and serial K
+loop (one memory latency a group) leave it latency-bound. There a GEMV-shaped kernel
+gives each program a few weight rows and loads many groups of K at once: the same
+rounding of x per group, the e4m3 products summed in float32 on the CUDA cores, scaled
+per group as above. A row's result then depends on how many rows share the GEMM (which
+kernel ran): batch-invariant callers keep the fused kernel (`allow_cublas=False`). Some
+cuBLAS builds refuse a row count that is not a multiple of 16
+(CUBLAS_STATUS_NOT_SUPPORTED from the heuristic); there the quantized rows are padded
+with zero rows up to one.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def fp8_linear_config(num_rows: int) -> dict[str, int]:
     return next(dict(cfg) for max_m, cfg in CONFIGS if num_rows <= max_m)
 
 
-# Rows up to which the GEMV-shaped kernel runs (each program recomputes the rounding of
-# all of them: past a few, the matrix units' tiles win).
-GEMV_MAX_ROWS = 4
+# Rows up to which the GEMV-shaped kernel runs: it streams the weight once per row (from
+# cache after the first), so from a second row the fused kernel's shared tiles win.
+GEMV_MAX_ROWS = 1
 # A GEMV program's tile: weight rows, and groups of K loaded at once (enough programs
 # to spread a narrow projection's weight over the SMs, and a chunk's bytes in flight).
 GEMV_BLOCK_N = 4
