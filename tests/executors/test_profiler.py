@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -102,18 +103,19 @@ def test_a_plain_profile_steps_decodes_forward_as_the_scheduler_does(tmp_path: P
     """Decode requests are timed over several runs, each after the tokens the last gave
     them (the runner refuses a step that repeats computed positions), in rounds."""
     out = tmp_path / "p.json"
-    assert cli.main(["profile", "--model", "deepinfer-demo", *SMALL_ENGINE, "--reps", "3",
+    assert cli.main(["profile", "--model", "deepinfer-demo", *SMALL_ENGINE, "--reps", "1",
                      "--rounds", "2", "--out", str(out)]) == 0  # fmt: skip
     profile = json.loads(out.read_text())
     assert profile["meta"]["num_speculative_tokens"] == 0
     kinds = {p["kind"] for p in profile["points"]}
     assert kinds == {"decode", "prefill", "mixed", "short_prompts"}
-    # Two rounds over the grid, three timed runs of each point in each.
-    assert all(p["reps"] == 6 and p["p10_s"] <= p["median_s"] for p in profile["points"])
+    # Two rounds over the grid, one timed run of each point in each.
+    assert all(p["reps"] == 2 and p["p10_s"] <= p["median_s"] for p in profile["points"])
     # Each point also ran pipelined (async scheduling: launched before the step before
-    # it is read): on the CPU, where nothing overlaps, about as long as one by one.
+    # it is read). How long against one by one is a measurement, not a rule: a loaded
+    # machine stretches either (benchmarks judge times, tests do not).
     for p in profile["points"]:
-        assert 0.3 * p["median_s"] < p["pipelined_s"] < 3 * p["median_s"], p
+        assert math.isfinite(p["pipelined_s"]) and p["pipelined_s"] > 0, p
 
 
 def test_async_scheduling_prices_plain_steps_from_the_pipelined_times(tmp_path: Path) -> None:
