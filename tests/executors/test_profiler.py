@@ -266,3 +266,30 @@ def test_profiled_contexts_hold_random_latents_not_a_fresh_cache_s_zeros() -> No
     assert not torch.equal(cache.layers[0], cache.layers[1])
     assert torch.equal(filled(0).layers[1], cache.layers[1])
     assert not torch.equal(filled(1).layers[1], cache.layers[1])
+
+
+def test_the_grid_times_chunks_after_a_cached_prefix_beside_decodes() -> None:
+    """Mixed points include a chunk after a cached prefix (a conversation's next turn
+    while others decode), up to the long priors the model's length allows; the profiler
+    runs such a step as it runs a lone chunk after a prefix."""
+    from deepinfer import LLM
+    from executors.profile_grid import GridLimits, StepShape, default_grid
+    from executors.profiler import profile_steps
+
+    def prefixed(grid: list[StepShape]) -> set[tuple[int, int, int, int]]:
+        return {
+            (s.groups[0][0], s.groups[1][1], s.groups[0][2], s.groups[1][2])
+            for s in grid
+            if s.kind == "mixed" and s.groups[1][2] > 0
+        }
+
+    long = prefixed(default_grid(GridLimits(16384, 512, 163840, 1 << 22)))
+    assert (16, 2048, 65536, 65536) in long and (64, 512, 4096, 4096) in long
+    assert max(p for *_, p in prefixed(default_grid(GridLimits(16384, 512, 8192, 1 << 22)))) == 4096
+    llm = LLM("deepinfer-demo", device="cpu", dtype="float32", block_size=16,
+              num_gpu_blocks=128)  # fmt: skip
+    [point] = profile_steps(
+        llm.executor, [StepShape("mixed", ((3, 1, 40, False, 0), (1, 48, 64, True, 0)))], reps=2
+    )
+    assert point["kind"] == "mixed" and point["median_s"] > 0
+    assert [list(g) for g in point["groups"]] == [[3, 1, 40, False], [1, 48, 64, True]]
