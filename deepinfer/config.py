@@ -138,14 +138,18 @@ class EngineConfig:
             )
 
     def _check_router(self) -> None:
-        from deepinfer.routing import ROUTERS  # (the routing package imports the engine)
+        # The default names a router and suits one rank: only another name is looked up,
+        # so that a config which does not route leaves the routing package unloaded.
+        if self.data_parallel_router == "least-load":
+            return
+        from deepinfer.routing import ROUTERS
 
         if self.data_parallel_router not in ROUTERS:
             raise ValueError(
                 f"data_parallel_router={self.data_parallel_router!r}: expected one of "
                 f"{', '.join(ROUTERS)}"
             )
-        if self.data_parallel_size == 1 and self.data_parallel_router != "least-load":
+        if self.data_parallel_size == 1:
             raise ValueError(
                 f"data_parallel_router={self.data_parallel_router!r} needs "
                 "data_parallel_size > 1: one rank has no choice to make"

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Generator
 from concurrent import futures
 from itertools import repeat
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from deepinfer import scheduler_checks
 from deepinfer.config import EngineConfig
@@ -28,7 +28,9 @@ from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import FinishReason, Request
 from deepinfer.scheduler import Scheduler
 from deepinfer.step_log import StepLog
-from deepinfer.step_log_file import StepLogWriter
+
+if TYPE_CHECKING:  # (a writer is built only by a run that writes a step log)
+    from deepinfer.step_log_file import StepLogWriter
 
 logger = logging.getLogger(__name__)
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from deepinfer.kv_cache.handover import KVHandover
 from deepinfer.kv_cache.tiers import KVTiers
 from deepinfer.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer.request import Request
+
+if TYPE_CHECKING:  # (only an engine of a disaggregated pair hands KV over)
+    from deepinfer.kv_cache.handover import KVHandover
 
 
 class StepHandle(ABC):

@@ -22,12 +22,18 @@ class PromptTokens(Protocol):
     """A prompt that can describe a span of its content without listing it.
 
     `content_key(start, end)` must return equal keys exactly when the token ids
-    of the two spans are equal; prefix caching hashes these keys.
+    of the two spans are equal; prefix caching hashes these keys, a run of blocks'
+    at a time (`block_keys`).
     """
 
     def __len__(self) -> int: ...
 
     def content_key(self, start: int, end: int) -> Hashable: ...
+
+    def block_keys(self, first: int, stop: int, block_size: int) -> list[Hashable]:
+        """`content_key` of each span [b * block_size, (b + 1) * block_size), b in
+        [first, stop)."""
+        ...
 
     def token_ids(self, start: int, end: int) -> list[int]: ...
 
@@ -166,6 +172,27 @@ class Request:
             # Token ids either side: the same ids as a later prompt that repeats them.
             return head + tail
         return (head, tail)
+
+    def block_keys(self, first: int, stop: int, block_size: int) -> list[Hashable]:
+        """`content_key` of each block [b * block_size, (b + 1) * block_size), b in
+        [first, stop): one call for the run of blocks that prefix-cache hashing covers."""
+        n, bs = self.num_prompt_tokens, block_size
+        keys: list[Hashable] = []
+        in_prompt = min(stop, n // bs)  # the blocks wholly in the prompt end here
+        if first < in_prompt:
+            prompt = self.prompt
+            if isinstance(prompt, (list, tuple, range)):  # (as _prompt_key)
+                keys = [tuple(prompt[s : s + bs]) for s in range(first * bs, in_prompt * bs, bs)]
+            else:
+                keys = prompt.block_keys(first, in_prompt, bs)  # type: ignore[union-attr]
+            first = in_prompt
+        outputs = self.output_token_ids
+        for s in range(first * bs, stop * bs, bs):
+            if s >= n:
+                keys.append(tuple(outputs[s - n : s - n + bs]))
+            else:  # the block that holds the prompt's end and the first outputs
+                keys.append(self.content_key(s, s + bs))
+        return keys
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids of positions [start, end) over prompt + output."""

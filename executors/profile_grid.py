@@ -54,11 +54,12 @@ class GridLimits(NamedTuple):
 
 def default_grid(limits: GridLimits, quick: bool = False) -> list[StepShape]:
     """Decode (batch x context), prefill (tokens x prior context), mixed (decodes x prefill
-    tokens) and many short prompts, within the engine's budgets and the cache."""
+    tokens, the chunk after no prefix or a cached one) and many short prompts, within the
+    engine's budgets and the cache."""
     if quick:
         batches, contexts = [1, 4, 16], [64, 256]
         chunks, priors = [16, 64, 256], [0, 128]
-        mixes = [(4, 64, 256)]
+        mixes = [(4, 64, 256, 0), (4, 64, 256, 128)]
         shorts = [4]
         long_priors: list[int] = []
     else:
@@ -75,15 +76,26 @@ def default_grid(limits: GridLimits, quick: bool = False) -> list[StepShape]:
         # prefill attention is then most of the step, and a short-prefix grid cannot
         # calibrate it.
         long_priors = [c for c in (16384, 65536) if c < limits.max_len]
+        # (decodes, chunk tokens, the decodes' context, the chunk's cached prefix)
         mixes = [
-            (d, p, c)
+            (d, p, c, 0)
             for d in (4, 16, 64, 240)
             for p in (256, 512, 2048, 7680)
             for c in (1024, 4096)
         ]
         # Decodes at long contexts beside a chunk (long-context traces' mixed steps): the
         # decode attention's longest request then outweighs the chunk.
-        mixes += [(d, p, c) for d in (4, 16) for p in (512, 2048) for c in long_priors]
+        mixes += [(d, p, c, 0) for d in (4, 16) for p in (512, 2048) for c in long_priors]
+        # A chunk after a cached prefix beside decodes (a multi-turn conversation's next
+        # turn, or a long prompt's later chunk, while others decode): the chunk's
+        # attention over the prefix is priced beside decode work, not only alone.
+        mixes += [
+            (d, p, c, prior)
+            for d in (16, 64)
+            for p in (512, 2048)
+            for prior in [4096, *long_priors]
+            for c in (4096, prior)
+        ]
         shorts = [8, 32, 96]
     grid: list[StepShape] = []
     for b in batches:
@@ -92,8 +104,8 @@ def default_grid(limits: GridLimits, quick: bool = False) -> list[StepShape]:
     for p in chunks:
         for c in priors + (long_priors if p in (2048, 8192) else []):
             grid.append(StepShape("prefill", ((1, p, c, True, 0),)))
-    for d, p, ctx in mixes:
-        grid.append(StepShape("mixed", ((d, 1, ctx, False, 0), (1, p, 0, True, 0))))
+    for d, p, ctx, prior in dict.fromkeys(mixes):  # (in order, once each)
+        grid.append(StepShape("mixed", ((d, 1, ctx, False, 0), (1, p, prior, True, 0))))
     for k in shorts:
         grid.append(StepShape("short_prompts", ((k, 64, 0, True, 0),)))
     return limits.keep(grid)

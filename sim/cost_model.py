@@ -24,7 +24,9 @@ from deepinfer.kv_cache.tiers import step_copies
 
 if TYPE_CHECKING:
     from deepinfer.decode_run import DecodeRun
+    from deepinfer.model_config import ModelConfig
     from deepinfer.outputs import SchedulerOutput
+    from sim.hardware import HardwareSpec
 
 # (cpu_time, launch_cost's two figures) of each step of a decode run, in order.
 RunCosts = Iterator[tuple[float, float, float]]
@@ -66,6 +68,21 @@ class CostModel(ABC):
         call, so a model that needs a second fit for the idle case reads the step once.
         Default: the step costs the same whatever runs before it (0.0 more)."""
         return self.step_time(out), 0.0
+
+    def for_engine(
+        self,
+        model: ModelConfig,
+        hardware: HardwareSpec,
+        num_speculative_tokens: int,
+        async_scheduling: bool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> CostModel:
+        """This model as it prices the steps of an engine of these settings (`simulate`
+        asks each object it is given): a model built for other drafts, scheduling or
+        limits returns one built for these, and one that cannot price this model or
+        hardware raises ValueError. Default: itself (its prices do not depend on them)."""
+        return self
 
     def decode_run_costs(self, run: DecodeRun) -> RunCosts | None:
         """The run's steps priced one after another without a SchedulerOutput each: for

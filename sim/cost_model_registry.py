@@ -33,7 +33,8 @@ def get_cost_model(
     profile: str | Path | None = None,
     num_speculative_tokens: int = 0,
 ) -> CostModel:
-    """A cost model by name, or a cost-model object passed through (see resolve_cost_model)."""
+    """A cost model by name, or a cost-model object as it prices a synchronous engine of
+    the default limits and these drafts (see resolve_cost_model)."""
     return resolve_cost_model(spec, model, hardware, profile, num_speculative_tokens)[0]
 
 
@@ -56,9 +57,9 @@ def resolve_cost_model(
 
     None: "profiled" when `profile` is given or a shipped profile exists for (model,
     hardware) in the engine's mode, else "analytic" (uncalibrated). An object must be a
-    CostModel (sim/cost_model.py), used as it is, but for a ProfiledCostModel built for
-    other drafts, scheduling or limits than these: its profile is fitted for these
-    (`ProfiledCostModel.for_engine`).
+    CostModel (sim/cost_model.py), used as its `for_engine` gives it for these settings
+    (a ProfiledCostModel built for other drafts, scheduling or limits is fitted again
+    for these; one of another model or hardware is refused).
     batch_invariant: the engine's mode; a cost model that cannot price it is refused
     (`check_mode`). async_scheduling: the engine launches a step while the one before
     runs (the profiled model then prices steps from the profile's pipelined times).
@@ -159,8 +160,8 @@ def _resolve(
             "'analytic', 'unit' or a subclass of CostModel (step_time(out) is the one "
             "method it must define)"
         )
-    if isinstance(spec, ProfiledCostModel):  # priced for this engine, not the one it was built for
-        spec = spec.for_engine(num_speculative_tokens, async_scheduling, **limits)
+    # priced for this engine, not the one it was built for
+    spec = spec.for_engine(model, hardware, num_speculative_tokens, async_scheduling, **limits)
     meta = {"cost_model": type(spec).__name__, "calibrated": isinstance(spec, ProfiledCostModel)}
     return spec, meta
 

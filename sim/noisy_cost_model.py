@@ -23,7 +23,9 @@ from sim.step_noise import StepNoise
 
 if TYPE_CHECKING:
     from deepinfer.decode_run import DecodeRun
+    from deepinfer.model_config import ModelConfig
     from deepinfer.outputs import SchedulerOutput
+    from sim.hardware import HardwareSpec
 
 _RUN, _STEP = 1, 2  # the last key of a kind's draw, the first after the seed of a step's
 
@@ -50,6 +52,25 @@ class NoisyCostModel(CostModel):
             self.run_factors[kind] = k.ratios[pick]
             self._sigma[kind] = k.sigma
         self._host = self.run_factors["host"]
+
+    def for_engine(
+        self,
+        model: ModelConfig,
+        hardware: HardwareSpec,
+        num_speculative_tokens: int,
+        async_scheduling: bool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> NoisyCostModel:
+        """The same draws over `inner.for_engine(...)`'s prices."""
+        inner = self.inner.for_engine(
+            model, hardware, num_speculative_tokens, async_scheduling, max_num_seqs,
+            max_num_batched_tokens,
+        )  # fmt: skip
+        speculating = bool(num_speculative_tokens)
+        if inner is self.inner and speculating == self.speculating:
+            return self
+        return NoisyCostModel(inner, self.noise, self.seed, speculating=speculating)
 
     def factor(self, kind: str, step_id: int) -> float:
         """The device price's factor of step `step_id` of `kind`."""

@@ -313,15 +313,25 @@ class ProfiledCostModel(CostModel):
 
     def for_engine(
         self,
+        model: ModelConfig,
+        hardware: HardwareSpec,
         num_speculative_tokens: int,
         async_scheduling: bool,
         max_num_seqs: int,
         max_num_batched_tokens: int,
     ) -> ProfiledCostModel:
         """This model where it was built for an engine of these settings, else its
-        profile fitted again for them: a model built for other drafts, scheduling or
-        limits would price another engine's steps (other verify steps, sequential times
-        for pipelined ones, other graphs and token buckets)."""
+        profile fitted again for them (as its own class): a model built for other drafts,
+        scheduling or limits would price another engine's steps (other verify steps,
+        sequential times for pipelined ones, other graphs and token buckets). Built for
+        another model or hardware, it is refused: its profile measured other steps."""
+        data, own_model, own_hardware, _ = self._sequential_args
+        if own_model.name != model.name or own_hardware != hardware:
+            raise ValueError(
+                f"cost model fitted on profile {self.profile_name} for {own_model.name} on "
+                f"{own_hardware.name} cannot price {model.name} on {hardware.name}: build it "
+                "for the simulated model and hardware, or pass cost_model='profiled'"
+            )
         built = (
             self.num_speculative_tokens, self._async_scheduling,
             self._limits_args["max_num_seqs"], self._limits_args["max_num_batched_tokens"],
@@ -329,10 +339,10 @@ class ProfiledCostModel(CostModel):
         wanted = (num_speculative_tokens, async_scheduling, max_num_seqs, max_num_batched_tokens)
         if built == wanted:
             return self
-        data, model, hardware, _ = self._sequential_args
-        return ProfiledCostModel(
-            data, model, hardware, num_speculative_tokens, async_scheduling=async_scheduling,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        return type(self)(
+            data, own_model, own_hardware, num_speculative_tokens,
+            async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
         )  # fmt: skip
 
     @property

@@ -26,11 +26,9 @@ from deepinfer.model_config import ModelConfig, load_model_config
 from deepinfer.records import RequestRecord, StepRecord
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.step_log_file import StepLogWriter, step_log_header
 from sim.acceptance import AcceptanceModel
 from sim.cost_model import CostModel, prices_decode_runs
 from sim.cost_model_registry import engine_cost_model
-from sim.data_parallel import DataParallelStats, rank_group, serve_data_parallel
 from sim.engine_loop import Clock, FastForwardStats, PendingArrivals, serve_engine
 from sim.hardware import HardwareSpec, get_hardware
 from sim.kv_capacity import engine_kv_blocks, kv_bytes_per_token
@@ -165,6 +163,8 @@ def simulate(
     clock = Clock()
     writer = None
     if step_log is not None:
+        from deepinfer.step_log_file import StepLogWriter, step_log_header
+
         if hw.runs_on_host and engine.async_scheduling:
             raise ValueError(
                 f"step_log on {hw.name} under async scheduling: the simulated launch runs "
@@ -266,6 +266,9 @@ def _simulate_ranks(
     mask_s: float,
 ) -> SimResult:  # fmt: skip
     """data_parallel_size ranks in lock-step (sim/data_parallel.py); num_blocks per rank."""
+    # Imported here: a single engine, the usual run, needs neither the ranks nor their router.
+    from sim.data_parallel import DataParallelStats, rank_group, serve_data_parallel
+
     n = engine.data_parallel_size
     if any(r.structured for r in trace.requests):  # as LLM refuses so_args over ranks
         raise ValueError(

@@ -35,6 +35,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_fit_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Profile fits memoised in this session's own folder (sim/fit_cache.py): a test never
+    reads an entry another run stored."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path_factory.mktemp("fit-cache")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def _free_the_device(request: pytest.FixtureRequest) -> Iterator[None]:
     """After a GPU test, collect what it left (engines hold reference cycles) so that the

@@ -20,10 +20,9 @@ def update_block_hashes(request: Request, block_size: int) -> list[int]:
     num_full = request.num_tokens // block_size
     if len(hashes) < num_full:
         parent = hashes[-1] if hashes else ROOT_HASH
-        extra = request.cache_salt
-        content_key, append = request.content_key, hashes.append
-        for start in range(len(hashes) * block_size, num_full * block_size, block_size):
+        extra, append = request.cache_salt, hashes.append
+        for key in request.block_keys(len(hashes), num_full, block_size):
             # a block's hash: (its parent's hash, its tokens, the request's extra keys)
-            parent = hash((parent, content_key(start, start + block_size), extra))
+            parent = hash((parent, key, extra))
             append(parent)
     return hashes

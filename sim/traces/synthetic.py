@@ -112,6 +112,29 @@ class SyntheticPrompt:
             return (("u", self._salt, start, end),) if start < end else ()
         return tuple(self._segments(start, end))
 
+    def block_keys(self, first: int, stop: int, block_size: int) -> list[Hashable]:
+        """`content_key` of each span of `block_size` tokens from the `first` to the `stop`
+        such span (the prefix cache's KV blocks), in one call."""
+        size, pe = block_size, self._prefix_end
+        if not 0 <= first <= stop or stop * size > self._len:
+            raise IndexError(
+                f"blocks [{first}, {stop}) of {size} tokens outside prompt of {self._len} tokens"
+            )
+        head = max(first, min(stop, pe // size))  # spans wholly in prefix blocks end here
+        tail = max(head, min(stop, -(-pe // size)))  # spans wholly in the unique tail
+        blocks, bs = self._blocks, self._bs
+        if bs % size == 0:  # each span lies in one prefix block (content_key's fast path)
+            keys = [
+                ((blocks[s // bs], s % bs, s % bs + size),)
+                for s in range(first * size, head * size, size)
+            ]
+        else:
+            keys = [self.content_key(s, s + size) for s in range(first * size, head * size, size)]
+        keys += [self.content_key(s, s + size) for s in range(head * size, tail * size, size)]
+        salt = self._salt
+        keys += [(("u", salt, s, s + size),) for s in range(tail * size, stop * size, size)]
+        return keys
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids of positions [start, end), each in [0, vocab_size)."""
         if not 0 <= start <= end <= self._len:
@@ -132,7 +155,7 @@ class SyntheticPrompt:
 
     def _segments(self, start: int, end: int) -> list[tuple]:
         # One segment per prefix block touched, then at most one unique tail;
-        # the fast paths in content_key must build the same tuples.
+        # the fast paths in content_key and block_keys must build the same tuples.
         segs: list[tuple] = []
         p, bs, pe = start, self._bs, self._prefix_end
         while p < end and p < pe:

@@ -98,6 +98,20 @@ def test_chain_hash_depends_on_the_whole_prefix() -> None:
     assert len(h1) == 2 and h1[0] != h2[0] and h1[1] != h2[1]  # same 2nd block, other parent
 
 
+def test_block_keys_are_each_blocks_content_key() -> None:
+    """The keys of a run of blocks in one call are content_key's, block by block: in the
+    prompt, across its end and in the outputs."""
+    r = make_request("a", [1, 2, 3, 4, 5, 6, 7])
+    r.append_output_tokens([8, 9, 10, 11, 12])
+    for size in (1, 3, 4, 5):
+        for stop in range(r.num_tokens // size + 1):
+            for first in range(stop + 1):
+                spans = range(first * size, stop * size, size)
+                assert r.block_keys(first, stop, size) == [
+                    r.content_key(s, s + size) for s in spans
+                ]
+
+
 def test_prefix_hit_covers_at_most_num_tokens_minus_one() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     first = make_request("a", 8)

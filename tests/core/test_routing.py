@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from deepinfer.config import EngineConfig
 from deepinfer.kv_cache.hashing import update_block_hashes
-from deepinfer.routing import InstanceLoad, InstanceView, make_router
+from deepinfer.routing import ROUTERS, InstanceLoad, InstanceView, make_router
 from deepinfer.routing.instance_report import InstanceReport, report_of, take_report, view_of
 from deepinfer.routing.policies import LeastLoadRouter
 from tests.factories import make_engine, make_request
@@ -97,6 +98,17 @@ def test_unknown_routers_and_options_are_refused_by_name() -> None:
         make_router("round-robin", 2, max_imbalance=3)
     with pytest.raises(ValueError, match="num_instances=0"):
         make_router("round-robin", 0)
+
+
+def test_the_engine_config_checks_its_router_name() -> None:
+    """The default is a policy (the config accepts it without importing the routers);
+    another name must be one, and needs more than one rank to choose from."""
+    assert EngineConfig().data_parallel_router in ROUTERS
+    EngineConfig(data_parallel_size=2, data_parallel_router="round-robin")
+    with pytest.raises(ValueError, match="'fastest': expected one of"):
+        EngineConfig(data_parallel_size=2, data_parallel_router="fastest")
+    with pytest.raises(ValueError, match="needs data_parallel_size > 1"):
+        EngineConfig(data_parallel_router="round-robin")
 
 
 def test_an_engine_reports_its_cached_prefix_changes() -> None:

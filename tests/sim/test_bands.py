@@ -173,3 +173,17 @@ def _spec():  # type: ignore[no-untyped-def]
     from deepinfer.model_config import load_model_config
 
     return load_model_config(MODEL)
+
+
+def test_a_noisy_model_built_for_another_engine_wraps_the_model_fitted_for_this_one() -> None:
+    """A NoisyCostModel over a profiled model built for other settings passes
+    `for_engine` to it: the same draws over the prices of the engine it is given to."""
+    trace = _trace()
+    hw = get_hardware("h200")
+    engine = ENGINE.replace(async_scheduling=True, max_num_seqs=32)
+    built, _ = engine_cost_model(None, _spec(), hw, None, ENGINE.replace(async_scheduling=False))
+    fitted, _ = engine_cost_model(None, _spec(), hw, None, engine)
+    noise = _noise(1.1, 0.05)
+    given = simulate(trace, MODEL, engine=engine, cost_model=NoisyCostModel(built, noise, 3))
+    want = simulate(trace, MODEL, engine=engine, cost_model=NoisyCostModel(fitted, noise, 3))
+    assert _records(given) == _records(want)

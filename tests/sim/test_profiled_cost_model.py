@@ -440,11 +440,19 @@ def test_a_model_built_for_another_engine_prices_the_engine_it_is_given_to() -> 
         warnings.simplefilter("ignore")
         given = simulate(reqs, spec, "h200", cfg, cost_model=built)
         fitted = simulate(reqs, spec, "h200", cfg, cost_model="profiled")
-        as_built = simulate(reqs, spec, "h200", EngineConfig(), cost_model=built)
-        default = simulate(reqs, spec, "h200", EngineConfig(), cost_model="profiled")
+        sync = EngineConfig(async_scheduling=False)
+        as_built = simulate(reqs, spec, "h200", sync, cost_model=built)
+        default = simulate(reqs, spec, "h200", sync, cost_model="profiled")
     assert given.summary == fitted.summary and given.requests == fitted.requests
     assert as_built.summary == default.summary
     assert given.summary["duration_s"] != as_built.summary["duration_s"]
-    assert built.for_engine(0, False, 256, 8192) is built
-    again = built.for_engine(0, True, 24, 2048)
-    assert again is not built and again.pipelined and again._max_num_seqs == 24
+    assert built.for_engine(spec, hw, 0, False, 256, 8192) is built
+
+    class Slower(ProfiledCostModel):
+        def step_time(self, out):
+            return 2 * super().step_time(out)
+
+    again = Slower(path, spec, hw).for_engine(spec, hw, 0, True, 24, 2048)
+    assert type(again) is Slower and again.pipelined and again._max_num_seqs == 24
+    with pytest.raises(ValueError, match="cannot price moonlight-16b-a3b on h100"):
+        simulate(reqs, spec, "h100", cfg, cost_model=built)

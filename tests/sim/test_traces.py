@@ -365,3 +365,19 @@ def test_content_key_equality_matches_token_id_equality(
         assert same_ids
     if n >= 4:
         assert same_key == same_ids
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt_families(), st.integers(1, 6), st.data())
+def test_block_keys_are_each_spans_content_key(
+    prompts: list[SyntheticPrompt], size: int, data: st.DataObject
+) -> None:
+    """The keys of a run of blocks in one call are content_key's, span by span: in the
+    prefix blocks (inside one, or across two), across their end and in the unique tail."""
+    p = data.draw(st.sampled_from(prompts))
+    stop = data.draw(st.integers(0, len(p) // size))
+    first = data.draw(st.integers(0, stop))
+    spans = range(first * size, stop * size, size)
+    assert p.block_keys(first, stop, size) == [p.content_key(s, s + size) for s in spans]
+    with pytest.raises(IndexError):
+        p.block_keys(0, len(p) // size + 1, size)

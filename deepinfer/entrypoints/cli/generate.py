@@ -7,8 +7,6 @@ import dataclasses
 import sys
 from typing import Any
 
-from deepinfer.data_parallel.front_end import DataParallelEngine
-from deepinfer.disaggregated_engine import DisaggregatedEngine
 from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
 from deepinfer.entrypoints.cli.sampling_options import (
     add_sampling_options,
@@ -51,6 +49,8 @@ def add_generate_parser(sub: Any) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from deepinfer.data_parallel.front_end import DataParallelEngine
+    from deepinfer.disaggregated_engine import DisaggregatedEngine
     from deepinfer.entrypoints.llm import LLM
 
     engine = engine_config_from_args(args)

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deepinfer.engine import EngineCore
 from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
 
 
@@ -62,6 +61,7 @@ def held_out_prompts(path: Path, num: int, chars: int) -> list[str]:
 
 def run_measure_acceptance(args: argparse.Namespace) -> int:
     from deepinfer import LLM, SamplingParams
+    from deepinfer.engine import EngineCore
     from executors.demo import demo_model_path
     from sim.acceptance import AcceptanceModel, acceptance_file
 

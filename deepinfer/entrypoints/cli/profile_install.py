@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,8 @@ def _key(point: dict[str, Any]) -> str:
 def compare(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
     """By kind: points both profiles measured, the median new/old ratio of median_s (and
     of pipelined_s where both have it), and the largest moves as (ratio, key)."""
+    import statistics  # (here: every command line would pay for it otherwise)
+
     old_points = {_key(p): p for p in old["points"]}
     by_kind: dict[str, dict[str, list]] = {}
     for p in new["points"]:

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
-from deepinfer.step_log import MergedSteps
 
 
 def add_simulate_parser(sub: Any) -> None:
@@ -349,12 +348,14 @@ def _progress_bar(args: argparse.Namespace, total: int) -> Any:
 
 
 def _cluster(args: argparse.Namespace, engine: Any) -> Any:
-    """The cluster to simulate (--cluster, or --replicas with --router), or None."""
-    from sim.cluster import load_cluster, replicas
+    """The cluster to simulate (--cluster, or --replicas with --router), or None.
 
+    sim.cluster is imported only where there is one: a run of one engine needs none of it."""
     if args.cluster is not None:
         if args.replicas is not None or args.router is not None:
             raise ValueError("--replicas / --router: the cluster file gives its pools and router")
+        from sim.cluster import load_cluster
+
         return load_cluster(args.cluster, base_engine=engine, hardware=args.hardware)
     if args.replicas is None:
         if args.router is not None:
@@ -365,6 +366,7 @@ def _cluster(args: argparse.Namespace, engine: Any) -> Any:
         return None
     if args.replicas < 1:
         raise ValueError(f"--replicas {args.replicas}: must be >= 1")
+    from sim.cluster import replicas
     from sim.cluster.description import _router
 
     router = _router(args.router or "least-requests", "--router")
@@ -375,6 +377,7 @@ def _run_cluster(
     args: argparse.Namespace, trace: Any, path: Path, cluster: Any, slo: Any, acceptance: Any
 ) -> int:
 
+    from deepinfer.step_log import MergedSteps
     from sim.cluster import simulate_cluster
     from sim.report import plot_report, print_summary, write_report
 
