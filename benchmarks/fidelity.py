@@ -85,7 +85,7 @@ from deepinfer.model_config import (
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 from deepinfer.records import RequestRecord
 from sim import load_trace, simulate
-from sim.cost_model_registry import resolve_cost_model
+from sim.cost_model_registry import engine_cost_model
 from sim.hardware import get_hardware
 from sim.traces import Trace, TraceRequest
 
@@ -245,6 +245,15 @@ def step_basis(cfg: EngineConfig, hardware: str) -> str:
     return "sequential" if cfg.num_speculative_tokens else "overlap"
 
 
+def step_cost_model(
+    model: str | ModelConfig, hardware: str, profile: Path | None, cfg: EngineConfig
+) -> tuple[Any, dict[str, Any]]:
+    """The cost model `simulate` prices this engine's steps with (its quantization picks
+    the profile), for the per-step tables and the label beside the simulated figures."""
+    spec = model if isinstance(model, ModelConfig) else load_model_config(model)
+    return engine_cost_model(None, spec, get_hardware(hardware), profile, cfg)
+
+
 def run_workload(
     executor: Any,
     cfg: EngineConfig,
@@ -287,18 +296,7 @@ def run_workload(
     t1 = time.perf_counter()
     rate = 0.7 if acceptance is None else acceptance
     sim = simulate(trace, model, hardware, cfg, None, profile=profile, acceptance_rate=rate)
-    spec = model if isinstance(model, ModelConfig) else load_model_config(model)
-    cost, meta = resolve_cost_model(
-        None,
-        spec,
-        get_hardware(hardware),
-        profile,
-        cfg.num_speculative_tokens,
-        batch_invariant=cfg.batch_invariant,
-        async_scheduling=cfg.async_scheduling,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-    )
+    cost, meta = step_cost_model(model, hardware, profile, cfg)
     real = reals[0]
     samples: list[dict[str, Any]] = []
     res = {
@@ -675,17 +673,7 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path, bands: int = 0) 
         runs = [records] + [
             [RequestRecord(**r) for r in run] for run in real[wname].get("real_repeats", [])
         ]
-        cost, _ = resolve_cost_model(
-            None,
-            model if isinstance(model, ModelConfig) else load_model_config(model),
-            get_hardware(meta["hardware"]),
-            profile,
-            cfg.num_speculative_tokens,
-            batch_invariant=cfg.batch_invariant,
-            async_scheduling=cfg.async_scheduling,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-        )
+        cost, _ = step_cost_model(model, meta["hardware"], profile, cfg)
         samples = [x for x in recorded_steps.get(wname, []) if "shape" in x]
         basis = step_basis(cfg, meta["hardware"])
         # (kinds from the shapes: runs recorded before verify was a kind of its own

@@ -101,6 +101,18 @@ def test_each_kind_sums_its_real_and_priced_time() -> None:
     assert row["real_sum_s"] == 4.0 and row["pred_sum_s"] == 4.0 and row["sum_err"] == 0.0
 
 
+def test_an_fp8_engines_steps_are_compared_with_the_prices_of_its_fp8_profile() -> None:
+    """The per-step tables price with what `simulate` prices with: an FP8 engine's FP8
+    profile, not the bf16 one of the same model (its weights stream at half the bytes)."""
+    bench = _bench()
+    fp8 = EngineConfig(quantization="fp8", max_num_seqs=512, max_num_batched_tokens=16384)
+    bf16 = EngineConfig(max_num_seqs=512, max_num_batched_tokens=16384)
+    _, meta = bench.step_cost_model("moonlight-16b-a3b", "h100", None, fp8)
+    assert Path(meta["profile"]).name == "moonlight-16b-a3b__fp8__h100.json"
+    _, meta = bench.step_cost_model("moonlight-16b-a3b", "h100", None, bf16)
+    assert Path(meta["profile"]).name == "moonlight-16b-a3b__h100.json"
+
+
 def test_fidelity_pipeline_runs_on_the_demo_model(tmp_path: Path) -> None:
     bench = _bench()
     code = bench.main([
