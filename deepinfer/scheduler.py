@@ -716,13 +716,15 @@ class Scheduler:
         order), each request as it stands when that step is scheduled; counts the blocks
         each step takes in `taken`. Returns the blocks each request took, by index."""
         got: dict[int, list[KVBlock]] = {}
+        requests, contexts, allocate = run.requests, run.contexts, self.kv.allocate
         for s, i in events:
-            req = run.requests[i]
-            have = req.num_output_tokens - starts[i]
+            req = requests[i]
+            outputs = req.output_token_ids
+            have = len(outputs) - starts[i]
             if have < s:  # the tokens applied before step s was scheduled
-                req.output_token_ids.extend(tokens[i][have:s])
-            req.num_computed_tokens = run.contexts[i] + s
-            blocks = self.kv.allocate(req, 1)
+                outputs.extend(tokens[i][have:s])
+            req.num_computed_tokens = contexts[i] + s
+            blocks = allocate(req, 1)
             if blocks is None:
                 raise RuntimeError(
                     f"decode run: its step {s} found no free block for {req.request_id!r}; "
@@ -747,35 +749,35 @@ class Scheduler:
             raise ValueError(f"advance_decode: {k} steps of a run certain for {run.horizon}")
         kv, bs = self.kv, self.block_size
         pipelined = run.in_flight_step is not None
-        limits = run.limits
-        starts = [len(req.output_token_ids) for req in run.requests]
+        requests, contexts, limits = run.requests, run.contexts, run.limits
+        starts = [len(req.output_token_ids) for req in requests]
         # (step, request): where a step takes a new block or fills one (then caches it),
         # in the order the steps meet them; elsewhere a step's allocation changes nothing.
         events: list[tuple[int, int]] = []
-        caching = kv.enable_caching
-        for i, req in enumerate(run.requests):
-            c, t = run.contexts[i], req.num_tokens
+        caching, req_blocks = kv.enable_caching, kv.req_blocks
+        for i, req in enumerate(requests):
+            c, t = contexts[i], req.num_prompt_tokens + starts[i]  # (num_tokens)
             end = limits[i] if limits[i] < k else k  # its steps in the run
-            first = len(kv.req_blocks[req.request_id]) * bs - c  # its first new block
+            first = len(req_blocks[req.request_id]) * bs - c  # its first new block
             if caching:  # step s fills min(c + s + 1, t + s) = t + s tokens
                 filled = (-t) % bs
                 if (first - filled) % bs:  # two progressions, disjoint
                     if filled < end:
-                        events.extend((s, i) for s in range(filled, end, bs))
-                    lowest = min(first, filled)
+                        events += [(s, i) for s in range(filled, end, bs)]
+                    lowest = first if first < filled else filled
                 else:  # one progression, from the earlier of the two
-                    first = lowest = min(first, filled)
+                    first = lowest = first if first < filled else filled
                 if lowest and kv.num_cached_blocks(req.request_id) < t // bs:
                     events.append((0, i))  # full blocks not cached yet (a decode engine's)
             if first < end:  # (most runs are shorter than a block: no event)
-                events.extend((s, i) for s in range(first, end, bs))
+                events += [(s, i) for s in range(first, end, bs)]
         events.sort()
         free = kv.pool.num_free_blocks
         taken = [0] * k
         done = 0  # events taken so far
         finished: list[Request] = []
         ended_free: dict[int, int] = {}  # turn -> free blocks after it, where some ended
-        for turn, i in sorted((h - 1, i) for i, h in enumerate(limits) if h < k):
+        for turn, i in sorted([(h - 1, i) for i, h in enumerate(limits) if h < k]):
             if turn not in ended_free:  # its step's blocks first; that step told the
                 upto = bisect.bisect_left(events, (turn + 1, -1))  # executor of the last
                 self._take_blocks(run, events[done:upto], tokens, starts, taken)
@@ -794,12 +796,14 @@ class Scheduler:
         last_applied = run.first_step_id + k - 1 - (1 if pipelined else 0)
         for step_id in [s for s in self._cached_ahead if s <= last_applied]:
             del self._cached_ahead[step_id]
-        for i, req in enumerate(run.requests):
-            if limits[i] < k:  # (ended in the run)
+        for req, limit, c, start, sampled in zip(
+            requests, limits, contexts, starts, tokens, strict=True
+        ):
+            if limit < k:  # (ended in the run)
                 continue
             outputs = req.output_token_ids
-            outputs.extend(tokens[i][len(outputs) - starts[i] : k])
-            computed = req.num_computed_tokens = run.contexts[i] + k
+            outputs.extend(sampled[len(outputs) - start : k])
+            computed = req.num_computed_tokens = c + k
             if computed > req.max_computed_tokens:
                 req.max_computed_tokens = computed
         self.step_id += k
@@ -813,15 +817,15 @@ class Scheduler:
             if ahead:
                 self._cached_ahead[self.step_id] = ahead
             scheduled = []
-            for i, req in enumerate(run.requests):
+            for i, req in enumerate(requests):
                 if limits[i] < k:
                     continue
-                num_held = len(kv.req_blocks[req.request_id])
+                num_held = len(req_blocks[req.request_id])
                 new = last_blocks.get(i)  # (most requests: no new block in the last step)
                 # req_id, num_tokens, num_computed_tokens, is_prompt, will_sample,
                 # new_block_ids, num_prior_blocks: positional (every run makes these)
                 sr = ScheduledRequest(
-                    req.request_id, 1, run.contexts[i] + k - 1, False, True,
+                    req.request_id, 1, contexts[i] + k - 1, False, True,
                     [b.block_id for b in new] if new else [],
                     num_held - len(new) if new else num_held,
                     num_prompt_tokens=req.num_prompt_tokens,
@@ -833,11 +837,17 @@ class Scheduler:
         self._finished_since_last = set()
         self._preempted_since_last = set()
         total = kv.pool.num_blocks
-        usages = [
-            1.0 - (free := ended_free[s] if s in ended_free else free - taken[s]) / total
-            for s in range(k - 1)
-        ]
-        for req, limit in zip(run.requests, limits):  # the last step's results
+        # After each of the run's steps but its last; it changes only in a step that took
+        # blocks (at an event) or where requests ended.
+        usages: list[float] = []
+        usage = 1.0 - free / total
+        for s in sorted({s for s, _ in events if s < k - 1}.union(ended_free)):
+            usages += [usage] * (s - len(usages))
+            free = ended_free[s] if s in ended_free else free - taken[s]
+            usage = 1.0 - free / total
+            usages.append(usage)
+        usages += [usage] * (k - 1 - len(usages))
+        for req, limit in zip(requests, limits):  # the last step's results
             if limit == k and (reason := check_stop(req, self.max_model_len)) is not None:
                 self._end(req, RequestStatus.FINISHED, reason)
                 finished.append(req)

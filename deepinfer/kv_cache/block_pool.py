@@ -81,23 +81,23 @@ class BlockPool:
 
         The caller checks `num_free_blocks` first; asking for more is a bug.
         """
-        free = self.num_free_blocks
+        empty, blocks, num_blocks = self._empty, self.blocks, self.num_blocks
+        free = len(empty) + num_blocks - len(blocks) + len(self._free)
         if n > free:
             raise RuntimeError(f"asked for {n} blocks with only {free} free")
         out = []
-        blocks = self.blocks
         for _ in range(n):
-            if self._empty:
-                _, block = self._empty.popitem(last=False)
-            elif len(blocks) < self.num_blocks:
+            if empty:  # (no content in these: check_invariants)
+                block = empty.popitem(last=False)[1]
+            elif len(blocks) < num_blocks:
                 block = KVBlock(len(blocks))
                 blocks.append(block)
             else:
-                _, block = self._free.popitem(last=False)
-            if block.block_hash is not None:
-                if self.tiers is not None:
-                    self.tiers.demote(block.block_hash, block.block_id)
-                self._evict(block)
+                block = self._free.popitem(last=False)[1]
+                if block.block_hash is not None:
+                    if self.tiers is not None:
+                        self.tiers.demote(block.block_hash, block.block_id)
+                    self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -115,17 +115,18 @@ class BlockPool:
         Pass a request's blocks tail first: freed later means evicted later, so
         the shared head of a prefix outlives its private tail.
         """
+        empty, cached, caching = self._empty, self._free, self.enable_caching
         for block in blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt < 0:
-                raise RuntimeError(f"block {block.block_id} freed more often than taken")
-            if block.ref_cnt == 0:
-                if block.block_hash is None or not self.enable_caching:
-                    # Uncached blocks are reused first: nothing of value in them.
-                    self._empty[block.block_id] = block
-                    self._empty.move_to_end(block.block_id, last=False)
-                else:
-                    self._free[block.block_id] = block
+            ref_cnt = block.ref_cnt = block.ref_cnt - 1
+            if ref_cnt:
+                if ref_cnt < 0:
+                    raise RuntimeError(f"block {block.block_id} freed more often than taken")
+            elif block.block_hash is None or not caching:
+                # Uncached blocks are reused first: nothing of value in them.
+                empty[block.block_id] = block
+                empty.move_to_end(block.block_id, last=False)
+            else:
+                cached[block.block_id] = block
 
     def cache(self, block: KVBlock, block_hash: int) -> bool:
         """Record that a held, full block holds the content named by `block_hash`;
@@ -197,6 +198,8 @@ class BlockPool:
                 raise AssertionError(f"block {block.block_id}: free-list membership is wrong")
             if block.block_hash is not None and self._cached.get(block.block_hash) is not block:
                 raise AssertionError(f"block {block.block_id}: cached hash not in the index")
+            if block.block_hash is not None and block.block_id in self._empty:
+                raise AssertionError(f"block {block.block_id}: cached, on the list of empty ones")
         free = sum(b.ref_cnt == 0 for b in self.blocks)
         if len(self._free) + len(self._empty) != free:
             raise AssertionError(

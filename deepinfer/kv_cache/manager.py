@@ -77,16 +77,15 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return []
-        hashes = update_block_hashes(request, self.block_size)
-        limit = (request.num_tokens - 1) // self.block_size
+        bs, num_tokens, lookup = self.block_size, request.num_tokens, self.pool.lookup
         hits: list[KVBlock] = []
-        for h in hashes[:limit]:
-            block = self.pool.lookup(h)
+        for h in update_block_hashes(request, bs)[: (num_tokens - 1) // bs]:
+            block = lookup(h)
             if block is None:
                 break
             hits.append(block)
-        self.num_lookup_tokens += request.num_tokens
-        self.num_hit_tokens += len(hits) * self.block_size
+        self.num_lookup_tokens += num_tokens
+        self.num_hit_tokens += len(hits) * bs
         return hits
 
     def find_tier_hits(self, request: Request, start: int) -> list[TierHit]:
@@ -139,28 +138,32 @@ class KVCacheManager:
         the free blocks do not suffice or a hit no longer holds the content the
         lookup found (another allocation evicted it in between: look up again).
         """
+        bs = self.block_size
         if cached:
-            hashes = request.block_hashes
-            if any(b.block_hash != hashes[i] for i, b in enumerate(cached)):
-                return None
-        held = self.req_blocks.get(request.request_id)
-        num_held = len(held) if held else 0
+            for block, block_hash in zip(cached, request.block_hashes):
+                if block.block_hash != block_hash:
+                    return None
+        req_id = request.request_id
+        held = self.req_blocks.get(req_id)
         num_computed = request.num_computed_tokens
         if cached or loads:
-            num_computed += (len(cached) + len(loads)) * self.block_size
+            num_computed += (len(cached) + len(loads)) * bs
         need_tokens = num_computed + num_new_tokens + num_lookahead_tokens
         if reserve_tokens > need_tokens:
             need_tokens = reserve_tokens
-        num_needed = -(-need_tokens // self.block_size) - num_held - len(cached)
-        if num_needed < 0:
+        num_needed = -(-need_tokens // bs) - len(cached)
+        if held:
+            num_needed -= len(held)
+        if num_needed > 0:
+            # Hits that sit in the free list stop being allocatable once touched.
+            num_free_hits = sum(1 for b in cached if b.ref_cnt == 0) if cached else 0
+            if num_needed > self.pool.num_free_blocks - num_free_hits:
+                return None
+        else:
             num_needed = 0
-        # Hits that sit in the free list stop being allocatable once touched.
-        num_free_hits = sum(1 for b in cached if b.ref_cnt == 0) if cached else 0
-        if num_needed and num_needed > self.pool.num_free_blocks - num_free_hits:
-            return None
         if held is None:
-            held = self.req_blocks[request.request_id] = []
-            self._num_cached[request.request_id] = 0
+            held = self.req_blocks[req_id] = []
+            self._num_cached[req_id] = 0
         if cached or loads:
             self.pool.touch(cached)
             new = list(cached)
@@ -175,30 +178,36 @@ class KVCacheManager:
             for (h, tier), slot, block in zip(loads, slots, fresh):
                 self._loads_ahead.append(KVLoad(tier.name, block.block_id, h, slot))
             new.extend(fresh)
-            self._num_cached[request.request_id] = len(cached)
-        else:  # most calls: a decode token, in a block already held or one new block
-            new = self.pool.allocate(num_needed) if num_needed else []
-        held.extend(new)
+            self._num_cached[req_id] = len(cached)
+            held.extend(new)
+        elif num_needed:  # most calls: a decode token, in a block already held or one new
+            new = self.pool.allocate(num_needed)
+            held.extend(new)
+        else:
+            new = []
         # Drafts may be rejected: never cache blocks whose content is a guess.
-        self._cache_full_blocks(request, num_computed + num_new_tokens - num_draft_tokens, True)
+        num_full = (num_computed + num_new_tokens - num_draft_tokens) // bs
+        if self.enable_caching and num_full > self._num_cached[req_id]:  # (most calls: not)
+            self._cache_full_blocks(request, num_full, True)
         return new
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int, ahead: bool) -> None:
-        """ahead: the tokens are being scheduled, not yet computed (`take_cached_ahead`)."""
-        if not self.enable_caching:
-            return
+    def _cache_full_blocks(self, request: Request, num_full: int, ahead: bool) -> None:
+        """Register the request's leading `num_full` blocks (those of them its known tokens
+        fill) in the prefix cache. ahead: the tokens are being scheduled, not yet computed
+        (`take_cached_ahead`)."""
         req_id = request.request_id
         start = self._num_cached[req_id]
-        if num_tokens // self.block_size <= start:  # (most calls: no block filled)
-            return
-        known = request.num_tokens
-        num_full = (num_tokens if num_tokens < known else known) // self.block_size
+        known = request.num_tokens // self.block_size
+        if known < num_full:
+            num_full = known
         if num_full <= start:
             return
-        hashes = update_block_hashes(request, self.block_size)
-        blocks = self.req_blocks[req_id]
+        hashes = request.block_hashes
+        if len(hashes) < num_full:
+            hashes = update_block_hashes(request, self.block_size)
+        blocks, cache = self.req_blocks[req_id], self.pool.cache
         for i in range(start, num_full):
-            if self.pool.cache(blocks[i], hashes[i]) and ahead:
+            if cache(blocks[i], hashes[i]) and ahead:
                 self._cached_ahead.append(blocks[i])
         self._num_cached[req_id] = num_full
 
@@ -233,10 +242,11 @@ class KVCacheManager:
         req_id = request.request_id
         if req_id in self.req_blocks:
             computed = request.num_computed_tokens
-            if computed // self.block_size <= self._num_cached[req_id]:
+            if computed // self.block_size <= self._num_cached[req_id] or not self.enable_caching:
                 return  # (most calls: no block filled; `_cache_full_blocks` would return)
             last = request.num_tokens - 1
-            self._cache_full_blocks(request, computed if computed < last else last, False)
+            num_full = (computed if computed < last else last) // self.block_size
+            self._cache_full_blocks(request, num_full, False)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Free blocks past what `num_tokens` tokens need (rejected draft slots)."""

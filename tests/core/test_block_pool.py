@@ -169,6 +169,10 @@ def _corrupt(how: str) -> tuple[KVCacheManager, str]:
     if how == "unindexed":
         b2.block_hash = 77
         return kv, "^block 2: cached hash not in the index$"
+    if how == "cached_empty":  # (allocation evicts only blocks off the cached list)
+        b2.block_hash = 77
+        kv.pool._cached[77] = b2
+        return kv, "^block 2: cached, on the list of empty ones$"
     assert how == "index"
     h = b1.block_hash
     assert h is not None
@@ -176,7 +180,9 @@ def _corrupt(how: str) -> tuple[KVCacheManager, str]:
     return kv, f"^index entry {h + 1} points at block 1$"
 
 
-@pytest.mark.parametrize("how", ["twice", "ref_cnt", "never", "free_list", "unindexed", "index"])
+@pytest.mark.parametrize(
+    "how", ["twice", "ref_cnt", "never", "free_list", "unindexed", "cached_empty", "index"]
+)
 def test_check_invariants_names_the_broken_block(how: str) -> None:
     """The engine's per-step self-check (check_invariants=True) names what it found."""
     kv, message = _corrupt(how)
