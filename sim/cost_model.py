@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from itertools import repeat
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -33,12 +34,25 @@ RunCosts = Iterator[tuple[float, float, float]]
 
 __all__ = [
     "CostModel",
+    "EngineSettings",
     "KVLoadPricing",
     "RunCosts",
     "UnitCostModel",
     "mask_time",
     "prices_decode_runs",
 ]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine settings a step's price can depend on besides its shape: the drafts
+    verified a step, whether host work overlaps the device's (pipelined step times), and
+    the limits that choose which graphs and token buckets the real runner captures."""
+
+    num_speculative_tokens: int = 0
+    async_scheduling: bool = False
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
 
 
 class CostModel(ABC):
@@ -70,18 +84,12 @@ class CostModel(ABC):
         return self.step_time(out), 0.0
 
     def for_engine(
-        self,
-        model: ModelConfig,
-        hardware: HardwareSpec,
-        num_speculative_tokens: int,
-        async_scheduling: bool,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
+        self, model: ModelConfig, hardware: HardwareSpec, settings: EngineSettings
     ) -> CostModel:
         """This model as it prices the steps of an engine of these settings (`simulate`
-        asks each object it is given): a model built for other drafts, scheduling or
-        limits returns one built for these, and one that cannot price this model or
-        hardware raises ValueError. Default: itself (its prices do not depend on them)."""
+        asks each object it is given): a model built for other settings returns one built
+        for these, and one that cannot price this model or hardware raises ValueError.
+        Default: itself (its prices do not depend on them)."""
         return self
 
     def decode_run_costs(self, run: DecodeRun) -> RunCosts | None:

@@ -21,7 +21,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.model_config import ModelConfig
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
-from sim.cost_model import CostModel, UnitCostModel
+from sim.cost_model import CostModel, EngineSettings, UnitCostModel
 from sim.hardware import HardwareSpec
 from sim.profiled_cost_model import ProfiledCostModel, find_profile, profile_path
 
@@ -161,7 +161,9 @@ def _resolve(
             "method it must define)"
         )
     # priced for this engine, not the one it was built for
-    spec = spec.for_engine(model, hardware, num_speculative_tokens, async_scheduling, **limits)
+    spec = spec.for_engine(
+        model, hardware, EngineSettings(num_speculative_tokens, async_scheduling, **limits)
+    )
     meta = {"cost_model": type(spec).__name__, "calibrated": isinstance(spec, ProfiledCostModel)}
     return spec, meta
 

@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from sim.cost_model import CostModel, RunCosts, prices_decode_runs
+from sim.cost_model import CostModel, EngineSettings, RunCosts, prices_decode_runs
 from sim.grid_check import KINDS, step_kind
 from sim.keyed_draws import normal_draw, unit_draw
 from sim.step_noise import StepNoise
@@ -54,20 +54,11 @@ class NoisyCostModel(CostModel):
         self._host = self.run_factors["host"]
 
     def for_engine(
-        self,
-        model: ModelConfig,
-        hardware: HardwareSpec,
-        num_speculative_tokens: int,
-        async_scheduling: bool,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
+        self, model: ModelConfig, hardware: HardwareSpec, settings: EngineSettings
     ) -> NoisyCostModel:
         """The same draws over `inner.for_engine(...)`'s prices."""
-        inner = self.inner.for_engine(
-            model, hardware, num_speculative_tokens, async_scheduling, max_num_seqs,
-            max_num_batched_tokens,
-        )  # fmt: skip
-        speculating = bool(num_speculative_tokens)
+        inner = self.inner.for_engine(model, hardware, settings)
+        speculating = bool(settings.num_speculative_tokens)
         if inner is self.inner and speculating == self.speculating:
             return self
         return NoisyCostModel(inner, self.noise, self.seed, speculating=speculating)

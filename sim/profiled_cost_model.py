@@ -75,7 +75,7 @@ from deepinfer.model_config import ModelConfig
 from deepinfer.outputs import SchedulerOutput
 from sim.analytic_cost_model import AnalyticCostModel
 from sim.cost_coefficients import load_cost_coefficients
-from sim.cost_model import CostModel, RunCosts
+from sim.cost_model import CostModel, EngineSettings, RunCosts
 from sim.hardware import HardwareSpec
 from sim.profile_fit import (
     ONE_WAVE_BATCH,
@@ -251,7 +251,9 @@ class ProfiledCostModel(CostModel):
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
         }
-        self._async_scheduling = async_scheduling
+        self._settings = EngineSettings(
+            num_speculative_tokens, async_scheduling, max_num_seqs, max_num_batched_tokens
+        )
         if overlaps and not pipelined:
             warnings.warn(
                 f"async_scheduling: profile {self.profile_name} has no pipelined step times "
@@ -312,13 +314,7 @@ class ProfiledCostModel(CostModel):
             self._warn_no_verify_points(num_speculative_tokens, stacklevel=3)
 
     def for_engine(
-        self,
-        model: ModelConfig,
-        hardware: HardwareSpec,
-        num_speculative_tokens: int,
-        async_scheduling: bool,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
+        self, model: ModelConfig, hardware: HardwareSpec, settings: EngineSettings
     ) -> ProfiledCostModel:
         """This model where it was built for an engine of these settings, else its
         profile fitted again for them (as its own class): a model built for other drafts,
@@ -332,17 +328,12 @@ class ProfiledCostModel(CostModel):
                 f"{own_hardware.name} cannot price {model.name} on {hardware.name}: build it "
                 "for the simulated model and hardware, or pass cost_model='profiled'"
             )
-        built = (
-            self.num_speculative_tokens, self._async_scheduling,
-            self._limits_args["max_num_seqs"], self._limits_args["max_num_batched_tokens"],
-        )  # fmt: skip
-        wanted = (num_speculative_tokens, async_scheduling, max_num_seqs, max_num_batched_tokens)
-        if built == wanted:
+        if settings == self._settings:
             return self
         return type(self)(
-            data, own_model, own_hardware, num_speculative_tokens,
-            async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            data, own_model, own_hardware, settings.num_speculative_tokens,
+            async_scheduling=settings.async_scheduling, max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
         )  # fmt: skip
 
     @property

@@ -12,6 +12,7 @@ import pytest
 from deepinfer.config import EngineConfig
 from deepinfer.model_config import load_model_config
 from sim import simulate
+from sim.cost_model import EngineSettings
 from sim.hardware import get_hardware
 from sim.profile_fit import StepSurface, graph_batch
 from sim.profiled_cost_model import PROFILES_DIR, ProfiledCostModel, shape_output
@@ -446,13 +447,13 @@ def test_a_model_built_for_another_engine_prices_the_engine_it_is_given_to() -> 
     assert given.summary == fitted.summary and given.requests == fitted.requests
     assert as_built.summary == default.summary
     assert given.summary["duration_s"] != as_built.summary["duration_s"]
-    assert built.for_engine(spec, hw, 0, False, 256, 8192) is built
+    assert built.for_engine(spec, hw, EngineSettings()) is built
 
     class Slower(ProfiledCostModel):
         def step_time(self, out):
             return 2 * super().step_time(out)
 
-    again = Slower(path, spec, hw).for_engine(spec, hw, 0, True, 24, 2048)
+    again = Slower(path, spec, hw).for_engine(spec, hw, EngineSettings(0, True, 24, 2048))
     assert type(again) is Slower and again.pipelined and again._max_num_seqs == 24
     with pytest.raises(ValueError, match="cannot price moonlight-16b-a3b on h100"):
         simulate(reqs, spec, "h100", cfg, cost_model=built)
