@@ -242,9 +242,9 @@ class StepSurface:
         `beside.predict_at(b, c)` is, at least 0.0; 0.0 without `beside`). tail =
         (ctx_max, key_s, beside_key_s, splits) of a one-wave batch (`one_wave_decode`):
         each price also adds its longest request's pieces past c (the contexts' mean),
-        `key_s * (longest - c) / splits` with longest = max(1.0, ctx_max + s) at step s
-        (the profiled cost model's `_plain_decode`), and the beside price its own at
-        beside_key_s. For a run of steps of one batch: inside the grid the batch's
+        `key_s * (longest - c) / splits` with longest = max(1.0, ctx_max + s) at step s,
+        capped at `predict_at(b, longest)` (the profiled cost model's `_plain_decode`),
+        and the beside price its own at beside_key_s on its own surface. For a run of steps of one batch: inside the grid the batch's
         interpolation weights are computed once, a context's cell is looked up again
         only when it leaves the one before, both surfaces share the weights where their
         grids have the same nodes, and every float operation is `_interpolate`'s and
@@ -261,7 +261,7 @@ class StepSurface:
         if not b_lo <= b <= b_hi or not shared:
             for c in contexts:
                 longest += 1.0
-                far = longest if longest > 1.0 else 1.0
+                far = (longest if longest > 1.0 else 1.0) if tail is not None else None
                 yield host, *self._priced_beside(b, c, beside, far, key_s, beside_key_s, splits)
             return
         i, u = self._batch_cell(b)
@@ -277,7 +277,8 @@ class StepSurface:
             longest += 1.0
             far = longest if longest > 1.0 else 1.0
             if c < c_lo or c > c_hi:
-                yield host, *self._priced_beside(b, c, beside, far, key_s, beside_key_s, splits)
+                edge = far if tail is not None else None
+                yield host, *self._priced_beside(b, c, beside, edge, key_s, beside_key_s, splits)
                 continue
             lc = log2(c)
             if not lo < lc <= hi:
@@ -293,12 +294,16 @@ class StepSurface:
             priced = aw * g00 + uw * g10 + av * g01 + uv * g11
             if tail is not None:
                 priced = priced + key_s * (far - c) / splits
+                uniform = self.predict_at(b, far)
+                priced = priced if priced < uniform else uniform
             if beside is None:
                 yield host, priced, 0.0
             else:
                 other = aw * h00 + uw * h10 + av * h01 + uv * h11
                 if tail is not None:
                     other = other + beside_key_s * (far - c) / splits
+                    uniform = beside.predict_at(b, far)
+                    other = other if other < uniform else uniform
                 extra = other - priced
                 yield host, priced, extra if extra > 0.0 else 0.0
 
@@ -307,16 +312,27 @@ class StepSurface:
         b: float,
         c: float,
         beside: StepSurface | None,
-        longest: float = 0.0,
-        key_s: float = 0.0,
-        beside_key_s: float = 0.0,
-        splits: int = 1,
+        longest: float | None,
+        key_s: float,
+        beside_key_s: float,
+        splits: int,
     ) -> tuple[float, float]:
-        """`run_costs`' step at context c off its fast path (each tail 0.0 at key_s 0.0)."""
-        priced = self.predict_at(b, c) + key_s * (longest - c) / splits
+        """`run_costs`' step at context c off its fast path: with a tail (longest not
+        None), the longest request's pieces past c added and the sum capped at the
+        uniform batch at `longest`."""
+        priced = self.predict_at(b, c)
+        if longest is not None:
+            priced = priced + key_s * (longest - c) / splits
+            uniform = self.predict_at(b, longest)
+            priced = priced if priced < uniform else uniform
         if beside is None:
             return priced, 0.0
-        extra = beside.predict_at(b, c) + beside_key_s * (longest - c) / splits - priced
+        other = beside.predict_at(b, c)
+        if longest is not None:
+            other = other + beside_key_s * (longest - c) / splits
+            uniform = beside.predict_at(b, longest)
+            other = other if other < uniform else uniform
+        extra = other - priced
         return priced, extra if extra > 0.0 else 0.0
 
     def _batch_cell(self, b: float) -> tuple[int, float]:

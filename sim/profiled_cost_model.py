@@ -529,15 +529,20 @@ class ProfiledCostModel(CostModel):
         """A pure-decode step of n requests (the surface's effective context, their mean
         context): one wave of split-KV, the surface's uniform batch at the mean (its
         requests and, where the graph pads them, one row more: `one_wave_decode`) and
-        the longest request's pieces past it (`_longest_pieces`); past a wave, the
-        surface alone (the padding rows' pieces are empty: the requests set the time).
+        the longest request's pieces past it (`_longest_pieces`), never more than the
+        uniform batch at the longest context (where every request's pieces are as long as
+        its); past a wave, the surface alone (the padding rows' pieces are empty: the
+        requests set the time).
         padded False: n is already the surface's batch (a profile point's, its graph's
         own size)."""
         if n > self._one_wave:
             return self._decode.predict_at(n, effective)
         seqs = self._max_num_seqs if padded else 0  # (0: the rows as they are)
         batch, splits = one_wave_decode(int(n), seqs, self._heads, self._sms)
-        return self._decode.predict_at(batch, mean) + self._longest_pieces(splits, effective, mean)
+        surface = self._decode
+        waits = surface.predict_at(batch, mean) + self._longest_pieces(splits, effective, mean)
+        uniform = surface.predict_at(batch, effective)
+        return waits if waits < uniform else uniform
 
     def _longest_pieces(self, splits: int, longest: float, mean: float) -> float:
         """Seconds the longest request's pieces run on alone after a one-wave decode
