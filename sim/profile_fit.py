@@ -244,9 +244,10 @@ class StepSurface:
         each price also adds its longest request's pieces past c (the contexts' mean),
         `key_s * (longest - c) / splits` with longest = max(1.0, ctx_max + s) at step s,
         capped at `predict_at(b, longest)` (the profiled cost model's `_plain_decode`),
-        and the beside price its own at beside_key_s on its own surface. For a run of steps of one batch: inside the grid the batch's
-        interpolation weights are computed once, a context's cell is looked up again
-        only when it leaves the one before, both surfaces share the weights where their
+        and the beside price its own at beside_key_s on its own surface. For a run of
+        steps of one batch: inside the grid the batch's interpolation weights are computed
+        once, a context's cell (and the longest context's) is looked up again only when it
+        leaves the one before, both surfaces share the weights where their
         grids have the same nodes, and every float operation is `_interpolate`'s and
         `_plain_decode`'s in their order (the same results to the bit)."""
         top, key_s, beside_key_s, splits = (0, 0.0, 0.0, 1) if tail is None else tail
@@ -273,6 +274,8 @@ class StepSurface:
         # The cell (j) of the context before: `lo < lc <= hi` is exactly the log-contexts
         # whose clamped bisect gives it.
         lo = hi = x0 = dx = g00 = g10 = g01 = g11 = h00 = h10 = h01 = h11 = 0.0
+        # The same for the longest context, whose uniform batch caps a one-wave price.
+        flo = fhi = fx0 = fdx = f00 = f10 = f01 = f11 = k00 = k10 = k01 = k11 = 0.0
         for c in contexts:
             longest += 1.0
             far = longest if longest > 1.0 else 1.0
@@ -292,9 +295,26 @@ class StepSurface:
             w = 1 - v
             aw, uw, av, uv = a * w, u * w, a * v, u * v
             priced = aw * g00 + uw * g10 + av * g01 + uv * g11
+            inside = False  # the longest context inside the grid: its cell's weights
             if tail is not None:
                 priced = priced + key_s * (far - c) / splits
-                uniform = self.predict_at(b, far)
+                if far < c_lo or far > c_hi:
+                    uniform = self.predict_at(b, far)
+                else:
+                    inside = True
+                    lf = log2(far)
+                    if not flo < lf <= fhi:
+                        j = min(max(bisect_left(xc, lf) - 1, 0), last)
+                        flo = xc[j] if j else -math.inf
+                        fhi = xc[j + 1] if j < last else math.inf
+                        fx0, fdx = xc[j], xc[j + 1] - xc[j]
+                        f00, f10, f01, f11 = row0[j], row1[j], row0[j + 1], row1[j + 1]
+                        k00, k10 = other0[j], other1[j]
+                        k01, k11 = other0[j + 1], other1[j + 1]
+                    fv = (lf - fx0) / fdx
+                    fw = 1 - fv
+                    faw, fuw, fav, fuv = a * fw, u * fw, a * fv, u * fv
+                    uniform = faw * f00 + fuw * f10 + fav * f01 + fuv * f11
                 priced = priced if priced < uniform else uniform
             if beside is None:
                 yield host, priced, 0.0
@@ -302,7 +322,10 @@ class StepSurface:
                 other = aw * h00 + uw * h10 + av * h01 + uv * h11
                 if tail is not None:
                     other = other + beside_key_s * (far - c) / splits
-                    uniform = beside.predict_at(b, far)
+                    if inside:
+                        uniform = faw * k00 + fuw * k10 + fav * k01 + fuv * k11
+                    else:
+                        uniform = beside.predict_at(b, far)
                     other = other if other < uniform else uniform
                 extra = other - priced
                 yield host, priced, extra if extra > 0.0 else 0.0

@@ -321,6 +321,36 @@ def test_a_decode_runs_prices_are_its_steps_to_the_bit(path) -> None:
             assert list(surface.run_costs(batch, contexts, 0.5, beside)) == want
 
 
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_a_one_wave_runs_capped_prices_are_its_steps_to_the_bit(path) -> None:
+    """With a one-wave tail, each step adds the longest request's pieces past the mean
+    and is capped at the uniform batch at the longest context, on each surface with its
+    own key rate: the fast path's floats are the step formula's, the cap binding at some
+    steps and not at others, the longest context inside the grid and past it."""
+    model = _model(path)
+    surface = model._decode
+    top_ctx = float(surface.contexts[-1])
+    besides = [None, model._sequential_model()._decode, _shifted(surface)]
+    for batch in (2.0, 17.0, 120.0):
+        for top in (300, int(top_ctx) - 3, int(top_ctx) * 2):
+            means = [top / 4 + 7.5 * s for s in range(6)]
+            for key_s, beside_key_s in ((1e-7, 3e-7), (1e-4, 2e-6), (0.0, 1e-3)):
+                for beside in besides:
+                    want = []
+                    for s, c in enumerate(means):
+                        far = float(top + s)
+                        priced = surface.predict_at(batch, c) + key_s * (far - c) / 4
+                        priced = min(priced, surface.predict_at(batch, far))
+                        more = 0.0
+                        if beside is not None:
+                            other = beside.predict_at(batch, c) + beside_key_s * (far - c) / 4
+                            more = min(other, beside.predict_at(batch, far)) - priced
+                        want.append((0.5, priced, max(0.0, more)))
+                    tail = (top, key_s, beside_key_s, 4)
+                    got = list(surface.run_costs(batch, means, 0.5, beside, tail))
+                    assert got == want, (batch, top, key_s, beside is None)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_ragged_decode_runs_prices_are_its_steps_to_the_bit(async_scheduling) -> None:
     """The fast-forward prices a ragged batch's steps (one wave: the mean's surface and
