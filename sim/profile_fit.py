@@ -243,7 +243,8 @@ class StepSurface:
         (ctx_max, key_s, beside_key_s, splits) of a one-wave batch (`one_wave_decode`):
         each price also adds its longest request's pieces past c (the contexts' mean),
         `key_s * (longest - c) / splits` with longest = max(1.0, ctx_max + s) at step s,
-        capped at `predict_at(b, longest)` (the profiled cost model's `_plain_decode`),
+        capped at the uniform batch at longest (`capped`; the profiled cost model's
+        `_plain_decode`),
         and the beside price its own at beside_key_s on its own surface. For a run of
         steps of one batch: inside the grid the batch's interpolation weights are computed
         once, a context's cell (and the longest context's) is looked up again only when it
@@ -299,7 +300,7 @@ class StepSurface:
             if tail is not None:
                 priced = priced + key_s * (far - c) / splits
                 if far < c_lo or far > c_hi:
-                    uniform = self.predict_at(b, far)
+                    uniform = self.capped(b, priced, far)
                 else:
                     inside = True
                     lf = log2(far)
@@ -325,7 +326,7 @@ class StepSurface:
                     if inside:
                         uniform = faw * k00 + fuw * k10 + fav * k01 + fuv * k11
                     else:
-                        uniform = beside.predict_at(b, far)
+                        uniform = beside.capped(b, other, far)
                     other = other if other < uniform else uniform
                 extra = other - priced
                 yield host, priced, extra if extra > 0.0 else 0.0
@@ -345,18 +346,25 @@ class StepSurface:
         uniform batch at `longest`."""
         priced = self.predict_at(b, c)
         if longest is not None:
-            priced = priced + key_s * (longest - c) / splits
-            uniform = self.predict_at(b, longest)
-            priced = priced if priced < uniform else uniform
+            priced = self.capped(b, priced + key_s * (longest - c) / splits, longest)
         if beside is None:
             return priced, 0.0
         other = beside.predict_at(b, c)
         if longest is not None:
-            other = other + beside_key_s * (longest - c) / splits
-            uniform = beside.predict_at(b, longest)
-            other = other if other < uniform else uniform
+            other = beside.capped(b, other + beside_key_s * (longest - c) / splits, longest)
         extra = other - priced
         return priced, extra if extra > 0.0 else 0.0
+
+    def capped(self, b: float, waits: float, longest: float) -> float:
+        """`waits` capped at the uniform batch at the `longest` context. Past the grid's
+        longest context a price under the uniform batch there is kept as it is: the
+        batch at `longest` costs at least as much, and pricing it builds a synthetic
+        step at every new context (each step of a run)."""
+        top = self._bounds[3]
+        if longest > top and waits <= self.predict_at(b, top):
+            return waits
+        uniform = self.predict_at(b, longest)
+        return waits if waits < uniform else uniform
 
     def _batch_cell(self, b: float) -> tuple[int, float]:
         """The grid's batch cell holding b (clamped to the first or last) and b's weight

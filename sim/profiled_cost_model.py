@@ -541,8 +541,7 @@ class ProfiledCostModel(CostModel):
         batch, splits = one_wave_decode(int(n), seqs, self._heads, self._sms)
         surface = self._decode
         waits = surface.predict_at(batch, mean) + self._longest_pieces(splits, effective, mean)
-        uniform = surface.predict_at(batch, effective)
-        return waits if waits < uniform else uniform
+        return surface.capped(batch, waits, effective)
 
     def _longest_pieces(self, splits: int, longest: float, mean: float) -> float:
         """Seconds the longest request's pieces run on alone after a one-wave decode
