@@ -358,8 +358,10 @@ class StepSurface:
     def capped(self, b: float, waits: float, longest: float) -> float:
         """`waits` capped at the uniform batch at the `longest` context. Past the grid's
         longest context a price under the uniform batch there is kept as it is: the
-        batch at `longest` costs at least as much, and pricing it builds a synthetic
-        step at every new context (each step of a run)."""
+        batch at `longest` costs at least as much (past the grid the price is the top
+        node's scaled by the physics, whose non-negative fit over features that grow
+        with the context does not fall), and pricing it builds a synthetic step at every
+        new context (each step of a run)."""
         top = self._bounds[3]
         if longest > top and waits <= self.predict_at(b, top):
             return waits

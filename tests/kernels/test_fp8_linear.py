@@ -104,19 +104,35 @@ def test_fp8_linear_matches_twin_on_rounded_activations(m, n, k, block, cfg, bia
 
 
 @pytest.mark.parametrize("m", sorted({1, GEMV_MAX_ROWS}))
-def test_a_few_rows_take_the_gemv_kernel_with_the_fused_kernels_rounding(m, device) -> None:
-    """Up to GEMV_MAX_ROWS rows the GEMV-shaped kernel runs (partial blocks in N and K,
-    a bias): the fused kernel's result up to the float32 summation order; the fused
-    kernel stays where the caller asks for one kernel at every row count."""
+def test_a_few_rows_take_the_gemv_kernel_with_the_fused_kernels_rounding(
+    m, device, monkeypatch
+) -> None:
+    """Up to GEMV_MAX_ROWS rows the GEMV-shaped kernel runs (a partial tile of weight
+    rows, K past one chunk of groups and a partial group, a bias, x a strided view):
+    the fused kernel's result up to the float32 summation order; the fused kernel stays
+    where the caller asks for one kernel at every row count."""
+    import kernels.fp8_linear as fp8
+
+    launched = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    real = fp8._fp8_gemv_kernel
+    monkeypatch.setattr(fp8, "_fp8_gemv_kernel", Spy())
     gen = torch.Generator().manual_seed(m)
-    x = torch.randn(m, 200, generator=gen)
-    q, s = quantize_blocks(torch.randn(300, 200, generator=gen) / 200**0.5, (128, 128))
-    b = torch.randn(300, generator=gen)
+    k = fp8.GEMV_GROUPS * 128 + 152
+    x = torch.randn(m, 2 * k, generator=gen)[:, ::2]
+    q, s = quantize_blocks(torch.randn(301, k, generator=gen) / k**0.5, (128, 128))
+    b = torch.randn(301, generator=gen)
     args = (x.to(device), q.to(device), s.to(device), b.to(device), (128, 128))
     gemv = fp8_linear(*args)
+    assert len(launched) == 1, "the GEMV kernel did not run"
     fused = fp8_linear(*args, allow_cublas=False)
+    assert len(launched) == 1, "the fused path took the GEMV kernel"
     want = fp8_linear_ref(_rounded(x, 128), q, s, b.double(), (128, 128))
-    assert torch.isfinite(gemv).all(), "unwritten output"
     assert rel_err(gemv.cpu(), want) < 1e-6 and rel_err(fused.cpu(), want) < 1e-6
     assert rel_err(gemv.cpu(), fused.cpu()) < 1e-6
 

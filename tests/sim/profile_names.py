@@ -1,4 +1,5 @@
-"""What a shipped profile's file name says: <model>[__<quantization>]__<hardware>.json."""
+"""What a shipped profile's file name says:
+<model>[__<quantization>]__<hardware>[__batch_invariant].json."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from sim.hardware import HardwareSpec, get_hardware
 def named_model(path: Path, model_dir: Path | None = None) -> tuple[ModelConfig, HardwareSpec]:
     """The model (with its quantization) and the hardware a profile was measured on;
     model_dir: where the model's config lives when its name is not a preset."""
-    parts = path.stem.split("__")
+    parts = path.stem.removesuffix("__batch_invariant").split("__")
     model = load_model_config(model_dir or parts[0])
     if len(parts) == 3:
         model = model.with_quantization(parts[1])

@@ -330,9 +330,9 @@ def test_a_one_wave_runs_capped_prices_are_its_steps_to_the_bit(path) -> None:
     model = _model(path)
     surface = model._decode
     top_ctx = float(surface.contexts[-1])
-    besides = [None, model._sequential_model()._decode, _shifted(surface)]
+    besides = [None, _doubled(surface), _shifted(surface)]
     for batch in (2.0, 17.0, 120.0):
-        for top in (300, int(top_ctx) - 3, int(top_ctx) * 2):
+        for top in (300, 1022, 4094, int(top_ctx) - 3, int(top_ctx) * 2):
             means = [top / 4 + 7.5 * s for s in range(6)]
             for key_s, beside_key_s in ((1e-7, 3e-7), (1e-4, 2e-6), (0.0, 1e-3)):
                 for beside in besides:
@@ -366,7 +366,10 @@ def test_a_ragged_decode_runs_prices_are_its_steps_to_the_bit(async_scheduling) 
     sequential = cm._sequential_model() if cm.pipelined else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for groups in ([[5, 300], [1, 87000]], [[30, 0], [1, 9000]], [[300, 100], [2, 5000]]):
+        for groups in (
+            [[5, 300], [1, 87000]], [[30, 0], [1, 9000]], [[300, 100], [2, 5000]],
+            [[1, 300], [1, 70000]],  # (the uniform batch's cap binds)
+        ):  # fmt: skip
             n = sum(count for count, _ in groups)
             ctx_max = max(ctx for _, ctx in groups)
             ctx_sum = sum(count * ctx for count, ctx in groups)
@@ -374,6 +377,14 @@ def test_a_ragged_decode_runs_prices_are_its_steps_to_the_bit(async_scheduling) 
             for s, priced in enumerate(got):
                 out = shape_output([[count, 1, ctx + s, False] for count, ctx in groups])
                 assert priced == (cm.cpu_time(out), *cm.launch_cost(out))
+
+
+def _doubled(surface: StepSurface) -> StepSurface:
+    """A copy of `surface` on the same nodes at twice its times (it shares the weights,
+    not the values)."""
+    other = copy.copy(surface)
+    other._grid = [[2 * g for g in row] for row in surface._grid]
+    return other
 
 
 def _shifted(surface: StepSurface) -> StepSurface:

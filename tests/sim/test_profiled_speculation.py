@@ -114,8 +114,9 @@ def test_verify_steps_past_the_grids_longest_context_follow_the_verify_physics(
     """The verify points at the grid's longest context, left out of the fit, are priced
     from the shorter contexts by the verify physics (a verify step's attention over its
     context grows faster than a decode step's): median |error| <= 4.5%, none over 10%
-    (the plain fit's physics scaled them at median 4% and up to 18% short, from the
-    next context down; a grid that reaches 64k extrapolates four times as far)."""
+    (a grid that reaches 64k extrapolates four times as far as the 7k grids, on which
+    the plain fit's physics scaled them at median 4% and up to 18% short; the maximum
+    is what separates the two there)."""
     model, hardware = named_model(path)
     profile = load_profile(path)
     longest = max(p["groups"][0][2] for p in profile["points"] if p["kind"] == "verify")
