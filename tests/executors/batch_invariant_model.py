@@ -47,6 +47,9 @@ POW2_SPEC: dict[str, Any] = dict(
     num_nextn_predict_layers=1,
     mtp=True,
 )
+# The same widths in one layer of each kind (dense, then MoE): Triton's interpreter runs a
+# kernel one program at a time, so the CPU run takes the fewest layers that hold them all.
+POW2_TWO_LAYER_SPEC: dict[str, Any] = {**POW2_SPEC, "num_hidden_layers": 2}
 VOCAB = POW2_SPEC["vocab_size"]
 # 18 blocks of 16 plus one token: chunked at 16, the last chunk is a single prompt token
 # (as short as a decode step); its decode contexts cross the 256-key attention piece.

@@ -89,28 +89,34 @@ from pathlib import Path
 from tests.executors.batch_invariant_model import TARGET, runner_scenarios
 
 path, out = Path(sys.argv[1]), sys.argv[2]
-torch.save(runner_scenarios(path, "cpu", torch.float32, TARGET[:33]), out)
+# Two decode steps: preempted after two outputs (the prompt step's and a decode step's),
+# the request recomputes them as a segment of two rows on the absorbed path.
+torch.save(runner_scenarios(path, "cpu", torch.float32, TARGET[:33], decode_steps=2), out)
 """
 
 
-def test_the_mode_runs_on_the_triton_interpreter_and_matches_transformers(pow2_model, tmp_path):
+def test_the_mode_runs_on_the_triton_interpreter_and_matches_transformers(
+    pow2_two_layer_model, tmp_path
+):
     """The mechanism without a GPU: a 33-token prompt chunked 16 + 16 + 1 beside two
     companions (its last prompt token alone in a step: the prefill path), computed whole,
     and preempted after two outputs then recomputed in one step (prompt rows by the
     prefill path, outputs by the absorbed one) give the same tokens and logits in the
     interpreter, and transformers' logits. The bitwise claim for the GPU is the GPU
     tests'; here a wrong routing rule or a kernel that reads another row shows."""
+    model = pow2_two_layer_model
     out = tmp_path / "logits.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_KERNEL_BACKEND": "triton"}
     root = Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, "-c", _INTERPRETED, str(pow2_model.path), str(out)],
+    subprocess.run([sys.executable, "-c", _INTERPRETED, str(model.path), str(out)],
                    env=env, cwd=root, check=True, timeout=900)  # fmt: skip
     results = torch.load(out)
     assert set(results) == {"whole", "chunked", "recomputed"}
     assert not scenario_differences(results)
     tokens, whole = results["whole"]
+    assert len(tokens) == 33 + 3  # two outputs before the preemption, one from the recompute
     with torch.no_grad():
-        ref = pow2_model.hf(torch.tensor([tokens])).logits[0]
+        ref = model.hf(torch.tensor([tokens])).logits[0]
     for pos, row in whole.items():
         assert (row - ref[pos]).abs().max() / ref[pos].abs().max() < 1e-4, pos
 

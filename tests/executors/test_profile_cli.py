@@ -17,9 +17,12 @@ def test_profile_measures_every_step_kind_and_the_host(tmp_path: Path) -> None:
     step), so the runner's own bookkeeping accepts it (it refused the same position
     twice: 'scheduled at 256 computed tokens, but 257 are in the cache')."""
     out = tmp_path / "demo.json"
+    # Requests of at most 512 tokens: the quick grid's longest fits, and the host sample's
+    # prompts stay as short.
     rc = main([
         "profile", "--model", "deepinfer-demo", "--device", "cpu", "--quick", "--reps", "3",
-        "--block-size", "16", "--num-gpu-blocks", "256", "--out", str(out),
+        "--block-size", "16", "--num-gpu-blocks", "256", "--max-model-len", "512",
+        "--out", str(out),
     ])  # fmt: skip
     assert rc == 0
     data = load_profile(out)

@@ -12,25 +12,42 @@ import pytest
 from deepinfer.entrypoints import cli
 from deepinfer.model_config import load_model_config, write_config_with_mtp_layer
 
+# Requests of at most 512 tokens: the quick grid's longest fits, and the host sample's
+# prompts stay as short.
 SMALL_ENGINE = [
     "--device", "cpu", "--quick", "--reps", "1", "--block-size", "16",
     "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--num-gpu-blocks", "256",
+    "--max-model-len", "512",
 ]  # fmt: skip
 
 
+def _profile(out: Path, *flags: str) -> Path:
+    assert cli.main(["profile", "--model", "deepinfer-demo", *SMALL_ENGINE, *flags,
+                     "--out", str(out)]) == 0  # fmt: skip
+    return out
+
+
+# Each profile is measured once for the tests that read it (each test loads its own copy).
+@pytest.fixture(scope="module")
+def plain_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model's quick profile in two rounds over the grid."""
+    return _profile(tmp_path_factory.mktemp("plain") / "p.json", "--rounds", "2")
+
+
+@pytest.fixture(scope="module")
+def speculating_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model's quick profile with --num-speculative-tokens 2."""
+    out = tmp_path_factory.mktemp("speculating") / "p.json"
+    return _profile(out, "--num-speculative-tokens", "2")
+
+
 def test_a_speculating_profile_of_the_demo_model_holds_verify_points(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    speculating_profile: Path,
 ) -> None:
     """With --num-speculative-tokens 2: verify steps of 1 + k tokens a request for k = 1, 2
     over every (batch, context) of the grid, each followed by the drafter's proposal of 2
     drafts (timed apart); the plain grid runs without the drafter."""
-    out = tmp_path / "p.json"
-    code = cli.main(
-        ["profile", "--model", "deepinfer-demo", *SMALL_ENGINE,
-         "--num-speculative-tokens", "2", "--out", str(out)]
-    )  # fmt: skip
-    assert code == 0, capsys.readouterr().err
-    profile = json.loads(out.read_text())
+    profile = json.loads(speculating_profile.read_text())
     assert profile["meta"]["num_speculative_tokens"] == 2
     assert profile["meta"]["mtp_layer_added"] is False
     points = profile["points"]
@@ -99,13 +116,10 @@ def test_a_stall_in_the_pipelined_run_does_not_carry_into_the_point() -> None:
     assert point["pipelined_s"] < point["median_s"] + 0.04, point
 
 
-def test_a_plain_profile_steps_decodes_forward_as_the_scheduler_does(tmp_path: Path) -> None:
+def test_a_plain_profile_steps_decodes_forward_as_the_scheduler_does(plain_profile: Path) -> None:
     """Decode requests are timed over several runs, each after the tokens the last gave
     them (the runner refuses a step that repeats computed positions), in rounds."""
-    out = tmp_path / "p.json"
-    assert cli.main(["profile", "--model", "deepinfer-demo", *SMALL_ENGINE, "--reps", "1",
-                     "--rounds", "2", "--out", str(out)]) == 0  # fmt: skip
-    profile = json.loads(out.read_text())
+    profile = json.loads(plain_profile.read_text())
     assert profile["meta"]["num_speculative_tokens"] == 0
     kinds = {p["kind"] for p in profile["points"]}
     assert kinds == {"decode", "prefill", "mixed", "short_prompts"}
@@ -118,7 +132,9 @@ def test_a_plain_profile_steps_decodes_forward_as_the_scheduler_does(tmp_path: P
         assert math.isfinite(p["pipelined_s"]) and p["pipelined_s"] > 0, p
 
 
-def test_async_scheduling_prices_plain_steps_from_the_pipelined_times(tmp_path: Path) -> None:
+def test_async_scheduling_prices_plain_steps_from_the_pipelined_times(
+    plain_profile: Path,
+) -> None:
     """The profiled model under async scheduling fits the pipelined times (halved here:
     its steps cost half); a profile without them is priced sequentially, with a warning;
     so is every profile of a device that is the host's CPU (no warning: nothing there
@@ -128,9 +144,7 @@ def test_async_scheduling_prices_plain_steps_from_the_pipelined_times(tmp_path: 
     from sim.hardware import get_hardware
     from sim.profiled_cost_model import ProfiledCostModel
 
-    out = tmp_path / "p.json"
-    assert cli.main(["profile", "--model", "deepinfer-demo", *SMALL_ENGINE, "--out", str(out)]) == 0
-    profile = json.loads(out.read_text())
+    profile = json.loads(plain_profile.read_text())
     for p in profile["points"]:
         p["pipelined_s"] = p["median_s"] / 2
     spec, cpu = load_model_config(demo_model_path() / "config.json"), get_hardware("cpu")
@@ -151,7 +165,7 @@ def test_async_scheduling_prices_plain_steps_from_the_pipelined_times(tmp_path: 
 
 
 def test_async_scheduling_prices_verify_steps_from_their_pipelined_times(
-    tmp_path: Path,
+    speculating_profile: Path,
 ) -> None:
     """A speculating engine's steps chain on the step in flight: under async scheduling
     its verify steps are priced from the verify points' pipelined times (less the
@@ -163,11 +177,7 @@ def test_async_scheduling_prices_verify_steps_from_their_pipelined_times(
     from sim.hardware import get_hardware
     from sim.profiled_cost_model import ProfiledCostModel
 
-    out = tmp_path / "p.json"
-    argv = ["profile", "--model", "deepinfer-demo", *SMALL_ENGINE,
-            "--num-speculative-tokens", "2", "--out", str(out)]  # fmt: skip
-    assert cli.main(argv) == 0
-    profile = json.loads(out.read_text())
+    profile = json.loads(speculating_profile.read_text())
     for p in profile["points"]:
         p["pipelined_s"] = p["median_s"] / 2
     spec = load_model_config(demo_model_path() / "config.json")

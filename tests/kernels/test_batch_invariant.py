@@ -144,8 +144,8 @@ def test_a_batch_that_fills_the_machine_folds_and_a_small_one_merges(
     device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The launch follows normal mode's rule (a program per row once the rows fill more
-    than half a wave of 2 x the SMs): 140 rows fold (no merge kernel), 4 rows split and
-    merge. Only speed would show a wrong choice, so it is checked here."""
+    than half a wave of 2 x the SMs): on 8 SMs 10 rows fold (no merge kernel), 4 rows
+    split and merge. Only speed would show a wrong choice, so it is checked here."""
     import kernels.mla_decode as md
 
     merges: list[tuple] = []
@@ -157,9 +157,10 @@ def test_a_batch_that_fills_the_machine_folds_and_a_small_one_merges(
             return kernel[grid]
 
     monkeypatch.setattr(md, "_mla_decode_merge_kernel", Recording())
-    monkeypatch.setattr(md, "_num_sms", lambda _device: 132)
+    # A small machine: few rows fill it (the interpreter runs a program at a time).
+    monkeypatch.setattr(md, "_num_sms", lambda _device: 8)
     gen = torch.Generator().manual_seed(5)
-    for rows, want_merge in ((140, False), (4, True)):
+    for rows, want_merge in ((10, False), (4, True)):
         merges.clear()
         case = make_mla_case([1] * rows, [300] * rows, 8, 64, 32, 16, torch.float32, device, gen)
         out = mla_decode(*case.args(), keys_per_split=128)
