@@ -270,10 +270,9 @@ class StepSurface:
         a = 1 - u
         row0, row1 = self._grid[i], self._grid[i + 1]
         other0, other1 = (row0, row1) if beside is None else (beside._grid[i], beside._grid[i + 1])
-        last = len(xc) - 2
-        log2, bisect_left = math.log2, bisect.bisect_left
+        log2 = math.log2
         # The cell (j) of the context before: `lo < lc <= hi` is exactly the log-contexts
-        # whose clamped bisect gives it.
+        # whose clamped bisect gives it (`_context_cell`).
         lo = hi = x0 = dx = g00 = g10 = g01 = g11 = h00 = h10 = h01 = h11 = 0.0
         # The same for the longest context, whose uniform batch caps a one-wave price.
         flo = fhi = fx0 = fdx = f00 = f10 = f01 = f11 = k00 = k10 = k01 = k11 = 0.0
@@ -286,10 +285,7 @@ class StepSurface:
                 continue
             lc = log2(c)
             if not lo < lc <= hi:
-                j = min(max(bisect_left(xc, lc) - 1, 0), last)
-                lo = xc[j] if j else -math.inf
-                hi = xc[j + 1] if j < last else math.inf
-                x0, dx = xc[j], xc[j + 1] - xc[j]
+                j, lo, hi, x0, dx = self._context_cell(lc)
                 g00, g10, g01, g11 = row0[j], row1[j], row0[j + 1], row1[j + 1]
                 h00, h10, h01, h11 = other0[j], other1[j], other0[j + 1], other1[j + 1]
             v = (lc - x0) / dx
@@ -305,10 +301,7 @@ class StepSurface:
                     inside = True
                     lf = log2(far)
                     if not flo < lf <= fhi:
-                        j = min(max(bisect_left(xc, lf) - 1, 0), last)
-                        flo = xc[j] if j else -math.inf
-                        fhi = xc[j + 1] if j < last else math.inf
-                        fx0, fdx = xc[j], xc[j + 1] - xc[j]
+                        j, flo, fhi, fx0, fdx = self._context_cell(lf)
                         f00, f10, f01, f11 = row0[j], row1[j], row0[j + 1], row1[j + 1]
                         k00, k10 = other0[j], other1[j]
                         k01, k11 = other0[j + 1], other1[j + 1]
@@ -368,6 +361,17 @@ class StepSurface:
         uniform = self.predict_at(b, longest)
         return waits if waits < uniform else uniform
 
+    def _context_cell(self, lc: float) -> tuple[int, float, float, float, float]:
+        """The grid's context cell j holding log-context lc (clamped to the first or
+        last), the log-contexts (lo, hi] whose clamped lookup gives the same cell (open
+        at the grid's ends), and the cell's lower node and width."""
+        xc = self._log_contexts
+        last = len(xc) - 2
+        j = min(max(bisect.bisect_left(xc, lc) - 1, 0), last)
+        lo = xc[j] if j else -math.inf
+        hi = xc[j + 1] if j < last else math.inf
+        return j, lo, hi, xc[j], xc[j + 1] - xc[j]
+
     def _batch_cell(self, b: float) -> tuple[int, float]:
         """The grid's batch cell holding b (clamped to the first or last) and b's weight
         on its upper node, in log2 batch."""
@@ -377,11 +381,10 @@ class StepSurface:
         return i, (lb - xb[i]) / (xb[i + 1] - xb[i])
 
     def _interpolate(self, b: float, c: float) -> float:
-        xc = self._log_contexts
         lc = math.log2(c)
         i, u = self._batch_cell(b)
-        j = min(max(bisect.bisect_left(xc, lc) - 1, 0), len(xc) - 2)
-        v = (lc - xc[j]) / (xc[j + 1] - xc[j])
+        j, _, _, x0, dx = self._context_cell(lc)
+        v = (lc - x0) / dx
         g = self._grid
         return (
             (1 - u) * (1 - v) * g[i][j]
