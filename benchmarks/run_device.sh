@@ -28,7 +28,10 @@
 #     DeepSeek-V2-Lite, long prompts (16k-64k), offline, saturated, conversation, prefix
 #     reuse 70%, k = 3 (~6 min). Profiles ship for the H200 and the H100: on another card
 #     the simulator prices with the analytic model (the tables' "cost model" line says
-#     which); pass --step-log DIR to keep the real runs' step logs for `profile --from-log`
+#     which); pass --step-log DIR to keep the real runs' step logs for `profile --from-log`.
+#     SAME_LEASE_PROFILE=1 first measures the model's profile on this card (about 2 min)
+#     and prices with it: the real engine's speed drifts between leases by more than the
+#     errors measured, so a profile from another lease is not the floor of the error.
 #   bash benchmarks/run_device.sh kv45 [ARGS of deepinfer bench kv-tiers]   (not in all: the
 #     host KV tier's GPU tests, then Moonlight shapes on a Mooncake slice with prefix reuse,
 #     HBM holding a quarter of the shared prefixes, without and with the host tier, and 1P1D
@@ -112,6 +115,16 @@ if [[ $what == fidelity46a || $what == fidelity46b || $what == fidelity46c ]]; t
       workloads=long-context,offline,saturated,conversation,prefix-reuse-70,spec-k3
       extra=(--add-mtp-layer) ;;
   esac
+  if [[ ${SAME_LEASE_PROFILE:-0} == 1 ]]; then
+    hw=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" \
+      | tr 'H' 'h')
+    profile="$OUT/${model}__${hw:-gpu}.json"
+    python3 -m deepinfer profile --model $model --device cuda --add-mtp-layer \
+      --num-speculative-tokens 3 --reps 3 --block-size 64 --max-num-seqs 512 \
+      --max-num-batched-tokens 16384 --num-gpu-blocks 20000 --out "$profile" 2>&1 \
+      | grep -v "profiling:" | tail -5 | tee "$OUT/$what.profile.log"
+    [[ -f $profile ]] && extra+=(--profile "$profile")
+  fi
   "${bench[@]}" fidelity --out "$OUT/$what" --model $model --device cuda --repeats 3 \
     --workloads $workloads "${extra[@]}" --num-gpu-blocks 20000 --max-num-seqs 256 \
     --max-num-batched-tokens 8192 "$@" 2>&1 | grep -v Warning | tee "$OUT/$what.log" | tail -60
