@@ -165,8 +165,12 @@ class StepSurface:
         return float(n), max(1.0, float(effective))
 
     def _synthetic(self, batch: float, context: float) -> SchedulerOutput:
+        """The uniform step of (batch, context): one request `round(batch)` times over
+        (`shape_output`'s step but for the requests' ids, which no price reads; built
+        at each new context of a run past the grid, so without an object a request)."""
         k = self.drafts
-        return shape_output([[round(batch), 1 + k, round(context), False, k]])
+        one = shape_output([[1, 1 + k, round(context), False, k]]).scheduled
+        return SchedulerOutput(step_id=0, scheduled=one * round(batch))
 
     def _scaled(self, grid: np.ndarray, i: int, j: int, b: float, c: float) -> float:
         present = [
