@@ -206,8 +206,15 @@ class AnalyticCostModel(CostModel):
         profiled cost model's features, without building the breakdown's records.
         graph_tokens: the rows a piecewise CUDA graph runs the step's projections and
         experts over (its token bucket: the step's tokens padded), 0 for the step's own."""
+        return self.group_seconds_of(_sums(out), out.num_proposals, graph_tokens)
+
+    def group_seconds_of(
+        self, sums: _StepSums, num_proposals: int | None, graph_tokens: int = 0
+    ) -> list[float]:
+        """`group_seconds` of a step given by its sums (a uniform step priced without
+        building it: `decode_sums`)."""
         sink = [0.0] * 5
-        self._price_sums(_sums(out), out.num_proposals, None, sink, graph_tokens=graph_tokens)
+        self._price_sums(sums, num_proposals, None, sink, graph_tokens=graph_tokens)
         return sink
 
     def target_time(self, out: SchedulerOutput) -> float:

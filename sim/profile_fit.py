@@ -126,9 +126,13 @@ class StepSurface:
         times: np.ndarray,
         physics: Callable[[SchedulerOutput], float],
         drafts: int = 0,
+        uniform: Callable[[int, int], float] | None = None,
     ) -> None:
         self._physics = physics
         self.drafts = drafts
+        # physics of the uniform step of (batch, context) without building it, where the
+        # caller has it: equal to `physics(self._synthetic(batch, context))`
+        self._uniform = uniform
         self._physics_of_synthetic: dict[tuple[int, int], float] = {}
         coords = [self._coords(o) for o in outs]
         self.batches = np.array(sorted({b for b, _ in coords}), dtype=float)
@@ -228,9 +232,11 @@ class StepSurface:
         if cached is None:
             if len(self._physics_of_synthetic) >= _SYNTHETIC_CACHE_SIZE:
                 self._physics_of_synthetic.clear()
-            cached = self._physics_of_synthetic[key] = self._physics(
-                self._synthetic(batch, context)
-            )
+            if self._uniform is not None:
+                cached = self._uniform(*key)
+            else:
+                cached = self._physics(self._synthetic(batch, context))
+            self._physics_of_synthetic[key] = cached
         return cached
 
     def run_costs(

@@ -73,7 +73,7 @@ import numpy as np
 from deepinfer.decode_run import Batch, DecodeRun
 from deepinfer.model_config import ModelConfig
 from deepinfer.outputs import SchedulerOutput
-from sim.analytic_cost_model import AnalyticCostModel
+from sim.analytic_cost_model import AnalyticCostModel, decode_sums
 from sim.cost_coefficients import load_cost_coefficients
 from sim.cost_model import CostModel, EngineSettings, RunCosts
 from sim.hardware import HardwareSpec
@@ -272,7 +272,9 @@ class ProfiledCostModel(CostModel):
         self.coef = nnls_relative(x, y[plain])
         self._coef = [float(c) for c in self.coef]  # plain floats: the per-step path
         graph = [i for i in plain if not self._eager(outs[i])]
-        self._decode = StepSurface([outs[i] for i in graph], y[graph], self._physics)
+        self._decode = StepSurface(
+            [outs[i] for i in graph], y[graph], self._physics, uniform=self._uniform_decode_physics
+        )
         # A log-fitted profile carries the rate its fit took the tails off at.
         rate = self.meta.get("decode_piece_key_s")
         self._piece_key_s = self._solo_piece_key_seconds() if rate is None else float(rate)
@@ -613,6 +615,19 @@ class ProfiledCostModel(CostModel):
 
     def _physics(self, out: SchedulerOutput) -> float:
         return sum(map(mul, self.features(out), self._coef))
+
+    def _uniform_decode_physics(self, batch: int, context: int) -> float:
+        """`_physics` of `batch` requests decoding one token each at `context` (a graph
+        step: `features`' terms of that step, its sums `decode_sums`), without building
+        the step: the decode surface prices one at each new context of a run past its
+        grid."""
+        head = self._head(
+            False, batch, 0, batch, self._decode_piece(context, batch, False), self._wave_keys(0, 0)
+        )
+        groups = self._analytic.group_seconds_of(
+            decode_sums(batch, batch * context), None, self._graph_tokens(batch, False)
+        )
+        return sum(map(mul, head + groups, self._coef))
 
     def _physics_of(self, step: _Step) -> float:
         """`_physics(step.out)`, its features computed once for both fits."""

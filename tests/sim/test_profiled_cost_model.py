@@ -517,3 +517,16 @@ def test_a_model_built_for_another_engine_prices_the_engine_it_is_given_to() -> 
     assert type(again) is Slower and again.pipelined and again._max_num_seqs == 24
     with pytest.raises(ValueError, match="cannot price moonlight-16b-a3b on h100"):
         simulate(reqs, spec, "h100", cfg, cost_model=built)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_the_uniform_decode_physics_is_the_built_steps_to_the_bit(path) -> None:
+    """Past its grid the decode surface scales by the physics of a uniform step it does
+    not build (`_uniform_decode_physics`): the plain physics of the built step, to the
+    bit, inside and past the captured graphs' batches and one wave's pieces."""
+    for cm in (_model(path), _engine_model(path), _engine_model(path, max_num_seqs=12)):
+        assert cm._decode._uniform == cm._uniform_decode_physics
+        for n in (1, 3, 8, 13, 64, 200, 512, 700):
+            for c in (1, 63, 1000, 7169, 9000, 70000):
+                built = cm._physics(shape_output([[n, 1, c, False]]))
+                assert cm._uniform_decode_physics(n, c) == built, (n, c)
