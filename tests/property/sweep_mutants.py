@@ -92,7 +92,9 @@ def sweep(
         os.environ["MUTANT_UNDER_TEST"] = "" if name == "<none>" else name
         start = time.time()
         verdict = "SURVIVED"
-        signal.setitimer(signal.ITIMER_REAL, limit)
+        # Past the limit the alarm fires again every second: hypothesis takes the first
+        # Hung for a failure and replays the example to report it, which hangs again.
+        signal.setitimer(signal.ITIMER_REAL, limit, 1.0)
         for test_name, test in tests:
             try:
                 run(test)
