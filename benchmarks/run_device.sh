@@ -32,6 +32,8 @@
 #     SAME_LEASE_PROFILE=1 first measures the model's profile on this card (about 2 min)
 #     and prices with it: the real engine's speed drifts between leases by more than the
 #     errors measured, so a profile from another lease is not the floor of the error.
+#     With it a recipe outlasts one 10-minute device call: pass fewer workloads and
+#     repeats (e.g. --workloads offline,conversation --repeats 1; the last flags win).
 #   bash benchmarks/run_device.sh kv45 [ARGS of deepinfer bench kv-tiers]   (not in all: the
 #     host KV tier's GPU tests, then Moonlight shapes on a Mooncake slice with prefix reuse,
 #     HBM holding a quarter of the shared prefixes, without and with the host tier, and 1P1D
@@ -119,11 +121,16 @@ if [[ $what == fidelity46a || $what == fidelity46b || $what == fidelity46c ]]; t
     hw=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" \
       | tr 'H' 'h')
     profile="$OUT/${model}__${hw:-gpu}.json"
-    python3 -m deepinfer profile --model $model --device cuda --add-mtp-layer \
+    rm -f "$profile"
+    timeout 240 python3 -m deepinfer profile --model $model --device cuda --add-mtp-layer \
       --num-speculative-tokens 3 --reps 3 --block-size 64 --max-num-seqs 512 \
       --max-num-batched-tokens 16384 --num-gpu-blocks 20000 --out "$profile" 2>&1 \
       | grep -v "profiling:" | tail -5 | tee "$OUT/$what.profile.log"
-    [[ -f $profile ]] && extra+=(--profile "$profile")
+    if [[ ${PIPESTATUS[0]} != 0 || ! -f $profile ]]; then
+      echo "SAME_LEASE_PROFILE: the profile failed (see $what.profile.log): no real runs" >&2
+      exit 1
+    fi
+    extra+=(--profile "$profile")
   fi
   "${bench[@]}" fidelity --out "$OUT/$what" --model $model --device cuda --repeats 3 \
     --workloads $workloads "${extra[@]}" --num-gpu-blocks 20000 --max-num-seqs 256 \

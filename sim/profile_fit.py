@@ -130,8 +130,9 @@ class StepSurface:
     ) -> None:
         self._physics = physics
         self.drafts = drafts
-        # physics of the uniform step of (batch, context) without building it, where the
-        # caller has it: equal to `physics(self._synthetic(batch, context))`
+        # physics of the uniform decode step of (batch >= 1, context) without building
+        # it, where the caller has it: equal to `physics(self._synthetic(batch, context))`
+        assert uniform is None or drafts == 0, "a closed form of decode steps only"
         self._uniform = uniform
         self._physics_of_synthetic: dict[tuple[int, int], float] = {}
         coords = [self._coords(o) for o in outs]
@@ -169,9 +170,10 @@ class StepSurface:
         return float(n), max(1.0, float(effective))
 
     def _synthetic(self, batch: float, context: float) -> SchedulerOutput:
-        """The uniform step of (batch, context): one request `round(batch)` times over
-        (`shape_output`'s step but for the requests' ids, which no price reads; built
-        at each new context of a run past the grid, so without an object a request)."""
+        """The uniform step of (batch, context), each request verifying `drafts` drafts:
+        one request `round(batch)` times over (`shape_output`'s step but for the
+        requests' ids, which no price reads; where the caller gave no `uniform`, built at
+        each new context of a run past the grid, so without an object a request)."""
         k = self.drafts
         one = shape_output([[1, 1 + k, round(context), False, k]]).scheduled
         return SchedulerOutput(step_id=0, scheduled=one * round(batch))
@@ -232,7 +234,7 @@ class StepSurface:
         if cached is None:
             if len(self._physics_of_synthetic) >= _SYNTHETIC_CACHE_SIZE:
                 self._physics_of_synthetic.clear()
-            if self._uniform is not None:
+            if self._uniform is not None and key[0] >= 1:
                 cached = self._uniform(*key)
             else:
                 cached = self._physics(self._synthetic(batch, context))

@@ -312,6 +312,8 @@ class ProfiledCostModel(CostModel):
             self._piecewise_max = min(max_num_batched_tokens, PIECEWISE_LIMIT)
         if graphs:  # and its decode graphs
             self._max_num_seqs = max_num_seqs
+            # (physics kept while fitting under the profile's own graphs)
+            self._decode._physics_of_synthetic.clear()
         if num_speculative_tokens and not self._spec.ready:
             self._warn_no_verify_points(num_speculative_tokens, stacklevel=3)
 

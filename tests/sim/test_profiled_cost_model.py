@@ -530,3 +530,18 @@ def test_the_uniform_decode_physics_is_the_built_steps_to_the_bit(path) -> None:
             for c in (1, 63, 1000, 7169, 9000, 70000):
                 built = cm._physics(shape_output([[n, 1, c, False]]))
                 assert cm._uniform_decode_physics(n, c) == built, (n, c)
+        # The surface's prices with it, and without it (the step built each time),
+        # inside and past its grid, a one-wave run's capped prices past it included.
+        fast = cm._decode
+        slow = copy.copy(fast)
+        slow._uniform, slow._physics_of_synthetic = None, {}
+        top_b, top_c = fast._bounds[1], fast._bounds[3]
+        for b in (1.0, 2.5, 12.4, 13.0, 300.0, top_b * 1.5 + 0.5):
+            for c in (0.4, 1.0, 7.5, top_c + 0.5, top_c * 3 + 0.6):
+                assert fast.predict_at(b, c) == slow.predict_at(b, c), (b, c)
+        contexts = [top_c - 40.0 + s for s in range(80)]
+        tail = (int(top_c) + 200, 1e-4, 0.0, 4)  # (the cap binds past the grid)
+        for b in (2.0, 9.0):
+            assert list(fast.run_costs(b, contexts, 0.0, None, tail)) == list(
+                slow.run_costs(b, contexts, 0.0, None, tail)
+            ), b
