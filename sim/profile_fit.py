@@ -171,9 +171,7 @@ class StepSurface:
 
     def _synthetic(self, batch: float, context: float) -> SchedulerOutput:
         """The uniform step of (batch, context), each request verifying `drafts` drafts:
-        one request `round(batch)` times over (`shape_output`'s step but for the
-        requests' ids, which no price reads; where the caller gave no `uniform`, built at
-        each new context of a run past the grid, so without an object a request)."""
+        one request object `round(batch)` times over (no price reads a request's id)."""
         k = self.drafts
         one = shape_output([[1, 1 + k, round(context), False, k]]).scheduled
         return SchedulerOutput(step_id=0, scheduled=one * round(batch))
@@ -256,11 +254,10 @@ class StepSurface:
         each price also adds its longest request's pieces past c (the contexts' mean),
         `key_s * (longest - c) / splits` with longest = max(1.0, ctx_max + s) at step s,
         capped at the uniform batch at longest (`capped`; the profiled cost model's
-        `_plain_decode`),
-        and the beside price its own at beside_key_s on its own surface. For a run of
-        steps of one batch: inside the grid the batch's interpolation weights are computed
-        once, a context's cell (and the longest context's) is looked up again only when it
-        leaves the one before, both surfaces share the weights where their
+        `_plain_decode`), and the beside price its own at beside_key_s on its own surface.
+        For a run of steps of one batch: inside the grid the batch's interpolation weights
+        are computed once, a context's cell (and the longest context's) is looked up again
+        only when it leaves the one before, both surfaces share the weights where their
         grids have the same nodes, and every float operation is `_interpolate`'s and
         `_plain_decode`'s in their order (the same results to the bit)."""
         top, key_s, beside_key_s, splits = (0, 0.0, 0.0, 1) if tail is None else tail
@@ -365,13 +362,18 @@ class StepSurface:
         longest context a price under the uniform batch there is kept as it is: the
         batch at `longest` costs at least as much (past the grid the price is the top
         node's scaled by the physics, whose non-negative fit over features that grow
-        with the context does not fall), and pricing it builds a synthetic step at every
+        with the context does not fall), and pricing it evaluates the physics at every
         new context (each step of a run)."""
         top = self._bounds[3]
         if longest > top and waits <= self.predict_at(b, top):
             return waits
         uniform = self.predict_at(b, longest)
         return waits if waits < uniform else uniform
+
+    def forget_physics(self) -> None:
+        """Drop the physics kept per (batch, context): the physics changed (an engine's
+        own graphs set after the fit)."""
+        self._physics_of_synthetic.clear()
 
     def _context_cell(self, lc: float) -> tuple[int, float, float, float, float]:
         """The grid's context cell j holding log-context lc (clamped to the first or

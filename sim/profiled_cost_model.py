@@ -312,8 +312,7 @@ class ProfiledCostModel(CostModel):
             self._piecewise_max = min(max_num_batched_tokens, PIECEWISE_LIMIT)
         if graphs:  # and its decode graphs
             self._max_num_seqs = max_num_seqs
-            # (physics kept while fitting under the profile's own graphs)
-            self._decode._physics_of_synthetic.clear()
+            self._decode.forget_physics()  # (kept while fitting, under the profile's graphs)
         if num_speculative_tokens and not self._spec.ready:
             self._warn_no_verify_points(num_speculative_tokens, stacklevel=3)
 
@@ -626,9 +625,8 @@ class ProfiledCostModel(CostModel):
         head = self._head(
             False, batch, 0, batch, self._decode_piece(context, batch, False), self._wave_keys(0, 0)
         )
-        groups = self._analytic.group_seconds_of(
-            decode_sums(batch, batch * context), None, self._graph_tokens(batch, False)
-        )
+        # (no prompt chunk: no piecewise graph's padded rows, `_graph_tokens` 0)
+        groups = self._analytic.group_seconds_of(decode_sums(batch, batch * context), None, 0)
         return sum(map(mul, head + groups, self._coef))
 
     def _physics_of(self, step: _Step) -> float:
