@@ -1,7 +1,8 @@
 """Hypothesis profiles for the property suite.
 
-`ci` (the default) keeps the whole of tests/property within about three minutes
-on two cores and is derandomized, so a CI failure reproduces exactly;
+`ci` (the default) keeps the whole of tests/property within about two minutes on two
+cores (its share of the ten CI gives the suite) and is derandomized, so a CI
+failure reproduces exactly;
 `HYPOTHESIS_PROFILE=deep` runs many more examples from fresh random seeds;
 `mutation` (derandomized, 10 examples a test before scaling) is what mutmut runs for each
 mutant (tests/property/MUTATION.md).
@@ -20,7 +21,7 @@ _DB = {"database": None} if os.environ.get("CI", "").lower() == "true" else {}
 
 settings.register_profile(
     "ci",
-    max_examples=300,
+    max_examples=150,
     deadline=None,
     derandomize=True,
     print_blob=True,
