@@ -14,7 +14,8 @@ import logging
 import time
 from collections.abc import Callable, Generator
 from concurrent import futures
-from itertools import repeat
+from itertools import accumulate, repeat
+from operator import sub
 from typing import TYPE_CHECKING, NamedTuple
 
 from deepinfer import scheduler_checks
@@ -500,10 +501,12 @@ class EngineCore:
         """`_record_run` where requests end within the run: the run's step s schedules
         those whose limit is past s, and each record counts those running after it."""
         k = len(applied)
-        sched = [run.num_reqs] * (k + 1)  # [s]: the requests the run's step s schedules
+        ends = [0] * (k + 1)  # [s]: the requests whose limit is s (their last step s - 1)
         for h in run.limits:
-            for s in range(h, k + 1):
-                sched[s] -= 1
+            if h <= k:
+                ends[h] += 1
+        # [s]: the requests the run's step s schedules, those whose limit is past s
+        sched = list(accumulate(ends, sub, initial=run.num_reqs))[1:]
         first_id, head, durations, preempted_col = self._run_head(run, launched, applied)
         batched, num_reqs, prompt, _ = head
         pipelined = run.in_flight_step is not None
