@@ -12,6 +12,8 @@
 #   bash benchmarks/run_device.sh serve   (not in all: `deepinfer serve` on Moonlight shapes,
 #     the bundled Azure code trace over HTTP at 70% of the offline capacity beside the same
 #     requests offline and the simulator; about 7 min)
+#   bash benchmarks/run_device.sh fp8gemv   (not in all: the FP8 GEMV at 1-4 rows, its tests,
+#     probe and decode rows, then the FP8 profile and an FP8 real run priced by it; ~10 min)
 #   bash benchmarks/run_device.sh gc   (not in all: the collector's pauses in a served run,
 #     the start-up heap frozen and not, Moonlight shapes; about 2 min)
 #   bash benchmarks/run_device.sh fp8   (not in all: the FP8 kernels' and FP8 model's GPU
@@ -216,6 +218,37 @@ if [[ $what == fp8 ]]; then
       --json "$OUT/model_speed${quant:+_$quant}.json" 2>&1 | grep -v Warning \
       | tee "$OUT/model_speed${quant:+_$quant}.log" | tail -20
   done
+fi
+if [[ $what == fp8gemv ]]; then
+  # The FP8 GEMV at 1-4 rows: its GPU tests, the probe against the fused GEMM, decode at
+  # batches 1-8 in bf16 and FP8, then (what a speed change re-measures) the FP8 profile
+  # and FP8 real runs priced with it, within one call (LIMIT: the call's seconds).
+  t0=$SECONDS
+  python3 -m pytest -q -m gpu tests/kernels/test_fp8_linear.py -p no:cacheprovider 2>&1 \
+    | tee "$OUT/fp8_tests.log" | tail -4
+  status=${PIPESTATUS[0]}
+  python3 -m benchmarks.investigations.fp8_gemv --rows 1,2,4,8 2>&1 | grep -v Warning \
+    | tee "$OUT/gemv_probe.log"
+  for quant in "" fp8; do
+    "${bench[@]}" model-speed --no-hf ${quant:+--quantization $quant} --batches 1,2,4,8 \
+      --contexts 1024 --prefill "" --mixed "" --short-prompts "" \
+      --json "$OUT/model_speed${quant:+_$quant}.json" 2>&1 | grep -v Warning \
+      | tee "$OUT/model_speed${quant:+_$quant}.log" | tail -7
+  done
+  hw=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" \
+    | tr 'H' 'h')
+  prof="$OUT/moonlight-16b-a3b__fp8__${hw:-gpu}.json"
+  timeout $((${LIMIT:-585} - SECONDS + t0)) python3 -m deepinfer profile \
+    --model moonlight-16b-a3b --quantization fp8 --add-mtp-layer --num-speculative-tokens 3 \
+    --reps 3 --block-size 64 --max-num-seqs 512 --max-num-batched-tokens 16384 \
+    --num-gpu-blocks 20000 --out "$prof" 2>&1 | grep -v "profiling:" | tail -4
+  if [[ -f $prof && $((${LIMIT:-585} - SECONDS + t0)) -gt 120 ]]; then
+    timeout $((${LIMIT:-585} + 5 - SECONDS + t0)) "${bench[@]}" fidelity \
+      --model moonlight-16b-a3b --device cuda --quantization fp8 --repeats 1 --bands 0 \
+      --workloads own-arrivals --num-gpu-blocks 20000 --max-num-seqs 256 \
+      --max-num-batched-tokens 8192 --step-log "$OUT/steps" --out "$OUT/fidfp8" \
+      --profile "$prof" 2>&1 | grep -v Warning | tee "$OUT/fidfp8.log" | tail -30
+  fi
 fi
 if [[ $what == gc ]]; then
   python3 benchmarks/investigations/gc_pauses.py --model moonlight-16b-a3b --device cuda \

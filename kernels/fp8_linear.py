@@ -18,12 +18,13 @@ groups, 128 x 128 weight blocks, torch._scaled_mm), x is quantized once by a sma
 kernel with the same rounding (`act_quant`) and cuBLAS multiplies: the per-K-step
 rescale of the fused kernel above runs on the CUDA cores, cuBLAS's on the matrix
 pipeline's side. A few rows stream the weight, where the fused kernel's narrow tiles do
-better. At GEMV_MAX_ROWS rows (decode at batch 1) the matrix units have nothing to do:
-the weight must stream at memory speed, and the fused kernel's 16-row tiles and serial K
-loop (one memory latency a group) leave it latency-bound. There a GEMV-shaped kernel
-gives each program a few weight rows and loads many groups of K at once: the same
-rounding of x per group, the e4m3 products summed in float32 on the CUDA cores, scaled
-per group as above. A row's result then depends on how many rows share the GEMM (which
+better. Up to GEMV_MAX_ROWS rows (decode at small batches) the matrix units have little
+to do: the weight must stream at memory speed, and the fused kernel's 16-row tiles and
+serial K loop (one memory latency a group) leave it latency-bound. There a GEMV-shaped
+kernel gives each program a few weight rows and loads many groups of K at once, each
+chunk serving every row before the next is loaded: the same rounding of x per group,
+the e4m3 products summed in float32 on the CUDA cores, scaled per group as above. A
+row's result then depends on how many rows share the GEMM (which
 kernel ran): batch-invariant callers keep the fused kernel (`allow_cublas=False`). Some
 cuBLAS builds refuse a row count that is not a multiple of 16
 (CUBLAS_STATUS_NOT_SUPPORTED from the heuristic); there the quantized rows are padded
@@ -51,9 +52,10 @@ def fp8_linear_config(num_rows: int) -> dict[str, int]:
     return next(dict(cfg) for max_m, cfg in CONFIGS if num_rows <= max_m)
 
 
-# Rows up to which the GEMV-shaped kernel runs: it streams the weight once per row (from
-# cache after the first), so from a second row the fused kernel's shared tiles win.
-GEMV_MAX_ROWS = 1
+# Rows up to which the GEMV-shaped kernel runs (decode at batches 1-4, a batch-1 verify
+# of three drafts): it streams the weight once for all of them, and each row adds its
+# products on the CUDA cores, so past a few rows the fused kernel's matrix units win.
+GEMV_MAX_ROWS = 4
 # A GEMV program's tile: weight rows, and groups of K loaded at once (enough programs
 # to spread a narrow projection's weight over the SMs, and a chunk's bytes in flight).
 GEMV_BLOCK_N = 4
@@ -148,6 +150,7 @@ def _fp8_gemv_kernel(
     stride_sn,
     stride_om,
     M: tl.constexpr,  # the rows, at most GEMV_MAX_ROWS: one compiled kernel per count
+    M_POW2: tl.constexpr,  # M rounded up to a power of two (the accumulator's rows)
     HAS_BIAS: tl.constexpr,
     BLOCK_SN: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -156,33 +159,37 @@ def _fp8_gemv_kernel(
 ):
     """out[m, n] for BLOCK_N weight rows n and every row m. A chunk of GROUPS groups of K
     is loaded at once (all its bytes in flight together: a serial K loop of one group a
-    step waits out the memory latency each step); x's groups are rounded as the fused
+    step waits out the memory latency each step) and serves every row m before the next
+    chunk, so the weight streams once whatever M; x's groups are rounded as the fused
     kernel rounds them, the e4m3 products summed per group in float32 on the CUDA cores,
     then scaled by the group's two scales."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_m = tl.arange(0, M_POW2)  # [MP]
     offs_g = tl.arange(0, GROUPS)  # [G]
     cols = offs_g[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [G, BK]
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn + cols[None, :, :]
     s_rows = s_ptr + (offs_n // BLOCK_SN)[:, None] * stride_sn + offs_g[None, :]  # [BN, G]
     chunk = GROUPS * BLOCK_K
-    for m in tl.static_range(M):
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for c in range(0, tl.cdiv(K, chunk)):
-            k_mask = cols < K - c * chunk  # [G, BK]
-            g_mask = offs_g * BLOCK_K < K - c * chunk  # [G]
+    acc = tl.zeros([M_POW2, BLOCK_N], tl.float32)
+    for c in range(0, tl.cdiv(K, chunk)):
+        k_mask = cols < K - c * chunk  # [G, BK]
+        g_mask = offs_g * BLOCK_K < K - c * chunk  # [G]
+        w = tl.load(
+            w_rows + c * chunk, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0.0
+        ).to(tl.float32)  # [BN, G, BK]
+        w_s = tl.load(s_rows + c * GROUPS, mask=n_mask[:, None] & g_mask[None, :], other=0.0)
+        for m in tl.static_range(M):
             a = tl.load(x_ptr + m * stride_xm + c * chunk + cols, mask=k_mask, other=0.0)
             a_q, a_s = quantize_group(a)  # [G, BK], [G]
-            w = tl.load(
-                w_rows + c * chunk, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0.0
-            )  # [BN, G, BK]
-            w_s = tl.load(s_rows + c * GROUPS, mask=n_mask[:, None] & g_mask[None, :], other=0.0)
-            part = tl.sum(w.to(tl.float32) * a_q.to(tl.float32)[None, :, :], axis=2)  # [BN, G]
-            acc += tl.sum(part * (w_s * a_s[None, :]), axis=1)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+            part = tl.sum(w * a_q.to(tl.float32)[None, :, :], axis=2)  # [BN, G]
+            row = tl.sum(part * (w_s * a_s[None, :]), axis=1)  # [BN]
+            acc = tl.where(offs_m[:, None] == m, acc + row[None, :], acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & n_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -321,7 +328,8 @@ def fp8_linear(
         _fp8_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
             x2, weight, scale_inv, bias if bias is not None else scale_inv, out,
             n, k, x2.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
-            M=m, HAS_BIAS=bias is not None, BLOCK_SN=bn, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=bk,
+            M=m, M_POW2=triton.next_power_of_2(m), HAS_BIAS=bias is not None, BLOCK_SN=bn,
+            BLOCK_N=GEMV_BLOCK_N, BLOCK_K=bk,
             GROUPS=GEMV_GROUPS, num_warps=GEMV_WARPS, num_stages=2,
         )  # fmt: skip
         return out.view(*lead, n)

@@ -55,7 +55,8 @@ def gemv(x, q, s, out, block_n: int, groups: int, warps: int) -> None:
     n = q.shape[0]
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, q, s, s, out, n, k, x.stride(0), q.stride(0), s.stride(0), out.stride(0),
-        M=m, HAS_BIAS=False, BLOCK_SN=128, BLOCK_N=block_n, BLOCK_K=128, GROUPS=groups,
+        M=m, M_POW2=triton.next_power_of_2(m), HAS_BIAS=False, BLOCK_SN=128,
+        BLOCK_N=block_n, BLOCK_K=128, GROUPS=groups,
         num_warps=warps, num_stages=2,
     )  # fmt: skip
 

@@ -103,14 +103,14 @@ def test_fp8_linear_matches_twin_on_rounded_activations(m, n, k, block, cfg, bia
     assert rel_err(out.cpu(), fp8_linear_ref(x.double(), q, s, b64, block)) < 5e-2
 
 
-@pytest.mark.parametrize("m", sorted({1, GEMV_MAX_ROWS}))
+@pytest.mark.parametrize("m", sorted({1, min(3, GEMV_MAX_ROWS), GEMV_MAX_ROWS}))
 def test_a_few_rows_take_the_gemv_kernel_with_the_fused_kernels_rounding(
     m, device, monkeypatch
 ) -> None:
     """Up to GEMV_MAX_ROWS rows the GEMV-shaped kernel runs (a partial tile of weight
     rows, K past one chunk of groups and a partial group, a bias, x a strided view):
     the fused kernel's result up to the float32 summation order; the fused kernel stays
-    where the caller asks for one kernel at every row count."""
+    where the caller asks for one kernel at every row count, and past GEMV_MAX_ROWS."""
     import kernels.fp8_linear as fp8
 
     launched = []
@@ -135,6 +135,9 @@ def test_a_few_rows_take_the_gemv_kernel_with_the_fused_kernels_rounding(
     want = fp8_linear_ref(_rounded(x, 128), q, s, b.double(), (128, 128))
     assert rel_err(gemv.cpu(), want) < 1e-6 and rel_err(fused.cpu(), want) < 1e-6
     assert rel_err(gemv.cpu(), fused.cpu()) < 1e-6
+    more = torch.randn(GEMV_MAX_ROWS + 1, k, generator=gen).to(device)
+    fp8_linear(more, *args[1:])
+    assert len(launched) == 1, f"{GEMV_MAX_ROWS + 1} rows took the GEMV kernel"
 
 
 def test_fp8_linear_keeps_leading_dims_and_all_zero_rows(device) -> None:
