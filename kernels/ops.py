@@ -54,13 +54,14 @@ def warmup_token_counts(max_tokens: int) -> list[int]:
     count (powers of two, and the thresholds of the kernels' config tables), so each
     interval between thresholds is visited. Only meaningful on CUDA (imports Triton)."""
     from kernels.fp8_linear import CONFIGS as FP8_CONFIGS
-    from kernels.fp8_linear import CUBLAS_MIN_ROWS
+    from kernels.fp8_linear import CUBLAS_MIN_ROWS, GEMV_MAX_ROWS
     from kernels.fused_moe import CONFIGS
     from kernels.moe_router import ROUTER_THRESHOLDS
 
     edges = {1 << i for i in range(max_tokens.bit_length() + 1)}
     edges |= {max_t for max_t, _ in CONFIGS} | set(ROUTER_THRESHOLDS)
     edges |= {max_m for max_m, _ in FP8_CONFIGS} | {CUBLAS_MIN_ROWS}
+    edges |= set(range(1, GEMV_MAX_ROWS + 1))  # (the GEMV compiles once per row count)
     counts = {n for e in edges for n in (e, e + 1)}
     return sorted(n for n in counts if 1 <= n <= max_tokens)
 

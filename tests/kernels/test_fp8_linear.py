@@ -108,9 +108,10 @@ def test_a_few_rows_take_the_gemv_kernel_with_the_fused_kernels_rounding(
     m, device, monkeypatch
 ) -> None:
     """Up to GEMV_MAX_ROWS rows the GEMV-shaped kernel runs (a partial tile of weight
-    rows, K past one chunk of groups and a partial group, a bias, x a strided view):
-    the fused kernel's result up to the float32 summation order; the fused kernel stays
-    where the caller asks for one kernel at every row count, and past GEMV_MAX_ROWS."""
+    rows, K past one chunk of groups and a partial group, a bias, x a view whose rows
+    lie apart): the fused kernel's result up to the float32 summation order, each row
+    exactly what it gives alone; the fused kernel stays where the caller asks for one
+    kernel at every row count, and past GEMV_MAX_ROWS."""
     import kernels.fp8_linear as fp8
 
     launched = []
@@ -124,10 +125,12 @@ def test_a_few_rows_take_the_gemv_kernel_with_the_fused_kernels_rounding(
     monkeypatch.setattr(fp8, "_fp8_gemv_kernel", Spy())
     gen = torch.Generator().manual_seed(m)
     k = fp8.GEMV_GROUPS * 128 + 152
-    x = torch.randn(m, 2 * k, generator=gen)[:, ::2]
+    rows = torch.randn(m, k + 40, generator=gen)
+    x = rows[:, :k]
     q, s = quantize_blocks(torch.randn(301, k, generator=gen) / k**0.5, (128, 128))
     b = torch.randn(301, generator=gen)
-    args = (x.to(device), q.to(device), s.to(device), b.to(device), (128, 128))
+    # x sliced on the device: its rows lie apart there too (stride_xm is read)
+    args = (rows.to(device)[:, :k], q.to(device), s.to(device), b.to(device), (128, 128))
     gemv = fp8_linear(*args)
     assert len(launched) == 1, "the GEMV kernel did not run"
     fused = fp8_linear(*args, allow_cublas=False)
@@ -135,9 +138,13 @@ def test_a_few_rows_take_the_gemv_kernel_with_the_fused_kernels_rounding(
     want = fp8_linear_ref(_rounded(x, 128), q, s, b.double(), (128, 128))
     assert rel_err(gemv.cpu(), want) < 1e-6 and rel_err(fused.cpu(), want) < 1e-6
     assert rel_err(gemv.cpu(), fused.cpu()) < 1e-6
+    for i in range(m):  # each row its own, as alone: one weight pass serves every row
+        alone = fp8_linear(args[0][i : i + 1], *args[1:])
+        assert torch.equal(gemv[i : i + 1], alone), f"row {i} of {m}"
+    launched.clear()
     more = torch.randn(GEMV_MAX_ROWS + 1, k, generator=gen).to(device)
     fp8_linear(more, *args[1:])
-    assert len(launched) == 1, f"{GEMV_MAX_ROWS + 1} rows took the GEMV kernel"
+    assert not launched, f"{GEMV_MAX_ROWS + 1} rows took the GEMV kernel"
 
 
 def test_fp8_linear_keeps_leading_dims_and_all_zero_rows(device) -> None:
