@@ -12,7 +12,7 @@
 #   bash benchmarks/run_device.sh serve   (not in all: `deepinfer serve` on Moonlight shapes,
 #     the bundled Azure code trace over HTTP at 70% of the offline capacity beside the same
 #     requests offline and the simulator; about 7 min)
-#   bash benchmarks/run_device.sh fp8gemv   (not in all: the FP8 GEMV at 1-4 rows, its tests,
+#   bash benchmarks/run_device.sh fp8gemv   (not in all: the FP8 GEMV at 1-2 rows, its tests,
 #     probe and decode rows, then the FP8 profile and an FP8 real run priced by it; ~10 min)
 #   bash benchmarks/run_device.sh gc   (not in all: the collector's pauses in a served run,
 #     the start-up heap frozen and not, Moonlight shapes; about 2 min)
@@ -220,7 +220,7 @@ if [[ $what == fp8 ]]; then
   done
 fi
 if [[ $what == fp8gemv ]]; then
-  # The FP8 GEMV at 1-4 rows: its GPU tests, the probe against the fused GEMM, decode at
+  # The FP8 GEMV at 1-2 rows: its GPU tests, the probe against the fused GEMM, decode at
   # batches 1-8 in bf16 and FP8, then (what a speed change re-measures) the FP8 profile
   # and FP8 real runs priced with it, within one call (LIMIT: the call's seconds).
   t0=$SECONDS

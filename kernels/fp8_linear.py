@@ -52,10 +52,12 @@ def fp8_linear_config(num_rows: int) -> dict[str, int]:
     return next(dict(cfg) for max_m, cfg in CONFIGS if num_rows <= max_m)
 
 
-# Rows up to which the GEMV-shaped kernel runs (decode at batches 1-4, a batch-1 verify
-# of three drafts): it streams the weight once for all of them, and each row adds its
-# products on the CUDA cores, so past a few rows the fused kernel's matrix units win.
-GEMV_MAX_ROWS = 4
+# Rows up to which the GEMV-shaped kernel runs (decode at batches 1-2, a batch-1 verify
+# of one draft): it streams the weight once for all of them, but each row adds its
+# products on the CUDA cores and requantizes x per program, so from three rows on the
+# kernel is bound by instruction issue and the fused kernel's matrix units win
+# (benchmarks/investigations/fp8_gemv.py measures both at each row count).
+GEMV_MAX_ROWS = 2
 # A GEMV program's tile: weight rows, and groups of K loaded at once (enough programs
 # to spread a narrow projection's weight over the SMs, and a chunk's bytes in flight).
 GEMV_BLOCK_N = 4

@@ -1,4 +1,4 @@
-"""The FP8 projections of a decode step at one to four rows: the GEMV-shaped kernel
+"""The FP8 projections of a decode step at a few rows: the GEMV-shaped kernel
 (`kernels/fp8_linear._fp8_gemv_kernel`) at several tiles against the fused GEMM kernel
 the same rows took before it, and the weight-read floor. A probe for issue 47's batch-1
 FP8 decode.
