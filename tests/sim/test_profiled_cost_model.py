@@ -461,6 +461,26 @@ def test_a_prompt_chunk_pads_to_the_engines_own_top_token_bucket(path) -> None:
     assert tight.step_time(seven) == default.step_time(seven)
 
 
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_a_lone_chunk_costs_the_bucket_its_graph_runs(path) -> None:
+    """A lone prompt chunk (one request, nothing beside it: the first step after the
+    engine idled) runs its piecewise graph's bucket of rows, so between buckets it costs
+    what a chunk of the bucket's size does: the grid's lone chunks are each a bucket's
+    size and cannot teach the fit otherwise. Past the top bucket (eager) its own tokens
+    price it, and a chunk beside decodes keeps the fit's physics of its own tokens."""
+    cm = _engine_model(path)
+    for ctx in (0, 3000):
+        bucket = cm.step_time(shape_output([[1, 3072, ctx, True]]))
+        assert cm.step_time(shape_output([[1, 2600, ctx, True]])) == bucket
+        assert cm.step_time(shape_output([[1, 700, ctx, True]])) == cm.step_time(
+            shape_output([[1, 768, ctx, True]])
+        )
+    eager = shape_output([[1, 9000, 0, True]])
+    assert cm.step_time(eager) == pytest.approx(cm._physics(eager), rel=1e-12)
+    mixed = shape_output([[4, 1, 1000, False], [1, 2600, 0, True]])
+    assert cm.step_time(mixed) == pytest.approx(cm._physics(mixed), rel=1e-12)
+
+
 @pytest.mark.parametrize("path", SHIPPED[:2], ids=lambda p: p.stem)
 def test_the_fit_reads_its_points_with_their_own_runners_limits(path) -> None:
     """The engine's limits choose how its steps are priced, never how the profile's
