@@ -153,16 +153,33 @@ def compare_steps(
     return table
 
 
-def device_errors(steps: list[tuple[str, list[Any], float | None]], cost: Any) -> dict[str, Any]:
-    """The cost model's device price of each real step, (kind, shape, device span) each,
-    against the device's span of its work (CUDA events, benchmarks/step_events.py), by
-    step kind: the price's own error, apart from the host's work and how it overlaps.
-    Steps without a span (off CUDA) are left out."""
-    return _error_table([
-        (kind, shape, span, cost.step_time(_step_output(shape)))
-        for kind, shape, span in steps
-        if span
-    ])  # fmt: skip
+# A launch whose device sat idle longer than this before its first work was made after
+# the step before had ended: an overlapped launch's first event queues behind that step's
+# work and is stamped within microseconds of its end.
+IDLE_LAUNCH_GAP_S = 50e-6
+
+
+def device_errors(
+    steps: list[tuple[str, list[Any], float | None, float | None]], cost: Any
+) -> dict[str, Any]:
+    """The cost model's device price of each real step, (kind, shape, device span, the
+    device's idle time before it) each, against the device's span of its work (CUDA
+    events, benchmarks/step_events.py), by step kind: the price's own error, apart from
+    the host's work and how it overlaps. A step launched on an idle device (its idle
+    time past IDLE_LAUNCH_GAP_S, or unknown: the first step timed) has its input
+    preparation inside the span, and is priced as the simulator prices that launch
+    (`launch_cost`: the sequential time); the others at `step_time`. Steps without a
+    span (off CUDA) are left out."""
+    rows = []
+    for kind, shape, span, idle_before in steps:
+        if not span:
+            continue
+        out = _step_output(shape)
+        if idle_before is None or idle_before > IDLE_LAUNCH_GAP_S:
+            rows.append((kind, shape, span, sum(cost.launch_cost(out))))
+        else:
+            rows.append((kind, shape, span, cost.step_time(out)))
+    return _error_table(rows)
 
 
 def _step_output(shape: list[Any]) -> SchedulerOutput:
@@ -313,7 +330,9 @@ def run_workload(
         "sim_engine": sim.meta["engine"],
         "requests": compare_requests(real.records, sim.requests),
         "steps": compare_steps(real, cost, samples, step_basis(cfg, hardware)),
-        "steps_device": device_errors([(x.kind, x.requests, x.device_s) for x in real.steps], cost),
+        "steps_device": device_errors(
+            [(x.kind, x.requests, x.device_s, x.device_idle_before_s) for x in real.steps], cost
+        ),
         "step_samples": samples,
         "repeats": repeats,
         # Each real run against the simulator, and the real runs' spread beside its error.
@@ -683,7 +702,15 @@ def resimulate(real_dir: Path, profile: Path | None, out: Path, bands: int = 0) 
             cost,
             basis,
         )
-        on_device = [(shape_kind(x["shape"]), x["shape"], x.get("device_s")) for x in samples]
+        on_device = [
+            (
+                shape_kind(x["shape"]),
+                x["shape"],
+                x.get("device_s"),
+                x.get("device_idle_before_s", 0.0),
+            )
+            for x in samples
+        ]
         results.append({
             "workload": wname, "requests": compare_requests(records, sim.requests),
             "steps": steps, "steps_device": device_errors(on_device, cost),

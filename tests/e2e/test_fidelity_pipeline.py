@@ -61,10 +61,10 @@ def test_the_device_price_is_compared_with_the_device_span_alone() -> None:
     apart; steps without a span (a CPU run) are left out, not counted as zero."""
     bench = _bench()
     steps = [
-        ("decode", [(1, 10, False)], 2.5),  # priced 2.0: -20%
-        ("decode", [(1, 10, False)], 1.6),  # +25%
-        ("decode", [(1, 10, False)], 2.0),  # 0%
-        ("mixed", [(1, 10, False), (64, 0, True)], None),
+        ("decode", [(1, 10, False)], 2.5, 0.0),  # priced 2.0: -20%
+        ("decode", [(1, 10, False)], 1.6, 0.0),  # +25%
+        ("decode", [(1, 10, False)], 2.0, 0.0),  # 0%
+        ("mixed", [(1, 10, False), (64, 0, True)], None, 0.0),
     ]
     table = bench.device_errors(steps, _Cost())
     assert set(table) == {"decode"}
@@ -72,6 +72,29 @@ def test_the_device_price_is_compared_with_the_device_span_alone() -> None:
     assert abs(table["decode"]["p50"]) < 1e-12
     assert abs(table["decode"]["median_abs"] - 0.2) < 1e-12
     assert bench.device_errors([steps[-1]], _Cost()) == {}
+
+
+def test_a_step_launched_on_an_idle_device_is_priced_as_the_simulator_prices_that_launch() -> None:
+    """A step launched after the one before had ended (the device idle before it, or the
+    first step timed) has its input preparation inside its device span: it is compared
+    with `launch_cost`'s sum (the sequential time), as the simulator charges such a
+    launch; an overlapped launch (its span starting within microseconds of the step
+    before's end) with `step_time`: priced at step_time alone, every idle launch read
+    low by its input preparation."""
+
+    class Launching(_Cost):
+        def launch_cost(self, out: Any) -> tuple[float, float]:
+            return 2.0, 0.5
+
+    bench = _bench()
+    shape = [(1, 10, False)]
+    steps = [
+        ("decode", shape, 2.5, None),  # the first step timed: 2.5 priced
+        ("decode", shape, 2.5, 0.2),  # idle 200 ms before it: 2.5
+        ("decode", shape, 2.0, 2e-6),  # overlapped: 2.0
+    ]
+    row = bench.device_errors(steps, Launching())["decode"]
+    assert row["median_abs"] == 0.0 and row["pred_sum_s"] == 7.0
 
 
 def test_a_recorded_decode_of_several_tokens_is_priced_as_the_verify_step_it_was() -> None:
@@ -96,7 +119,7 @@ def test_each_kind_sums_its_real_and_priced_time() -> None:
     wall goes to the step it applied, so per-step errors scatter while the totals (what
     a served run's time is made of) can still agree."""
     bench = _bench()
-    steps = [("decode", [(1, 10, False)], 2.5), ("decode", [(1, 10, False)], 1.5)]
+    steps = [("decode", [(1, 10, False)], 2.5, 0.0), ("decode", [(1, 10, False)], 1.5, 0.0)]
     row = bench.device_errors(steps, _Cost())["decode"]  # priced 2.0 each
     assert row["real_sum_s"] == 4.0 and row["pred_sum_s"] == 4.0 and row["sum_err"] == 0.0
 
