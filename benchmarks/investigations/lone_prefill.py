@@ -12,12 +12,19 @@ For each prompt size, in one process on one executor, `--reps` times each:
 Each row gives medians of the step's wall (launch to result), its device span (CUDA
 events around the launch), the host's time inside the launch (`runner.launch`), and the
 device allocations (cudaMalloc) made during the step.
+
+With `--mixed N`, the same for a chunk beside N decoding requests (at a 4,096-token
+context): the profiler's own timing of the mixed point (`executors/profiler.py`: its
+sequential and pipelined seconds), and through the engine, N requests decoding when a
+prompt arrives (the mixed step that starts it).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import random
 import statistics
 import time
@@ -33,6 +40,7 @@ from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 from executors.profile_grid import StepShape
 from executors.profile_session import StepSession
+from executors.profiler import _run_shape, _Runs
 from executors.torch_executor import TorchExecutor
 
 
@@ -41,15 +49,19 @@ def _allocs() -> int:
 
 
 class _LaunchTimer:
-    """The host's seconds inside `runner.launch`, by step id."""
+    """The host's seconds inside `runner.launch`, by step id; `profile`: also run each
+    launch of a step with prompt tokens under it (where the host's time goes)."""
+
+    profile: cProfile.Profile | None = None
 
     def __init__(self, runner: Any) -> None:
         self.runner, self.inner = runner, runner.launch
         self.seconds: dict[int, float] = {}
 
         def timed(out: SchedulerOutput) -> Any:
+            prof = self.profile if any(sr.is_prompt for sr in out.scheduled) else None
             t0 = time.perf_counter()
-            handle = self.inner(out)
+            handle = self.inner(out) if prof is None else prof.runcall(self.inner, out)
             self.seconds[out.step_id] = time.perf_counter() - t0
             return handle
 
@@ -117,6 +129,61 @@ def engine_rows(
     return rows
 
 
+def profiler_mixed(ex: TorchExecutor, decodes: int, size: int, reps: int) -> tuple[float, float]:
+    """(sequential, pipelined) medians of the mixed point as `deepinfer profile` times it."""
+    shape = StepShape("mixed", ((decodes, 1, 4096, False, 0), (1, size, 0, True, 0)))
+    runs = _Runs()
+    _run_shape(ex, shape, reps, random.Random(size), None, runs)
+    return statistics.median(runs.times), statistics.median(runs.pipelined)
+
+
+def engine_mixed(
+    engine: EngineCore,
+    ex: TorchExecutor,
+    decodes: int,
+    size: int,
+    reps: int,
+    profile: cProfile.Profile | None = None,
+) -> list[tuple[float, float, float, int]]:
+    """`decodes` requests (4,096-token prompts) decoding, then a prompt of `size` tokens
+    arrives, `reps` times: the mixed step that starts it, as `engine_rows` reports
+    (`profile`: its launches run under it)."""
+    vocab = ex.config.vocab_size
+    rng = random.Random(f"mixed-{decodes}-{size}")
+    long = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    for i in range(decodes):
+        prompt = [rng.randrange(10, vocab - 10) for _ in range(4096)]
+        engine.add_request(Request(f"d-{size}-{i}", prompt, long))
+    for _ in range(8):  # (their prompts done: decoding)
+        engine.step()
+    rows = []
+    timer = _LaunchTimer(ex.runner)
+    timer.profile = profile
+    try:
+        for i in range(reps):
+            prompt = [rng.randrange(10, vocab - 10) for _ in range(size)]
+            sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            engine.add_request(Request(f"m-{size}-{i}", prompt, sp))
+            first = len(engine.steps)
+            a0 = _allocs()
+            with StepEvents(ex) as events:
+                for _ in range(6):
+                    engine.step()
+            allocs = _allocs() - a0
+            rec = next(r for r in engine.steps[first:] if r.num_prompt_tokens)
+            got = events.step(rec.step_id)
+            rows.append(
+                (rec.duration, got[0] if got else float("nan"), timer.seconds[rec.step_id], allocs)
+            )
+    finally:
+        del ex.runner.launch
+    for i in range(decodes):
+        engine.abort(f"d-{size}-{i}")
+    while engine.has_unfinished():
+        engine.step()
+    return rows
+
+
 def _line(name: str, size: int, rows: list[tuple[float, float, float, int]]) -> str:
     med = [statistics.median(col) for col in zip(*rows)]
     spans = sorted(1e3 * r[1] for r in rows)
@@ -134,6 +201,7 @@ def main() -> None:
     p.add_argument("--sizes", default="64,147,694,2648")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--idle", type=float, default=0.05)
+    p.add_argument("--mixed", type=int, default=0, help="decodes beside the chunk (0: none)")
     args = p.parse_args()
     cfg = EngineConfig(
         num_gpu_blocks=20000, max_num_seqs=256, max_num_batched_tokens=8192,
@@ -142,6 +210,24 @@ def main() -> None:
     ex = TorchExecutor(cfg, args.model, load_format="dummy")
     engine = EngineCore(cfg, ex)
     sizes = [int(s) for s in args.sizes.split(",")]
+    if args.mixed:
+        for size in sizes:
+            engine_mixed(engine, ex, args.mixed, size, 1)  # (warm-up)
+            seq, pipe = profiler_mixed(ex, args.mixed, size, args.reps)
+            print(
+                f"profiler mixed {size:6d} tokens beside {args.mixed}: sequential "
+                f"{1e3 * seq:7.2f} ms  pipelined {1e3 * pipe:7.2f} ms",
+                flush=True,
+            )
+            rows = engine_mixed(engine, ex, args.mixed, size, args.reps)
+            print(_line("engine mixed", size, rows), flush=True)
+        # Where a mixed step's launch spends the host's time (cProfile's own overhead
+        # inflates it: read the shares, not the sum).
+        prof = cProfile.Profile()
+        engine_mixed(engine, ex, args.mixed, sizes[0], args.reps, prof)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+        return
     for size in sizes:  # warm-up: every path once
         grid_rows(ex, size, 1)
         engine_rows(engine, ex, size, 1, 0.0, "warm")
