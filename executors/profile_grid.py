@@ -62,6 +62,7 @@ def default_grid(limits: GridLimits, quick: bool = False) -> list[StepShape]:
         mixes = [(4, 64, 256, 0), (4, 64, 256, 128)]
         shorts = [4]
         long_priors: list[int] = []
+        between: list[int] = []
     else:
         batches = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
         # Up to the model's context: long-context models decode at 16k-64k in real traces.
@@ -72,6 +73,10 @@ def default_grid(limits: GridLimits, quick: bool = False) -> list[StepShape]:
         ]
         chunks = [16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384]
         priors = [0, 1024, 4096]
+        # Lone chunks between the piecewise graphs' token buckets (the chunks above are
+        # buckets' sizes): the runner pads them to their bucket, which the cost model
+        # prices and the held-out check can then test.
+        between = [200, 700, 2600]
         # Chunks of long prompts after a long cached prefix (multi-turn traces reach 64k+):
         # prefill attention is then most of the step, and a short-prefix grid cannot
         # calibrate it.
@@ -104,6 +109,8 @@ def default_grid(limits: GridLimits, quick: bool = False) -> list[StepShape]:
     for p in chunks:
         for c in priors + (long_priors if p in (2048, 8192) else []):
             grid.append(StepShape("prefill", ((1, p, c, True, 0),)))
+    for p in between:
+        grid.append(StepShape("prefill", ((1, p, 0, True, 0),)))
     for d, p, ctx, prior in dict.fromkeys(mixes):  # (in order, once each)
         grid.append(StepShape("mixed", ((d, 1, ctx, False, 0), (1, p, prior, True, 0))))
     for k in shorts:

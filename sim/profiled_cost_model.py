@@ -530,10 +530,10 @@ class ProfiledCostModel(CostModel):
 
     def _eager_target(self, step: _Step) -> float:
         """An eager step's target time (no drafter): the fit's physics; a lone prompt
-        chunk's as the chunk its piecewise graph runs, padded to the graph's bucket. The
-        grid's lone chunks are each a bucket's size, so nothing there tells the fit the
-        padded rows' work from the tokens' own, and a chunk between buckets priced by its
-        tokens came out several percent under the real engine's, which runs the bucket."""
+        chunk's as the chunk its piecewise graph runs, padded to the graph's bucket.
+        Where a grid's lone chunks are buckets' sizes nothing tells the fit the padded
+        rows' work from the tokens' own, and a chunk between buckets priced by its tokens
+        came out several percent under the real engine's, which runs the bucket."""
         if step.n == 1:
             chunk = _lone_chunk(step.out)
             if chunk is not None:

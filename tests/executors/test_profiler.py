@@ -303,3 +303,20 @@ def test_the_grid_times_chunks_after_a_cached_prefix_beside_decodes() -> None:
     )
     assert point["kind"] == "mixed" and point["median_s"] > 0
     assert [list(g) for g in point["groups"]] == [[3, 1, 40, False], [1, 48, 64, True]]
+
+
+def test_the_grid_times_lone_chunks_between_the_token_buckets() -> None:
+    """The runner pads a lone chunk to its piecewise graph's token bucket, and the cost
+    model prices it there: the grid holds lone chunks between buckets (besides those of
+    a bucket's size), so the fit and the held-out check see what padding costs."""
+    from executors.piecewise_graphs import default_token_buckets
+    from executors.profile_grid import GridLimits, default_grid
+
+    buckets = set(default_token_buckets(8192))
+    lone = [
+        s.groups[0][1]
+        for s in default_grid(GridLimits(8192, 512, 32768, 1 << 22))
+        if s.kind == "prefill" and s.groups[0][2] == 0
+    ]
+    assert len([q for q in lone if q not in buckets]) >= 3
+    assert len([q for q in lone if q in buckets]) >= 5
