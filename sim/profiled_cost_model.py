@@ -526,21 +526,6 @@ class ProfiledCostModel(CostModel):
             return self._price_speculative(step)
         if not step.eager and self._decode.ready:
             return self._plain_decode(step.n, step.effective, step.mean)
-        return self._eager_target(step)
-
-    def _eager_target(self, step: _Step) -> float:
-        """An eager step's target time (no drafter): the fit's physics; a lone prompt
-        chunk's as the chunk its piecewise graph runs, padded to the graph's bucket.
-        Where a grid's lone chunks are buckets' sizes nothing tells the fit the padded
-        rows' work from the tokens' own, and a chunk between buckets priced by its tokens
-        came out several percent under the real engine's, which runs the bucket."""
-        if step.n == 1:
-            chunk = _lone_chunk(step.out)
-            if chunk is not None:
-                q, context = chunk
-                rows = self._graph_tokens(q, True)
-                if rows > q:
-                    return self._physics(_chunk_step(rows, context))
         return self._physics_of(step)
 
     def _plain_decode(self, n: float, effective: float, mean: float, padded: bool = True) -> float:
@@ -610,7 +595,7 @@ class ProfiledCostModel(CostModel):
             else:
                 target = fallback_target(self._analytic, out, decode())
         else:
-            target = self._eager_target(step)
+            target = self._physics_of(step)
             if drafts and self._verify_launch and spec.ready and spec.verify_physics.ready:
                 target += self._verify_attention_beside_chunks(step)
         if spec.ready:
@@ -649,7 +634,9 @@ class ProfiledCostModel(CostModel):
         features = step.features
         if features is None:
             tokens, prompts, piece, wave, rows = step.head
-            head = self._head(step.eager, len(step.out.scheduled), prompts, tokens, piece, wave)
+            head = self._head(
+                step.eager, len(step.out.scheduled), prompts, tokens, piece, wave, rows
+            )
             features = step.features = head + self._analytic.group_seconds(step.out, rows)
         return sum(map(mul, features, self._coef))
 
@@ -694,8 +681,9 @@ class ProfiledCostModel(CostModel):
                         span = c + q
         wave = self._wave_keys(span, chunk_pairs)
         piece = self._decode_piece(dec_ctx, decodes, eager)
-        head = self._head(eager, len(out.scheduled), prompts, tokens, piece, wave)
-        return head + self._analytic.group_seconds(out, self._graph_tokens(tokens, span > 0))
+        rows = self._graph_tokens(tokens, span > 0)
+        head = self._head(eager, len(out.scheduled), prompts, tokens, piece, wave, rows)
+        return head + self._analytic.group_seconds(out, rows)
 
     def _graph_tokens(self, tokens: int, chunked: bool) -> int:
         """The rows a step's projections and experts run over where it carries a prompt
@@ -728,10 +716,25 @@ class ProfiledCostModel(CostModel):
         return dec_ctx / decode_splits(rows, self._heads, self._sms)
 
     def _head(
-        self, eager: bool, n: int, prompts: int, tokens: int, piece: float, wave: float
+        self,
+        eager: bool,
+        n: int,
+        prompts: int,
+        tokens: int,
+        piece: float,
+        wave: float,
+        rows: int = 0,
     ) -> list[float]:
         """The FEATURES before the op groups, of a step of n requests; piece: the keys of
-        its longest decode context's piece (`_decode_piece`), -1 where none decodes."""
+        its longest decode context's piece (`_decode_piece`), -1 where none decodes; rows:
+        its piecewise graph's padded rows (`_graph_tokens`), 0 without a prompt chunk.
+        A lone chunk (n = 1: one request's prompt, the first step after the engine idled)
+        counts the rows for its tokens: the runner runs every row between attention
+        layers, and where a grid's lone chunks are buckets' sizes nothing else tells the
+        fit what a chunk between buckets costs (priced by its tokens, such chunks came
+        out several percent under the real engine's). Its attention stays its own
+        tokens' (`wave`, the op groups). A mixed step's points lie between buckets, and
+        its fit reads them as they are."""
         piecewise = eager and tokens <= self._piecewise_max
         return [
             0.0 if eager else 1.0,
@@ -740,7 +743,7 @@ class ProfiledCostModel(CostModel):
             1.0 if eager and piece >= 0 else 0.0,
             float(n),
             float(prompts),
-            float(tokens),
+            float(rows if n == 1 and rows > tokens else tokens),
             piece if piece > 0 else 0.0,
             wave,
         ]
@@ -797,19 +800,3 @@ def _means(n: int, ctx_sum: int, horizon: int) -> Iterable[float]:
     if ctx_sum >= n:
         return map(truediv, range(ctx_sum, ctx_sum + n * horizon, n), repeat(n))
     return (max(1.0, (ctx_sum + n * s) / n) for s in range(horizon))
-
-
-def _lone_chunk(out: SchedulerOutput) -> tuple[int, int] | None:
-    """(tokens, cached context) of a step that is one request's prompt chunk of more
-    than one token, nothing beside it; else None."""
-    if len(out.scheduled) != 1:
-        return None
-    r = out.scheduled[0]
-    if not r.is_prompt or r.num_tokens < 2 or r.draft_token_ids:
-        return None
-    return r.num_tokens, r.num_computed_tokens
-
-
-def _chunk_step(tokens: int, context: int) -> SchedulerOutput:
-    """A lone chunk of `tokens` after `context` cached tokens, for the fit's physics."""
-    return shape_output([[1, tokens, context, True]])

@@ -15,7 +15,7 @@ from sim import simulate
 from sim.cost_model import EngineSettings
 from sim.hardware import get_hardware
 from sim.profile_fit import StepSurface, graph_batch
-from sim.profiled_cost_model import PROFILES_DIR, ProfiledCostModel, shape_output
+from sim.profiled_cost_model import FEATURES, PROFILES_DIR, ProfiledCostModel, shape_output
 from sim.traces import TraceRequest
 from tests.sim.profile_names import named_model
 
@@ -462,23 +462,23 @@ def test_a_prompt_chunk_pads_to_the_engines_own_top_token_bucket(path) -> None:
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
-def test_a_lone_chunk_costs_the_bucket_its_graph_runs(path) -> None:
+def test_a_lone_chunk_counts_the_rows_its_graph_runs(path) -> None:
     """A lone prompt chunk (one request, nothing beside it: the first step after the
-    engine idled) runs its piecewise graph's bucket of rows, so between buckets it costs
-    what a chunk of the bucket's size does: the grid's lone chunks are each a bucket's
-    size and cannot teach the fit otherwise. Past the top bucket (eager) its own tokens
-    price it, and a chunk beside decodes keeps the fit's physics of its own tokens."""
+    engine idled) runs its piecewise graph's bucket of rows between attention layers:
+    its tokens feature is the bucket's, its attention its own tokens', in the fit and in
+    the price alike. Past the top bucket (eager) and beside decodes it counts its own."""
     cm = _engine_model(path)
+    tokens, wave = FEATURES.index("tokens"), FEATURES.index("prefill_wave")
     for ctx in (0, 3000):
-        bucket = cm.step_time(shape_output([[1, 3072, ctx, True]]))
-        assert cm.step_time(shape_output([[1, 2600, ctx, True]])) == bucket
-        assert cm.step_time(shape_output([[1, 700, ctx, True]])) == cm.step_time(
-            shape_output([[1, 768, ctx, True]])
-        )
-    eager = shape_output([[1, 9000, 0, True]])
-    assert cm.step_time(eager) == pytest.approx(cm._physics(eager), rel=1e-12)
+        between, bucket = shape_output([[1, 2600, ctx, True]]), shape_output([[1, 3072, ctx, True]])
+        f, g = cm.features(between), cm.features(bucket)
+        assert f[tokens] == g[tokens] == 3072
+        assert f[wave] < g[wave]
+        assert cm.step_time(between) == pytest.approx(cm._physics(between), rel=1e-12)
+        assert cm.step_time(shape_output([[1, 2000, ctx, True]])) < cm.step_time(between)
+    assert cm.features(shape_output([[1, 9000, 0, True]]))[tokens] == 9000
     mixed = shape_output([[4, 1, 1000, False], [1, 2600, 0, True]])
-    assert cm.step_time(mixed) == pytest.approx(cm._physics(mixed), rel=1e-12)
+    assert cm.features(mixed)[tokens] == 2604
 
 
 @pytest.mark.parametrize("path", SHIPPED[:2], ids=lambda p: p.stem)
