@@ -316,10 +316,10 @@ if [[ $what == dp ]]; then
   "${bench[@]}" data-parallel --json "$OUT/data_parallel.json" "$@" 2>&1 \
     | grep -v Warning | tee "$OUT/data_parallel.log" | tail -12
 fi
-# The device call brings back at most 8 files of $OUT: past that, everything travels as one
-# archive (tar xzf results.tgz here).
+# The device call brings back at most 8 files of $OUT, 16 MiB each: past 8 files,
+# everything travels as one archive in parts of 15 MiB (cat results.tgz.* | tar xz here).
 if (( $(find "$OUT" -type f | wc -l) > 8 )); then
   tar czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete \
-    && mv /tmp/results.tgz "$OUT/"
+    && split -b 15M /tmp/results.tgz "$OUT/results.tgz." && rm /tmp/results.tgz
 fi
 exit $status

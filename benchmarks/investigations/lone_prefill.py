@@ -52,14 +52,12 @@ class _LaunchTimer:
     """The host's seconds inside `runner.launch`, by step id; `profile`: also run each
     launch of a step with prompt tokens under it (where the host's time goes)."""
 
-    profile: cProfile.Profile | None = None
-
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, profile: cProfile.Profile | None = None) -> None:
         self.runner, self.inner = runner, runner.launch
         self.seconds: dict[int, float] = {}
 
         def timed(out: SchedulerOutput) -> Any:
-            prof = self.profile if any(sr.is_prompt for sr in out.scheduled) else None
+            prof = profile if any(sr.is_prompt for sr in out.scheduled) else None
             t0 = time.perf_counter()
             handle = self.inner(out) if prof is None else prof.runcall(self.inner, out)
             self.seconds[out.step_id] = time.perf_counter() - t0
@@ -143,27 +141,29 @@ def engine_mixed(
     decodes: int,
     size: int,
     reps: int,
+    tag: str = "m",
     profile: cProfile.Profile | None = None,
 ) -> list[tuple[float, float, float, int]]:
     """`decodes` requests (4,096-token prompts) decoding, then a prompt of `size` tokens
     arrives, `reps` times: the mixed step that starts it, as `engine_rows` reports
-    (`profile`: its launches run under it)."""
+    (`tag`: prompts of their own, no prefix hit; `profile`: its launches run under it)."""
     vocab = ex.config.vocab_size
-    rng = random.Random(f"mixed-{decodes}-{size}")
+    rng = random.Random(f"{tag}-{decodes}-{size}")
     long = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    decoding = []
     for i in range(decodes):
         prompt = [rng.randrange(10, vocab - 10) for _ in range(4096)]
-        engine.add_request(Request(f"d-{size}-{i}", prompt, long))
-    for _ in range(8):  # (their prompts done: decoding)
+        decoding.append(Request(f"d-{tag}-{size}-{i}", prompt, long))
+        engine.add_request(decoding[-1])
+    while not all(r.output_token_ids for r in decoding):  # (their prompts done)
         engine.step()
     rows = []
-    timer = _LaunchTimer(ex.runner)
-    timer.profile = profile
+    timer = _LaunchTimer(ex.runner, profile)
     try:
         for i in range(reps):
             prompt = [rng.randrange(10, vocab - 10) for _ in range(size)]
             sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-            engine.add_request(Request(f"m-{size}-{i}", prompt, sp))
+            engine.add_request(Request(f"{tag}-{size}-{i}", prompt, sp))
             first = len(engine.steps)
             a0 = _allocs()
             with StepEvents(ex) as events:
@@ -177,8 +177,8 @@ def engine_mixed(
             )
     finally:
         del ex.runner.launch
-    for i in range(decodes):
-        engine.abort(f"d-{size}-{i}")
+    for r in decoding:
+        engine.abort(r.request_id)
     while engine.has_unfinished():
         engine.step()
     return rows
@@ -212,7 +212,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.mixed:
         for size in sizes:
-            engine_mixed(engine, ex, args.mixed, size, 1)  # (warm-up)
+            engine_mixed(engine, ex, args.mixed, size, 1, "w")  # (warm-up)
             seq, pipe = profiler_mixed(ex, args.mixed, size, args.reps)
             print(
                 f"profiler mixed {size:6d} tokens beside {args.mixed}: sequential "
@@ -224,7 +224,7 @@ def main() -> None:
         # Where a mixed step's launch spends the host's time (cProfile's own overhead
         # inflates it: read the shares, not the sum).
         prof = cProfile.Profile()
-        engine_mixed(engine, ex, args.mixed, sizes[0], args.reps, prof)
+        engine_mixed(engine, ex, args.mixed, sizes[0], args.reps, "p", prof)
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
         return
