@@ -165,7 +165,7 @@ def device_errors(
     """The cost model's device price of each real step, (kind, shape, device span, the
     device's idle time before it) each, against the device's span of its work (CUDA
     events, benchmarks/step_events.py), by step kind: the price's own error, apart from
-    the host's work and how it overlaps. A step launched on an idle device (its idle
+    the host's work between launches. A step launched on an idle device (its idle
     time past IDLE_LAUNCH_GAP_S, or unknown: the first step timed) has its input
     preparation inside the span, and is priced as the simulator prices that launch
     (`launch_cost`: the sequential time); the others at `step_time`. Steps without a
