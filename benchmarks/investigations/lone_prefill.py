@@ -97,6 +97,26 @@ def grid_rows(ex: TorchExecutor, size: int, reps: int) -> list[tuple[float, floa
     return rows
 
 
+SHORT = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+
+def _prompt_step(
+    engine: EngineCore, ex: TorchExecutor, timer: _LaunchTimer, req: Request
+) -> tuple[float, float, float, int]:
+    """Add `req` and step the engine until it ends: (wall, device span, host launch,
+    allocations) of the step that ran its prompt."""
+    engine.add_request(req)
+    first = len(engine.steps)
+    a0 = _allocs()
+    with StepEvents(ex) as events:
+        while not req.is_finished:
+            engine.step()
+    allocs = _allocs() - a0
+    rec = next(r for r in engine.steps[first:] if r.num_prompt_tokens)
+    got = events.step(rec.step_id)
+    return rec.duration, got[0] if got else float("nan"), timer.seconds[rec.step_id], allocs
+
+
 def engine_rows(
     engine: EngineCore, ex: TorchExecutor, size: int, reps: int, idle: float, tag: str
 ) -> list[tuple[float, float, float, int]]:
@@ -109,18 +129,8 @@ def engine_rows(
         for i in range(reps):
             time.sleep(idle)
             prompt = [rng.randrange(10, vocab - 10) for _ in range(size)]
-            sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-            engine.add_request(Request(f"{tag}-{size}-{i}", prompt, sp))
-            first = len(engine.steps)
-            a0 = _allocs()
-            with StepEvents(ex) as events:
-                while engine.has_unfinished():
-                    engine.step()
-            allocs = _allocs() - a0
-            rec = next(r for r in engine.steps[first:] if r.num_prompt_tokens)
-            got = events.step(rec.step_id)
             rows.append(
-                (rec.duration, got[0] if got else float("nan"), timer.seconds[rec.step_id], allocs)
+                _prompt_step(engine, ex, timer, Request(f"{tag}-{size}-{i}", prompt, SHORT))
             )
     finally:
         del ex.runner.launch
@@ -162,18 +172,8 @@ def engine_mixed(
     try:
         for i in range(reps):
             prompt = [rng.randrange(10, vocab - 10) for _ in range(size)]
-            sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-            engine.add_request(Request(f"{tag}-{size}-{i}", prompt, sp))
-            first = len(engine.steps)
-            a0 = _allocs()
-            with StepEvents(ex) as events:
-                for _ in range(6):
-                    engine.step()
-            allocs = _allocs() - a0
-            rec = next(r for r in engine.steps[first:] if r.num_prompt_tokens)
-            got = events.step(rec.step_id)
             rows.append(
-                (rec.duration, got[0] if got else float("nan"), timer.seconds[rec.step_id], allocs)
+                _prompt_step(engine, ex, timer, Request(f"{tag}-{size}-{i}", prompt, SHORT))
             )
     finally:
         del ex.runner.launch
