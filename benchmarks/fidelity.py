@@ -85,6 +85,7 @@ from deepinfer.model_config import (
 from deepinfer.outputs import ScheduledRequest, SchedulerOutput
 from deepinfer.records import RequestRecord
 from sim import load_trace, simulate
+from sim.cost_model import device_span
 from sim.cost_model_registry import engine_cost_model
 from sim.hardware import get_hardware
 from sim.traces import Trace, TraceRequest
@@ -168,17 +169,18 @@ def device_errors(
     the host's work between launches. A step launched on an idle device (its idle
     time past IDLE_LAUNCH_GAP_S, or unknown: the first step timed) has its input
     preparation inside the span, and is priced as the simulator prices that launch
-    (`launch_cost`: the sequential time); the others at `step_time`. Steps without a
-    span (off CUDA) are left out."""
+    (`launch_cost`: the sequential time); the others behind the step before, as its
+    launch began when that one's device work did (`device_span`: with launches priced
+    apart, a launch-bound step's span is what its launch outlasts of the step before).
+    Steps without a span (off CUDA) are left out."""
     rows = []
+    behind = None  # the device price of the step before
     for kind, shape, span, idle_before in steps:
-        if not span:
-            continue
         out = _step_output(shape)
-        if idle_before is None or idle_before > IDLE_LAUNCH_GAP_S:
-            rows.append((kind, shape, span, sum(cost.launch_cost(out))))
-        else:
-            rows.append((kind, shape, span, cost.step_time(out)))
+        idle = idle_before is None or idle_before > IDLE_LAUNCH_GAP_S
+        if span:
+            rows.append((kind, shape, span, device_span(cost, out, None if idle else behind)))
+        behind = cost.step_time(out)
     return _error_table(rows)
 
 

@@ -124,7 +124,7 @@ if [[ $what == fidelity46a || $what == fidelity46b || $what == fidelity46c ]]; t
       | tr 'H' 'h')
     profile="$OUT/${model}__${hw:-gpu}.json"
     rm -f "$profile"
-    timeout 240 python3 -m deepinfer profile --model $model --device cuda --add-mtp-layer \
+    timeout 300 python3 -m deepinfer profile --model $model --device cuda --add-mtp-layer \
       --num-speculative-tokens 3 --reps 3 --block-size 64 --max-num-seqs 512 \
       --max-num-batched-tokens 16384 --num-gpu-blocks 20000 --out "$profile" 2>&1 \
       | grep -v "profiling:" | tail -5 | tee "$OUT/$what.profile.log"

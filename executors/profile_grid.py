@@ -147,7 +147,8 @@ def run_slack(query: int, drafts: int, reps: int) -> int:
     `reps` timed ones (a decode or verify request moves on by up to `query` tokens each),
     the drafter's chained positions after the last; a decode or verify request then
     `reps` + 2 pipelined steps of 1 + drafts tokens (profiler._pipelined: every draft
-    assumed accepted) and their chained positions."""
+    assumed accepted) and their chained positions, and on CUDA `reps` steps more
+    (profiler._device_only)."""
     if query == 1 + drafts:
-        return (2 * reps + 3) * query + drafts
+        return (3 * reps + 3) * query + drafts
     return (reps + 1) * query + drafts

@@ -19,7 +19,14 @@ p90_s over its timed runs (reps); kernel variants compiled while it ran; and for
 followed by the drafter, `drafter` (drafts it proposes) and `draft_s` (its median
 seconds, inside median_s); `pipelined_s`, seconds a step with each launched before the
 one before it is read (async scheduling), for every point but prompt chunks followed
-by the drafter (priced by the plain fit).
+by the drafter (priced by the plain fit). On CUDA, with `pipelined_s`: `launch_s`, the
+host's seconds inside the launch (`execute_async`) of those pipelined steps, and
+`device_s`, the device's own seconds for the step, timed with every kernel of it queued
+before the device reaches the first (`_device_only`); None where the launch waited on
+the device, so its kernels could not all be queued first. A step bound by its launch
+(the host issuing a piecewise step's eager attention layer by layer) has `device_s` well
+under `pipelined_s`: the simulator times its launch on the host and its kernels on the
+device apart (sim/cost_model.py, `LaunchCost`).
 
 A shape's requests and how they advance: executors/profile_session.py. Where the numbers
 come from (device, versions, commit): executors/profile_env.py.
@@ -184,6 +191,8 @@ class _Runs:
     times: list[float] = field(default_factory=list)
     drafting: list[float] = field(default_factory=list)
     pipelined: list[float] = field(default_factory=list)  # per round (no prompt beside drafts)
+    launches: list[float] = field(default_factory=list)  # host seconds of pipelined launches
+    devices: list[float | None] = field(default_factory=list)  # `_device_only`, per run
     compiled: int = 0
 
     def point(self, shape: StepShape, drafter: Any) -> dict[str, Any]:
@@ -205,6 +214,13 @@ class _Runs:
             point["draft_s"] = statistics.median(self.drafting)
         if self.pipelined:
             point["pipelined_s"] = statistics.median(self.pipelined)
+        if self.pipelined and self.launches:
+            point["launch_s"] = statistics.median(self.launches)
+            valid = [d for d in self.devices if d is not None]
+            # (None: some launch waited on the device, which a queued step cannot do)
+            point["device_s"] = (
+                statistics.median(valid) if len(valid) == len(self.devices) else None
+            )
         return point
 
 
@@ -231,32 +247,90 @@ def _run_shape(
             got.drafting.append(timed.seconds)
         session.advance(res)
     if timed is None and not any(session.drafts.values()):
-        got.pipelined.append(_pipelined(executor, session, reps))
+        got.pipelined.append(_pipelined(executor, session, reps, got.launches))
+        got.devices += _device_only(executor, session, reps, got.launches)
     elif timed is not None and not any(g[3] for g in shape.groups):
         # (the timer's synchronisations would end the overlap)
         with drafted_by(executor.runner, timed.inner):
-            got.pipelined.append(_pipelined(executor, session, reps))
+            got.pipelined.append(_pipelined(executor, session, reps, got.launches))
+            got.devices += _device_only(executor, session, reps, got.launches)
     executor.execute(session.finish())
     got.compiled += total_compiled() - compiled
 
 
-def _pipelined(executor: Any, session: StepSession, reps: int) -> float:
+def _pipelined(
+    executor: Any, session: StepSession, reps: int, launches: list[float] | None = None
+) -> float:
     """Seconds per step with each step launched before the one before it is read (async
     scheduling, ModelRunner.launch): the runner's host work overlaps the device's, so
     this is the longer of the two. The median of `reps` gaps between consecutive results
     once the pipeline is full, each with the next step launched in it: one stall (a
     collection, another tenant's burst) moves it little, where a mean over the run would
     carry it into the point. On a CPU each launch does its step's work, so a gap is one
-    step there."""
+    step there. launches (CUDA): gets the host's seconds inside each launch."""
     in_flight = executor.execute_async(session.next_step(pipelined=True))
     stamps: list[float] = []
+    timed = launches is not None and _on_cuda(executor)
     for _ in range(reps + 1):
-        launched = executor.execute_async(session.next_step(pipelined=True))
+        out = session.next_step(pipelined=True)
+        t0 = time.perf_counter()
+        launched = executor.execute_async(out)
+        if timed:
+            launches.append(time.perf_counter() - t0)  # type: ignore[union-attr]
         session.settle(in_flight.result())
         stamps.append(time.perf_counter())  # a result read with the next step queued
         in_flight = launched
     session.settle(in_flight.result())
     return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+
+
+def _on_cuda(executor: Any) -> bool:
+    device = getattr(executor, "device", None)
+    return device is not None and device.type == "cuda"
+
+
+def _device_only(
+    executor: Any, session: StepSession, reps: int, launches: list[float]
+) -> list[float | None]:
+    """The device's own seconds of `reps` steps (CUDA; empty elsewhere): each launched
+    behind a sleeping kernel that outlasts its launch, so that every kernel of the step is
+    queued before the device reaches the first, and the span of the launch's events
+    (`execute_async`) holds no wait on the host. None for a run whose launch outlasted
+    the sleep (the launch waited on the device: its span would hold the sleep's tail)."""
+    if not launches or not _on_cuda(executor):
+        return []
+    # Twice the slowest launch seen, and 2 ms more (the sleep's cycles from its rate).
+    sleep_s = 2 * max(launches) + 2e-3
+    cycles = int(sleep_s * _sleep_cycles_per_s())
+    got: list[float | None] = []
+    for _ in range(reps):
+        out = session.next_step()
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        handle = executor.execute_async(out)
+        host = time.perf_counter() - t0
+        res = handle.result()
+        device = handle.device_seconds(wait=True)
+        got.append(device if host < 0.8 * sleep_s and device is not None else None)
+        session.advance(res)
+    return got
+
+
+_SLEEP_RATE: list[float] = []  # (measured once a process)
+
+
+def _sleep_cycles_per_s() -> float:
+    """`torch.cuda._sleep`'s cycles per second on this device (its clock, timed once)."""
+    if not _SLEEP_RATE:
+        cycles = 10_000_000
+        torch.cuda._sleep(cycles)  # (warm)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_RATE.append(cycles / (start.elapsed_time(end) / 1e3))
+    return _SLEEP_RATE[0]
 
 
 def profile_host(

@@ -171,7 +171,7 @@ class AnalyticCostModel(CostModel):
             n, ctx_sum = batch.num_reqs, batch.ctx_sum
             cpu = self.coeffs.cpu_step_overhead_s + self.coeffs.cpu_per_request_s * n
             for s in range(batch.num_steps):
-                yield cpu, self._price_sums(decode_sums(n, ctx_sum + n * s), None, None), 0.0
+                yield cpu, self._price_sums(decode_sums(n, ctx_sum + n * s), None, None), 0.0, 0.0
 
     @property
     def grammar_mask_per_token_s(self) -> float:

@@ -29,11 +29,13 @@ if TYPE_CHECKING:
     from deepinfer.outputs import SchedulerOutput
     from sim.hardware import HardwareSpec
 
-# (cpu_time, launch_cost's two figures) of each step of a decode run, in order.
-RunCosts = Iterator[tuple[float, float, float]]
+# (cpu_time, launch_cost's two figures, launch_seconds) of each step of a decode run, in
+# order.
+RunCosts = Iterator[tuple[float, float, float, float]]
 
 __all__ = [
     "CostModel",
+    "device_span",
     "EngineSettings",
     "KVLoadPricing",
     "RunCosts",
@@ -83,6 +85,16 @@ class CostModel(ABC):
         Default: the step costs the same whatever runs before it (0.0 more)."""
         return self.step_time(out), 0.0
 
+    def launch_seconds(self, out: SchedulerOutput) -> float:
+        """Host seconds the launch of `out` takes (read after `launch_cost` of the same
+        step): the host is busy meanwhile, and the step's device work cannot end before
+        its last kernel is issued, whatever `launch_cost` says of the device's own work.
+        A step whose launch outlasts its kernels (the host issuing a piecewise step's
+        eager attention layer by layer) is bound by it: under async scheduling its launch
+        overlaps the step before it on the device. Default 0.0: a launch is instant (the
+        device price holds whatever of it the device waits for)."""
+        return 0.0
+
     def for_engine(
         self, model: ModelConfig, hardware: HardwareSpec, settings: EngineSettings
     ) -> CostModel:
@@ -95,7 +107,8 @@ class CostModel(ABC):
     def decode_run_costs(self, run: DecodeRun) -> RunCosts | None:
         """The run's steps priced one after another without a SchedulerOutput each: for
         step s (every request decoding one token at its context + s), exactly the floats
-        `cpu_time(out)` and `launch_cost(out)` give for that step's `out`, up to
+        `cpu_time(out)`, `launch_cost(out)` and `launch_seconds(out)` give for that step's
+        `out`, up to
         `run.horizon` steps; the simulator fast-forwards through the run with them.
         Default None: this model prices only whole outputs, and the simulator runs
         single steps."""
@@ -110,19 +123,33 @@ class CostModel(ABC):
 
 def prices_decode_runs(cost: CostModel) -> bool:
     """Whether `cost.decode_run_costs` is the model's own account of its steps: a subclass
-    that overrides `step_time`, `cpu_time` or `launch_cost` below the class that defines
+    that overrides `step_time`, `cpu_time`, `launch_cost` or `launch_seconds` below the
+    class that defines
     `decode_run_costs` would have its runs priced by the parent's formula, so it gets
     single steps (and so does a model that defines no run pricing)."""
     cls = type(cost)
     owner = _definer(cls, "decode_run_costs")
     if owner is CostModel:
         return False
-    hooks = ("step_time", "cpu_time", "launch_cost")
+    hooks = ("step_time", "cpu_time", "launch_cost", "launch_seconds")
     return all(issubclass(owner, _definer(cls, hook)) for hook in hooks)
 
 
 def _definer(cls: type, name: str) -> type:
     return next(c for c in cls.__mro__ if name in c.__dict__)
+
+
+def device_span(cost: CostModel, out: SchedulerOutput, behind: float | None) -> float:
+    """The device's span of `out`'s work as the simulator's timeline makes it (from its
+    first kernel, or from the end of the step before where that is later, to its last):
+    on an idle device (behind None) its sequential time, no shorter than its launch;
+    launched behind a step with `behind` device seconds left, its own device time, no
+    shorter than the part of its launch that outlasts that step."""
+    priced, idle = cost.launch_cost(out)
+    launch = cost.launch_seconds(out)
+    if behind is None:
+        return max(priced + idle, launch)
+    return max(priced, launch - behind)
 
 
 def mask_time(out: SchedulerOutput, per_token_s: float) -> float:
@@ -190,4 +217,4 @@ class UnitCostModel(CostModel):
         return self.cpu_seconds if out.scheduled else 0.0
 
     def decode_run_costs(self, run: DecodeRun) -> RunCosts:
-        return repeat((self.cpu_seconds, self.step_seconds, 0.0), run.horizon)
+        return repeat((self.cpu_seconds, self.step_seconds, 0.0, 0.0), run.horizon)

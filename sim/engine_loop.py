@@ -190,10 +190,11 @@ def serve_engine(
                     loading = kv_loads.seconds(out) if kv_loads is not None else 0.0
                     if on_host:
                         priced = cost.step_time(out) + loading
-                        timeline.launched(out.step_id, masks, priced, 0.0)
+                        timeline.launched(out.step_id, masks, priced, 0.0, 0.0)
                     else:
                         priced, idle = cost.launch_cost(out)
-                        timeline.launched(out.step_id, masks, priced + loading, idle)
+                        launch = cost.launch_seconds(out)
+                        timeline.launched(out.step_id, masks, priced + loading, idle, launch)
                 else:
                     timeline.awaited(out.step_id)
         arrivals.stepped(clock.now)
@@ -253,20 +254,25 @@ class Timeline:
         if host_free > now:
             clock.now += host_free - now
 
-    def launched(self, step_id: int, masks: float, priced: float, idle: float) -> None:
+    def launched(
+        self, step_id: int, masks: float, priced: float, idle: float, launch: float
+    ) -> None:
         """A step launched, its device seconds `priced` (`idle` more on an idle device),
-        its grammar masks host work beside it. Its host part (what a pipelined step
-        hides) runs from its launch: the device starts it once that is done and the step
-        before has ended. On the host's CPU the launch runs the step: the host is busy
-        until it ends."""
+        the host busy `launch` seconds issuing it, then its grammar masks beside it. Its
+        host part (what a pipelined step hides) runs from its launch: the device starts it
+        once that is done and the step before has ended, and ends it no sooner than the
+        launch does (its last kernel is issued then). On the host's CPU the launch runs the
+        step (`priced` holds it all): the host is busy until it ends."""
         now = self.clock.now
         start = self.host_free if self.host_free > now else now
         if self.on_host:
             self.host_free = self.device_free = start + masks + priced
         else:
-            self.host_free = start + masks
+            issued = start + launch
+            self.host_free = issued + masks
             ready = start + idle
-            self.device_free = (self.device_free if self.device_free > ready else ready) + priced
+            done = (self.device_free if self.device_free > ready else ready) + priced
+            self.device_free = done if done > issued else issued
         self.ready_at[step_id] = max(self.device_free, self.host_free)
 
     def awaited(self, step_id: int) -> None:
@@ -327,21 +333,23 @@ def _time_run(
     now, hf, df = clock.now, timeline.host_free, timeline.device_free
     # Under async scheduling each step's turn awaits the step before it: its ready time.
     previous = timeline.ready_at.pop(run.first_step_id - 1) if awaits_previous else 0.0
-    for cpu, priced, idle in costs:
+    for cpu, priced, idle, issue in costs:
         if arrival <= now and launched:
             break
         # scheduled(cpu); the step's state goes to t, h, d until it is taken
         h = (hf if hf > now else now) + cpu
         t = now + (h - now) if h > now else now
         launch = t
-        # launched(step_id, 0.0, priced, idle)
+        # launched(step_id, 0.0, priced, idle, issue)
         start = h if h > t else t
         if on_host:
             h = d = start + 0.0 + priced
         else:
-            h = start + 0.0
+            issued = start + issue
+            h = issued + 0.0
             ready = start + idle
             d = (df if df > ready else ready) + priced
+            d = d if d > issued else issued
         ready = h if h > d else d  # max(d, h)
         # awaited(the step before under async scheduling, else this one)
         done = previous if awaits_previous else ready

@@ -7,9 +7,11 @@ The held-out check (`deepinfer profile --from-log LOG --held-out F`): fit on the
 table for another profile (a grid profile, `--compare`) reads the two side by side. A
 whole run held out is `--check LOG`: its steps are predicted, never fitted.
 
-A step's device price is the one the simulator charges it: launched while the step
-before ran (async scheduling on a GPU), its pipelined price; otherwise its price on an
-idle device (`CostModel.launch_cost`, both figures).
+A step's device price is the span the simulator's timeline gives it
+(`sim.cost_model.device_span`): launched while the step before ran (async scheduling on
+a GPU), its pipelined price, or with launches priced apart what its launch outlasts of
+the step before; otherwise its price on an idle device (`CostModel.launch_cost`, both
+figures).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 
 from deepinfer.model_config import ModelConfig
 from deepinfer.step_log_file import StepLogFile
+from sim.cost_model import device_span
 from sim.hardware import get_hardware
 from sim.profile_fit import shape_output
 from sim.profile_from_log import KINDS, step_kind
@@ -64,15 +67,15 @@ def step_errors(
                 max_num_seqs=int(engine.get("max_num_seqs") or 256),
                 max_num_batched_tokens=int(engine.get("max_num_batched_tokens") or 8192),
             )  # fmt: skip
+            behind = None  # the device price of the step before
             for step in log.steps:
                 kind = step_kind(step.groups)
+                out = shape_output(step.groups)
+                overlapped = step.overlapped and cost.pipelined
+                priced = device_span(cost, out, behind if overlapped else None)
+                behind = cost.step_time(out)
                 if kind not in KINDS:
                     continue
-                out = shape_output(step.groups)
-                if step.overlapped and cost.pipelined:
-                    priced = cost.step_time(out)
-                else:
-                    priced = sum(cost.launch_cost(out))
                 real = step.seconds  # (a pipelined step's device span where the log has one)
                 if real > 0:
                     device.setdefault(kind, []).append(abs(priced - real) / real)

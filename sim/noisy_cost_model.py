@@ -13,7 +13,6 @@ lower KV tiers are priced by the engine loop, outside any cost model: not pertur
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from sim.cost_model import CostModel, EngineSettings, RunCosts, prices_decode_runs
@@ -86,6 +85,9 @@ class NoisyCostModel(CostModel):
         f = self._of(out)
         return priced * f, idle * f
 
+    def launch_seconds(self, out: SchedulerOutput) -> float:
+        return self.inner.launch_seconds(out) * self._host  # (host work)
+
     def decode_run_costs(self, run: DecodeRun) -> RunCosts | None:
         """The wrapped model's run, each step times its factor (a decode run's step s is
         step `run.first_step_id + s`, so its draw is the single step's)."""
@@ -96,13 +98,11 @@ class NoisyCostModel(CostModel):
             return None
         return self._noisy_run(costs, run.first_step_id)
 
-    def _noisy_run(
-        self, costs: RunCosts, first_step_id: int
-    ) -> Iterator[tuple[float, float, float]]:
+    def _noisy_run(self, costs: RunCosts, first_step_id: int) -> RunCosts:
         host, factor = self._host, self.factor
-        for s, (cpu, priced, idle) in enumerate(costs):
+        for s, (cpu, priced, idle, launch) in enumerate(costs):
             f = factor("decode", first_step_id + s)
-            yield cpu * host, priced * f, idle * f
+            yield cpu * host, priced * f, idle * f, launch * host
 
     @property
     def grammar_mask_per_token_s(self) -> float:

@@ -89,13 +89,17 @@ def decode_splits(rows: int, num_heads: int, num_sms: int) -> int:
     return max(1, min(slots // max(rows * head_blocks, 1), DECODE_MAX_SPLITS))
 
 
-def step_seconds(point: dict[str, Any], pipelined: bool) -> float:
+def step_seconds(point: dict[str, Any], pipelined: bool, device: bool = False) -> float:
     """A profile point's step time: its median, or (async scheduling) its pipelined time,
     which cannot exceed the median: launching a step while the one before runs only
     hides host work, so a pipelined median above it is noise from its few rounds and
-    the median stands."""
+    the median stands. device (with pipelined): the device's own time of the step
+    (`device_s`, executors/profiler.py), which the pipelined time bounds, where the
+    point has it (else the pipelined time: a step whose launch waited on the device)."""
     if pipelined:
-        return min(float(point["pipelined_s"]), float(point["median_s"]))
+        seconds = min(float(point["pipelined_s"]), float(point["median_s"]))
+        own = point.get("device_s") if device else None
+        return seconds if own is None or own > seconds else float(own)
     return float(point["median_s"])
 
 
@@ -246,10 +250,11 @@ class StepSurface:
         host: float,
         beside: StepSurface | None,
         tail: tuple[int, float, float, int] | None = None,
-    ) -> Iterator[tuple[float, float, float]]:
+        launch: float = 0.0,
+    ) -> Iterator[tuple[float, float, float, float]]:
         """A decode run's steps priced on this surface (the cost model's RunCosts): for
         each c of `contexts`, (`host`, `predict_at(b, c)`, how much more
-        `beside.predict_at(b, c)` is, at least 0.0; 0.0 without `beside`). tail =
+        `beside.predict_at(b, c)` is, at least 0.0; 0.0 without `beside`, `launch`). tail =
         (ctx_max, key_s, beside_key_s, splits) of a one-wave batch (`one_wave_decode`):
         each price also adds its longest request's pieces past c (the contexts' mean),
         `key_s * (longest - c) / splits` with longest = max(1.0, ctx_max + s) at step s,
@@ -273,7 +278,8 @@ class StepSurface:
             for c in contexts:
                 longest += 1.0
                 far = (longest if longest > 1.0 else 1.0) if tail is not None else None
-                yield host, *self._priced_beside(b, c, beside, far, key_s, beside_key_s, splits)
+                priced, extra = self._priced_beside(b, c, beside, far, key_s, beside_key_s, splits)
+                yield host, priced, extra, launch
             return
         i, u = self._batch_cell(b)
         a = 1 - u
@@ -290,7 +296,8 @@ class StepSurface:
             far = longest if longest > 1.0 else 1.0
             if c < c_lo or c > c_hi:
                 edge = far if tail is not None else None
-                yield host, *self._priced_beside(b, c, beside, edge, key_s, beside_key_s, splits)
+                priced, extra = self._priced_beside(b, c, beside, edge, key_s, beside_key_s, splits)
+                yield host, priced, extra, launch
                 continue
             lc = log2(c)
             if not lo < lc <= hi:
@@ -320,7 +327,7 @@ class StepSurface:
                     uniform = faw * f00 + fuw * f10 + fav * f01 + fuv * f11
                 priced = priced if priced < uniform else uniform
             if beside is None:
-                yield host, priced, 0.0
+                yield host, priced, 0.0, launch
             else:
                 other = aw * h00 + uw * h10 + av * h01 + uv * h11
                 if tail is not None:
@@ -331,7 +338,7 @@ class StepSurface:
                         uniform = beside.capped(b, other, far)
                     other = other if other < uniform else uniform
                 extra = other - priced
-                yield host, priced, extra if extra > 0.0 else 0.0
+                yield host, priced, extra if extra > 0.0 else 0.0, launch
 
     def _priced_beside(
         self,

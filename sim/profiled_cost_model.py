@@ -264,10 +264,25 @@ class ProfiledCostModel(CostModel):
                 "is slower than the real one; profile the model again",
                 stacklevel=2,
             )
+        # The host's seconds inside a launch, where every point the engine overlaps has
+        # them (`launch_s`; not when speculating: its verify steps chain on the step in
+        # flight): a pipelined step is then priced at the device's own time (`device_s`)
+        # and its launch apart (`launch_seconds`), which the device's work cannot end
+        # before. Without them a launch is instant and the pipelined time holds it.
+        self._launch_coef: list[float] | None = None
+        launches = [points[i].get("launch_s") for i in plain]
+        if pipelined and not num_speculative_tokens and None not in launches:
+            lx = np.array([self._launch_features(outs[i]) for i in plain], dtype=float)
+            ly = np.array(launches, dtype=float)
+            self._launch_coef = [float(c) for c in nnls_relative(lx, ly)]
         # What each point is priced as: its pipelined time where this engine overlaps it
-        # (the plain points, and the chained verify points when it speculates).
+        # (the plain points, and the chained verify points when it speculates), or the
+        # device's own time with the launch apart.
         overlapped = set(timed) if pipelined else set()
-        y = np.array([step_seconds(p, i in overlapped) for i, p in enumerate(points)], dtype=float)
+        device = self._launch_coef is not None
+        y = np.array(
+            [step_seconds(p, i in overlapped, device) for i, p in enumerate(points)], dtype=float
+        )
         x = np.array([self.features(outs[i]) for i in plain])
         self.coef = nnls_relative(x, y[plain])
         self._coef = [float(c) for c in self.coef]  # plain floats: the per-step path
@@ -367,6 +382,44 @@ class ProfiledCostModel(CostModel):
         extra = self._sequential_model()._price(step) - priced
         return priced, extra if extra > 0.0 else 0.0
 
+    def launch_seconds(self, out: SchedulerOutput) -> float:
+        """The launch fit's price of `out` (CostModel.launch_seconds); 0.0 without one."""
+        coef = self._launch_coef
+        if coef is None or not out.scheduled:
+            return 0.0
+        return sum(map(mul, self._launch_features(out), coef))
+
+    def _launch_features(self, out: SchedulerOutput) -> list[float]:
+        """What the host's launch of a step does, as the runner chooses its forward: a
+        decode graph's replay (pure decode up to the graphs' rows), a piecewise step (its
+        pieces' replays, then layer by layer the eager attention: the decode half where
+        it has decodes, the prefill half where it has prompt chunks) or an eager one; and
+        per request and per token (its inputs and metadata)."""
+        decodes = chunks = tokens = 0
+        for r in out.scheduled:
+            q = r.num_tokens
+            tokens += q
+            if q > 1 and r.is_prompt:
+                chunks += 1
+            else:
+                decodes += 1
+        return self._launch_head(len(out.scheduled), tokens, decodes, chunks)
+
+    def _launch_head(self, n: int, tokens: int, decodes: int, chunks: int) -> list[float]:
+        graph = tokens == n and 0 < n <= self._max_num_seqs
+        piecewise = not graph and tokens <= self._piecewise_max
+        return [
+            float(graph), float(piecewise), float(not graph and not piecewise),
+            float(decodes > 0 and not graph), float(chunks > 0), float(n), float(tokens),
+        ]  # fmt: skip
+
+    def _decode_launch(self, n: int) -> float:
+        """`launch_seconds` of a pure-decode step of n requests (a decode run's)."""
+        coef = self._launch_coef
+        if coef is None:
+            return 0.0
+        return sum(map(mul, self._launch_head(n, n, n, 0), coef))
+
     def _sequential_model(self) -> ProfiledCostModel:
         """The fit on the points' medians, which prices a launch on an idle device."""
         if self._sequential is None:
@@ -407,15 +460,17 @@ class ProfiledCostModel(CostModel):
         )  # fmt: skip
         a, b, c = self._host
         cpu = a + b * n + c * n
+        launch = self._decode_launch(n)
         one_wave = n <= self._one_wave
         lim, m = self._limits, _EXTRAPOLATION_MARGIN
         beyond = n > lim["tokens"] * m or n > lim["reqs"] * m
         longest_limit = lim["context"] * m
         if one_wave:
-            costs = self._one_wave_run(n, ctx_max, ctx_sum, horizon, cpu, sequential)
+            costs = self._one_wave_run(n, ctx_max, ctx_sum, horizon, cpu, sequential, launch)
         else:
             beside = None if sequential is None else sequential._decode
-            costs = self._decode.run_costs(float(n), _means(n, ctx_sum, horizon), cpu, beside)
+            means = _means(n, ctx_sum, horizon)
+            costs = self._decode.run_costs(float(n), means, cpu, beside, launch=launch)
         if beyond or ctx_max + horizon > longest_limit:  # a step may warn: each checks
             return self._warning_range(costs, n, ctx_max, beyond, longest_limit)
         return costs
@@ -428,6 +483,7 @@ class ProfiledCostModel(CostModel):
         horizon: int,
         cpu: float,
         sequential: ProfiledCostModel | None,
+        launch: float,
     ) -> RunCosts:
         """A one-wave batch's steps: the surface at each step's mean plus the longest
         request's pieces past it (`_plain_decode`), both models in one pass
@@ -437,7 +493,7 @@ class ProfiledCostModel(CostModel):
         seq_key_s = 0.0 if sequential is None else sequential._piece_key_s
         tail = (ctx_max, self._piece_key_s, seq_key_s, splits)
         means = _means(n, ctx_sum, horizon)
-        return self._decode.run_costs(float(batch), means, cpu, beside, tail)
+        return self._decode.run_costs(float(batch), means, cpu, beside, tail, launch)
 
     def _warning_range(
         self, costs: RunCosts, n: int, ctx_max: int, beyond: bool, longest_limit: float

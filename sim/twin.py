@@ -124,10 +124,11 @@ class WallClockPacer:
         masks = mask_time(out, self.mask_per_token_s) if self.mask_per_token_s else 0.0
         if self.on_host:  # the launch runs the step: the host is busy until it ends
             self._host_free = self._device_free = start + masks + self.cost.step_time(out)
-        else:
-            self._host_free = start + masks
+        else:  # (as the simulator's Timeline.launched)
             priced, idle = self.cost.launch_cost(out)
-            self._device_free = max(self._device_free, start + idle) + priced
+            issued = start + self.cost.launch_seconds(out)
+            self._host_free = issued + masks
+            self._device_free = max(max(self._device_free, start + idle) + priced, issued)
         self._ready_at[out.step_id] = max(self._device_free, self._host_free)
 
     def _sleep_until(self, t: float) -> None:

@@ -320,3 +320,24 @@ def test_the_grid_times_lone_chunks_between_the_token_buckets() -> None:
     ]
     assert len([q for q in lone if q not in buckets]) >= 3
     assert len([q for q in lone if q in buckets]) >= 5
+
+
+@pytest.mark.gpu
+def test_a_profile_on_the_gpu_times_each_launch_and_the_devices_own_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On CUDA every pipelined point also has its launch's host seconds and the device's
+    own seconds (its kernels all queued behind a sleep first), which the pipelined time
+    bounds; on the CPU neither (executors/profiler.py, `_device_only`)."""
+    out = tmp_path / "p.json"
+    code = cli.main(
+        ["profile", "--model", "deepinfer-demo", "--device", "cuda", "--quick", "--reps", "2",
+         "--block-size", "16", "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
+         "--num-gpu-blocks", "256", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    points = [p for p in json.loads(out.read_text())["points"] if "pipelined_s" in p]
+    assert points and all(p["launch_s"] > 0 for p in points)
+    timed = [p for p in points if p["device_s"] is not None]
+    assert len(timed) >= 0.9 * len(points)
+    assert all(0 < p["device_s"] <= 1.1 * p["pipelined_s"] for p in timed)

@@ -23,9 +23,11 @@ from deepinfer.outputs import SchedulerOutput
 from sim.cost_model import CostModel, UnitCostModel
 from sim.cost_model_registry import resolve_cost_model
 from sim.hardware import get_hardware
+from sim.profiled_cost_model import ProfiledCostModel
 from sim.simulator import SimResult, simulate
 from sim.traces import Trace, TraceRequest
 from tests.property.strategies import scaled
+from tests.sim.launch_profiles import with_launch_times
 
 MODEL = "moonlight-16b-a3b"
 PREFIX_BLOCK = 16  # tokens of one shared prefix block of the generated traces
@@ -43,6 +45,19 @@ def _profiled(async_scheduling: bool, max_num_seqs: int, max_num_batched_tokens:
             max_num_batched_tokens=max_num_batched_tokens,
         )  # fmt: skip
     return cost
+
+
+@cache
+def _launched(async_scheduling: bool, max_num_seqs: int, max_num_batched_tokens: int) -> CostModel:
+    """The same profile with each step's launch timed apart from its device work
+    (`CostModel.launch_seconds`: the host's launch of a decode run's steps too)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ProfiledCostModel(
+            with_launch_times(f"{MODEL}__h200"), load_model_config(MODEL), get_hardware("h200"),
+            async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )  # fmt: skip
 
 
 @st.composite
@@ -88,8 +103,9 @@ def engines(draw: st.DrawFn) -> EngineConfig:
 
 
 def _cost(name: str, engine: EngineConfig) -> CostModel | str:
-    if name == "profiled":
-        return _profiled(
+    if name in ("profiled", "launched"):
+        build = _profiled if name == "profiled" else _launched
+        return build(
             bool(engine.async_scheduling), engine.max_num_seqs, engine.max_num_batched_tokens
         )
     if name == "unit":
@@ -114,7 +130,7 @@ def _assert_same(single: SimResult, fast: SimResult) -> None:
 
 
 @scaled(0.3)
-@given(traces(), engines(), st.sampled_from(["unit", "analytic", "profiled"]))
+@given(traces(), engines(), st.sampled_from(["unit", "analytic", "profiled", "launched"]))
 def test_fast_forward_gives_the_single_steps_results(
     trace: Trace, engine: EngineConfig, cost: str
 ) -> None:

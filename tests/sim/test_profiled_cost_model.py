@@ -17,6 +17,7 @@ from sim.hardware import get_hardware
 from sim.profile_fit import StepSurface, graph_batch
 from sim.profiled_cost_model import FEATURES, PROFILES_DIR, ProfiledCostModel, shape_output
 from sim.traces import TraceRequest
+from tests.sim.launch_profiles import with_launch_times
 from tests.sim.profile_names import named_model
 
 SHIPPED = sorted(PROFILES_DIR.glob("*__h[12]00.json"))
@@ -317,8 +318,8 @@ def test_a_decode_runs_prices_are_its_steps_to_the_bit(path) -> None:
             for c in contexts:
                 priced = surface.predict_at(batch, c)
                 more = 0.0 if beside is None else beside.predict_at(batch, c) - priced
-                want.append((0.5, priced, max(0.0, more)))
-            assert list(surface.run_costs(batch, contexts, 0.5, beside)) == want
+                want.append((0.5, priced, max(0.0, more), 0.25))
+            assert list(surface.run_costs(batch, contexts, 0.5, beside, launch=0.25)) == want
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
@@ -345,24 +346,30 @@ def test_a_one_wave_runs_capped_prices_are_its_steps_to_the_bit(path) -> None:
                         if beside is not None:
                             other = beside.predict_at(batch, c) + beside_key_s * (far - c) / 4
                             more = min(other, beside.predict_at(batch, far)) - priced
-                        want.append((0.5, priced, max(0.0, more)))
+                        want.append((0.5, priced, max(0.0, more), 0.0))
                     tail = (top, key_s, beside_key_s, 4)
                     got = list(surface.run_costs(batch, means, 0.5, beside, tail))
                     assert got == want, (batch, top, key_s, beside is None)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_ragged_decode_runs_prices_are_its_steps_to_the_bit(async_scheduling) -> None:
+@pytest.mark.parametrize("launch", [False, True])
+def test_a_ragged_decode_runs_prices_are_its_steps_to_the_bit(async_scheduling, launch) -> None:
     """The fast-forward prices a ragged batch's steps (one wave: the mean's surface and
-    the longest request's pieces past it; past a wave: the mean) exactly as `cpu_time`
-    and `launch_cost` price each step, pipelined or not."""
+    the longest request's pieces past it; past a wave: the mean) exactly as `cpu_time`,
+    `launch_cost` and `launch_seconds` price each step, pipelined or not, with the
+    launches timed apart or not."""
     from deepinfer.decode_run import Batch
 
     path = PROFILES_DIR / "deepseek-v2-lite__h100.json"
+    profile = with_launch_times(path.stem) if launch else path
     cm = ProfiledCostModel(
-        path, load_model_config("deepseek-v2-lite"), get_hardware("h100"),
+        profile, load_model_config("deepseek-v2-lite"), get_hardware("h100"),
         async_scheduling=async_scheduling,
     )  # fmt: skip
+    assert (cm.launch_seconds(shape_output([[3, 1, 100, False]])) > 0) == (
+        launch and async_scheduling
+    )
     sequential = cm._sequential_model() if cm.pipelined else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -376,7 +383,7 @@ def test_a_ragged_decode_runs_prices_are_its_steps_to_the_bit(async_scheduling) 
             got = list(cm._decode_batch(Batch(0, 12, n, ctx_max, ctx_sum), sequential))
             for s, priced in enumerate(got):
                 out = shape_output([[count, 1, ctx + s, False] for count, ctx in groups])
-                assert priced == (cm.cpu_time(out), *cm.launch_cost(out))
+                assert priced == (cm.cpu_time(out), *cm.launch_cost(out), cm.launch_seconds(out))
 
 
 def _doubled(surface: StepSurface) -> StepSurface:
