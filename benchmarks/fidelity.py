@@ -205,7 +205,8 @@ def _predicted(
     out = []
     for kind, shape, wall, execute in steps:
         so = _step_output(shape)
-        host, device = cost.cpu_time(so), cost.step_time(so)
+        # (the host's part of a round: its core work and, priced apart, the launch)
+        host, device = cost.cpu_time(so) + cost.launch_seconds(so), cost.step_time(so)
         pred = {"launch": device, "overlap": max(host, device)}.get(basis, host + device)
         out.append((kind, shape, execute if basis == "launch" else wall, pred))
     return out
@@ -251,7 +252,8 @@ def step_basis(cfg: EngineConfig, hardware: str) -> str:
       speculation (this per-step table prices steps by their shapes without drafts;
       speculating runs are compared by benchmarks/speculative.py). A round's host work
       runs beside the device's, so the prediction is the longer of the two, against the
-      round's wall.
+      round's wall. The host's work counts the step's launch where the cost model
+      prices it apart (`launch_seconds`).
     - "launch": async scheduling where the launch runs the step (the host's CPU). A round
       applies one step and then runs the next inside its launch, so its wall is not the
       applied step's; the step's own launch time (the engine's step duration) is compared

@@ -19,14 +19,15 @@ p90_s over its timed runs (reps); kernel variants compiled while it ran; and for
 followed by the drafter, `drafter` (drafts it proposes) and `draft_s` (its median
 seconds, inside median_s); `pipelined_s`, seconds a step with each launched before the
 one before it is read (async scheduling), for every point but prompt chunks followed
-by the drafter (priced by the plain fit). On CUDA, with `pipelined_s`: `launch_s`, the
-host's seconds inside the launch (`execute_async`) of those pipelined steps, and
-`device_s`, the device's own seconds for the step, timed with every kernel of it queued
-before the device reaches the first (`_device_only`); None where the launch waited on
-the device, so its kernels could not all be queued first. A step bound by its launch
+by the drafter (priced by the plain fit). On CUDA, for the points without the drafter
+that have `pipelined_s`: `launch_s`, the host's seconds inside the launch
+(`execute_async`) of those pipelined steps, and `device_s`, the device's own seconds for
+the step, timed with every kernel of it queued before the device reaches the first
+(`_device_only`); None where the launch waited on the device, so its kernels could not
+all be queued first (a one-off stall in one run does it too). A step bound by its launch
 (the host issuing a piecewise step's eager attention layer by layer) has `device_s` well
-under `pipelined_s`: the simulator times its launch on the host and its kernels on the
-device apart (sim/cost_model.py, `LaunchCost`).
+under `pipelined_s`: the simulator keeps the host busy for its launch and prices the
+device's own work apart (sim/cost_model.py, `CostModel.launch_seconds`).
 
 A shape's requests and how they advance: executors/profile_session.py. Where the numbers
 come from (device, versions, commit): executors/profile_env.py.
@@ -214,7 +215,7 @@ class _Runs:
             point["draft_s"] = statistics.median(self.drafting)
         if self.pipelined:
             point["pipelined_s"] = statistics.median(self.pipelined)
-        if self.pipelined and self.launches:
+        if self.pipelined and self.launches and self.devices:
             point["launch_s"] = statistics.median(self.launches)
             valid = [d for d in self.devices if d is not None]
             # (None: some launch waited on the device, which a queued step cannot do)
@@ -250,10 +251,10 @@ def _run_shape(
         got.pipelined.append(_pipelined(executor, session, reps, got.launches))
         got.devices += _device_only(executor, session, reps, got.launches)
     elif timed is not None and not any(g[3] for g in shape.groups):
-        # (the timer's synchronisations would end the overlap)
+        # (the timer's synchronisations would end the overlap; a speculating engine's
+        # launches are not priced apart: no launch or device-only times)
         with drafted_by(executor.runner, timed.inner):
-            got.pipelined.append(_pipelined(executor, session, reps, got.launches))
-            got.devices += _device_only(executor, session, reps, got.launches)
+            got.pipelined.append(_pipelined(executor, session, reps))
     executor.execute(session.finish())
     got.compiled += total_compiled() - compiled
 
@@ -301,11 +302,13 @@ def _device_only(
         return []
     # Twice the slowest launch seen, and 2 ms more (the sleep's cycles from its rate).
     sleep_s = 2 * max(launches) + 2e-3
-    cycles = int(sleep_s * _sleep_cycles_per_s())
+    with torch.cuda.device(executor.device):
+        cycles = int(sleep_s * _sleep_cycles_per_s())
     got: list[float | None] = []
     for _ in range(reps):
         out = session.next_step()
-        torch.cuda._sleep(cycles)
+        with torch.cuda.device(executor.device):  # (the launch's stream's device)
+            torch.cuda._sleep(cycles)
         t0 = time.perf_counter()
         handle = executor.execute_async(out)
         host = time.perf_counter() - t0

@@ -87,12 +87,13 @@ class CostModel(ABC):
 
     def launch_seconds(self, out: SchedulerOutput) -> float:
         """Host seconds the launch of `out` takes (read after `launch_cost` of the same
-        step): the host is busy meanwhile, and the step's device work cannot end before
-        its last kernel is issued, whatever `launch_cost` says of the device's own work.
-        A step whose launch outlasts its kernels (the host issuing a piecewise step's
-        eager attention layer by layer) is bound by it: under async scheduling its launch
-        overlaps the step before it on the device. Default 0.0: a launch is instant (the
-        device price holds whatever of it the device waits for)."""
+        step): the host is busy meanwhile. A model that prices it apart prices the
+        device's own work in `launch_cost` (its first figure), the rest of the step's
+        sequential time in the second: a step whose launch outlasts its kernels (the host
+        issuing a piecewise step's eager attention layer by layer) then ends a sequential
+        time after its launch began, under async scheduling while the step before it
+        runs on the device. Default 0.0: a launch is instant (the device price holds
+        whatever of it the device waits for)."""
         return 0.0
 
     def for_engine(
@@ -140,16 +141,15 @@ def _definer(cls: type, name: str) -> type:
 
 
 def device_span(cost: CostModel, out: SchedulerOutput, behind: float | None) -> float:
-    """The device's span of `out`'s work as the simulator's timeline makes it (from its
-    first kernel, or from the end of the step before where that is later, to its last):
-    on an idle device (behind None) its sequential time, no shorter than its launch;
-    launched behind a step with `behind` device seconds left, its own device time, no
-    shorter than the part of its launch that outlasts that step."""
+    """The device's span of `out`'s work as the simulator's timeline makes it
+    (`Timeline.launched`: from its launch, or from the end of the step before where that
+    is later, to its end): on an idle device (behind None) its sequential time
+    (`launch_cost`'s sum); launched behind a step with `behind` device seconds left, its
+    device price and what its idle-launch part outlasts that step."""
     priced, idle = cost.launch_cost(out)
-    launch = cost.launch_seconds(out)
     if behind is None:
-        return max(priced + idle, launch)
-    return max(priced, launch - behind)
+        return priced + idle
+    return priced + (idle - behind if idle > behind else 0.0)
 
 
 def mask_time(out: SchedulerOutput, per_token_s: float) -> float:

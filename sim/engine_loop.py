@@ -260,19 +260,20 @@ class Timeline:
         """A step launched, its device seconds `priced` (`idle` more on an idle device),
         the host busy `launch` seconds issuing it, then its grammar masks beside it. Its
         host part (what a pipelined step hides) runs from its launch: the device starts it
-        once that is done and the step before has ended, and ends it no sooner than the
-        launch does (its last kernel is issued then). On the host's CPU the launch runs the
-        step (`priced` holds it all): the host is busy until it ends."""
+        once that is done and the step before has ended. With the launch priced apart,
+        `priced` is the device's own work and `idle` the rest of the step's sequential
+        time, so a step bound by its launch ends a sequential time after its launch began
+        (its kernels come as the host issues them), and one bound by the device its work
+        after the step before. On the host's CPU the launch runs the step (`priced`
+        holds it all): the host is busy until it ends."""
         now = self.clock.now
         start = self.host_free if self.host_free > now else now
         if self.on_host:
             self.host_free = self.device_free = start + masks + priced
         else:
-            issued = start + launch
-            self.host_free = issued + masks
+            self.host_free = start + launch + masks
             ready = start + idle
-            done = (self.device_free if self.device_free > ready else ready) + priced
-            self.device_free = done if done > issued else issued
+            self.device_free = (self.device_free if self.device_free > ready else ready) + priced
         self.ready_at[step_id] = max(self.device_free, self.host_free)
 
     def awaited(self, step_id: int) -> None:
@@ -345,11 +346,9 @@ def _time_run(
         if on_host:
             h = d = start + 0.0 + priced
         else:
-            issued = start + issue
-            h = issued + 0.0
+            h = start + issue + 0.0
             ready = start + idle
             d = (df if df > ready else ready) + priced
-            d = d if d > issued else issued
         ready = h if h > d else d  # max(d, h)
         # awaited(the step before under async scheduling, else this one)
         done = previous if awaits_previous else ready

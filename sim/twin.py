@@ -126,9 +126,8 @@ class WallClockPacer:
             self._host_free = self._device_free = start + masks + self.cost.step_time(out)
         else:  # (as the simulator's Timeline.launched)
             priced, idle = self.cost.launch_cost(out)
-            issued = start + self.cost.launch_seconds(out)
-            self._host_free = issued + masks
-            self._device_free = max(max(self._device_free, start + idle) + priced, issued)
+            self._host_free = start + self.cost.launch_seconds(out) + masks
+            self._device_free = max(self._device_free, start + idle) + priced
         self._ready_at[out.step_id] = max(self._device_free, self._host_free)
 
     def _sleep_until(self, t: float) -> None:

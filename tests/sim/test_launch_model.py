@@ -11,6 +11,7 @@ import pytest
 from deepinfer.config import EngineConfig
 from deepinfer.model_config import load_model_config
 from sim import simulate
+from sim.cost_model import device_span
 from sim.engine_loop import Clock, Timeline
 from sim.hardware import get_hardware
 from sim.profiled_cost_model import PROFILES_DIR, ProfiledCostModel, shape_output
@@ -61,31 +62,51 @@ def test_a_pipelined_step_is_priced_at_its_device_time_and_on_an_idle_device_as_
     assert decode == pytest.approx(old, rel=0.02)
 
 
-@pytest.mark.parametrize("launch", [False, True])
-def test_without_launch_times_or_async_scheduling_a_launch_is_instant(launch: bool) -> None:
+def test_without_launch_times_or_async_scheduling_a_launch_is_instant() -> None:
     assert _cost(launch=False).launch_seconds(MIXED) == 0.0
-    assert _cost(async_scheduling=False, launch=launch).launch_seconds(MIXED) == 0.0
+    for launch in (False, True):
+        assert _cost(async_scheduling=False, launch=launch).launch_seconds(MIXED) == 0.0
 
 
-def test_a_launch_bound_step_ends_with_its_launch_not_after_the_step_before() -> None:
-    """A chunk launched while a decode step runs: the host issues it for `launch` seconds,
-    the device ends the decode and then the chunk's kernels as they come, so the chunk
-    ends when its launch does (its own work shorter), not the decode's end plus its
-    price; the decode's results wait for the host to finish the launch."""
+def test_a_launch_bound_step_ends_a_sequential_time_after_its_launch_began() -> None:
+    """A chunk launched while a decode step runs, as the model prices it: the host issues
+    it for its launch, and the device, done with the decode, runs its kernels as they
+    come, so it ends its sequential time after its launch began (its device time after
+    that would end it sooner), not after the decode plus its pipelined price; the
+    decode's results are read once the launch returned."""
+    before, cost = _cost(launch=False), _cost()
+    decode = cost.launch_cost(DECODE)
+    priced, idle = cost.launch_cost(MIXED)
+    launch = cost.launch_seconds(MIXED)
     clock = Clock()
     tl = Timeline(clock, on_host=False)
     tl.scheduled(0.0)
-    tl.launched(1, 0.0, 0.004, 0.0, 0.0003)  # a decode: 4 ms on the device
-    tl.scheduled(0.0005)  # the chunk scheduled while it runs
-    start = clock.now
-    tl.launched(2, 0.0, 0.005, 0.0, 0.016)  # 5 ms of device work, 16 ms to launch
-    assert tl.device_free == start + 0.016
-    assert tl.host_free == start + 0.016
-    tl.awaited(1)  # the decode's results: read once the launch returned
-    assert clock.now == start + 0.016
-    tl.scheduled(0.0)
-    tl.launched(3, 0.0, 0.006, 0.0, 0.0)  # device-bound: after the chunk
-    assert tl.device_free == start + 0.016 + 0.006
+    tl.launched(1, 0.0, decode[0], decode[1], cost.launch_seconds(DECODE))
+    tl.scheduled(cost.cpu_time(MIXED))  # the chunk scheduled while the decode runs
+    start, decode_end = clock.now, tl.device_free
+    assert decode_end > start  # (the decode still runs)
+    tl.launched(2, 0.0, priced, idle, launch)
+    assert tl.device_free == pytest.approx(start + priced + idle)
+    assert tl.device_free < decode_end + sum(before.launch_cost(MIXED)) - 0.002
+    tl.awaited(1)
+    assert clock.now == pytest.approx(start + launch)
+
+
+def test_the_per_step_span_is_the_timelines() -> None:
+    """`device_span` (the fidelity table's and `profile --check`'s price of a real step)
+    is the span the timeline gives the step: behind a step with some device time left,
+    or on an idle device."""
+    cost = _cost()
+    for first, second in ((DECODE, MIXED), (MIXED, DECODE), (DECODE, LONE), (LONE, MIXED)):
+        clock = Clock()
+        tl = Timeline(clock, on_host=False)
+        tl.scheduled(0.0)
+        tl.launched(1, 0.0, *cost.launch_cost(first), 0.0)  # (its launch: not the span's)
+        start, end = clock.now, tl.device_free
+        tl.launched(2, 0.0, *cost.launch_cost(second), cost.launch_seconds(second))
+        behind = end - start
+        assert tl.device_free - end == pytest.approx(device_span(cost, second, behind))
+        assert device_span(cost, second, None) == sum(cost.launch_cost(second))
 
 
 def test_a_device_bound_step_is_priced_as_before() -> None:
@@ -101,8 +122,7 @@ def test_a_device_bound_step_is_priced_as_before() -> None:
 def test_launch_times_shorten_a_served_run_of_launch_bound_chunks() -> None:
     """Arrivals whose prompts run beside decodes: priced apart, each chunk's launch
     overlaps the decode before it, so the run is quicker than at the pipelined times
-    (which stack the chunk's whole period after the decode), and slower than with the
-    launches free: the launch is the chunk's floor."""
+    (which stack the chunk's whole period after the decode)."""
     trace = Trace(
         "arrivals", "python",
         [TraceRequest(f"r{i}", 0.03 * i, 300, 40) for i in range(12)],
@@ -113,4 +133,3 @@ def test_launch_times_shorten_a_served_run_of_launch_bound_chunks() -> None:
         before = simulate(trace, "moonlight-16b-a3b", "h200", engine, _cost(launch=False))
         after = simulate(trace, "moonlight-16b-a3b", "h200", engine, _cost())
     assert after.summary["makespan_s"] < before.summary["makespan_s"]
-    assert len(after.requests) == len(before.requests) == 12
