@@ -169,10 +169,10 @@ def device_errors(
     the host's work between launches. A step launched on an idle device (its idle
     time past IDLE_LAUNCH_GAP_S, or unknown: the first step timed) has its input
     preparation inside the span, and is priced as the simulator prices that launch
-    (`launch_cost`: the sequential time); the others behind the step before, as its
-    launch began when that one's device work did (`device_span`: with launches priced
-    apart, a launch-bound step's span is what its launch outlasts of the step before).
-    Steps without a span (off CUDA) are left out."""
+    (`launch_cost`: the sequential time); the others behind the step before, as if
+    their launch began when that one's device work did (`device_span`: the device price
+    and what the step's idle-launch part outlasts the step before; with launches priced
+    apart, a launch-bound step's span). Steps without a span (off CUDA) are left out."""
     rows = []
     behind = None  # the device price of the step before
     for kind, shape, span, idle_before in steps:

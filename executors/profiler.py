@@ -271,13 +271,13 @@ def _pipelined(
     step there. launches (CUDA): gets the host's seconds inside each launch."""
     in_flight = executor.execute_async(session.next_step(pipelined=True))
     stamps: list[float] = []
-    timed = launches is not None and _on_cuda(executor)
+    timed = launches if _on_cuda(executor) else None
     for _ in range(reps + 1):
         out = session.next_step(pipelined=True)
         t0 = time.perf_counter()
         launched = executor.execute_async(out)
-        if timed:
-            launches.append(time.perf_counter() - t0)  # type: ignore[union-attr]
+        if timed is not None:
+            timed.append(time.perf_counter() - t0)
         session.settle(in_flight.result())
         stamps.append(time.perf_counter())  # a result read with the next step queued
         in_flight = launched

@@ -109,8 +109,8 @@ class CostModel(ABC):
         """The run's steps priced one after another without a SchedulerOutput each: for
         step s (every request decoding one token at its context + s), exactly the floats
         `cpu_time(out)`, `launch_cost(out)` and `launch_seconds(out)` give for that step's
-        `out`, up to
-        `run.horizon` steps; the simulator fast-forwards through the run with them.
+        `out`, up to `run.horizon` steps; the simulator fast-forwards through the run with
+        them.
         Default None: this model prices only whole outputs, and the simulator runs
         single steps."""
         return None
@@ -125,9 +125,8 @@ class CostModel(ABC):
 def prices_decode_runs(cost: CostModel) -> bool:
     """Whether `cost.decode_run_costs` is the model's own account of its steps: a subclass
     that overrides `step_time`, `cpu_time`, `launch_cost` or `launch_seconds` below the
-    class that defines
-    `decode_run_costs` would have its runs priced by the parent's formula, so it gets
-    single steps (and so does a model that defines no run pricing)."""
+    class that defines `decode_run_costs` would have its runs priced by the parent's
+    formula, so it gets single steps (and so does a model that defines no run pricing)."""
     cls = type(cost)
     owner = _definer(cls, "decode_run_costs")
     if owner is CostModel:
