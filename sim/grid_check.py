@@ -22,6 +22,10 @@ The step kinds (`step_kind`; a point's by its shape, a simulated step's the same
   draft         a step the MTP drafter follows with no drafts to verify yet
   host          the core's host seconds around a step (the profile's host samples)
 
+Where the points carry the host's launch seconds (`launch_s`, executors/profiler.py), the
+launch fit (`ProfiledCostModel.launch_seconds`, async scheduling) is held out the same
+way, on a line of its own.
+
 Each kind's figures are the median and p90 of |error| over its held-out points, beside
 the targets of the fidelity issue (median <= 3%, p90 <= 8%); a kind with no point is
 not covered (the simulator prices such steps by the fit's physics alone), and the ranges
@@ -136,6 +140,7 @@ class GridCheck:
     uncovered: tuple[str, ...]
     too_few: tuple[str, ...] = ()  # kinds of one point: none left to fit it on
     short: tuple[str, ...] = ()  # kinds whose steps stop well short of the grid's reach
+    launch: KindCheck | None = None  # the launch fit's, where the points time launches
 
     def table(self) -> str:
         """One line a kind: points, median and p90 |error|, the median signed error,
@@ -157,6 +162,13 @@ class GridCheck:
                 f"{c.bias:+7.1%}  {'met' if c.meets_targets else 'missed':7s}  "
                 f"{_span(c.reqs)}, {_span(c.tokens)}, {context}"
             )
+        c = self.launch
+        if c is not None:
+            lines.append(
+                f"  {'launch':13s} {len(c.errors):6d} {c.median_abs:7.1%} {c.p90_abs:7.1%} "
+                f"{c.bias:+7.1%}  {'met' if c.meets_targets else 'missed':7s}  "
+                f"{_span(c.reqs)}, {_span(c.tokens)}, {_span(c.context)}"
+            )
         for line in self.short:
             lines.append(f"  {line}")
         for kind in self.too_few:
@@ -173,6 +185,7 @@ class GridCheck:
             "uncovered": list(self.uncovered),
             "too_few": list(self.too_few),
             "short": list(self.short),
+            "launch": None if self.launch is None else self.launch.to_dict(),
         }
 
 
@@ -225,7 +238,21 @@ def check_grid(
     uncovered = tuple(k for k in KINDS if k not in present)
     too_few = tuple(k for k in KINDS if k in present and k not in checked)
     name = str(profile.get("_path", profile.get("model", "profile")))
-    return GridCheck(name.rsplit("/", 1)[-1], folds, checked, uncovered, too_few, _short(checked))
+    launch = None
+    if errors.get("launch"):
+        held_out = sorted(errors["launch"].items())
+        reqs, tokens, context = zip(*(_extent(points[i]) for i, _ in held_out))
+        launch = KindCheck(
+            "launch",
+            tuple(e for _, e in held_out),
+            tuple(i for i, _ in held_out),
+            (min(reqs), max(reqs)),
+            (min(tokens), max(tokens)),
+            (min(context), max(context)),
+        )
+    return GridCheck(
+        name.rsplit("/", 1)[-1], folds, checked, uncovered, too_few, _short(checked), launch
+    )
 
 
 def _short(checked: dict[str, KindCheck]) -> tuple[str, ...]:
@@ -285,6 +312,13 @@ def _check_fold(
             h = host[i]
             priced = cost.cpu_time(_host_shape(h["num_reqs"], h["num_tokens"]))
             _add(errors, "host", i, priced, h["schedule_s"] + h["process_s"])
+    timed = [i for i in plain_held if points[i].get("launch_s") is not None]
+    if timed:  # the launch fit (async scheduling), where the fold's fit has one
+        cost = ProfiledCostModel(fitted, model, hardware, 0, async_scheduling=True, **limits)
+        if cost.prices_launches:
+            for i in timed:
+                priced = cost.launch_seconds(shape_output(points[i]["groups"]))
+                _add(errors, "launch", i, priced, float(points[i]["launch_s"]))
     if spec_held:
         cost = ProfiledCostModel(fitted, model, hardware, drafts, **limits)
         for i in spec_held:

@@ -382,6 +382,12 @@ class ProfiledCostModel(CostModel):
         extra = self._sequential_model()._price(step) - priced
         return priced, extra if extra > 0.0 else 0.0
 
+    @property
+    def prices_launches(self) -> bool:
+        """The launch is priced apart (`launch_seconds`): async scheduling, not speculating,
+        and every plain point with its launch timed."""
+        return self._launch_coef is not None
+
     def launch_seconds(self, out: SchedulerOutput) -> float:
         """The launch fit's price of `out` (CostModel.launch_seconds); 0.0 without one."""
         coef = self._launch_coef

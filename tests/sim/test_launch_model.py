@@ -4,6 +4,7 @@ that takes both, and a profile without them priced as before."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -133,3 +134,20 @@ def test_launch_times_shorten_a_served_run_of_launch_bound_chunks() -> None:
         before = simulate(trace, "moonlight-16b-a3b", "h200", engine, _cost(launch=False))
         after = simulate(trace, "moonlight-16b-a3b", "h200", engine, _cost())
     assert after.summary["makespan_s"] < before.summary["makespan_s"]
+
+
+def test_the_grid_check_holds_out_the_launch_fit() -> None:
+    """`profile --check-grid` prices each point's launch by the launch fit of the other
+    points, on a line of its own; a profile without launch times has none."""
+    from sim.grid_check import check_grid
+
+    model, hardware = load_model_config("moonlight-16b-a3b"), get_hardware("h200")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        timed = check_grid(with_launch_times(NAME), model, hardware, folds=4)
+        shipped = json.loads((PROFILES_DIR / f"{NAME}.json").read_text())
+        plain = check_grid(shipped, model, hardware, folds=4)
+    assert timed.launch is not None and len(timed.launch.errors) > 40
+    assert timed.launch.median_abs < 0.02  # (the made-up launches are the fit's own form)
+    assert "launch" in timed.table() and timed.to_dict()["launch"]["errors"]
+    assert plain.launch is None and "launch" not in plain.table()
