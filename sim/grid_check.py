@@ -152,22 +152,13 @@ class GridCheck:
             f"  {'kind':13s} {'points':>6s} {'median':>7s} {'p90':>7s} {'bias':>7s}  "
             f"{'targets':7s}  requests, tokens, longest context",
         ]
-        for kind in KINDS:
-            c = self.kinds.get(kind)
-            if c is None:
-                continue
-            context = "-" if kind == "host" else _span(c.context)  # (samples hold none)
+        checks = [self.kinds[k] for k in KINDS if k in self.kinds]
+        for c in checks + ([self.launch] if self.launch is not None else []):
+            context = "-" if c.kind == "host" else _span(c.context)  # (samples hold none)
             lines.append(
-                f"  {kind:13s} {len(c.errors):6d} {c.median_abs:7.1%} {c.p90_abs:7.1%} "
+                f"  {c.kind:13s} {len(c.errors):6d} {c.median_abs:7.1%} {c.p90_abs:7.1%} "
                 f"{c.bias:+7.1%}  {'met' if c.meets_targets else 'missed':7s}  "
                 f"{_span(c.reqs)}, {_span(c.tokens)}, {context}"
-            )
-        c = self.launch
-        if c is not None:
-            lines.append(
-                f"  {'launch':13s} {len(c.errors):6d} {c.median_abs:7.1%} {c.p90_abs:7.1%} "
-                f"{c.bias:+7.1%}  {'met' if c.meets_targets else 'missed':7s}  "
-                f"{_span(c.reqs)}, {_span(c.tokens)}, {_span(c.context)}"
             )
         for line in self.short:
             lines.append(f"  {line}")
@@ -224,34 +215,34 @@ def check_grid(
             )
         else:
             shapes = (_extent(p) for p, k in zip(points, kinds) if k == kind)
-        reqs, tokens, context = zip(*shapes)
-        held_out = sorted(errors[kind].items())
-        checked[kind] = KindCheck(
-            kind,
-            tuple(e for _, e in held_out),
-            tuple(i for i, _ in held_out),
-            (min(reqs), max(reqs)),
-            (min(tokens), max(tokens)),
-            (min(context), max(context)),
-        )
+        checked[kind] = _kind_check(kind, errors[kind], shapes)
     present = set(kinds) | ({"host"} if host else set())
     uncovered = tuple(k for k in KINDS if k not in present)
     too_few = tuple(k for k in KINDS if k in present and k not in checked)
     name = str(profile.get("_path", profile.get("model", "profile")))
     launch = None
     if errors.get("launch"):
-        held_out = sorted(errors["launch"].items())
-        reqs, tokens, context = zip(*(_extent(points[i]) for i, _ in held_out))
-        launch = KindCheck(
-            "launch",
-            tuple(e for _, e in held_out),
-            tuple(i for i, _ in held_out),
-            (min(reqs), max(reqs)),
-            (min(tokens), max(tokens)),
-            (min(context), max(context)),
-        )
+        timed = (_extent(points[i]) for i in sorted(errors["launch"]))
+        launch = _kind_check("launch", errors["launch"], timed)
     return GridCheck(
         name.rsplit("/", 1)[-1], folds, checked, uncovered, too_few, _short(checked), launch
+    )
+
+
+def _kind_check(
+    kind: str, errors: dict[int, float], shapes: Iterable[tuple[int, int, int]]
+) -> KindCheck:
+    """A kind's held-out errors (item -> signed error) and the ranges of its items'
+    (requests, tokens, longest context)."""
+    reqs, tokens, context = zip(*shapes)
+    held_out = sorted(errors.items())
+    return KindCheck(
+        kind,
+        tuple(e for _, e in held_out),
+        tuple(i for i, _ in held_out),
+        (min(reqs), max(reqs)),
+        (min(tokens), max(tokens)),
+        (min(context), max(context)),
     )
 
 
