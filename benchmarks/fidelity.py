@@ -176,11 +176,11 @@ def device_errors(
     rows = []
     behind = None  # the device price of the step before
     for kind, shape, span, idle_before in steps:
-        out = _step_output(shape)
-        idle = idle_before is None or idle_before > IDLE_LAUNCH_GAP_S
+        priced, idle = cost.launch_cost(_step_output(shape))
+        on_idle = idle_before is None or idle_before > IDLE_LAUNCH_GAP_S
         if span:
-            rows.append((kind, shape, span, device_span(cost, out, None if idle else behind)))
-        behind = cost.step_time(out)
+            rows.append((kind, shape, span, device_span(priced, idle, None if on_idle else behind)))
+        behind = priced
     return _error_table(rows)
 
 

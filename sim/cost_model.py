@@ -139,13 +139,12 @@ def _definer(cls: type, name: str) -> type:
     return next(c for c in cls.__mro__ if name in c.__dict__)
 
 
-def device_span(cost: CostModel, out: SchedulerOutput, behind: float | None) -> float:
-    """The device's span of `out`'s work as the simulator's timeline makes it
+def device_span(priced: float, idle: float, behind: float | None) -> float:
+    """The device's span of a step's work as the simulator's timeline makes it
     (`Timeline.launched`: from its launch, or from the end of the step before where that
-    is later, to its end): on an idle device (behind None) its sequential time
-    (`launch_cost`'s sum); launched behind a step with `behind` device seconds left, its
-    device price and what its idle-launch part outlasts that step."""
-    priced, idle = cost.launch_cost(out)
+    is later, to its end), from its `launch_cost` (priced, idle): on an idle device
+    (behind None) its sequential time; launched behind a step with `behind` device
+    seconds left, its device price and what its idle-launch part outlasts that step."""
     if behind is None:
         return priced + idle
     return priced + (idle - behind if idle > behind else 0.0)

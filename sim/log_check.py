@@ -9,9 +9,9 @@ whole run held out is `--check LOG`: its steps are predicted, never fitted.
 
 A step's device price is the span the simulator's timeline gives it
 (`sim.cost_model.device_span`): launched while the step before ran (async scheduling on
-a GPU), its pipelined price, or with launches priced apart what its launch outlasts of
-the step before; otherwise its price on an idle device (`CostModel.launch_cost`, both
-figures).
+a GPU), its pipelined price (with launches priced apart, its device time) and what its
+idle-launch part outlasts the step before; otherwise its price on an idle device
+(`CostModel.launch_cost`, both figures).
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ def step_errors(
             for step in log.steps:
                 kind = step_kind(step.groups)
                 out = shape_output(step.groups)
+                own, idle = cost.launch_cost(out)
                 overlapped = step.overlapped and cost.pipelined
-                priced = device_span(cost, out, behind if overlapped else None)
-                behind = cost.step_time(out)
+                priced = device_span(own, idle, behind if overlapped else None)
+                behind = own
                 if kind not in KINDS:
                     continue
                 real = step.seconds  # (a pipelined step's device span where the log has one)

@@ -266,9 +266,10 @@ class ProfiledCostModel(CostModel):
             )
         # The host's seconds inside a launch, where every point the engine overlaps has
         # them (`launch_s`; not when speculating: its verify steps chain on the step in
-        # flight): a pipelined step is then priced at the device's own time (`device_s`)
-        # and its launch apart (`launch_seconds`), which the device's work cannot end
-        # before. Without them a launch is instant and the pipelined time holds it.
+        # flight): a pipelined step is then priced at the device's own time (`device_s`),
+        # the rest of its sequential time its idle-launch part, and its launch apart on
+        # the host (`launch_seconds`). Without them a launch is instant and the pipelined
+        # time holds it.
         self._launch_coef: list[float] | None = None
         launches = [points[i].get("launch_s") for i in plain]
         if pipelined and not num_speculative_tokens and None not in launches:
@@ -390,10 +391,9 @@ class ProfiledCostModel(CostModel):
 
     def launch_seconds(self, out: SchedulerOutput) -> float:
         """The launch fit's price of `out` (CostModel.launch_seconds); 0.0 without one."""
-        coef = self._launch_coef
-        if coef is None or not out.scheduled:
+        if self._launch_coef is None or not out.scheduled:
             return 0.0
-        return sum(map(mul, self._launch_features(out), coef))
+        return self._launch_price(self._launch_features(out))
 
     def _launch_features(self, out: SchedulerOutput) -> list[float]:
         """What the host's launch of a step does, as the runner chooses its forward: a
@@ -421,10 +421,13 @@ class ProfiledCostModel(CostModel):
 
     def _decode_launch(self, n: int) -> float:
         """`launch_seconds` of a pure-decode step of n requests (a decode run's)."""
-        coef = self._launch_coef
-        if coef is None:
+        if self._launch_coef is None:
             return 0.0
-        return sum(map(mul, self._launch_head(n, n, n, 0), coef))
+        return self._launch_price(self._launch_head(n, n, n, 0))
+
+    def _launch_price(self, features: list[float]) -> float:
+        assert self._launch_coef is not None
+        return sum(map(mul, features, self._launch_coef))
 
     def _sequential_model(self) -> ProfiledCostModel:
         """The fit on the points' medians, which prices a launch on an idle device."""

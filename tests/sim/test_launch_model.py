@@ -106,8 +106,11 @@ def test_the_per_step_span_is_the_timelines() -> None:
         start, end = clock.now, tl.device_free
         tl.launched(2, 0.0, *cost.launch_cost(second), cost.launch_seconds(second))
         behind = end - start
-        assert tl.device_free - end == pytest.approx(device_span(cost, second, behind))
-        assert device_span(cost, second, None) == sum(cost.launch_cost(second))
+        priced, idle = cost.launch_cost(second)
+        assert tl.device_free - end == pytest.approx(device_span(priced, idle, behind))
+        fresh = Timeline(Clock(), on_host=False)  # the same step on an idle device
+        fresh.launched(3, 0.0, priced, idle, cost.launch_seconds(second))
+        assert fresh.device_free == pytest.approx(device_span(priced, idle, None))
 
 
 def test_a_device_bound_step_is_priced_as_before() -> None:
