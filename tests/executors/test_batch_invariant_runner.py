@@ -92,7 +92,7 @@ from tests.executors.batch_invariant_model import TARGET, runner_scenarios
 # The interpreter runs a kernel one program at a time: the float32 matmul's config for few
 # rows (16 x 16 tiles) makes ~30 programs a launch here, its config for many rows (64 x 64)
 # a few. One config for every batch keeps the mode batch-invariant (this test compares the
-# scenarios with each other); tests/kernels/test_batch_invariant.py runs each config.
+# scenarios with each other); the few-rows config runs in tests/kernels/test_batch_invariant.py.
 batch_invariant.MATMUL_CONFIGS_FP32 = batch_invariant.MATMUL_CONFIGS_FP32[-1:]
 path, out = Path(sys.argv[1]), sys.argv[2]
 # Two decode steps: preempted after two outputs (the prompt step's and a decode step's),
