@@ -12,8 +12,8 @@ arriving before --until), with timers around the engine's own methods:
 - finding runs (`EngineCore.decode_run`) and timing them (`sim.engine_loop._time_run`);
 - each single step (`EngineCore._pipelined_step` or `_sync_step`: the engine's work of
   scheduling, launching and applying, the driver's pricing between its events left
-  out), by what it scheduled: decodes beside a prompt chunk, decodes only, a step after
-  preemptions, or nothing.
+  out), by what it scheduled: a prompt chunk (beside decodes or not), drafts to verify,
+  decodes only, a step after preemptions, or nothing.
 The timers add their own overhead (about a microsecond a call): read the shares and the
 fit, not the absolute wall.
 """
@@ -40,15 +40,17 @@ from sim import load_trace, simulate
 
 
 def step_kind(out: SchedulerOutput) -> str:
-    """What a single step scheduled: 'decodes+prompt' (decodes of one token, and a prompt
-    chunk), 'decodes', 'preempting' (requests preempted since the step before), or
-    'empty'."""
+    """What a single step scheduled: 'decodes+prompt' (a prompt chunk, beside decodes or
+    not), 'verify' (drafts verified, no prompt chunk), 'decodes' (one token each),
+    'preempting' (requests preempted since the step before), or 'empty'."""
     if not out.scheduled:
         return "empty"
     if out.preempted_req_ids:
         return "preempting"
-    if any(r.is_prompt or r.num_tokens > 1 for r in out.scheduled):
+    if any(r.is_prompt and r.num_tokens > 1 for r in out.scheduled):
         return "decodes+prompt"
+    if any(r.num_tokens > 1 for r in out.scheduled):
+        return "verify"
     return "decodes"
 
 
@@ -158,7 +160,7 @@ class EventTimers:
                 f"finding runs: {calls} calls, {1e6 * found / calls:.1f} us a call, {found:.2f} s"
             )
         lines.append(f"timing runs: {self.seconds['_time_run']:.2f} s")
-        for kind in ("decodes+prompt", "decodes", "preempting", "empty", "no schedule"):
+        for kind in ("decodes+prompt", "verify", "decodes", "preempting", "empty", "no schedule"):
             count = self.counts[kind]
             if count:
                 spent = self.seconds[kind]
