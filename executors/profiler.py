@@ -35,6 +35,7 @@ come from (device, versions, commit): executors/profile_env.py.
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import time
@@ -286,8 +287,9 @@ def _pipelined(
 
 
 def _on_cuda(executor: Any) -> bool:
-    device = getattr(executor, "device", None)
-    return device is not None and device.type == "cuda"
+    """The torch executor (the one `profile_steps` drives: it reads `executor.runner`)
+    runs on CUDA."""
+    return bool(executor.device.type == "cuda")
 
 
 def _device_only(
@@ -319,21 +321,18 @@ def _device_only(
     return got
 
 
-_SLEEP_RATE: list[float] = []  # (measured once a process)
-
-
+@functools.cache
 def _sleep_cycles_per_s() -> float:
-    """`torch.cuda._sleep`'s cycles per second on this device (its clock, timed once)."""
-    if not _SLEEP_RATE:
-        cycles = 10_000_000
-        torch.cuda._sleep(cycles)  # (warm)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        _SLEEP_RATE.append(cycles / (start.elapsed_time(end) / 1e3))
-    return _SLEEP_RATE[0]
+    """`torch.cuda._sleep`'s cycles per second on this device (its clock, timed once a
+    process)."""
+    cycles = 10_000_000
+    torch.cuda._sleep(cycles)  # (warm)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)
 
 
 def profile_host(
