@@ -149,6 +149,7 @@ def compare_steps(
                 "ctx_max": max(c for _, c, _ in s.requests), "wall_s": s.wall_s,
                 "execute_s": s.execute_s, "idle_before_s": s.idle_before_s, "pred_s": pred,
                 "device_s": s.device_s, "device_idle_before_s": s.device_idle_before_s,
+                "launch_s": s.launch_s,
                 "shape": [list(r) for r in s.requests],  # (tokens, context, is_prompt) each
             })  # fmt: skip
     return table

@@ -43,6 +43,7 @@ class StepSample:
     # device idle before it (queued after the step before had finished).
     device_s: float | None = None
     device_idle_before_s: float | None = None
+    launch_s: float | None = None  # the host's seconds inside its launch
 
     @property
     def kind(self) -> str:
@@ -128,6 +129,7 @@ def replay(
             got = timer.step(sample.step_id)
             if got is not None:
                 sample.device_s, sample.device_idle_before_s = got
+            sample.launch_s = timer.launch_seconds.get(sample.step_id)
     result.wall_s = time.monotonic() - t0
     result.engine_steps = list(engine.steps)
     result.kv = engine.scheduler.kv

@@ -12,7 +12,9 @@ reaches them, so for step N:
   and any wait inside the launch for the host to queue more;
 - gap: start(N) - end(M), M the step launched before N: the device idle before N because
   N was queued after M had finished (0 when N was launched while M ran, as async
-  scheduling intends).
+  scheduling intends);
+- launch: the host's seconds inside N's launch (`launch_seconds`), what a profile point's
+  `launch_s` measures: where it outlasts the span, the device waited on the host.
 An empty step (never launched) has no events.
 
 `SyncWatch` counts the calls that made the host wait for the device while it was
@@ -23,6 +25,7 @@ for the step in flight leaves the device idle after it.
 from __future__ import annotations
 
 import statistics
+import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -36,6 +39,7 @@ class StepEvents:
         self.executor = executor
         # step id -> (start, end, the step launched before it: None for the first)
         self.events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event, int | None]] = {}
+        self.launch_seconds: dict[int, float] = {}  # step id -> the host's seconds in its launch
         self._own: Any = None  # an instance attribute execute_async shadowed on entry
         self._device = torch.device(getattr(executor, "device", "cuda"))
 
@@ -50,7 +54,9 @@ class StepEvents:
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
+                t0 = time.perf_counter()
                 handle = inner(out)
+                self.launch_seconds[out.step_id] = time.perf_counter() - t0
                 end.record()
             self.events[out.step_id] = (start, end, last[0])
             last[0] = out.step_id

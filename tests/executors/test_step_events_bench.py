@@ -71,3 +71,19 @@ def test_an_instance_launch_shadowed_on_entry_comes_back(bench) -> None:
     with bench.StepEvents(ex):
         assert ex.execute_async(SimpleNamespace(step_id=0, work_ms=1.0)) == "spy"
     assert ex.execute_async is own
+
+
+def test_the_host_seconds_inside_each_launch_are_kept_by_step(bench) -> None:
+    import time
+
+    class _Slow(_Executor):
+        def execute_async(self, out):  # type: ignore[no-untyped-def]
+            time.sleep(out.host_s)
+            return super().execute_async(out)
+
+    ex = _Slow()
+    with bench.StepEvents(ex) as ev:
+        for sid, host_s in ((0, 0.0), (1, 0.02)):
+            ex.execute_async(SimpleNamespace(step_id=sid, work_ms=1.0, host_s=host_s))
+    assert set(ev.launch_seconds) == {0, 1}
+    assert ev.launch_seconds[0] < 0.02 <= ev.launch_seconds[1]
