@@ -581,7 +581,12 @@ class EngineCore:
 
     def _launch(self, out: SchedulerOutput) -> _InFlight:
         start = self.clock()  # before the call: a synchronous executor returns when done
-        handle = self.executor.execute_async(out)
+        if self.step_writer is None:
+            handle = self.executor.execute_async(out)
+        else:
+            host_t0 = time.perf_counter()
+            handle = self.executor.execute_async(out)
+            self.step_writer.launched(out, time.perf_counter() - host_t0)
         returned = self.clock()
         # Done on return, or run by the launch (an executor on the host's CPU), with time
         # passed (a simulated clock passes none in a launch): the launch did the work.

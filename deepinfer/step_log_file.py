@@ -30,6 +30,9 @@ its results: what a profile point times, `executor.execute`), and
                 them: at once if it has when the step is applied, else when the next step
                 is applied, or when the engine has nothing in flight (`flush`), or at
                 `close`. Fits read it for pipelined steps only (`LoggedStep.seconds`).
+    launch_s    (with device_s) the host's seconds inside the step's launch
+                (`executor.execute_async`): what a profile point's `launch_s` measures.
+                A step whose launch outlasts its device work is bound by the launch.
 
 A line that is not what it should be is an error naming the file and the line.
 """
@@ -113,6 +116,7 @@ class StepLogWriter:
         self._file.write(json.dumps(header) + "\n")
         self._host_price = host_price
         self._schedule_s: dict[int, float] = {}  # step id -> its scheduling seconds
+        self._launch_s: dict[int, float] = {}  # step id -> the host's seconds in its launch
         # The last applied step's line and handle, while its device time is not read.
         self._pending: tuple[dict[str, Any], StepHandle] | None = None
         self.num_steps = 0
@@ -121,6 +125,10 @@ class StepLogWriter:
         """The engine scheduled `out` in `seconds` (an empty step is never applied)."""
         if out.scheduled:
             self._schedule_s[out.step_id] = seconds
+
+    def launched(self, out: SchedulerOutput, seconds: float) -> None:
+        """The executor's launch of `out` returned after `seconds` of the host's time."""
+        self._launch_s[out.step_id] = seconds
 
     def applied(
         self,
@@ -135,8 +143,10 @@ class StepLogWriter:
         device span, and waits for it if the device has not passed the step yet (written
         when the next step is applied, at `flush` or at `close`)."""
         schedule_s = self._schedule_s.pop(out.step_id, 0.0)
-        for step_id in [i for i in self._schedule_s if i < out.step_id]:  # failed steps
-            del self._schedule_s[step_id]
+        launch_s = self._launch_s.pop(out.step_id, None)
+        for kept in (self._schedule_s, self._launch_s):
+            for step_id in [i for i in kept if i < out.step_id]:  # failed steps
+                del kept[step_id]
         process_s = seconds
         if self._host_price is not None:
             schedule_s, process_s = self._host_price(out), 0.0
@@ -148,6 +158,8 @@ class StepLogWriter:
         }
         self._write_pending(wait=False)
         if handle is not None and handle.times_device:
+            if launch_s is not None:  # (a launch's host time means something beside a device's)
+                line["launch_s"] = launch_s
             self._pending = (line, handle)
             self._write_pending(wait=False, only_if_passed=True)
         else:
@@ -203,6 +215,7 @@ class LoggedStep(NamedTuple):
     process_s: float
     overlapped: bool
     device_s: float | None = None  # the device's span of its work, where the run timed it
+    launch_s: float | None = None  # the host's seconds inside its launch, likewise
 
     @property
     def host_s(self) -> float:
@@ -287,8 +300,8 @@ def _step(path: Path, n: int, obj: Any) -> LoggedStep:
     missing = [k for k in _REQUIRED if k not in obj]
     if missing:
         raise ValueError(f"{where}: the step has no {', '.join(map(repr, missing))}")
-    for key in ("duration", "schedule_s", "process_s", "device_s"):
-        if key not in obj:  # (device_s only: the others are required)
+    for key in ("duration", "schedule_s", "process_s", "device_s", "launch_s"):
+        if key not in obj:  # (device_s and launch_s only: the others are required)
             continue
         value = obj[key]
         if not _is_count(value, float):
@@ -311,10 +324,11 @@ def _step(path: Path, n: int, obj: Any) -> LoggedStep:
                 "(+ drafts verified), count and query >= 1"
             )
     record = StepRecord(**{k: obj[k] for k in _RECORD_FIELDS if k in obj})
-    device = obj.get("device_s")
+    device, launch = obj.get("device_s"), obj.get("launch_s")
     return LoggedStep(
         n, record, groups, float(obj["schedule_s"]), float(obj["process_s"]),
         bool(obj["overlapped"]), None if device is None else float(device),
+        None if launch is None else float(launch),
     )  # fmt: skip
 
 

@@ -136,6 +136,30 @@ def test_a_span_already_passed_is_written_at_once_and_flush_writes_the_waiting_o
     assert len(read_step_log(path).steps) == 2
 
 
+def test_a_launch_s_host_seconds_go_with_its_device_span_only(tmp_path: Path) -> None:
+    """Each launch's host seconds reach its own step's line where the launch times its
+    device (beside device_s, they tell a launch-bound step from a device-bound one); an
+    untimed launch (the simulator's, a CPU's) writes none, and a failed step's launch
+    time is not given to the next."""
+    path = tmp_path / "steps.jsonl"
+    timed = _TimedHandle(0.004)
+    timed.passed = True
+    with StepLogWriter(path, _header()) as writer:
+        writer.launched(_out(1, [(1, 40, False, 0)]), 0.5)  # (step 1 failed: never applied)
+        out = _out(2, [(1, 40, False, 0)])
+        writer.launched(out, 0.003)
+        writer.applied(out, _record(2), 0.001, True, timed)
+        out = _out(3, [(1, 41, False, 0)])
+        writer.launched(out, 0.002)
+        writer.applied(out, _record(3), 0.001, False)
+        out = _out(4, [(1, 42, False, 0)])
+        writer.applied(out, _record(4), 0.001, True, _TimedHandle(0.005))
+    log = read_step_log(path)
+    assert [s.launch_s for s in log.steps] == [0.003, None, None]
+    assert [s.device_s for s in log.steps] == [0.004, None, 0.005]
+    assert writer._launch_s == {}
+
+
 class _FailedDevice(_TimedHandle):
     def device_seconds(self, wait: bool = False) -> float | None:
         if wait:
@@ -214,6 +238,7 @@ GOOD = json.dumps(
         ),
         (re.sub(r'"num_running": \d+', '"num_running": 1.5', GOOD), "num_running 1.5"),
         (GOOD.replace('"overlapped"', '"device_s": -0.5, "overlapped"'), "device_s -0.5"),
+        (GOOD.replace('"overlapped"', '"launch_s": "x", "overlapped"'), "launch_s 'x'"),
     ],
 )
 def test_a_malformed_step_names_the_file_and_line(tmp_path: Path, line: str, says: str) -> None:

@@ -48,7 +48,7 @@ def test_on_cuda_each_step_logs_its_device_span_within_its_duration(
     tmp_path: Path, tiny_models
 ) -> None:
     """On CUDA every step's line holds its device span (CUDA events around its launch's
-    work, read without a synchronisation), and without async scheduling the span lies
+    work, read without a synchronisation) and its launch's host seconds, and without async scheduling the span lies
     inside the step's duration (launch to results read on the host)."""
     tiny = tiny_models["v3_plain"]
     path = tmp_path / "steps.jsonl"
@@ -67,6 +67,8 @@ def test_on_cuda_each_step_logs_its_device_span_within_its_duration(
     for step in steps:
         assert step.device_s is not None and step.device_s > 0
         assert step.device_s <= step.record.duration + 1e-5, step
+        # (the launch returns before its results are read: inside the duration too)
+        assert step.launch_s is not None and 0 < step.launch_s <= step.record.duration, step
 
 
 def test_a_step_log_of_several_engines_is_refused(tmp_path: Path, tiny_models) -> None:
