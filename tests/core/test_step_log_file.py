@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
 
 from deepinfer.config import EngineConfig
+from deepinfer.engine import EngineCore
 from deepinfer.executor import StepHandle
 from deepinfer.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.records import StepRecord
@@ -20,6 +22,7 @@ from deepinfer.step_log_file import (
     step_groups,
     step_log_header,
 )
+from tests.factories import ScriptedExecutor, StepClock, make_config, make_request
 
 
 def _out(step_id: int, shapes: list[tuple[int, int, bool, int]]) -> SchedulerOutput:
@@ -158,6 +161,40 @@ def test_a_launch_s_host_seconds_go_with_its_device_span_only(tmp_path: Path) ->
     assert [s.launch_s for s in log.steps] == [0.003, None, None]
     assert [s.device_s for s in log.steps] == [0.004, None, 0.005]
     assert writer._launch_s == {}
+
+
+class _SlowLaunchExecutor(ScriptedExecutor):
+    """Each launch spends step k's k milliseconds of the host's time and returns a handle
+    that times its device (as the torch executor's on CUDA)."""
+
+    def execute_async(self, out):  # type: ignore[no-untyped-def]
+        time.sleep(out.step_id * 1e-3)
+        return _TimedResult(self.execute(out))
+
+
+class _TimedResult(_TimedHandle):
+    def __init__(self, value: ModelRunnerOutput) -> None:
+        super().__init__(0.001)
+        self.passed, self.value = True, value
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        return self.value
+
+
+def test_the_engine_logs_each_launchs_host_seconds(tmp_path: Path) -> None:
+    path = tmp_path / "steps.jsonl"
+    cfg = make_config(num_gpu_blocks=40)
+    writer = StepLogWriter(path, _header())
+    engine = EngineCore(cfg, _SlowLaunchExecutor(40), clock=StepClock(), step_writer=writer)
+    engine.add_request(make_request("a", 4, max_tokens=5))
+    while engine.has_unfinished():
+        engine.step()
+    writer.close()
+    steps = read_step_log(path).steps
+    assert len(steps) == 5
+    for step in steps:
+        slept = step.record.step_id * 1e-3
+        assert step.launch_s is not None and slept <= step.launch_s < slept + 0.05, step
 
 
 class _FailedDevice(_TimedHandle):
