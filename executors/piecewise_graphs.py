@@ -178,5 +178,5 @@ class PiecewiseGraphs:
                 graphs[k].replay()
             if k < len(self.layers):
                 attn = self.layers[k].self_attn
-                self.o[:t].copy_(attn.attend(self.q[:t], md, self.kv_caches[k]))
+                attn.attend(self.q[:t], md, self.kv_caches[k], out=self.o[:t])
         return self.x[:t]

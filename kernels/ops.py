@@ -201,9 +201,11 @@ def mla_prefill_attention(
     scale: float,
     backend: str | None = None,
     batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q_nope [Tq, H, Dn], q_pe [Tq, H, R], k_nope [Tk, H, Dn], k_pe [Tk, R],
-    v [Tk, H, Dv] -> [Tq, H, Dv] (varlen causal, bottom-right aligned). The kernel needs
+    v [Tk, H, Dv] -> [Tq, H, Dv] (varlen causal, bottom-right aligned), written into
+    `out` [Tq, H, Dv] (last dim contiguous) where given. The kernel needs
     Dn, R, Dv powers of two >= 16 (tl.dot's smallest K) and contiguous last dims.
     max_query_len: the longest request's query count, a host int (the kernel's grid; it
     is never derived from cu_seqlens_q, which would be a host sync). With Tq > 0 it must
@@ -218,8 +220,10 @@ def mla_prefill_attention(
     if shapes_ok and use_triton(q_nope, backend):
         from kernels.mla_prefill import mla_prefill
 
-        return mla_prefill(*args)
-    return mla_prefill_ref(*args)
+        return mla_prefill(*args, out=out)
+    if out is None:
+        return mla_prefill_ref(*args)
+    return out.copy_(mla_prefill_ref(*args))
 
 
 def fused_moe(

@@ -109,19 +109,26 @@ class MLAttention(nn.Module):
         return q
 
     def attend(
-        self, q: torch.Tensor, md: AttentionMetadata, kv_cache: torch.Tensor
+        self,
+        q: torch.Tensor,
+        md: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention over the paged cache, shaped by the step's requests (run eagerly):
-        q [T, H, dn + R] -> [T, H, dv]; decode requests first, then prefill chunks."""
+        q [T, H, dn + R] -> [T, H, dv]; decode requests first, then prefill chunks, each
+        half written into its rows of `out` (contiguous [T, H, dv], e.g. the piecewise
+        graphs' buffer: no join, no copy) or of a new tensor."""
         t = q.shape[0]
+        if out is None:
+            out = q.new_empty(t, self.num_heads, self.v_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         td = md.num_decode_tokens
-        outs = []
         if md.num_decode_reqs > 0:
-            outs.append(self._decode(q_nope[:td], q_pe[:td], md, kv_cache))
+            self._decode(q_nope[:td], q_pe[:td], md, kv_cache, out[:td])
         if td < t:
-            outs.append(self._prefill(q_nope[td:], q_pe[td:], md, kv_cache))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H, dv]
+            self._prefill(q_nope[td:], q_pe[td:], md, kv_cache, out[td:])
+        return out
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, dn, L], W_UV [H, dv, L] (views)."""
@@ -134,13 +141,16 @@ class MLAttention(nn.Module):
         q_pe: torch.Tensor,
         md: AttentionMetadata,
         kv_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """Absorbed: q_nope [Td, H, dn], q_pe [Td, H, R] -> [Td, H, dv]."""
+        out: torch.Tensor,
+    ) -> None:
+        """Absorbed: q_nope [Td, H, dn], q_pe [Td, H, R] -> out [Td, H, dv] (contiguous)."""
         w_uk, w_uv = self._w_uk_uv()
         if self.batch_invariant:  # per head: [H, Td, dn] @ [H, dn, L]
             q_lat = kernel_ops.bmm(q_nope.transpose(0, 1), w_uk, True).transpose(0, 1)
         else:
-            q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [Td, H, L]
+            # per head, written through a transposed view: [Td, H, L] comes out contiguous
+            q_lat = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.kv_lora_rank)
+            torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
         n = md.num_decode_reqs
         o_lat = kernel_ops.mla_decode_attention(
             q_lat,  # [Td, H, L], and q_pe [Td, H, R] read where it lies
@@ -154,12 +164,12 @@ class MLAttention(nn.Module):
             q_pe=q_pe,
         )  # [Td, H, L]
         if self.batch_invariant:  # per head: [H, Td, L] @ [H, L, dv]
-            return kernel_ops.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), True).transpose(0, 1)
-        # Written through a transposed view, so [Td, H, dv] comes out contiguous and o_proj
+            o = kernel_ops.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), True)
+            out.copy_(o.transpose(0, 1))
+            return
+        # Written through a transposed view, so [Td, H, dv] lands contiguous and o_proj
         # reads it without a copy.
-        out = o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_dim)
         torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
-        return out
 
     def _prefill(
         self,
@@ -167,15 +177,16 @@ class MLAttention(nn.Module):
         q_pe: torch.Tensor,
         md: AttentionMetadata,
         kv_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """Full MLA: q_nope [Tp, H, dn], q_pe [Tp, H, R] -> [Tp, H, dv]."""
+        out: torch.Tensor,
+    ) -> None:
+        """Full MLA: q_nope [Tp, H, dn], q_pe [Tp, H, R] -> out [Tp, H, dv] (contiguous)."""
         latent = gather_latent_cache(kv_cache, md.prefill_kv_slots)  # [S, L + R]
         s = latent.shape[0]
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(s, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [S, H, dn], [S, H, dv]
-        return kernel_ops.mla_prefill_attention(
+        kernel_ops.mla_prefill_attention(
             q_nope, q_pe, k_nope, k_pe, v,  # k_pe: [S, R], shared by all heads
             md.prefill_cu_seqlens_q, md.prefill_cu_seqlens_k, md.prefill_max_query_len,
-            self.scale, batch_invariant=self.batch_invariant,
+            self.scale, batch_invariant=self.batch_invariant, out=out,
         )  # fmt: skip

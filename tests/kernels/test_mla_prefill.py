@@ -115,6 +115,18 @@ def test_ops_dispatch(device) -> None:
         assert rel_err(out, mla_prefill_ref(*upcast(args), 0.25)) < 1e-5
 
 
+def test_ops_writes_into_a_given_output(device) -> None:
+    """`out` receives the result on both backends (the kernel for power-of-two dims, the
+    twin for Dv = 24), and is what comes back: a caller's buffer needs no copy."""
+    gen = torch.Generator().manual_seed(12)
+    for dv in (16, 24):
+        args = make_prefill_case([6, 2], [6, 9], 2, 16, 16, dv, torch.float32, device, gen)
+        out = torch.full((8, 2, dv), float("nan"), device=device)
+        got = ops.mla_prefill_attention(*args, 0.25, backend="triton", out=out)
+        assert got is out
+        assert rel_err(out, mla_prefill_ref(*upcast(args), 0.25)) < 1e-5
+
+
 def test_zero_max_query_len_with_queries_is_an_error(device) -> None:
     """max_query_len is the kernel's grid bound, a host int the caller already knows (no
     hidden host sync). 0 with queries would launch nothing and return the unwritten
