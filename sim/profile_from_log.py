@@ -5,9 +5,8 @@ steps it already serves.
 A step log (deepinfer/step_log_file.py) holds every step of a run with its shape, its
 duration (the executor's time, what a profile point times), its device span where the
 run timed it (`device_s`: preferred for pipelined steps, it holds no host work of the
-next step's launch) and
-its host seconds. Served
-steps are all different (every decode batch has its own contexts), and the profiled
+next step's launch), its launch's host seconds likewise (`launch_s`) and its host
+seconds. Served steps are all different (every decode batch has its own contexts), and the profiled
 cost model fits points, so the steps are put into cells and each cell becomes one point:
 
   decode    (batch, effective context), both in half-octave buckets: the decode
@@ -24,7 +23,11 @@ the analytic model's ratio (the roofline's physics across a bucket's width, as t
 surface scales beyond its grid), with p10 and p90 of the same. Steps launched while the
 step before ran (async scheduling on a GPU) give the point's pipelined time, the others
 its sequential time; a point that has only one of the two takes it for both (counted in
-the meta). Every step is a host sample (schedule and process seconds).
+the meta). Where the log timed every launch of a cell, its point carries them as a
+profiler's point does (`launch_s`, the median; `device_s`, its pipelined time where
+those steps were device-timed), so the cost model prices launches apart, as served,
+when every plain point has one. Every step is a host sample (schedule and process
+seconds).
 
 With a base profile, a logged cell replaces the base's points in the same cell and the
 others are kept (the base's speculative points always: a log never separates the MTP
@@ -150,6 +153,7 @@ class _Binned:
     price: float  # its analytic price (_Prices.of), what its time is read against
     holds_next: bool = False  # its duration holds the next step's launch (_reattribute)
     device: bool = False  # its time is the device's span (`LoggedStep.device_s`)
+    launch: float | None = None  # a device-timed step's host seconds in its launch
     batch: int = 0  # a decode step's surface batch (`one_wave_decode`; past a wave, its own)
     pieces: int = 0  # a one-wave decode step on a GPU: its pieces a context, else 0
 
@@ -266,7 +270,7 @@ def fit_from_logs(
             price = prices.of(kind, out, batch)
             timed = step.device_s is not None and step.overlapped  # (LoggedStep.seconds)
             run.append(_Binned(kind, cell, out, step.seconds, pipelined, price, device=timed,
-                               batch=batch, pieces=pieces))  # fmt: skip
+                               launch=step.launch_s, batch=batch, pieces=pieces))  # fmt: skip
         runs.append(run)
         binned += [b for b in run if b is not None]
     # (a simulated log's durations are its cost model's prices, split as it priced them)
@@ -475,6 +479,16 @@ def _points(
         seq = sorted(t for t, pipelined in moved if not pipelined)
         pip = sorted(t for t, pipelined in moved if pipelined)
         times = seq or pip
+        # Launches priced apart (the profiler's `launch_s` / `device_s`) where the log
+        # timed every step's launch: the launches' median (the pipelined steps' where
+        # any ran so; host work, not moved by the analytic price), and, where every
+        # pipelined step was timed on the device, its device time: their spans' median.
+        launched: dict[str, float] = {}
+        if all(b.launch is not None for b in steps):
+            piped = [b for b in steps if b.pipelined] or steps
+            launched["launch_s"] = statistics.median([b.launch or 0.0 for b in piped])
+            if pip and all(b.device for b in piped):
+                launched["device_s"] = statistics.median(pip)
         points.append({
             "kind": kind, "groups": step_groups(rep), "num_reqs": len(rep.scheduled),
             "num_tokens": rep.num_batched_tokens,
@@ -484,6 +498,7 @@ def _points(
             "reps": len(times), "compiled": 0, "logged_steps": len(members),
             "_sequential": statistics.median(seq) if seq else None,
             "_pipelined": statistics.median(pip) if pip else None,
+            **launched,
         })  # fmt: skip
     ratios = {
         kind: statistics.median(per_price[kind, False]) / statistics.median(per_price[kind, True])
