@@ -30,7 +30,7 @@ its results: what a profile point times, `executor.execute`), and
                 them: at once if it has when the step is applied, else when the next step
                 is applied, or when the engine has nothing in flight (`flush`), or at
                 `close`. Fits read it for pipelined steps only (`LoggedStep.seconds`).
-    launch_s    (with device_s) the host's seconds inside the step's launch
+    launch_s    (where the executor times its device) the host's seconds inside its launch
                 (`executor.execute_async`): what a profile point's `launch_s` measures.
                 A step whose launch outlasts its device work is bound by the launch.
 

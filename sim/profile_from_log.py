@@ -23,11 +23,10 @@ the analytic model's ratio (the roofline's physics across a bucket's width, as t
 surface scales beyond its grid), with p10 and p90 of the same. Steps launched while the
 step before ran (async scheduling on a GPU) give the point's pipelined time, the others
 its sequential time; a point that has only one of the two takes it for both (counted in
-the meta). Where the log timed every launch of a cell, its point carries them as a
-profiler's point does (`launch_s`, the median; `device_s`, its pipelined time where
-those steps were device-timed), so the cost model prices launches apart, as served,
-when every plain point has one. Every step is a host sample (schedule and process
-seconds).
+the meta). Where the log timed every launch of a cell (and its pipelined steps by their
+device spans), its point carries their median as a profiler's point does (`launch_s`),
+so the cost model prices launches apart, as served, when every plain point has one.
+Every step is a host sample (schedule and process seconds).
 
 With a base profile, a logged cell replaces the base's points in the same cell and the
 others are kept (the base's speculative points always: a log never separates the MTP
@@ -302,6 +301,12 @@ def fit_from_logs(
     timed = sum(b.device for b in binned)
     if timed:
         notes.append(f"{timed} of {len(binned)} steps timed by their device span (device_s)")
+    launched = sum("launch_s" in p for p in points)
+    if launched:
+        notes.append(
+            f"{launched} of {len(points)} points with their steps' launch times (launch_s): "
+            "launches are priced apart only where every point the engine overlaps has one"
+        )
     if held:
         notes.append(
             f"{held} steps left out: the next step's launch (prompt chunks, beside them) "
@@ -479,16 +484,18 @@ def _points(
         seq = sorted(t for t, pipelined in moved if not pipelined)
         pip = sorted(t for t, pipelined in moved if pipelined)
         times = seq or pip
-        # Launches priced apart (the profiler's `launch_s` / `device_s`) where the log
-        # timed every step's launch: the launches' median (the pipelined steps' where
-        # any ran so; host work, not moved by the analytic price), and, where every
-        # pipelined step was timed on the device, its device time: their spans' median.
+        # Launches priced apart (the profiler's `launch_s`) where the log timed every
+        # step's launch and every pipelined step by its device span (a pipelined step's
+        # duration can hold the next step's launch, which would then count twice): the
+        # launches' median, the pipelined steps' where any ran so (host work, not moved
+        # by the analytic price). The point's pipelined time is already those spans, the
+        # device's time as served (a profiler's `device_s` is not: it queues a step's
+        # kernels before the device starts them, which serving never does).
         launched: dict[str, float] = {}
-        if all(b.launch is not None for b in steps):
-            piped = [b for b in steps if b.pipelined] or steps
-            launched["launch_s"] = statistics.median([b.launch or 0.0 for b in piped])
-            if pip and all(b.device for b in piped):
-                launched["device_s"] = statistics.median(pip)
+        piped = [b for b in steps if b.pipelined]
+        if all(b.launch is not None for b in steps) and all(b.device for b in piped):
+            among = piped or steps
+            launched["launch_s"] = statistics.median([b.launch or 0.0 for b in among])
         points.append({
             "kind": kind, "groups": step_groups(rep), "num_reqs": len(rep.scheduled),
             "num_tokens": rep.num_batched_tokens,

@@ -117,14 +117,18 @@ def test_ops_dispatch(device) -> None:
 
 def test_ops_writes_into_a_given_output(device) -> None:
     """`out` receives the result on both backends (the kernel for power-of-two dims, the
-    twin for Dv = 24), and is what comes back: a caller's buffer needs no copy."""
+    twin for Dv = 24), and is what comes back: a caller's buffer needs no copy. Here it
+    is rows 3..10 of a larger buffer (as the prefill rows of a step's attention output),
+    whose other rows stay as they were."""
     gen = torch.Generator().manual_seed(12)
     for dv in (16, 24):
         args = make_prefill_case([6, 2], [6, 9], 2, 16, 16, dv, torch.float32, device, gen)
-        out = torch.full((8, 2, dv), float("nan"), device=device)
+        buf = torch.full((13, 2, dv), -7.0, device=device)
+        out = buf[3:11]
         got = ops.mla_prefill_attention(*args, 0.25, backend="triton", out=out)
-        assert got is out
+        assert got.data_ptr() == out.data_ptr() and got.shape == out.shape
         assert rel_err(out, mla_prefill_ref(*upcast(args), 0.25)) < 1e-5
+        assert (buf[:3] == -7.0).all() and (buf[11:] == -7.0).all()
 
 
 def test_zero_max_query_len_with_queries_is_an_error(device) -> None:
