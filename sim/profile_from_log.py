@@ -6,8 +6,9 @@ A step log (deepinfer/step_log_file.py) holds every step of a run with its shape
 duration (the executor's time, what a profile point times), its device span where the
 run timed it (`device_s`: preferred for pipelined steps, it holds no host work of the
 next step's launch), its launch's host seconds likewise (`launch_s`) and its host
-seconds. Served steps are all different (every decode batch has its own contexts), and the profiled
-cost model fits points, so the steps are put into cells and each cell becomes one point:
+seconds. Served steps are all different (every decode batch has its own contexts), and
+the profiled cost model fits points, so the steps are put into cells and each cell
+becomes one point:
 
   decode    (batch, effective context), both in half-octave buckets: the decode
             surface's own coordinates (sim/profile_fit.py StepSurface). A batch bucket
@@ -152,7 +153,7 @@ class _Binned:
     price: float  # its analytic price (_Prices.of), what its time is read against
     holds_next: bool = False  # its duration holds the next step's launch (_reattribute)
     device: bool = False  # its time is the device's span (`LoggedStep.device_s`)
-    launch: float | None = None  # a device-timed step's host seconds in its launch
+    launch: float | None = None  # its launch's host seconds, where the log has them
     batch: int = 0  # a decode step's surface batch (`one_wave_decode`; past a wave, its own)
     pieces: int = 0  # a one-wave decode step on a GPU: its pieces a context, else 0
 
