@@ -48,8 +48,9 @@ def test_on_cuda_each_step_logs_its_device_span_within_its_duration(
     tmp_path: Path, tiny_models
 ) -> None:
     """On CUDA every step's line holds its device span (CUDA events around its launch's
-    work, read without a synchronisation) and its launch's host seconds, and without async scheduling the span lies
-    inside the step's duration (launch to results read on the host)."""
+    work, read without a synchronisation) and its launch's host seconds, and without
+    async scheduling both lie inside the step's duration (launch to results read on the
+    host)."""
     tiny = tiny_models["v3_plain"]
     path = tmp_path / "steps.jsonl"
     llm = LLM(
@@ -68,7 +69,7 @@ def test_on_cuda_each_step_logs_its_device_span_within_its_duration(
         assert step.device_s is not None and step.device_s > 0
         assert step.device_s <= step.record.duration + 1e-5, step
         # (the launch returns before its results are read: inside the duration too)
-        assert step.launch_s is not None and 0 < step.launch_s <= step.record.duration, step
+        assert step.launch_s is not None and 0 < step.launch_s <= step.record.duration + 1e-5
 
 
 def test_a_step_log_of_several_engines_is_refused(tmp_path: Path, tiny_models) -> None:
