@@ -581,11 +581,9 @@ class EngineCore:
 
     def _launch(self, out: SchedulerOutput) -> _InFlight:
         start = self.clock()  # before the call: a synchronous executor returns when done
-        if self.step_writer is None:
-            handle = self.executor.execute_async(out)
-        else:
-            host_t0 = time.perf_counter()
-            handle = self.executor.execute_async(out)
+        host_t0 = time.perf_counter() if self.step_writer is not None else 0.0
+        handle = self.executor.execute_async(out)
+        if self.step_writer is not None:
             self.step_writer.launched(out, time.perf_counter() - host_t0)
         returned = self.clock()
         # Done on return, or run by the launch (an executor on the host's CPU), with time

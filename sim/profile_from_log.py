@@ -496,7 +496,9 @@ def _points(
         piped = [b for b in steps if b.pipelined]
         if all(b.launch is not None for b in steps) and all(b.device for b in piped):
             among = piped or steps
-            launched["launch_s"] = statistics.median([b.launch or 0.0 for b in among])
+            launched["launch_s"] = statistics.median(
+                [b.launch for b in among if b.launch is not None]
+            )
         points.append({
             "kind": kind, "groups": step_groups(rep), "num_reqs": len(rep.scheduled),
             "num_tokens": rep.num_batched_tokens,
